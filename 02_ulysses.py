@@ -1,0 +1,283 @@
+"""02 - DeepSpeed-Ulysses sequence parallelism: each GPU holds 1/P of the tokens.
+
+The memory problem. After FSDP (01) the model state is 15 GiB per GPU, but every GPU still runs
+the whole 3M-token sequence. One attention layer alone holds Q and its output (3M x 32 heads x
+128 x 2 bytes = 22.9 GiB each) plus K and V (3M x 8 x 128 x 2 = 5.7 GiB each), and backward
+keeps such tensors for every layer: the talk's chart needs 7680 GiB of attention activations.
+
+The idea. Shard the sequence: rank r of P holds tokens [r*S/P, (r+1)*S/P) through embeddings,
+norms, MLPs and the loss, which are all per-token. Attention is the one place tokens meet. There,
+an all-to-all turns "my S/P tokens, all H heads" into "all S tokens, my H/P heads"; each rank runs
+an ordinary attention kernel (FlashAttention, cuDNN) over the full sequence for its heads, and a
+second all-to-all turns the output back into "my tokens, all heads". Heads are independent, so
+the result is exact. Every activation shrinks by P: 7680 GiB / 8 = 960 GiB, still too much (03).
+
+What must be right:
+  - the all-to-all is an autograd op: its backward is the inverse all-to-all;
+  - grouped-query attention: query heads divide by P; KV heads >= P divide by P, KV heads < P are
+    replicated so each rank holds the KV head its query heads use;
+  - labels are shifted *before* the sequence is split (else each shard loses its last label);
+  - the loss is the mean over the tokens of all ranks, so gradients equal the unsharded ones.
+
+Run the demo (attention-stage bytes per rank, with and without Ulysses):
+
+    torchrun --nproc-per-node 2 02_ulysses.py --seq-len 16K            # CPU/gloo or GPUs
+    torchrun --nproc-per-node 2 02_ulysses.py --model llama3-8b --seq-len 128K   # on GPUs
+"""
+
+import argparse
+import os
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from model import IGNORE_INDEX, causal_attention, get_model_args
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes that work, checked before anything runs.
+# ---------------------------------------------------------------------------------------------
+
+def check_ulysses_shapes(n_heads: int, n_kv_heads: int, sp: int, seq_len: int | None = None):
+    """Raise ValueError naming the numbers when Ulysses cannot split this model over `sp` ranks."""
+    if n_heads % sp:
+        raise ValueError(f"Ulysses needs the query heads ({n_heads}) to be divisible by the "
+                         f"sequence-parallel degree ({sp})")
+    if n_kv_heads >= sp and n_kv_heads % sp:
+        raise ValueError(f"Ulysses needs the KV heads ({n_kv_heads}) to be divisible by the "
+                         f"sequence-parallel degree ({sp}) when there are at least as many")
+    if n_kv_heads < sp and sp % n_kv_heads:
+        raise ValueError(f"Ulysses replicates the KV heads ({n_kv_heads}) when there are fewer "
+                         f"than sequence-parallel ranks ({sp}); that needs {sp} to be divisible "
+                         f"by {n_kv_heads}")
+    if seq_len is not None and seq_len % sp:
+        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
+                         f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# The all-to-all, and its inverse as its backward.
+# ---------------------------------------------------------------------------------------------
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split x into P pieces along scatter_dim, send piece j to rank j, and concatenate what
+    arrives along gather_dim in rank order. Not differentiable by itself: see `AllToAll`."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    # Put the P pieces first and contiguous, as all_to_all_single sends dim 0 in P equal parts.
+    send = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    # received[j] came from rank j: it is the j-th piece along gather_dim.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all with autograd: the gradient goes back through the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = all_to_all(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim)
+        return grad, None, None, None
+
+
+SEQ_DIM, HEAD_DIM = 1, 2  # tensors are (batch, seq, heads, head_dim)
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, S/P, H, D) on each rank -> (B, S, H/P, D): all tokens, this rank's heads."""
+    return AllToAll.apply(x, group, HEAD_DIM, SEQ_DIM)
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, S, H/P, D) -> (B, S/P, H, D): back to this rank's tokens, all heads."""
+    return AllToAll.apply(x, group, SEQ_DIM, HEAD_DIM)
+
+
+def replicate_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
+    """With fewer KV heads than ranks, copy each KV head sp // n_kv times (adjacent), so the
+    j-th of the sp heads sent away is the one rank j's query heads use. Backward sums copies."""
+    n_kv_heads = kv.shape[HEAD_DIM]
+    if n_kv_heads >= sp:
+        return kv
+    return kv.repeat_interleave(sp // n_kv_heads, dim=HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention core for the model's seam 1.
+# ---------------------------------------------------------------------------------------------
+
+def ulysses_attention(q, k, v, group, kernel=causal_attention):
+    """Local q (B, S/P, H, D), k/v (B, S/P, Hkv, D) -> local output (B, S/P, H, D).
+
+    Rank r's query heads [r*H/P, (r+1)*H/P) use KV heads [r*Hkv/P, (r+1)*Hkv/P) when Hkv >= P
+    (grouped-query order is preserved by the contiguous split), or the one replicated KV head.
+    """
+    sp = dist.get_world_size(group)
+    k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)
+    q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)
+    out = kernel(q, k, v)  # the full sequence, H/P heads: any kernel, unchanged
+    return heads_to_seq(out, group)
+
+
+def apply_ulysses(model, group) -> None:
+    """Make every attention layer of `model` sequence-parallel over `group`."""
+    args = model.args
+    check_ulysses_shapes(args.n_heads, args.n_kv_heads, dist.get_world_size(group))
+    for block in model.layers:
+        block.self_attn.core = partial(ulysses_attention, group=group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: shift, then shard; process groups for data x sequence parallelism.
+# ---------------------------------------------------------------------------------------------
+
+def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int):
+    """tokens (B, S+1) -> this rank's (input_ids, labels, position_ids), each (B, S/P).
+
+    The labels are the inputs shifted by one *before* the split: the last input of shard r is
+    predicted from the first token of shard r+1, which only the unsplit tensor still has.
+    """
+    seq_len = tokens.shape[1] - 1
+    if seq_len % sp:
+        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
+                         f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
+    local_seq_len = seq_len // sp
+    local = slice(sp_rank * local_seq_len, (sp_rank + 1) * local_seq_len)
+    input_ids, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+    return input_ids[:, local], labels[:, local], positions[:, local]
+
+
+def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
+    """Number of non-ignored labels over all ranks of `group` (default: every rank).
+
+    Each rank divides its summed loss by this, so the ranks' losses add up to the global mean
+    and their gradients add up (FSDP sums them) to the unsharded model's gradient.
+    """
+    count = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    if dist.is_initialized():
+        dist.all_reduce(count, group=group)
+    return count.clamp(min=1.0)  # all labels ignored: loss 0, not NaN
+
+
+def data_sequence_mesh(device_type: str, sp: int):
+    """Ranks as a (dp, sp) grid; sequence-parallel groups are contiguous ranks (one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if sp < 1 or world % sp:
+        raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
+    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# What this file removes, in bytes (the planner in train.py adds these up).
+# ---------------------------------------------------------------------------------------------
+
+def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) -> int:
+    """Bytes one Ulysses attention layer holds per rank during its forward: q, k, v and the
+    output in the token layout (local tokens, all heads) and again in the head layout (all
+    tokens, H/P heads), with K/V replicated up to P heads when there are fewer. sp=1 is plain
+    attention with no exchange (one layout)."""
+    local_tokens = seq_len // sp
+    kv_heads = max(args.n_kv_heads, sp)
+    per_token = (2 * args.n_heads + 2 * kv_heads) * args.head_dim  # q, out, k, v
+    layouts = 1 if sp == 1 else 2
+    return layouts * local_tokens * per_token * bytes_per_value
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo
+# ---------------------------------------------------------------------------------------------
+
+def parse_tokens(text: str) -> int:
+    """'4096', '128K', '3M' -> tokens (K = 1024, M = 1024*1024)."""
+    text = str(text).strip().upper()
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"cannot read a token count from {text!r} (try 4096, 128K or 3M)")
+    if value <= 0:
+        raise ValueError(f"the token count must be positive, got {text!r}")
+    return value
+
+
+def measure_attention_stage(attend, x, extra) -> int:
+    """Peak bytes above the input while one attention stage runs forward and backward: on a GPU
+    the allocator's peak; on a CPU the bytes of every tensor the stage saves for backward plus
+    its output (what stays alive between forward and backward)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        attend(x, *extra).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attend(x, *extra)
+    total = sum(saved.values()) + out.untyped_storage().nbytes()
+    out.sum().backward()
+    return total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--seq-len", default="16K")
+    opts = parser.parse_args()
+    args = get_model_args(opts.model)
+    seq_len = parse_tokens(opts.seq_len)
+
+    on_gpu = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 02_ulysses.py")
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
+    group = dist.group.WORLD
+
+    from model import Attention, rope_cos_sin
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        attn = Attention(args).to(dtype)
+    measured = {}
+    for name, tokens in (("without Ulysses (all tokens)", seq_len), ("with Ulysses", seq_len // sp)):
+        if name == "with Ulysses":
+            attn.core = partial(ulysses_attention, group=group)
+        positions = torch.arange(rank * tokens, (rank + 1) * tokens, device=device)[None]
+        x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
+        measured[name] = measure_attention_stage(attn.attend, x, (rope_cos_sin(positions, args, dtype),))
+        del x
+    if rank == 0:
+        how = "peak allocated (GPU)" if on_gpu else "saved-for-backward + output bytes (CPU)"
+        print(f"{opts.model}, {seq_len:,} tokens, {sp} ranks, {dtype}; one attention layer, {how}")
+        for name, nbytes in measured.items():
+            print(f"  {name:<30} {nbytes / GiB:10.3f} GiB per rank")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

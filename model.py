@@ -1,0 +1,302 @@
+"""A compact Llama-3 (and Qwen3-shaped) transformer that knows nothing of distribution.
+
+The numbered files plug into four seams, each an attribute that can be replaced from outside
+without editing this file:
+
+  1. `Attention.core(q, k, v) -> out`      the attention kernel over local tensors (B, S, heads, D).
+                                           02_ulysses.py wraps it in two all-to-alls.
+  2. `Attention.attend(x, rope) -> out`    the whole sub-layer from normed input to pre-`o_proj`
+                                           output (B, S, heads * D). 05_untied_ulysses.py replaces
+                                           it, because it projects Q/K/V one head chunk at a time.
+  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
+  4. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
+                                           04_alst_tiling.py tiles it so seq x vocab logits never exist.
+
+Positions are global token indices passed in with the ids, so a sequence shard gets the right
+rotary phases without any gather.
+
+Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints with the leading
+"model." dropped (`embed_tokens.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`,
+`lm_head.weight`). Q/K/V rows are in the standard head order (head h owns rows h*D..(h+1)*D) and
+rotary uses the rotate-half convention those checkpoints were converted to, so
+`model.load_state_dict(hf_state_dict_without_model_prefix)` means the same thing with or without
+any technique applied.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100  # label value that contributes nothing to the loss
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    ffn_dim: int = 14336
+    vocab_size: int = 128256
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = True  # Llama-3.1 long-context frequency scaling
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
+
+
+PRESETS = {
+    # For tests: 8 query heads and 2 KV heads, so GQA with fewer KV heads than ranks (P=4) is hit.
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, ffn_dim=128,
+                      vocab_size=256, rope_theta=10000.0),
+    # A small demo model that trains in seconds on a CPU.
+    "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768,
+                       vocab_size=4096),
+    "llama3-8b": ModelArgs(),
+    "qwen3-32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+                           ffn_dim=25600, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
+                           rope_scaling=False, qk_norm=True),
+    "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                            ffn_dim=28672),
+}
+
+
+def get_model_args(name: str) -> ModelArgs:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention kernel: flash-attn if installed, else PyTorch SDPA (cuDNN first on GPUs), math on CPU.
+# ---------------------------------------------------------------------------------------------
+
+try:
+    from flash_attn import flash_attn_func  # optional, never required
+except ImportError:
+    flash_attn_func = None
+
+
+def attention_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel `causal_attention` runs for tensors on `device`/`dtype` (for the run log)."""
+    if device.type != "cuda":
+        return "sdpa (cpu)"
+    if flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16):
+        return "flash-attn"
+    return "sdpa (cudnn > flash > efficient > math)"
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v. q: (B, S, H, D); k, v: (B, S, Hkv, D), H % Hkv == 0.
+
+    Query head h attends with KV head h // (H // Hkv) (grouped-query attention).
+    """
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return flash_attn_func(q, k, v, causal=True)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, heads, S, D)
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda:
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(_sdpa_backends(), set_priority=True):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embeddings with Llama-3 frequency scaling, indexed by global position.
+# ---------------------------------------------------------------------------------------------
+
+def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) in fp32, with Llama-3.1's long-context scaling."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device,
+                                                       dtype=torch.float32) / args.head_dim))
+    if not args.rope_scaling:
+        return inv_freq
+    factor, low_freq_factor, high_freq_factor, original_context = 8.0, 1.0, 4.0, 8192
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept, and the
+    # band in between interpolated smoothly.
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(position_ids: torch.Tensor, args: ModelArgs, dtype: torch.dtype):
+    """cos and sin of shape (B, S, head_dim // 2) for global positions (B, S).
+
+    Angles are computed in fp32 (positions up to 16M are exact there) and stored in the compute
+    dtype: half a head's width, not a full one, since both halves share the same angle.
+    """
+    inv_freq = rope_frequencies(args, position_ids.device)
+    angles = position_ids[..., None].float() * inv_freq
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on x (B, S, heads, D) with cos/sin (B, S, D // 2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the statistics in fp32 (as Llama does), output in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.core = causal_attention  # seam 1: (q, k, v) -> out over local tensors
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        return self.o_proj(self.attend(x, rope))
+
+    def attend(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """Seam 2: normed input (B, S, dim) -> attention output (B, S, heads * D), before o_proj."""
+        q, k, v = self.project_qkv(x, rope)
+        return self.core(q, k, v).flatten(2)
+
+    def project_qkv(self, x: torch.Tensor, rope):
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Seam 3 is this module's forward."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None):
+        """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
+
+        With labels: the summed cross-entropy over non-ignored labels (divide by the global
+        token count to get the mean). Without: the logits (B, S, vocab).
+        """
+        h = self.embed_tokens(input_ids)
+        rope = rope_cos_sin(position_ids, self.args, h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope)
+        if labels is None:
+            return self.lm_head(self.norm(h))
+        return self.loss_sum(h, labels)
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Seam 4: final norm + lm_head + cross-entropy summed over tokens (fp32 logits)."""
+        logits = self.lm_head(self.norm(h)).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int = 0, exact: bool = True) -> None:
+    """Random init (normal 0.02, norms at 1).
+
+    exact=True: each parameter is drawn whole from a seeded CPU generator and only this rank's
+    FSDP shard is kept, so a sharded model starts bit-identical to the unsharded one (tests).
+    exact=False: each rank draws its own shard on its device, fast enough for the 8B-70B presets
+    (which would take minutes to draw whole on a CPU); for real training load a checkpoint.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2 DTensor shard
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif not exact:
+            local.normal_(0.0, 0.02)
+        else:
+            full = torch.randn(param.shape, generator=generator) * 0.02
+            local.copy_(_local_rows(full, param))
+
+
+def _local_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The rows of `full` that this rank holds: FSDP2 shards dim 0 like torch.chunk."""
+    if not hasattr(param, "device_mesh"):
+        return full
+    mesh = param.device_mesh
+    chunks = full.chunk(mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def num_params(args: ModelArgs) -> int:
+    """Parameter count from the shapes alone (no allocation)."""
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    mlp = 3 * args.dim * args.ffn_dim
+    norms = 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
+    return args.n_layers * (attn + mlp + norms) + 2 * args.vocab_size * args.dim + args.dim

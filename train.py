@@ -1,0 +1,397 @@
+"""train.py - compose the techniques of 01..05 and train.
+
+    python train.py                                   # tiny model, synthetic data, CPU or GPU
+    torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M --stack 5
+
+`--stack N` turns on everything up to file N (0 = plain training); each technique also has its
+own switch. They are applied to the model in this order, before FSDP shards it:
+  attention seam (02 Ulysses or 05 Untied Ulysses) -> tiling (04) -> checkpointing/offload (03)
+  -> FSDP (01: each block, then the root)
+which is the order torchtitan uses (checkpoint inside, FSDP outside).
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import model as llama
+
+fsdp = importlib.import_module("01_fsdp")
+ulysses = importlib.import_module("02_ulysses")
+
+
+def _optional(name):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        return None
+
+
+offload = _optional("03_checkpoint_offload")
+tiling = _optional("04_alst_tiling")
+untied = _optional("05_untied_ulysses")
+
+# (flag, file that implements it, module or None, first --stack level that turns it on)
+TECHNIQUES = [
+    ("fsdp", "01_fsdp.py", fsdp, 1),
+    ("ulysses", "02_ulysses.py", ulysses, 2),
+    ("checkpoint", "03_checkpoint_offload.py", offload, 3),
+    ("offload", "03_checkpoint_offload.py", offload, 3),
+    ("tile_mlp", "04_alst_tiling.py", tiling, 4),
+    ("tile_loss", "04_alst_tiling.py", tiling, 4),
+    ("untied", "05_untied_ulysses.py", untied, 5),
+]
+MAX_STACK = 5
+
+
+@dataclass
+class Config:
+    model: str = "tiny"
+    seq_len: int = 256
+    batch_size: int = 1
+    steps: int = 100
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    dtype: str = "float32"
+    data: str = "synthetic"
+    data_dtype: str = "uint16"
+    log: str | None = None
+    stack: int | None = None
+    fsdp: bool = False
+    ulysses: bool = False
+    sp: int | None = None  # sequence-parallel degree; default: all ranks
+    checkpoint: bool = False
+    offload: bool = False
+    tile_mlp: bool = False
+    tile_loss: bool = False
+    mlp_tile_tokens: int | None = None
+    loss_tile_tokens: int | None = None
+    untied: bool = False
+    head_chunk: int | None = None
+
+
+def parse_args(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description="Train a Llama on long sequences with 01..05.")
+    d = Config()
+    parser.add_argument("--model", default=d.model, help=f"preset: {', '.join(llama.PRESETS)}")
+    parser.add_argument("--seq-len", default=str(d.seq_len), help="tokens per sequence: 4096, 128K, 3M")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per data-parallel rank")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 disables clipping")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument("--data", default=d.data, help="'synthetic' or a flat binary file of token ids")
+    parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=d.data_dtype)
+    parser.add_argument("--log", default=None, help="write JSON lines here")
+    parser.add_argument("--stack", type=int, default=None, help="turn on every technique of files 1..N")
+    parser.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
+    parser.add_argument("--ulysses", action="store_true", help="02: Ulysses sequence parallelism")
+    parser.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all ranks)")
+    parser.add_argument("--checkpoint", action="store_true", help="03: activation checkpointing")
+    parser.add_argument("--offload", action="store_true", help="03: offload checkpoints to CPU")
+    parser.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
+    parser.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
+    parser.add_argument("--mlp-tile-tokens", type=int, default=None)
+    parser.add_argument("--loss-tile-tokens", type=int, default=None)
+    parser.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
+    parser.add_argument("--head-chunk", type=int, default=None, help="05: query heads per stage (U)")
+    ns = parser.parse_args(argv)
+    cfg = Config(**{k: v for k, v in vars(ns).items() if k in Config.__dataclass_fields__
+                    and k not in ("seq_len", "dtype")})
+    cfg.seq_len = ulysses.parse_tokens(ns.seq_len)
+    cfg.dtype = ns.dtype or ("bfloat16" if cfg.device == "cuda" else "float32")
+    return resolve_techniques(cfg)
+
+
+def resolve_techniques(cfg: Config) -> Config:
+    """Expand --stack, refuse what is not built, and check combinations that cannot work."""
+    if cfg.stack is not None:
+        if not 0 <= cfg.stack <= MAX_STACK:
+            raise ValueError(f"--stack must be between 0 and {MAX_STACK}, got {cfg.stack}")
+        for flag, _, _, level in TECHNIQUES:
+            if level <= cfg.stack:
+                setattr(cfg, flag, True)
+        if cfg.untied:
+            cfg.ulysses = False  # 05 replaces 02 at the same seam
+    for flag, filename, module, _ in TECHNIQUES:
+        if getattr(cfg, flag) and module is None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs {filename}, which is not built yet")
+    if cfg.offload:
+        cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
+    if cfg.ulysses and cfg.untied:
+        raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
+    if cfg.head_chunk is not None and not cfg.untied:
+        raise ValueError("--head-chunk is a setting of --untied (05)")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available here")
+    if cfg.batch_size < 1 or cfg.steps < 0:
+        raise ValueError("--batch-size must be >= 1 and --steps >= 0")
+    llama.get_model_args(cfg.model)  # unknown preset: a clear error now
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: world = data-parallel x sequence-parallel
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    dp_rank: int = 0
+    dp: int = 1
+    sp_rank: int = 0
+    sp: int = 1
+    sp_group: object = None
+    fsdp_mesh: object = None
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    """Join (or start a one-process) process group when a technique needs one."""
+    needs_group = cfg.fsdp or cfg.ulysses or cfg.untied
+    launched = "WORLD_SIZE" in os.environ
+    if not dist.is_initialized() and (launched or needs_group):
+        if not launched:  # `python train.py --stack 5`: a group of one, on a free local port
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
+                                  RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if cfg.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    rt = Runtime()
+    if dist.is_initialized():
+        rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
+    if cfg.device == "cuda":
+        rt.device = torch.device("cuda", torch.cuda.current_device())
+    if rt.world > 1 and not cfg.fsdp:
+        raise ValueError(f"{rt.world} processes need --fsdp (01) to keep the model in sync; "
+                         f"add --fsdp or --stack 1 or higher")
+    sequence_parallel = cfg.ulysses or cfg.untied
+    rt.sp = (cfg.sp or rt.world) if sequence_parallel else 1
+    if cfg.sp is not None and not sequence_parallel:
+        raise ValueError("--sp needs --ulysses or --untied")
+    if dist.is_initialized():
+        mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
+        rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        rt.sp_rank, rt.sp_group = mesh["sp"].get_local_rank(), mesh["sp"].get_group()
+        if cfg.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            rt.fsdp_mesh = init_device_mesh(cfg.device, (rt.world,))
+    args = llama.get_model_args(cfg.model)
+    if sequence_parallel:
+        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, rt.sp, cfg.seq_len)
+    if cfg.untied:
+        untied.check_head_chunk(args.n_heads, args.n_kv_heads, rt.sp, cfg.head_chunk)
+    return rt
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+def build_model(cfg: Config, rt: Runtime):
+    args = llama.get_model_args(cfg.model)
+    dtype = getattr(torch, cfg.dtype)
+
+    def apply_techniques(model):
+        if cfg.ulysses:
+            ulysses.apply_ulysses(model, rt.sp_group)
+        if cfg.untied:
+            untied.apply_untied_ulysses(model, rt.sp_group, cfg.head_chunk)
+        if cfg.tile_mlp or cfg.tile_loss:
+            tiling.apply_tiling(model, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
+                                mlp_tile_tokens=cfg.mlp_tile_tokens,
+                                loss_tile_tokens=cfg.loss_tile_tokens)
+        if cfg.checkpoint:
+            offload.apply_checkpointing(model, offload=cfg.offload)
+
+    # Draw weights whole on the CPU (identical to the unsharded model) while that is cheap;
+    # the big presets draw each rank's shard on its device.
+    exact = llama.num_params(args) < 2e8
+    return fsdp.build_model(args, rt.device, rt.fsdp_mesh if cfg.fsdp else None, dtype,
+                            seed=cfg.seed, exact_init=exact, before_sharding=apply_techniques)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+class TokenData:
+    """Batches of (batch_size, seq_len + 1) token ids for one data-parallel rank.
+
+    'synthetic': each sequence is an arithmetic progression modulo the vocabulary with a random
+    start and stride, so a model that learns to attend to the previous two tokens can predict it
+    (the loss goes down within a few steps). A file: flat little-endian uint16 or uint32 ids,
+    read through a memory map; consecutive windows of seq_len + 1 tokens.
+    """
+
+    def __init__(self, cfg: Config, vocab_size: int, dp_rank: int, dp: int):
+        self.cfg, self.vocab_size, self.dp_rank, self.dp = cfg, vocab_size, dp_rank, dp
+        self.tokens = None if cfg.data == "synthetic" else open_token_file(
+            cfg.data, cfg.data_dtype, cfg.seq_len + 1)
+
+    def batch(self, step: int) -> torch.Tensor:
+        cfg = self.cfg
+        first = (step * self.dp + self.dp_rank) * cfg.batch_size  # global sample index
+        if self.tokens is None:
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + first)
+            start = torch.randint(0, self.vocab_size, (cfg.batch_size, 1), generator=generator)
+            stride = torch.randint(1, 17, (cfg.batch_size, 1), generator=generator)
+            return (start + stride * torch.arange(cfg.seq_len + 1)) % self.vocab_size
+        window = cfg.seq_len + 1
+        n_windows = self.tokens.numel() // window
+        rows = [self.tokens[(i % n_windows) * window:(i % n_windows + 1) * window]
+                for i in range(first, first + cfg.batch_size)]
+        batch = torch.stack(rows).to(torch.int64)
+        if int(batch.max()) >= self.vocab_size:
+            raise ValueError(f"{cfg.data} holds token id {int(batch.max())}, but the model's "
+                             f"vocabulary has {self.vocab_size} entries")
+        return batch
+
+
+def open_token_file(path: str, dtype_name: str, min_tokens: int) -> torch.Tensor:
+    """Memory-map a flat binary token file, checking it can give at least one sequence."""
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {path!r} does not exist (use --data synthetic or a path to "
+                         f"a flat binary file of {dtype_name} token ids)")
+    itemsize = {"uint16": 2, "uint32": 4}[dtype_name]
+    nbytes = os.path.getsize(path)
+    if nbytes == 0:
+        raise ValueError(f"data file {path!r} is empty")
+    if nbytes % itemsize:
+        raise ValueError(f"data file {path!r} has {nbytes} bytes, not a whole number of "
+                         f"{dtype_name} tokens ({itemsize} bytes each); is --data-dtype right?")
+    n_tokens = nbytes // itemsize
+    if n_tokens < min_tokens:
+        raise ValueError(f"data file {path!r} holds {n_tokens} tokens, fewer than one sequence "
+                         f"needs ({min_tokens} = --seq-len + 1)")
+    try:
+        return torch.from_file(path, shared=False, size=n_tokens, dtype=getattr(torch, dtype_name))
+    except (OSError, RuntimeError) as error:
+        raise ValueError(f"cannot read data file {path!r}: {error}") from error
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------------------------
+
+def forward_backward(model, tokens: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """Loss (global token mean, detached) after backward on this rank's part of `tokens`."""
+    input_ids, labels, positions = ulysses.shard_sequence(tokens.to(rt.device), rt.sp_rank, rt.sp)
+    n_tokens = ulysses.global_token_count(labels)
+    loss = model(input_ids, positions, labels) / n_tokens
+    loss.backward()
+    loss = loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss)  # every rank's share of the mean, added up
+    return loss
+
+
+def make_optimizer(model, cfg: Config):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             betas=(0.9, 0.95), foreach=False)
+
+
+def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config) -> dict:
+    loss = forward_backward(model, tokens, rt)
+    grad_norm = None
+    if cfg.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(loss), "grad_norm": grad_norm}
+
+
+# ---------------------------------------------------------------------------------------------
+# Main loop
+# ---------------------------------------------------------------------------------------------
+
+def train(cfg: Config) -> list[dict]:
+    rt = setup_runtime(cfg)
+    args = llama.get_model_args(cfg.model)
+    data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp)
+    model = build_model(cfg, rt)
+    optimizer = make_optimizer(model, cfg)
+    is_main = rt.rank == 0
+    log_file = open(cfg.log, "w") if (cfg.log and is_main) else None
+    header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
+              "torch": torch.__version__,
+              "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, cfg.dtype)),
+              "parameters": llama.num_params(args)}
+    if is_main:
+        print(f"{cfg.model}: {header['parameters'] / 1e6:.1f}M params, {cfg.seq_len:,} tokens, "
+              f"world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
+              f"attention: {header['attention_kernel']}, techniques: "
+              f"{', '.join(f for f, *_ in TECHNIQUES if getattr(cfg, f)) or 'none'}")
+    if log_file:
+        log_file.write(json.dumps(header) + "\n")
+    history = []
+    tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
+    for step in tqdm(range(cfg.steps), disable=not is_main, desc="train", leave=False):
+        tokens = data.batch(step)
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = train_step(model, optimizer, tokens, rt, cfg)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+        record = {"step": step, **metrics, "step_time_s": round(step_time, 4),
+                  "tokens_per_s_per_gpu": round(tokens_per_gpu / step_time, 1),
+                  "peak_gpu_mem_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                                       if rt.device.type == "cuda" else None)}
+        history.append(record)
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"non-finite loss {record['loss']} at step {step}")
+        if is_main:
+            mem = f" | peak {record['peak_gpu_mem_gib']:.2f} GiB" if record["peak_gpu_mem_gib"] else ""
+            tqdm.write(f"step {step:4d} | loss {record['loss']:.4f} | "
+                       f"{record['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | {step_time:.3f}s{mem}")
+            if log_file:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+    if log_file:
+        log_file.close()
+    return history
+
+
+def main(argv=None):
+    try:
+        cfg = parse_args(argv)
+        train(cfg)
+    except (ValueError, FloatingPointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
