@@ -72,6 +72,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
             # summed loss by the global token count), so the rank gradients must be summed,
             # not averaged: FSDP's default average would shrink them by the world size.
             module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                # A plain SUM collective (gloo has no PREMUL_SUM, which a factor of 1 would use).
+                module.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -141,11 +141,12 @@ def apply_ulysses(model, group) -> None:
 # Data: shift, then shard; process groups for data x sequence parallelism.
 # ---------------------------------------------------------------------------------------------
 
-def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int):
+def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None):
     """tokens (B, S+1) -> this rank's (input_ids, labels, position_ids), each (B, S/P).
 
     The labels are the inputs shifted by one *before* the split: the last input of shard r is
     predicted from the first token of shard r+1, which only the unsplit tensor still has.
+    Labels given explicitly (B, S), e.g. with -100 where ignored, are split the same way.
     """
     seq_len = tokens.shape[1] - 1
     if seq_len % sp:
@@ -153,7 +154,8 @@ def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int):
                          f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
     local_seq_len = seq_len // sp
     local = slice(sp_rank * local_seq_len, (sp_rank + 1) * local_seq_len)
-    input_ids, labels = tokens[:, :-1], tokens[:, 1:]
+    input_ids = tokens[:, :-1]
+    labels = tokens[:, 1:] if labels is None else labels
     positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
     return input_ids[:, local], labels[:, local], positions[:, local]
 

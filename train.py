@@ -297,9 +297,11 @@ def open_token_file(path: str, dtype_name: str, min_tokens: int) -> torch.Tensor
 # One step
 # ---------------------------------------------------------------------------------------------
 
-def forward_backward(model, tokens: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    """Loss (global token mean, detached) after backward on this rank's part of `tokens`."""
-    input_ids, labels, positions = ulysses.shard_sequence(tokens.to(rt.device), rt.sp_rank, rt.sp)
+def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None) -> torch.Tensor:
+    """Loss (global token mean, detached) after backward on this rank's part of `tokens`
+    (B, S + 1); `labels` (B, S) default to the tokens shifted by one."""
+    input_ids, labels, positions = ulysses.shard_sequence(tokens.to(rt.device), rt.sp_rank, rt.sp,
+                                                          None if labels is None else labels.to(rt.device))
     n_tokens = ulysses.global_token_count(labels)
     loss = model(input_ids, positions, labels) / n_tokens
     loss.backward()

@@ -1,0 +1,109 @@
+"""02_ulysses.py: the all-to-all attention and the full model equal unsharded training."""
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import model as llama
+from ranks import run_ranks
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+
+ulysses = importlib.import_module("02_ulysses")
+train = importlib.import_module("train")
+
+# (query heads, KV heads) per world size: MHA, KV heads = P, KV heads < P, KV heads > P.
+HEAD_CASES = {
+    1: [(8, 8), (8, 2)],
+    2: [(8, 8), (8, 2), (8, 1), (8, 4)],
+    4: [(8, 8), (8, 4), (8, 2), (16, 8)],
+}
+
+
+def _attention_matches_unsharded(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-6):
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    batch, seq_len, head_dim = 2, 32, 16
+    local = slice(rank * seq_len // sp, (rank + 1) * seq_len // sp)
+    for n_heads, n_kv_heads in HEAD_CASES[sp]:
+        g = torch.Generator().manual_seed(n_heads * 100 + n_kv_heads)
+        q = torch.randn(batch, seq_len, n_heads, head_dim, generator=g)
+        k, v = (torch.randn(batch, seq_len, n_kv_heads, head_dim, generator=g) for _ in range(2))
+        grad_out = torch.randn(batch, seq_len, n_heads, head_dim, generator=g)
+        # Reference: fp32, unsharded, on the CPU.
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = llama.causal_attention(*ref)
+        ref_out.backward(grad_out)
+        # Ulysses: each rank holds its token slice.
+        mine = [t[:, local].to(device, dtype).requires_grad_() for t in (q, k, v)]
+        out = ulysses.ulysses_attention(*mine, group=dist.group.WORLD)
+        out.backward(grad_out[:, local].to(device, dtype))
+        what = f"P={sp} heads={n_heads} kv={n_kv_heads}"
+        torch.testing.assert_close(out.float().cpu(), ref_out[:, local].detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} out: {m}")
+        for name, got, want in zip("qkv", mine, ref):
+            torch.testing.assert_close(got.grad.float().cpu(), want.grad[:, local], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{what} d{name}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_attention_output_and_grads_equal_unsharded(world_size):
+    run_ranks(world_size, _attention_matches_unsharded)
+
+
+def _model_matches_unsharded(sp, ignore):
+    cfg = train.Config(model="tiny", fsdp=True, ulysses=True, sp=sp, seq_len=32)
+    dp = dist.get_world_size() // sp
+    tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp, ignore_frac=0.3 if ignore else 0)
+    if ignore:
+        labels[0, : cfg.seq_len // sp] = llama.IGNORE_INDEX  # rank 0's whole shard of row 0
+        labels[-1, :] = llama.IGNORE_INDEX  # one whole sample (with dp > 1, one rank's row)
+    cfg.batch_size = 2
+    ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
+    loss, grads = train_loss_and_grads(cfg, tokens, labels)
+    assert_matches(loss, grads, ref_loss, ref_grads, what=f"sp={sp} dp={dp} ignore={ignore}")
+
+
+@pytest.mark.parametrize("world_size,sp,ignore", [(2, 2, False), (4, 4, True), (4, 2, True)])
+def test_fsdp_ulysses_model_equals_single_process(world_size, sp, ignore):
+    """Loss and every parameter gradient; (4, 2) is dp=2 x sp=2. The tiny preset has 2 KV heads,
+    so sp=4 exercises KV-head replication."""
+    run_ranks(world_size, _model_matches_unsharded, sp, ignore)
+
+
+def test_shift_before_shard_keeps_boundary_labels():
+    tokens = torch.arange(9)[None]  # S = 8
+    pieces = [ulysses.shard_sequence(tokens, r, 2) for r in range(2)]
+    assert pieces[0][1].tolist() == [[1, 2, 3, 4]]  # the label of token 3 is token 4, from shard 1
+    assert pieces[1][0].tolist() == [[4, 5, 6, 7]] and pieces[1][1].tolist() == [[5, 6, 7, 8]]
+    assert pieces[1][2].tolist() == [[4, 5, 6, 7]]  # global positions
+
+
+@pytest.mark.parametrize("heads,kv,sp,needle", [
+    (32, 8, 3, "query heads (32) to be divisible by the sequence-parallel degree (3)"),
+    (12, 6, 4, "KV heads (6) to be divisible by the sequence-parallel degree (4)"),
+    (24, 3, 4, "needs 4 to be divisible by 3"),
+])
+def test_bad_head_counts_are_refused(heads, kv, sp, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        ulysses.check_ulysses_shapes(heads, kv, sp)
+
+
+def test_length_not_divisible_is_refused():
+    with pytest.raises(ValueError, match=r"sequence length \(10\) must be divisible .* \(4\)"):
+        ulysses.shard_sequence(torch.zeros(1, 11, dtype=torch.long), 0, 4)
+    with pytest.raises(ValueError, match=r"sequence length \(10\)"):
+        ulysses.check_ulysses_shapes(8, 2, 2 * 2, seq_len=10)
+
+
+def test_token_counts_parse():
+    assert [ulysses.parse_tokens(t) for t in ("4096", "128K", "3M", "1.5M")] == [
+        4096, 131072, 3145728, 1572864]
+    with pytest.raises(ValueError, match="cannot read a token count"):
+        ulysses.parse_tokens("lots")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_attention_nccl_bf16_matches_fp32_reference():
+    run_ranks(2, _attention_matches_unsharded, "cuda", torch.bfloat16, 2e-2, 2e-2, backend="nccl")
