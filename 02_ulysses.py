@@ -161,13 +161,13 @@ def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None):
 
 
 def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
-    """Number of non-ignored labels over all ranks of `group` (default: every rank).
+    """Number of non-ignored labels over all ranks of `group` (None: this process alone).
 
     Each rank divides its summed loss by this, so the ranks' losses add up to the global mean
     and their gradients add up (FSDP sums them) to the unsharded model's gradient.
     """
     count = (labels != IGNORE_INDEX).sum().to(torch.float32)
-    if dist.is_initialized():
+    if group is not None:
         dist.all_reduce(count, group=group)
     return count.clamp(min=1.0)  # all labels ignored: loss 0, not NaN
 

@@ -302,12 +302,13 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None) -> t
     (B, S + 1); `labels` (B, S) default to the tokens shifted by one."""
     input_ids, labels, positions = ulysses.shard_sequence(tokens.to(rt.device), rt.sp_rank, rt.sp,
                                                           None if labels is None else labels.to(rt.device))
-    n_tokens = ulysses.global_token_count(labels)
+    world_group = dist.group.WORLD if rt.world > 1 else None
+    n_tokens = ulysses.global_token_count(labels, world_group)
     loss = model(input_ids, positions, labels) / n_tokens
     loss.backward()
     loss = loss.detach()
-    if dist.is_initialized():
-        dist.all_reduce(loss)  # every rank's share of the mean, added up
+    if world_group is not None:
+        dist.all_reduce(loss, group=world_group)  # every rank's share of the mean, added up
     return loss
 
 
@@ -316,8 +317,8 @@ def make_optimizer(model, cfg: Config):
                              betas=(0.9, 0.95), foreach=False)
 
 
-def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config) -> dict:
-    loss = forward_backward(model, tokens, rt)
+def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None) -> dict:
+    loss = forward_backward(model, tokens, rt, labels)
     grad_norm = None
     if cfg.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
