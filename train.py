@@ -101,7 +101,8 @@ def parse_args(argv=None) -> Config:
                         help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--data", default=d.data, help="'synthetic' or a flat binary file of token ids")
     parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=d.data_dtype)
-    parser.add_argument("--log", default=None, help="write JSON lines here")
+    # Not "--log": torchrun's own parser would take it for an abbreviation of its --log-dir.
+    parser.add_argument("--log-file", dest="log", default=None, help="write JSON lines here")
     parser.add_argument("--stack", type=int, default=None, help="turn on every technique of files 1..N")
     parser.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
     parser.add_argument("--ulysses", action="store_true", help="02: Ulysses sequence parallelism")
@@ -132,13 +133,13 @@ def resolve_techniques(cfg: Config) -> Config:
                 setattr(cfg, flag, True)
         if cfg.untied:
             cfg.ulysses = False  # 05 replaces 02 at the same seam
+    if cfg.ulysses and cfg.untied:
+        raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     for flag, filename, module, _ in TECHNIQUES:
         if getattr(cfg, flag) and module is None:
             raise ValueError(f"--{flag.replace('_', '-')} needs {filename}, which is not built yet")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
-    if cfg.ulysses and cfg.untied:
-        raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.head_chunk is not None and not cfg.untied:
         raise ValueError("--head-chunk is a setting of --untied (05)")
     if cfg.device == "cuda" and not torch.cuda.is_available():

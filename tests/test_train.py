@@ -1,0 +1,117 @@
+"""train.py: the README's default run works, flags compose, and bad input fails clearly."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ranks import run_ranks
+
+train = importlib.import_module("train")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args, timeout=180):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def read_log(path):
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return lines[0], lines[1:]
+
+
+def test_default_run_exits_0_and_loss_goes_down(tmp_path):
+    result = run_script("train.py", "--log-file", str(tmp_path / "log.jsonl"))
+    assert result.returncode == 0, result.stderr
+    header, steps = read_log(tmp_path / "log.jsonl")
+    assert header["config"]["model"] == "tiny" and header["world_size"] == 1
+    assert header["torch"] == torch.__version__ and header["attention_kernel"]
+    assert len(steps) == train.Config().steps
+    assert {"step", "loss", "tokens_per_s_per_gpu", "peak_gpu_mem_gib", "step_time_s"} <= steps[0].keys()
+    first, last = [sum(s["loss"] for s in part) / 10 for part in (steps[:10], steps[-10:])]
+    assert last < first - 0.5, (first, last)
+
+
+def highest_built_stack() -> int:
+    missing = [level for _, _, module, level in train.TECHNIQUES if module is None]
+    return min(missing, default=train.MAX_STACK + 1) - 1
+
+
+def test_torchrun_two_processes_with_the_stack(tmp_path):
+    """The README's multi-process command, on CPU/gloo, with every built technique."""
+    result = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
+                        "--stack", str(highest_built_stack()), "--steps", "3", "--seq-len", "64",
+                        "--log-file", str(tmp_path / "log.jsonl"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, steps = read_log(tmp_path / "log.jsonl")
+    assert header["world_size"] == 2 and header["sp"] == 2 and len(steps) == 3
+
+
+def error_of(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code != 0
+    return capsys.readouterr().err
+
+
+def test_unbuilt_technique_is_refused(monkeypatch, capsys):
+    techniques = [(flag, filename, None if flag == "untied" else module, level)
+                  for flag, filename, module, level in train.TECHNIQUES]
+    monkeypatch.setattr(train, "TECHNIQUES", techniques)
+    assert "--untied needs 05_untied_ulysses.py, which is not built yet" in error_of(
+        ["--untied"], capsys)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--stack", "6"], "--stack must be between 0 and 5"),
+    (["--model", "llama5"], "unknown model preset 'llama5'"),
+    (["--seq-len", "lots"], "cannot read a token count from 'LOTS'"),
+    (["--ulysses", "--sp", "3"], "--sp (3) must divide the number of ranks (1)"),
+    (["--sp", "2"], "--sp needs --ulysses or --untied"),
+    (["--ulysses", "--untied"], "alternatives for the same seam"),
+])
+def test_bad_flags_give_clear_errors(argv, needle, capsys):
+    assert needle in error_of(argv, capsys)
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "does not exist"),
+    (b"", "is empty"),
+    (b"\x01\x00\x02", "not a whole number of uint16 tokens"),
+    (b"\x01\x00" * 10, "holds 10 tokens, fewer than one sequence needs (65"),
+    (b"\xff\xff" * 100, "holds token id 65535, but the model's vocabulary has 256"),
+])
+def test_bad_data_files_give_clear_errors(tmp_path, content, needle, capsys):
+    path = tmp_path / "tokens.bin"
+    if content is not None:
+        path.write_bytes(content)
+    assert needle in error_of(["--data", str(path), "--seq-len", "64", "--steps", "1"], capsys)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.int32])
+def test_training_from_a_token_file(tmp_path, dtype):
+    path = tmp_path / "tokens.bin"
+    tokens = (torch.arange(1000) * 7 % 256).to(dtype)
+    path.write_bytes(tokens.numpy().tobytes() if dtype == torch.int32 else
+                     tokens.view(torch.int16).numpy().tobytes())
+    name = "uint16" if dtype == torch.uint16 else "uint32"
+    history = train.train(train.parse_args(["--data", str(path), "--data-dtype", name,
+                                            "--seq-len", "64", "--steps", "2"]))
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+def _several_processes_need_fsdp():
+    with pytest.raises(ValueError, match="2 processes need --fsdp"):
+        train.setup_runtime(train.Config(model="tiny"))
+
+
+def test_several_processes_without_fsdp_are_refused():
+    run_ranks(2, _several_processes_need_fsdp)
