@@ -1,0 +1,60 @@
+"""Shared by the bench scripts: where results go and what every result records.
+
+Every JSON result carries the GPU kind and count, torch version, attention kernel, git commit
+and the exact command, so a number in the README can be traced to the run that produced it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def environment() -> dict:
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
+    gpus = torch.cuda.device_count()
+    return {
+        "gpu": torch.cuda.get_device_name(0) if gpus else None,
+        "gpu_count": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": commit,
+        "command": os.environ.get("BENCH_COMMAND") or " ".join([Path(sys.executable).name, *sys.argv]),
+        "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+    }
+
+
+def default_out_dir() -> str:
+    return os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "docs" / "results")
+
+
+def write_result(name: str, result: dict, out_dir: str | None = None) -> Path:
+    path = Path(out_dir or default_out_dir()) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
+    """Median milliseconds of fn() measured with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

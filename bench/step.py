@@ -1,0 +1,94 @@
+"""Full training steps through train.py's own functions, with a memory breakdown.
+
+    torchrun --nproc-per-node 2 bench/step.py --name fsdp_8b -- --model llama3-8b --seq-len 4K --fsdp
+
+Everything after `--` is train.py's flags. Records per rank 0: bytes allocated after the model is
+built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
+(+ Adam state) = the model state; the peak of each step; step times (median after the first,
+which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
+kernel. `--layers N` overrides the preset's depth (stated in the result).
+"""
+
+import argparse
+import dataclasses
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model as llama  # noqa: E402
+from report import write_result  # noqa: E402
+
+train = importlib.import_module("train")
+GiB = 2**30
+
+
+def with_layers(preset: str, layers: int | None) -> str:
+    """Register `<preset>-<layers>L` with fewer layers, for runs that cannot afford full depth."""
+    if not layers:
+        return preset
+    name = f"{preset}-{layers}L"
+    llama.PRESETS[name] = dataclasses.replace(llama.get_model_args(preset), n_layers=layers)
+    return name
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", required=True, help="result file name")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    opts, train_argv = parser.parse_known_args()
+    train_argv = [a for a in train_argv if a != "--"]
+    cfg = train.parse_args(train_argv)
+    cfg.model = with_layers(cfg.model, opts.layers)
+    rt = train.setup_runtime(cfg)
+    data = train.TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
+    gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
+    model = train.build_model(cfg, rt)
+    optimizer = train.make_optimizer(model, cfg)
+    memory = {"after_build_gib": gib()}
+    times, peaks, losses = [], [], []
+    result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
+              "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
+              "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, cfg.dtype))}
+    try:
+        for step in range(opts.steps):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            loss = train.forward_backward(model, data.batch(step), rt)
+            if step == 0:
+                torch.cuda.synchronize()
+                memory["after_backward_gib"] = gib()
+            optimizer.step()
+            if step == 0:
+                torch.cuda.synchronize()
+                memory["after_optimizer_step_gib"] = gib()
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            peaks.append(torch.cuda.max_memory_allocated() / GiB)
+            losses.append(float(loss))
+            if rt.rank == 0:
+                print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s peak {peaks[-1]:.2f} GiB",
+                      flush=True)
+        step_time = statistics.median(times[1:] or times)
+        tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
+        result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
+                      losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
+    except torch.cuda.OutOfMemoryError as error:
+        result.update(status="OOM", error=str(error).split("\n")[0], **memory)
+    if rt.rank == 0:
+        print({k: v for k, v in result.items() if k != "config"})
+        write_result(opts.name, result, opts.out)
+    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+
+
+if __name__ == "__main__":
+    main()
