@@ -1,0 +1,370 @@
+"""04 - Arctic Long Sequence Training (ALST) tiling: the MLP and the loss, a slice at a time.
+
+The memory problem. After 01-03 (sharded model, Ulysses, checkpointed and offloaded block inputs)
+the largest allocations left are temporaries of per-token operations that span the whole local
+sequence. Llama-3-8B at 3M tokens on 8 GPUs gives each GPU 393,216 tokens:
+  - the MLP, down(silu(gate(x)) * up(x)), keeps four tokens x 14,336 intermediates for its
+    backward (gate, silu(gate), up, their product): 10.5 GiB each in bf16, 42 GiB per layer
+    while that layer runs forward and backward (checkpointing recomputes them, it cannot shrink
+    them);
+  - the loss needs the logits, tokens x 128,256 vocabulary entries, in fp32: 188 GiB, its
+    log-softmax and its gradient as much again, plus a 94 GiB bf16 copy.
+
+The idea. Both are independent per token, so cut the local sequence into tiles and compute one
+tile at a time. One autograd.Function does it for both (`SequenceTiledRecompute`):
+  - forward runs each tile without autograd and keeps nothing but its input (and the labels);
+    MLP tiles are written into one output buffer, loss tiles' sums are added up;
+  - backward recomputes one tile at a time with autograd on, takes that tile's input gradient
+    (written into one gradient buffer) and weight gradients, and adds the weight gradients up
+    across tiles, returning them ONCE. FSDP2 therefore sees one gradient per parameter and
+    reduce-scatters it once; the parameters are gathered once per block because the Function
+    runs inside the block's forward and backward.
+The price: one more forward of the MLP and of lm_head per step (the recompute), against the
+memory of a tile: a 4,096-token MLP tile holds 0.44 GiB of intermediates, and a 2,092-token loss
+tile 1 GiB of fp32 logits. The loss is the same global token mean (train.py divides the sum).
+
+Every rank must cut the same number of tiles: FSDP2 gathers a block's parameters in collectives
+that every rank joins, and a rank with more tiles would still be recomputing when the others
+have moved on. The tile size is therefore derived from shapes only (local tokens are equal on
+every rank under Ulysses): by default about `dim` tokens per MLP tile, as ALST does, and at most
+1 GiB of fp32 logits per loss tile.
+
+Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
+
+    python 04_alst_tiling.py                                   # CPU: small model, 16K tokens
+    torchrun --nproc-per-node 2 04_alst_tiling.py --model llama3-8b --seq-len 128K   # GPUs
+"""
+
+import argparse
+import importlib
+import os
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model import IGNORE_INDEX, rms_norm
+
+ulysses = importlib.import_module("02_ulysses")  # parse_tokens, measure_attention_stage
+
+GiB = 2**30
+MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile sizes, from shapes only (so every rank cuts the same number of tiles).
+# ---------------------------------------------------------------------------------------------
+
+def check_tile_tokens(name: str, tile_tokens) -> None:
+    if tile_tokens is not None and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int)
+                                    or tile_tokens < 1):
+        raise ValueError(f"{name} must be a positive whole number of tokens, got {tile_tokens!r}")
+
+
+def tile_count(n_tokens: int, tile_tokens: int) -> int:
+    return max(1, -(-n_tokens // tile_tokens))
+
+
+def even_tile_tokens(n_tokens: int, max_tile_tokens: int) -> int:
+    """The fewest tiles of at most `max_tile_tokens`, made as equal as possible: 5,000 tokens
+    with at most 4,096 per tile give two tiles of 2,500, not 4,096 + 904."""
+    return max(1, -(-n_tokens // tile_count(n_tokens, max_tile_tokens)))
+
+
+def mlp_tile_tokens(dim: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+    """Tokens per MLP tile: `tile_tokens` if set, else about `dim` (ALST's rule: ceil(tokens /
+    dim) tiles). A tile's intermediates are then 3.5x its input (14,336 / 4,096 for Llama-3-8B),
+    and each matmul is still (4096 x 4096) x (4096 x 14336): large enough to run at full speed."""
+    return tile_tokens or even_tile_tokens(n_tokens, dim)
+
+
+def loss_tile_tokens(vocab_size: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+    """Tokens per loss tile: `tile_tokens` if set, else so that a tile's fp32 logits are at most
+    1 GiB (2,092 tokens for a 128,256-entry vocabulary)."""
+    return tile_tokens or even_tile_tokens(n_tokens, max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size)))
+
+
+def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
+    """Consecutive slices of `tile_tokens` tokens; the last one is shorter when they don't divide."""
+    return [slice(start, min(start + tile_tokens, n_tokens)) for start in range(0, n_tokens, tile_tokens)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The technique: one autograd.Function that computes fn tile by tile and recomputes in backward.
+# ---------------------------------------------------------------------------------------------
+
+class SequenceTiledRecompute(torch.autograd.Function):
+    """fn(x, *token_args, *weights) over tokens (dim 0), `tile_tokens` tokens at a time.
+
+    x: (tokens, ...) differentiable input; token_args: tensors cut into the same tiles but not
+    differentiated (labels); weights: used whole by every tile, read by the caller at call time
+    (under FSDP2 they are the block's gathered parameters). sum_tiles=False: fn returns one row
+    per token and the rows are written into one output buffer; sum_tiles=True: fn returns a
+    scalar per tile and the scalars are added.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, tile_tokens, sum_tiles, n_token_args, x, *tensors):
+        token_args, weights = tensors[:n_token_args], tensors[n_token_args:]
+        ctx.fn, ctx.tile_tokens, ctx.sum_tiles, ctx.n_token_args = fn, tile_tokens, sum_tiles, n_token_args
+        # Only the input, labels and weights: nothing per tile survives the forward.
+        ctx.save_for_backward(x, *tensors)
+        out = None
+        for tile in token_tiles(x.shape[0], tile_tokens):  # autograd is off inside forward
+            piece = fn(x[tile], *(t[tile] for t in token_args), *weights)
+            if sum_tiles:
+                out = piece if out is None else out + piece
+            else:
+                if out is None:
+                    out = piece.new_empty((x.shape[0], *piece.shape[1:]))
+                out[tile] = piece
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *tensors = ctx.saved_tensors
+        n_token_args = ctx.n_token_args
+        token_args, weights = tensors[:n_token_args], tensors[n_token_args:]
+        x_needs_grad = ctx.needs_input_grad[4]
+        weight_needs_grad = ctx.needs_input_grad[5 + n_token_args:]
+        # Fresh leaves, so each tile's graph ends here and autograd.grad returns the pieces.
+        weight_leaves = [w.detach().requires_grad_(need) for w, need in zip(weights, weight_needs_grad)]
+        wanted_weights = [w for w in weight_leaves if w.requires_grad]
+        grad_x = torch.empty_like(x) if x_needs_grad else None
+        # Weight gradients are added up in fp32: summing a hundred bf16 partial sums in bf16
+        # would lose about as many bits as tiles; one bf16 rounding at the end is what the
+        # untiled matmul does.
+        weight_grad_sums = [None] * len(wanted_weights)
+        for tile in token_tiles(x.shape[0], ctx.tile_tokens):
+            if grad_x is None and not wanted_weights:
+                break
+            x_tile = x[tile].detach().requires_grad_(x_needs_grad)
+            with torch.enable_grad():
+                piece = ctx.fn(x_tile, *(t[tile] for t in token_args), *weight_leaves)
+            wanted = ([x_tile] if x_needs_grad else []) + wanted_weights
+            grads = list(torch.autograd.grad(piece, wanted, grad_out if ctx.sum_tiles else grad_out[tile]))
+            if x_needs_grad:
+                grad_x[tile] = grads.pop(0)
+            for i, grad in enumerate(grads):
+                if weight_grad_sums[i] is None:
+                    weight_grad_sums[i] = grad.float()  # fp32 weights: no copy
+                else:
+                    weight_grad_sums[i] += grad
+        sums = iter(weight_grad_sums)
+        weight_grads = [next(sums).to(w.dtype) if w.requires_grad else None for w in weight_leaves]
+        return (None, None, None, None, grad_x, *([None] * n_token_args), *weight_grads)
+
+
+def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool):
+    return SequenceTiledRecompute.apply(fn, tile_tokens, sum_tiles, len(token_args), x, *token_args, *weights)
+
+
+# --- Seam 3: the MLP ---------------------------------------------------------------------------
+
+def swiglu(x, gate_weight, up_weight, down_weight):
+    """model.MLP's formula, down(silu(gate(x)) * up(x)), with its weights as arguments."""
+    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
+
+
+def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
+    """model.MLP.forward, computed `tile_tokens` tokens at a time (batch and sequence together)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    tile = mlp_tile_tokens(x.shape[-1], tokens.shape[0], tile_tokens)
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # read now: FSDP
+    return tiled_over_tokens(swiglu, tokens, (), weights, tile, sum_tiles=False).view(x.shape)
+
+
+# --- Seam 4: final norm + lm_head + cross-entropy ----------------------------------------------
+
+def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
+    """model.Transformer.loss_sum's formula with its weights as arguments: fp32 logits, the
+    cross-entropy summed over non-ignored labels (0, not NaN, when every label is ignored)."""
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: int | None = None):
+    """model.Transformer.loss_sum, computed `tile_tokens` tokens at a time: logits of all tokens
+    never exist at once."""
+    tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
+    tile = loss_tile_tokens(weights[1].shape[0], tokens.shape[0], tile_tokens)
+    loss_fn = partial(norm_lm_head_loss, eps=model.norm.eps)
+    return tiled_over_tokens(loss_fn, tokens, (flat_labels,), weights, tile, sum_tiles=True)
+
+
+def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
+                 mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None) -> None:
+    """Replace every block's MLP forward and/or the model's loss_sum with their tiled versions.
+
+    Only forward functions are replaced (on the instances; parameter names are unchanged) and
+    no parameter is captured, so this works on the meta device before checkpointing and FSDP.
+    Tile sizes: tokens per tile, or None for the shape-derived defaults above.
+    """
+    check_tile_tokens("mlp_tile_tokens", mlp_tile_tokens)
+    check_tile_tokens("loss_tile_tokens", loss_tile_tokens)
+    if tile_mlp:
+        for block in model.layers:
+            block.mlp.forward = partial(tiled_mlp_forward, block.mlp, tile_tokens=mlp_tile_tokens)
+    if tile_loss:
+        model.loss_sum = partial(tiled_loss_sum, model, tile_tokens=loss_tile_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# What this file removes, in bytes (the planner in train.py adds these up).
+# ---------------------------------------------------------------------------------------------
+
+def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
+                        bytes_per_value: int = 2) -> int:
+    """Bytes of the MLP's per-token intermediates while one layer runs forward and backward:
+    gate, silu(gate), up and their product, ffn_dim values each (what autograd keeps for the
+    backward). Tiled, only one tile's exist, while that tile is recomputed in backward."""
+    tokens = mlp_tile_tokens(args.dim, local_tokens, tile_tokens) if tiled else local_tokens
+    return 4 * min(tokens, local_tokens) * args.ffn_dim * bytes_per_value
+
+
+def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
+                         bytes_per_value: int = 2) -> int:
+    """Bytes of the logits while the loss runs: fp32 logits and their fp32 gradient (the
+    log-softmax and its gradient are as large again, alive briefly), plus the lm_head output in
+    the compute dtype. Tiled, only one tile's exist."""
+    tokens = loss_tile_tokens(args.vocab_size, local_tokens, tile_tokens) if tiled else local_tokens
+    return min(tokens, local_tokens) * args.vocab_size * (4 + 4 + bytes_per_value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Other buffers that span the whole local sequence (model.py, not changed here; to be confirmed
+# with a GPU memory snapshot). Bytes per GPU for Llama-3-8B at 393,216 local tokens.
+#   - rms_norm upcasts its whole input to fp32 (x.float(), its square, the normalized fp32
+#     tensor): ~6 GiB each where the bf16 input is 3 GiB, twice per layer and once before the
+#     loss. A fused RMSNorm (torch.nn.functional.rms_norm computes in fp32 inside the kernel) or
+#     computing the post-attention norm inside the MLP tile (it is per token too) removes them.
+#   - apply_rope builds x1*cos, x2*sin, ... and a torch.cat for q and k: about three q-sized
+#     (3 GiB in bf16) temporaries per layer; an in-place or fused rotary removes them.
+#   - the residual adds (x + attn, h + mlp) allocate a new (tokens, dim) tensor each (3 GiB):
+#     needed, but two are alive at once inside a block.
+#   - rotary tables: fp32 angles (tokens x 64 x 4 bytes = 96 MiB) cast to bf16 cos and sin
+#     (48 MiB each): small, kept once for all layers; not worth tiling.
+#   - the embedding output (3 GiB bf16) is the first block's input: needed.
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring: the largest tensor any op produces (shows a buffer never exists).
+# ---------------------------------------------------------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """While active, record the largest tensor (elements and shape) produced by any operation,
+    forward and backward. Views count too: a view of seq x vocab means seq x vocab exists."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.shape, self.nbytes = 0, None, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape, self.nbytes = t.numel(), tuple(t.shape), t.numel() * t.element_size()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo: one MLP and the loss at a long length, untiled vs tiled.
+# ---------------------------------------------------------------------------------------------
+
+def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_tile=None):
+    """{phase: (peak or saved bytes, largest tensor bytes)} for one block's MLP and the loss,
+    forward and backward over `local_tokens`, untiled and tiled. "OOM" where a GPU ran out."""
+    generator = torch.Generator().manual_seed(0)
+    dim, vocab = model.args.dim, model.args.vocab_size
+    labels = torch.randint(0, vocab, (1, local_tokens), generator=generator).to(device)
+    mlp = model.layers[0].mlp
+    phases = {
+        "MLP untiled": lambda x: type(mlp).forward(mlp, x),
+        "MLP tiled": lambda x: tiled_mlp_forward(mlp, x, mlp_tile),
+        "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
+        "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile),
+    }
+    results = {}
+    for name, run in phases.items():
+        x = torch.randn(1, local_tokens, dim, generator=generator).to(device, dtype).requires_grad_()
+        try:
+            with LargestTensor() as largest:
+                nbytes = ulysses.measure_attention_stage(run, x, ())
+            results[name] = (nbytes, largest.nbytes)
+        except torch.cuda.OutOfMemoryError:
+            results[name] = "OOM"
+        del x
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def main():
+    from dataclasses import replace
+
+    from model import Transformer, get_model_args
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: small on CPU, llama3-8b on GPU")
+    parser.add_argument("--seq-len", default=None, help="total tokens (default: 16K CPU, 128K GPU)")
+    parser.add_argument("--mlp-tile-tokens", type=int, default=None)
+    parser.add_argument("--loss-tile-tokens", type=int, default=None)
+    opts = parser.parse_args()
+    check_tile_tokens("--mlp-tile-tokens", opts.mlp_tile_tokens)
+    check_tile_tokens("--loss-tile-tokens", opts.loss_tile_tokens)
+    on_gpu = torch.cuda.is_available()
+    args = get_model_args(opts.model or ("llama3-8b" if on_gpu else "small"))
+    seq_len = ulysses.parse_tokens(opts.seq_len or ("128K" if on_gpu else "16K"))
+    if not on_gpu and opts.loss_tile_tokens is None:
+        # The small model's 4,096-entry vocabulary allows 65,536 tokens under the 1 GiB rule:
+        # one tile at this length. Use smaller tiles so the CPU demo shows the effect.
+        opts.loss_tile_tokens = 1024
+
+    launched = "RANK" in os.environ
+    if launched:  # under torchrun each rank holds seq_len / world tokens, as with Ulysses
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if launched else (0, 1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if seq_len % world:
+        raise SystemExit(f"--seq-len ({seq_len}) must be divisible by the number of ranks ({world})")
+    local_tokens = seq_len // world
+
+    torch.manual_seed(0)
+    with torch.device(device):  # one block (for its MLP), the final norm and lm_head
+        model = Transformer(replace(args, n_layers=1)).to(dtype)
+    results = demo_phases(model, local_tokens, device, dtype, opts.mlp_tile_tokens, opts.loss_tile_tokens)
+    if rank == 0:
+        mlp_tile = mlp_tile_tokens(args.dim, local_tokens, opts.mlp_tile_tokens)
+        loss_tile = loss_tile_tokens(args.vocab_size, local_tokens, opts.loss_tile_tokens)
+        how = ("peak allocated above the input (GPU)" if on_gpu
+               else "saved-for-backward + output bytes (CPU)")
+        print(f"{opts.model or ('llama3-8b' if on_gpu else 'small')}: {local_tokens:,} local tokens "
+              f"({seq_len:,} over {world} rank(s)), {dtype}; MLP tiles of {mlp_tile:,} tokens "
+              f"({tile_count(local_tokens, mlp_tile)} tiles), loss tiles of {loss_tile:,} "
+              f"({tile_count(local_tokens, loss_tile)} tiles)")
+        print(f"  {'phase, fwd+bwd':<16}{how:>42}{'largest tensor':>18}")
+        for name, result in results.items():
+            if result == "OOM":
+                print(f"  {name:<16}{'OOM':>42}{'-':>18}")
+            else:
+                print(f"  {name:<16}{result[0] / GiB:>38.3f} GiB{result[1] / GiB:>14.3f} GiB")
+        print(f"  estimate in this dtype: MLP intermediates "
+              f"{mlp_temporary_bytes(args, local_tokens, False, bytes_per_value=dtype.itemsize) / GiB:.3f} -> "
+              f"{mlp_temporary_bytes(args, local_tokens, True, opts.mlp_tile_tokens, dtype.itemsize) / GiB:.3f} GiB;"
+              f" logits {loss_temporary_bytes(args, local_tokens, False, bytes_per_value=dtype.itemsize) / GiB:.3f} -> "
+              f"{loss_temporary_bytes(args, local_tokens, True, opts.loss_tile_tokens, dtype.itemsize) / GiB:.3f} GiB")
+    if launched:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""04_alst_tiling.py: tiled MLP and tiled loss equal the untiled ones, and never build the
+sequence-wide buffers they exist to avoid."""
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import model as llama
+from ranks import run_ranks
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+
+tiling = importlib.import_module("04_alst_tiling")
+train = importlib.import_module("train")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_OFFLOAD = importlib.util.find_spec("03_checkpoint_offload") is not None
+
+# Small shapes where tokens > dim, so tokens x ffn_dim and tokens x vocab are the largest tensors
+# the untiled paths make (larger than any weight or its gradient): the "acts" checks can fail.
+ARGS = replace(llama.get_model_args("tiny"), dim=16, ffn_dim=48, vocab_size=64, n_layers=1,
+               n_heads=2, n_kv_heads=1)
+BATCH, SEQ = 2, 25  # 50 tokens, flattened over batch and sequence
+TILE_CASES = [10, 25, 7, 3, 64, None]  # dividing 50, not dividing, larger than 50, default
+
+
+def _mlp_and_input(seed=0):
+    torch.manual_seed(seed)
+    mlp = llama.MLP(ARGS)
+    x = torch.randn(BATCH, SEQ, ARGS.dim)
+    return mlp, x
+
+
+def _untiled_and_tiled_mlp(tile_tokens):
+    mlp, x = _mlp_and_input()
+    grad_out = torch.randn(BATCH, SEQ, ARGS.dim)
+    results = []
+    for run in (lambda x: mlp(x), lambda x: tiling.tiled_mlp_forward(mlp, x, tile_tokens)):
+        mlp.zero_grad(set_to_none=True)
+        x_leaf = x.clone().requires_grad_()
+        out = run(x_leaf)
+        out.backward(grad_out)
+        results.append((out.detach(), x_leaf.grad, {n: p.grad.clone() for n, p in mlp.named_parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("tile_tokens", TILE_CASES)
+def test_tiled_mlp_equals_untiled(tile_tokens):
+    (out, dx, grads), (tiled_out, tiled_dx, tiled_grads) = _untiled_and_tiled_mlp(tile_tokens)
+    torch.testing.assert_close(tiled_out, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tiled_dx, dx, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(tiled_grads[name], grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"tile {tile_tokens} grad {name}: {m}")
+
+
+def _loss_model(seed=0):
+    torch.manual_seed(seed)
+    model = llama.Transformer(ARGS)
+    for p in model.norm.parameters():
+        p.data.uniform_(0.5, 1.5)  # a norm weight other than ones, so its gradient is tested
+    return model
+
+
+def _labels(ignore_rows=()):
+    generator = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=generator)
+    labels[torch.rand(labels.shape, generator=generator) < 0.3] = llama.IGNORE_INDEX
+    labels[0, 3:17] = llama.IGNORE_INDEX  # with tiles of 3, 7 or 10, some tiles are all ignored
+    return labels
+
+
+def _untiled_and_tiled_loss(tile_tokens, labels):
+    model = _loss_model()
+    h = torch.randn(BATCH, SEQ, ARGS.dim, generator=torch.Generator().manual_seed(2))
+    results = []
+    for run in (lambda h: llama.Transformer.loss_sum(model, h, labels),
+                lambda h: tiling.tiled_loss_sum(model, h, labels, tile_tokens)):
+        model.zero_grad(set_to_none=True)
+        h_leaf = h.clone().requires_grad_()
+        loss = run(h_leaf)
+        (loss * 0.37).backward()  # a gradient other than 1 reaches the tiles
+        results.append((loss.detach(), h_leaf.grad,
+                        {"norm": model.norm.weight.grad.clone(), "lm_head": model.lm_head.weight.grad.clone()}))
+    return results
+
+
+@pytest.mark.parametrize("tile_tokens", TILE_CASES)
+def test_tiled_loss_equals_untiled(tile_tokens):
+    (loss, dh, grads), (tiled_loss, tiled_dh, tiled_grads) = _untiled_and_tiled_loss(tile_tokens, _labels())
+    assert tiled_loss.dtype == torch.float32 and torch.isfinite(tiled_loss)
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tiled_dh, dh, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(tiled_grads[name], grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"tile {tile_tokens} grad {name}: {m}")
+
+
+def test_all_ignored_tiles_give_zero_not_nan():
+    labels = torch.full((BATCH, SEQ), llama.IGNORE_INDEX)
+    (loss, dh, grads), (tiled_loss, tiled_dh, tiled_grads) = _untiled_and_tiled_loss(7, labels)
+    assert tiled_loss.item() == 0.0 and loss.item() == 0.0
+    assert torch.count_nonzero(tiled_dh) == 0 and torch.isfinite(tiled_dh).all()
+    for grad in tiled_grads.values():
+        assert torch.count_nonzero(grad) == 0 and torch.isfinite(grad).all()
+    # One tile all ignored among others: it adds exactly nothing.
+    model = _loss_model()
+    h = torch.randn(1, 14, ARGS.dim)
+    labels = torch.randint(0, ARGS.vocab_size, (1, 14))
+    labels[0, 7:] = llama.IGNORE_INDEX
+    assert tiling.tiled_loss_sum(model, h, labels, 7).item() == pytest.approx(
+        tiling.tiled_loss_sum(model, h[:, :7], labels[:, :7], 7).item(), rel=0, abs=0)
+
+
+def test_each_weight_gets_one_gradient_per_backward():
+    """Weight gradients are added up inside the Function and handed to autograd once, so FSDP
+    sees (and reduce-scatters) one gradient per parameter, not one per tile."""
+    mlp, x = _mlp_and_input()
+    model = _loss_model()
+    labels = _labels()
+    arrivals = {}
+    for name, p in [*mlp.named_parameters(), *model.named_parameters()]:
+        p.register_post_accumulate_grad_hook(lambda p, name=name: arrivals.__setitem__(name, arrivals.get(name, 0) + 1))
+    h = tiling.tiled_mlp_forward(mlp, x.requires_grad_(), 3)  # 17 tiles
+    tiling.tiled_loss_sum(model, h, labels, 4).backward()  # 13 tiles
+    expected = {n: 1 for n, _ in mlp.named_parameters()} | {"norm.weight": 1, "lm_head.weight": 1}
+    assert arrivals == expected
+
+
+def _largest(run, x):
+    x = x.clone().requires_grad_()
+    with tiling.LargestTensor() as largest:
+        run(x).sum().backward()
+    return largest
+
+
+def test_tiling_acts_loss_never_builds_tokens_x_vocab():
+    model, labels = _loss_model(), _labels()
+    h = torch.randn(BATCH, SEQ, ARGS.dim)
+    tokens_x_vocab = BATCH * SEQ * ARGS.vocab_size
+    untiled = _largest(lambda h: llama.Transformer.loss_sum(model, h, labels), h)
+    assert untiled.numel >= tokens_x_vocab, "the check cannot fail: the untiled loss never hit it"
+    for tile in (7, 25):
+        tiled = _largest(lambda h: tiling.tiled_loss_sum(model, h, labels, tile), h)
+        assert tiled.numel < tokens_x_vocab, f"tile {tile}: a tensor of shape {tiled.shape} exists"
+        assert tiled.numel <= max(tile * ARGS.vocab_size, ARGS.vocab_size * ARGS.dim, BATCH * SEQ * ARGS.dim)
+
+
+def test_tiling_acts_mlp_never_builds_tokens_x_ffn():
+    mlp, x = _mlp_and_input()
+    tokens_x_ffn = BATCH * SEQ * ARGS.ffn_dim
+    untiled = _largest(mlp, x)
+    assert untiled.numel >= tokens_x_ffn, "the check cannot fail: the untiled MLP never hit it"
+    for tile in (7, 25):
+        tiled = _largest(lambda x: tiling.tiled_mlp_forward(mlp, x, tile), x)
+        assert tiled.numel < tokens_x_ffn, f"tile {tile}: a tensor of shape {tiled.shape} exists"
+
+
+def test_saved_for_backward_is_only_the_input():
+    """Between forward and backward the tiled MLP keeps its input and weights, nothing per tile."""
+    mlp, x = _mlp_and_input()
+    x.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        tiling.tiled_mlp_forward(mlp, x, 7)
+    assert sorted(saved) == sorted([x.numel(), *(p.numel() for p in mlp.parameters())])
+
+
+def test_default_tiles_follow_shapes():
+    llama8b = llama.get_model_args("llama3-8b")
+    assert tiling.mlp_tile_tokens(4096, 393_216) == 4096  # 96 tiles of dim tokens, like ALST
+    assert tiling.mlp_tile_tokens(4096, 5000) == 2500  # two equal tiles, not 4096 + 904
+    assert tiling.mlp_tile_tokens(4096, 5000, 1000) == 1000  # set explicitly
+    loss_tile = tiling.loss_tile_tokens(llama8b.vocab_size, 393_216)
+    assert loss_tile * llama8b.vocab_size * 4 <= 2**30 < (loss_tile + 2) * llama8b.vocab_size * 4
+    assert tiling.tile_count(50, 7) == 8 and tiling.token_tiles(50, 7)[-1] == slice(49, 50)
+
+
+def test_planner_bytes():
+    llama8b = llama.get_model_args("llama3-8b")
+    local = 3 * 2**20 // 8  # 3M tokens on 8 GPUs
+    assert tiling.loss_temporary_bytes(llama8b, local, tiled=False) == local * 128_256 * 10
+    assert tiling.loss_temporary_bytes(llama8b, local, tiled=True) <= 10 * 2**30 / 4 + 1
+    assert tiling.mlp_temporary_bytes(llama8b, local, tiled=False) == 42 * 2**30
+    assert tiling.mlp_temporary_bytes(llama8b, local, tiled=True) == 4 * 4096 * 14336 * 2
+    assert tiling.mlp_temporary_bytes(llama8b, 100, tiled=True, tile_tokens=1000) == 4 * 100 * 14336 * 2
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_tile_sizes_are_refused(bad):
+    with torch.device("meta"):
+        model = llama.Transformer(ARGS)
+    with pytest.raises(ValueError, match=rf"mlp_tile_tokens must be a positive whole number of tokens, got {bad!r}"):
+        tiling.apply_tiling(model, mlp_tile_tokens=bad)
+    with pytest.raises(ValueError, match="loss_tile_tokens must be a positive"):
+        tiling.apply_tiling(model, loss_tile_tokens=bad)
+
+
+def test_apply_tiling_keeps_parameter_names_and_works_on_meta():
+    with torch.device("meta"):
+        model = llama.Transformer(ARGS)
+    names = [n for n, _ in model.named_parameters()]
+    tiling.apply_tiling(model, mlp_tile_tokens=4, loss_tile_tokens=4)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert "forward" in vars(model.layers[0].mlp) and "loss_sum" in vars(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# The full model, built by train.py, against plain single-process training.
+# ---------------------------------------------------------------------------------------------
+
+def tiling_config(**techniques) -> "train.Config":
+    """FSDP + Ulysses + tiling, and checkpointing + offload once 03_checkpoint_offload.py exists."""
+    cfg = train.Config(model="tiny", seq_len=32, batch_size=2, fsdp=True, ulysses=True, **techniques)
+    if HAVE_OFFLOAD:
+        cfg.checkpoint = cfg.offload = True
+    return cfg
+
+
+# (tile_mlp, tile_loss, mlp tile, loss tile). Each rank holds 2 rows x 16 tokens = 32 tokens.
+MODEL_CASES = [
+    (True, True, 8, 8),  # tiles divide the local tokens
+    (True, True, 5, 7),  # they don't: last tiles shorter
+    (True, True, None, None),  # shape-derived defaults
+    (True, False, 3, None),
+    (False, True, None, 3),
+]
+
+
+def _model_matches_unsharded():
+    tokens, labels = make_batch(256, 2, 32, seed=4, ignore_frac=0.3)
+    labels[0, :16] = llama.IGNORE_INDEX  # rank 0's whole shard of row 0: all-ignored tiles
+    ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
+    rt = None
+    for tile_mlp, tile_loss, mlp_tile, loss_tile in MODEL_CASES:
+        cfg = tiling_config(tile_mlp=tile_mlp, tile_loss=tile_loss, mlp_tile_tokens=mlp_tile,
+                            loss_tile_tokens=loss_tile)
+        rt = rt or train.setup_runtime(train.resolve_techniques(cfg))
+        loss, grads = train_loss_and_grads(cfg, tokens, labels, rt)
+        assert_matches(loss, grads, ref_loss, ref_grads,
+                       what=f"P={dist.get_world_size()} mlp={tile_mlp}/{mlp_tile} loss={tile_loss}/{loss_tile}"
+                            f" checkpoint+offload={HAVE_OFFLOAD}")
+
+
+def test_fsdp_ulysses_tiled_model_equals_single_process():
+    """P=2, FSDP + Ulysses (+ checkpointing and offload once 03 exists) with tiling."""
+    run_ranks(2, _model_matches_unsharded)
+
+
+def test_train_py_tiles_on_cpu():
+    result = subprocess.run([sys.executable, "train.py", "--tile-mlp", "--tile-loss", "--steps", "3",
+                             "--seq-len", "64", "--mlp-tile-tokens", "5"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(not HAVE_OFFLOAD, reason="--stack 4 needs 03_checkpoint_offload.py, not built yet")
+def test_train_py_stack_4():
+    result = subprocess.run([sys.executable, "train.py", "--stack", "4", "--steps", "3", "--seq-len", "64"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 tiled vs untiled, and the peak memory drops.
+# ---------------------------------------------------------------------------------------------
+
+def _peak(run, x):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    x = x.clone().requires_grad_()
+    out = run(x)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out.detach().float(), x.grad.float()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_tiled_equals_untiled_with_lower_peak():
+    args = replace(llama.get_model_args("small"), n_layers=1, vocab_size=32768)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = llama.Transformer(args).to(torch.bfloat16)
+        x = torch.randn(1, 16384, args.dim, dtype=torch.bfloat16)
+        labels = torch.randint(0, args.vocab_size, (1, 16384))
+    mlp = model.layers[0].mlp
+    for untiled, tiled in [(lambda x: llama.MLP.forward(mlp, x), lambda x: tiling.tiled_mlp_forward(mlp, x, 1024)),
+                           (lambda h: llama.Transformer.loss_sum(model, h, labels),
+                            lambda h: tiling.tiled_loss_sum(model, h, labels, 1024))]:
+        peak, out, grad = _peak(untiled, x)
+        grads = [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        tiled_peak, tiled_out, tiled_grad = _peak(tiled, x)
+        tiled_grads = [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        assert tiled_peak < peak / 2, (tiled_peak, peak)
+        for got, want in [(tiled_out, out), (tiled_grad, grad), *zip(tiled_grads, grads)]:
+            assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6, ((got - want).norm(), want.norm())
