@@ -23,11 +23,13 @@ The price: one more forward of the MLP and of lm_head per step (the recompute), 
 memory of a tile: a 4,096-token MLP tile holds 0.44 GiB of intermediates, and a 2,092-token loss
 tile 1 GiB of fp32 logits. The loss is the same global token mean (train.py divides the sum).
 
-Every rank must cut the same number of tiles: FSDP2 gathers a block's parameters in collectives
-that every rank joins, and a rank with more tiles would still be recomputing when the others
-have moved on. The tile size is therefore derived from shapes only (local tokens are equal on
-every rank under Ulysses): by default about `dim` tokens per MLP tile, as ALST does, and at most
-1 GiB of fp32 logits per loss tile.
+Every rank cuts the same number of tiles. Where each tile calls a module whose weights are
+gathered at every call (ZeRO-3 style), a rank with fewer tiles deadlocks the others' gathers; peers
+hit this when tile counts followed the local length or the number of non-ignored labels. Here
+FSDP2 gathers a block's weights once, before the Function runs, and no tile calls a collective;
+still, the tile size follows shapes only (local tokens are equal on every rank under Ulysses, and
+tiles cover ignored tokens too), so every rank does the same work. By default: about `dim` tokens
+per MLP tile, as ALST does, and at most 1 GiB of fp32 logits per loss tile.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
