@@ -133,6 +133,28 @@ def test_each_weight_gets_one_gradient_per_backward():
     assert arrivals == expected
 
 
+def test_composes_with_activation_checkpointing():
+    """Inside torch.utils.checkpoint (as 03 wraps each block) the tiled forward runs twice and
+    the tiled backward once; gradients still equal the plain model's."""
+    mlp, x = _mlp_and_input()
+    model, labels = _loss_model(), _labels()
+    params = [*mlp.parameters(), model.norm.weight, model.lm_head.weight]
+
+    def tiled(x):
+        return tiling.tiled_loss_sum(model, tiling.tiled_mlp_forward(mlp, x, 7), labels, 4)
+
+    results = []
+    for run in (lambda x: llama.Transformer.loss_sum(model, mlp(x), labels),
+                lambda x: torch.utils.checkpoint.checkpoint(tiled, x, use_reentrant=False)):
+        x_leaf = x.clone().requires_grad_()
+        loss = run(x_leaf)
+        grads = torch.autograd.grad(loss, [x_leaf, *params])
+        results.append((loss.detach(), grads))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _largest(run, x):
     x = x.clone().requires_grad_()
     with tiling.LargestTensor() as largest:
