@@ -76,14 +76,14 @@ def even_tile_tokens(n_tokens: int, max_tile_tokens: int) -> int:
     return max(1, -(-n_tokens // tile_count(n_tokens, max_tile_tokens)))
 
 
-def mlp_tile_tokens(dim: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+def mlp_tile_size(dim: int, n_tokens: int, tile_tokens: int | None = None) -> int:
     """Tokens per MLP tile: `tile_tokens` if set, else about `dim` (ALST's rule: ceil(tokens /
     dim) tiles). A tile's intermediates are then 3.5x its input (14,336 / 4,096 for Llama-3-8B),
     and each matmul is still (4096 x 4096) x (4096 x 14336): large enough to run at full speed."""
     return tile_tokens or even_tile_tokens(n_tokens, dim)
 
 
-def loss_tile_tokens(vocab_size: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+def loss_tile_size(vocab_size: int, n_tokens: int, tile_tokens: int | None = None) -> int:
     """Tokens per loss tile: `tile_tokens` if set, else so that a tile's fp32 logits are at most
     1 GiB (2,092 tokens for a 128,256-entry vocabulary)."""
     return tile_tokens or even_tile_tokens(n_tokens, max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size)))
@@ -136,9 +136,9 @@ class SequenceTiledRecompute(torch.autograd.Function):
         weight_leaves = [w.detach().requires_grad_(need) for w, need in zip(weights, weight_needs_grad)]
         wanted_weights = [w for w in weight_leaves if w.requires_grad]
         grad_x = torch.empty_like(x) if x_needs_grad else None
-        # Weight gradients are added up in fp32: summing a hundred bf16 partial sums in bf16
-        # would lose about as many bits as tiles; one bf16 rounding at the end is what the
-        # untiled matmul does.
+        # Weight gradients are added up in fp32: in bf16 every one of a hundred additions
+        # would round again. Each tile's gradient is rounded once, the sum once at the end.
+        # This costs a transient fp32 copy of each weight (2 GiB for Llama-3-8B's lm_head).
         weight_grad_sums = [None] * len(wanted_weights)
         for tile in token_tiles(x.shape[0], ctx.tile_tokens):
             if grad_x is None and not wanted_weights:
@@ -161,6 +161,7 @@ class SequenceTiledRecompute(torch.autograd.Function):
 
 
 def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool):
+    """SequenceTiledRecompute with its arguments named (autograd's apply takes positions only)."""
     return SequenceTiledRecompute.apply(fn, tile_tokens, sum_tiles, len(token_args), x, *token_args, *weights)
 
 
@@ -174,7 +175,7 @@ def swiglu(x, gate_weight, up_weight, down_weight):
 def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
     """model.MLP.forward, computed `tile_tokens` tokens at a time (batch and sequence together)."""
     tokens = x.reshape(-1, x.shape[-1])
-    tile = mlp_tile_tokens(x.shape[-1], tokens.shape[0], tile_tokens)
+    tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # read now: FSDP
     return tiled_over_tokens(swiglu, tokens, (), weights, tile, sum_tiles=False).view(x.shape)
 
@@ -193,7 +194,7 @@ def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: in
     never exist at once."""
     tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
-    tile = loss_tile_tokens(weights[1].shape[0], tokens.shape[0], tile_tokens)
+    tile = loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
     loss_fn = partial(norm_lm_head_loss, eps=model.norm.eps)
     return tiled_over_tokens(loss_fn, tokens, (flat_labels,), weights, tile, sum_tiles=True)
 
@@ -224,7 +225,7 @@ def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int |
     """Bytes of the MLP's per-token intermediates while one layer runs forward and backward:
     gate, silu(gate), up and their product, ffn_dim values each (what autograd keeps for the
     backward). Tiled, only one tile's exist, while that tile is recomputed in backward."""
-    tokens = mlp_tile_tokens(args.dim, local_tokens, tile_tokens) if tiled else local_tokens
+    tokens = mlp_tile_size(args.dim, local_tokens, tile_tokens) if tiled else local_tokens
     return 4 * min(tokens, local_tokens) * args.ffn_dim * bytes_per_value
 
 
@@ -233,7 +234,7 @@ def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int 
     """Bytes of the logits while the loss runs: fp32 logits and their fp32 gradient (the
     log-softmax and its gradient are as large again, alive briefly), plus the lm_head output in
     the compute dtype. Tiled, only one tile's exist."""
-    tokens = loss_tile_tokens(args.vocab_size, local_tokens, tile_tokens) if tiled else local_tokens
+    tokens = loss_tile_size(args.vocab_size, local_tokens, tile_tokens) if tiled else local_tokens
     return min(tokens, local_tokens) * args.vocab_size * (4 + 4 + bytes_per_value)
 
 
@@ -345,8 +346,8 @@ def main():
         model = Transformer(replace(args, n_layers=1)).to(dtype)
     results = demo_phases(model, local_tokens, device, dtype, opts.mlp_tile_tokens, opts.loss_tile_tokens)
     if rank == 0:
-        mlp_tile = mlp_tile_tokens(args.dim, local_tokens, opts.mlp_tile_tokens)
-        loss_tile = loss_tile_tokens(args.vocab_size, local_tokens, opts.loss_tile_tokens)
+        mlp_tile = mlp_tile_size(args.dim, local_tokens, opts.mlp_tile_tokens)
+        loss_tile = loss_tile_size(args.vocab_size, local_tokens, opts.loss_tile_tokens)
         how = ("peak allocated above the input (GPU)" if on_gpu
                else "saved-for-backward + output bytes (CPU)")
         print(f"{opts.model or ('llama3-8b' if on_gpu else 'small')}: {local_tokens:,} local tokens "

@@ -88,8 +88,8 @@ def measure_phases(args, local_tokens: int, device, dtype, repeats: int) -> list
         x = torch.randn(1, local_tokens, args.dim, dtype=dtype).requires_grad_()
         labels = torch.randint(0, args.vocab_size, (1, local_tokens))
     mlp = model.layers[0].mlp
-    mlp_tile = tiling.mlp_tile_tokens(args.dim, local_tokens)
-    loss_tile = tiling.loss_tile_tokens(args.vocab_size, local_tokens)
+    mlp_tile = tiling.mlp_tile_size(args.dim, local_tokens)
+    loss_tile = tiling.loss_tile_size(args.vocab_size, local_tokens)
     phases = [  # (phase, tile tokens or None, function of x)
         ("mlp", None, lambda x: llama.MLP.forward(mlp, x).sum()),
         ("mlp", mlp_tile, lambda x: tiling.tiled_mlp_forward(mlp, x, mlp_tile).sum()),

@@ -196,10 +196,10 @@ def test_saved_for_backward_is_only_the_input():
 
 def test_default_tiles_follow_shapes():
     llama8b = llama.get_model_args("llama3-8b")
-    assert tiling.mlp_tile_tokens(4096, 393_216) == 4096  # 96 tiles of dim tokens, like ALST
-    assert tiling.mlp_tile_tokens(4096, 5000) == 2500  # two equal tiles, not 4096 + 904
-    assert tiling.mlp_tile_tokens(4096, 5000, 1000) == 1000  # set explicitly
-    loss_tile = tiling.loss_tile_tokens(llama8b.vocab_size, 393_216)
+    assert tiling.mlp_tile_size(4096, 393_216) == 4096  # 96 tiles of dim tokens, like ALST
+    assert tiling.mlp_tile_size(4096, 5000) == 2500  # two equal tiles, not 4096 + 904
+    assert tiling.mlp_tile_size(4096, 5000, 1000) == 1000  # set explicitly
+    loss_tile = tiling.loss_tile_size(llama8b.vocab_size, 393_216)
     assert loss_tile * llama8b.vocab_size * 4 <= 2**30 < (loss_tile + 2) * llama8b.vocab_size * 4
     assert tiling.tile_count(50, 7) == 8 and tiling.token_tiles(50, 7)[-1] == slice(49, 50)
 
