@@ -11,13 +11,18 @@ which is the order torchtitan uses (checkpoint inside, FSDP outside).
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
 import os
+import shutil
+import signal
 import socket
 import sys
+import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -83,6 +88,9 @@ class Config:
     loss_tile_tokens: int | None = None
     untied: bool = False
     head_chunk: int | None = None
+    save_dir: str | None = None
+    save_every: int = 0  # 0: only at the end (and when stopped by a signal)
+    resume: bool = False
 
 
 def parse_args(argv=None) -> Config:
@@ -115,6 +123,10 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--loss-tile-tokens", type=int, default=None)
     parser.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
     parser.add_argument("--head-chunk", type=int, default=None, help="05: query heads per stage (U)")
+    parser.add_argument("--save-dir", default=None, help="write sharded checkpoints here")
+    parser.add_argument("--save-every", type=int, default=d.save_every,
+                        help="checkpoint every N steps (default: only at the end and on SIGTERM)")
+    parser.add_argument("--resume", action="store_true", help="continue from --save-dir's latest")
     ns = parser.parse_args(argv)
     cfg = Config(**{k: v for k, v in vars(ns).items() if k in Config.__dataclass_fields__
                     and k not in ("seq_len", "dtype")})
@@ -146,6 +158,10 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--device cuda, but CUDA is not available here")
     if cfg.batch_size < 1 or cfg.steps < 0:
         raise ValueError("--batch-size must be >= 1 and --steps >= 0")
+    if cfg.resume and not cfg.save_dir:
+        raise ValueError("--resume needs --save-dir (where the checkpoints are)")
+    if cfg.save_every < 0:
+        raise ValueError("--save-every must be >= 0")
     llama.get_model_args(cfg.model)  # unknown preset: a clear error now
     return cfg
 
@@ -305,8 +321,10 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None) -> t
                                                           None if labels is None else labels.to(rt.device))
     world_group = dist.group.WORLD if rt.world > 1 else None
     n_tokens = ulysses.global_token_count(labels, world_group)
-    loss = model(input_ids, positions, labels) / n_tokens
-    loss.backward()
+    with out_of_memory_names("forward"):
+        loss = model(input_ids, positions, labels) / n_tokens
+    with out_of_memory_names("backward"):
+        loss.backward()
     loss = loss.detach()
     if world_group is not None:
         dist.all_reduce(loss, group=world_group)  # every rank's share of the mean, added up
@@ -318,51 +336,245 @@ def make_optimizer(model, cfg: Config):
                              betas=(0.9, 0.95), foreach=False)
 
 
-def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None) -> dict:
-    loss = forward_backward(model, tokens, rt, labels)
-    grad_norm = None
-    if cfg.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-    optimizer.step()
+def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0) -> dict:
+    """One optimizer step. A non-finite loss or gradient raises before the weights change."""
+    loss = float(forward_backward(model, tokens, rt, labels))
+    # The global gradient norm (clip_grad_norm_ reduces over FSDP shards); inf = measure only.
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at "
+                                 f"step {step}; the weights were not updated")
+    with out_of_memory_names("optimizer step"):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(loss), "grad_norm": grad_norm}
+    return {"loss": loss, "grad_norm": grad_norm}
+
+
+# ---------------------------------------------------------------------------------------------
+# Failing clearly: out of memory names its phase and the next technique to turn on.
+# ---------------------------------------------------------------------------------------------
+
+class StepOutOfMemory(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def out_of_memory_names(phase: str):
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise StepOutOfMemory(f"out of GPU memory in the {phase}: {str(error).splitlines()[0]}") from error
+
+
+def next_memory_technique(cfg: Config, sp: int) -> str:
+    """What to turn on next when a step does not fit, in the order of the files."""
+    if not cfg.fsdp:
+        return "--fsdp (01: shard the model state)"
+    if not (cfg.ulysses or cfg.untied):
+        return "--ulysses (02: split the sequence over the GPUs)"
+    if not cfg.checkpoint:
+        return "--checkpoint (03: keep only each block's input for backward)"
+    if not cfg.offload:
+        return "--offload (03: move those inputs to CPU memory)"
+    if not (cfg.tile_mlp and cfg.tile_loss):
+        return "--tile-mlp --tile-loss (04: no sequence-wide MLP or logits buffers)"
+    if not cfg.untied:
+        return "--untied (05: one head chunk of Q/K/V resident at a time)"
+    if cfg.head_chunk and cfg.head_chunk > sp:
+        return f"a smaller --head-chunk (down to {sp})"
+    return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
+
+
+def out_of_memory_report(error: Exception, cfg: Config, rt: "Runtime") -> str:
+    summary = ""
+    if torch.cuda.is_available():
+        summary = (f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
+                   f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB; "
+                   f"allocator summary:\n{torch.cuda.memory_summary(rt.device, abbreviated=True)}")
+    return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.sp)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: sharded (torch.distributed.checkpoint), atomic, resumable.
+# ---------------------------------------------------------------------------------------------
+
+def checkpoint_meta(cfg: Config, rt: Runtime, step: int) -> dict:
+    return {"step": step, "model": cfg.model, "model_args": asdict(llama.get_model_args(cfg.model)),
+            "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
+            "batch_size": cfg.batch_size, "data": cfg.data}
+
+
+def save_checkpoint(cfg: Config, rt: Runtime, model, optimizer, step: int) -> str:
+    """Write model + optimizer shards, RNG states and the step into save_dir/step_N.
+
+    Everything goes into step_N.tmp first; only when every rank has written its part does rank 0
+    rename it to step_N (a rename is atomic), so a crash mid-write leaves the previous checkpoint
+    as the latest complete one. The two newest checkpoints are kept.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = os.path.join(cfg.save_dir, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    if rt.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier(rt)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    with quiet_single_process_checkpoint():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    rng = {"cpu": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state(rt.device) if rt.device.type == "cuda" else None}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rt.rank}.pt"))
+    barrier(rt)
+    if rt.rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(checkpoint_meta(cfg, rt, step), f, indent=1)
+        if os.path.exists(final):  # the same step saved again (e.g. after a resume)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in complete_checkpoints(cfg.save_dir)[:-2]:
+            shutil.rmtree(old)
+    barrier(rt)
+    return final
+
+
+def complete_checkpoints(save_dir: str) -> list[str]:
+    """Complete checkpoints (renamed, with meta.json), oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    names = sorted(n for n in os.listdir(save_dir) if n.startswith("step_") and not n.endswith(".tmp"))
+    paths = [os.path.join(save_dir, n) for n in names]
+    return [p for p in paths if os.path.isfile(os.path.join(p, "meta.json"))]
+
+
+def load_checkpoint(cfg: Config, rt: Runtime, model, optimizer) -> int:
+    """Restore the latest complete checkpoint of save_dir; returns the step to continue from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    found = complete_checkpoints(cfg.save_dir)
+    if not found:
+        raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r}")
+    path = found[-1]
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    model_args = asdict(llama.get_model_args(cfg.model))
+    if meta["model_args"] != model_args:
+        changed = {k: (meta["model_args"].get(k), v) for k, v in model_args.items()
+                   if meta["model_args"].get(k) != v}
+        raise ValueError(f"--resume: {path} holds a model of another shape "
+                         f"({meta['model']}; differs in {changed} as (checkpoint, now))")
+    if meta["world_size"] != rt.world or meta["sp"] != rt.sp:
+        raise ValueError(f"--resume: {path} was saved by {meta['world_size']} ranks with sp "
+                         f"{meta['sp']}; this run has {rt.world} ranks with sp {rt.sp}")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    with quiet_single_process_checkpoint():
+        dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    rng = torch.load(os.path.join(path, f"rng_rank{rt.rank}.pt"), weights_only=False)
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"], rt.device)
+    return meta["step"]
+
+
+@contextlib.contextmanager
+def quiet_single_process_checkpoint():
+    """torch.distributed.checkpoint warns when used without a process group; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def barrier(rt: Runtime):
+    if rt.world > 1:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGTERM / SIGINT: finish the step, save, exit non-zero.
+# ---------------------------------------------------------------------------------------------
+
+class StopRequested(Exception):
+    pass
+
+
+def install_stop_handlers() -> dict:
+    """On SIGTERM or SIGINT remember the signal; the loop stops after the current step. A
+    second signal gets the default behaviour (stop at once)."""
+    received = {}
+
+    def handler(signum, frame):
+        received["signal"] = signal.Signals(signum).name
+        signal.signal(signum, signal.SIG_DFL)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, handler)
+    return received
+
+
+def any_rank(flag: bool, rt: Runtime) -> bool:
+    """True on every rank if it is true on one: ranks must stop after the same step, or the
+    ones that go on would wait forever in the next collective."""
+    if rt.world == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=rt.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 # ---------------------------------------------------------------------------------------------
 # Main loop
 # ---------------------------------------------------------------------------------------------
 
-def train(cfg: Config) -> list[dict]:
+@dataclass
+class Run:
+    history: list
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def train(cfg: Config) -> Run:
     rt = setup_runtime(cfg)
     args = llama.get_model_args(cfg.model)
     data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp)
     model = build_model(cfg, rt)
     optimizer = make_optimizer(model, cfg)
+    first_step = load_checkpoint(cfg, rt, model, optimizer) if cfg.resume else 0
+    stop = install_stop_handlers()
     is_main = rt.rank == 0
-    log_file = open(cfg.log, "w") if (cfg.log and is_main) else None
+    log_file = open(cfg.log, "a" if cfg.resume else "w") if (cfg.log and is_main) else None
     header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
               "torch": torch.__version__,
               "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, cfg.dtype)),
-              "parameters": llama.num_params(args)}
+              "parameters": llama.num_params(args), "first_step": first_step}
     if is_main:
         print(f"{cfg.model}: {header['parameters'] / 1e6:.1f}M params, {cfg.seq_len:,} tokens, "
               f"world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
               f"attention: {header['attention_kernel']}, techniques: "
-              f"{', '.join(f for f, *_ in TECHNIQUES if getattr(cfg, f)) or 'none'}")
+              f"{', '.join(f for f, *_ in TECHNIQUES if getattr(cfg, f)) or 'none'}"
+              + (f", resumed at step {first_step}" if cfg.resume else ""))
     if log_file:
         log_file.write(json.dumps(header) + "\n")
     history = []
     tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
-    for step in tqdm(range(cfg.steps), disable=not is_main, desc="train", leave=False):
-        tokens = data.batch(step)
+    for step in tqdm(range(first_step, cfg.steps), disable=not is_main, desc="train", leave=False):
+        tokens = data.batch(step)  # the data position is the step: resuming needs nothing more
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
         start = time.perf_counter()
-        metrics = train_step(model, optimizer, tokens, rt, cfg)
+        try:
+            metrics = train_step(model, optimizer, tokens, rt, cfg, step=step)
+        except StepOutOfMemory as error:
+            raise StepOutOfMemory(out_of_memory_report(error, cfg, rt)) from error
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
@@ -371,8 +583,6 @@ def train(cfg: Config) -> list[dict]:
                   "peak_gpu_mem_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 3)
                                        if rt.device.type == "cuda" else None)}
         history.append(record)
-        if not math.isfinite(record["loss"]):
-            raise FloatingPointError(f"non-finite loss {record['loss']} at step {step}")
         if is_main:
             mem = f" | peak {record['peak_gpu_mem_gib']:.2f} GiB" if record["peak_gpu_mem_gib"] else ""
             tqdm.write(f"step {step:4d} | loss {record['loss']:.4f} | "
@@ -380,16 +590,26 @@ def train(cfg: Config) -> list[dict]:
             if log_file:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
+        stopping = any_rank("signal" in stop, rt)
+        done = step + 1
+        if cfg.save_dir and (stopping or done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            path = save_checkpoint(cfg, rt, model, optimizer, done)
+            if is_main:
+                tqdm.write(f"saved {path}")
+        if stopping:
+            where = (f"checkpoint {os.path.join(cfg.save_dir, f'step_{done:08d}')}; resume with "
+                     f"the same command plus --resume" if cfg.save_dir else
+                     "no checkpoint written (no --save-dir)")
+            raise StopRequested(f"stopped by {stop.get('signal', 'another rank')} after step {step}: {where}")
     if log_file:
         log_file.close()
-    return history
+    return Run(history, model, optimizer)
 
 
 def main(argv=None):
     try:
-        cfg = parse_args(argv)
-        train(cfg)
-    except (ValueError, FloatingPointError) as error:
+        train(parse_args(argv))
+    except (ValueError, FloatingPointError, StepOutOfMemory, StopRequested) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     finally:

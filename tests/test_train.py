@@ -104,7 +104,7 @@ def test_training_from_a_token_file(tmp_path, dtype):
                      tokens.view(torch.int16).numpy().tobytes())
     name = "uint16" if dtype == torch.uint16 else "uint32"
     history = train.train(train.parse_args(["--data", str(path), "--data-dtype", name,
-                                            "--seq-len", "64", "--steps", "2"]))
+                                            "--seq-len", "64", "--steps", "2"])).history
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
 
