@@ -1,0 +1,370 @@
+"""03 - Activation checkpointing, then offloading the checkpoints to CPU memory.
+
+The memory problem. After FSDP (01) and Ulysses (02), Llama-3-8B at 3M tokens on 8 GPUs gives
+each GPU 393,216 tokens, and backward still needs what every layer saved in forward: about
+196 KiB per token per layer in bf16 (the norms' fp32 inputs, q/k/v and the attention output,
+and four tokens x 14,336 MLP intermediates; counted with a saved-tensors hook on one block), so
+393,216 x 196 KiB x 32 layers = 2,357 GiB per GPU.
+
+The idea, in two steps.
+  1. Checkpointing: keep only each block's input, and run the block's forward again in backward,
+     just before its own backward, to rebuild what it saved. One block's activations exist at a
+     time; what stays for backward is 32 block inputs of 393,216 x 4,096 x 2 bytes = 3 GiB each:
+     96 GiB per GPU, still more than an 80 GiB H100 holds next to 15 GiB of model state.
+  2. Offloading the checkpoints: copy each block input into pinned host memory as soon as the
+     block has it, and bring it back just before that block's backward. The GPU keeps the last
+     block's input (backward starts there, so copying it out would only make backward wait), plus
+     during backward the block being recomputed and the one being fetched: 9 GiB at most, the
+     same for 4 layers or 80. The host holds 31 x 3 GiB = 93 GiB per GPU (744 GiB for 8 GPUs).
+
+The copies must not slow training down. They run on a side CUDA stream: in forward the side
+stream waits only for the block input to be computed and copies it out while the compute stream
+runs the next block; in backward, when block i's input is unpacked, block i-1's input starts
+coming back, so its copy overlaps block i's recompute and backward (pinned memory copies at
+~55 GB/s on an H200: a 3 GiB input in ~60 ms, against seconds of attention per block at these
+lengths). Host buffers are allocated once per layer and reused every step.
+
+The engine is PyTorch's: `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` saves
+the block's inputs through the saved-tensors mechanism, outside the region it recomputes, so a
+`torch.autograd.graph.saved_tensors_hooks(pack, unpack)` placed around the checkpoint call sees
+exactly the block's inputs and nothing inside the block. `pack` moves the hidden state to the
+host and returns a small handle; `unpack` returns it on the GPU. Under FSDP2 (applied after
+this, one `fully_shard` per block) FSDP's hooks gather the block's parameters around the
+replaced forward, and the recompute in backward runs while they are gathered for backward.
+
+Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offload):
+
+    python 03_checkpoint_offload.py                         # CPU: small model, bytes kept for backward
+    torchrun --nproc-per-node 2 03_checkpoint_offload.py    # CPU/gloo or GPUs: FSDP + Ulysses
+    torchrun --nproc-per-node 2 03_checkpoint_offload.py --model llama3-8b --seq-len 32K --layers 2 4 8
+"""
+
+import argparse
+import importlib
+import os
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+GiB, MiB = 2**30, 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# What this file removes, in bytes (the planner in train.py adds these up).
+# ---------------------------------------------------------------------------------------------
+
+def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
+                            bytes_per_value: int = 2) -> dict:
+    """Per-rank bytes of saved block inputs between forward and backward: {"gpu", "host"}.
+
+    Each block input is local tokens x dim. Without offload all n_layers stay on the GPU; with
+    offload only the last block's does, and n_layers - 1 live in pinned host memory. (During
+    backward two more are briefly on the GPU: the block being recomputed and the next one coming
+    back.) The recompute of one block's activations is not counted here.
+    """
+    if seq_len % sp:
+        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
+                         f"sequence-parallel degree ({sp})")
+    per_layer = seq_len // sp * args.dim * bytes_per_value
+    on_host = (args.n_layers - 1) * per_layer if offload else 0
+    return {"gpu": args.n_layers * per_layer - on_host, "host": on_host}
+
+
+# ---------------------------------------------------------------------------------------------
+# The technique: checkpoint every block; optionally hand its saved input to the offloader.
+# ---------------------------------------------------------------------------------------------
+
+def apply_checkpointing(model, offload: bool = False) -> None:
+    """Recompute every block in backward from its saved input; with offload, that input waits
+    in host memory between forward and backward (all blocks but the last).
+
+    Runs on the meta-device model before FSDP: only the blocks' forward functions are replaced
+    (instance attributes, so parameter names are unchanged) and no parameter is captured.
+    The offloader, with its per-step statistics, is `model.checkpoint_offload` (None without
+    offload).
+    """
+    if not hasattr(model, "layers"):
+        raise ValueError(f"apply_checkpointing needs a model with .layers, got {type(model).__name__}")
+    if hasattr(model, "checkpoint_offload"):
+        raise ValueError("checkpointing is already applied to this model")
+    offloader = BlockInputOffloader(len(model.layers)) if offload else None
+    model.checkpoint_offload = offloader
+    for layer, block in enumerate(model.layers):
+        # block.forward is read now: the model's own, or a technique applied before this one.
+        block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
+
+
+def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope) -> torch.Tensor:
+    if not torch.is_grad_enabled():  # no backward coming: nothing to save or recompute
+        return forward(x, rope)
+    if offloader is None:
+        return checkpoint(forward, x, rope, use_reentrant=False)
+    # These hooks see what checkpoint saves outside its region: the block's inputs. The rotary
+    # cos/sin (a tuple, one for all layers) is held by checkpoint directly and never offloaded.
+    with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer, x),
+                                                  offloader.unpack):
+        return checkpoint(forward, x, rope, use_reentrant=False)
+
+
+@dataclass
+class SavedBlockInput:
+    """What autograd holds instead of a block input between forward and backward."""
+    layer: int
+    device: torch.device
+    host: torch.Tensor | None = None       # the copy in host memory while it waits
+    on_device: torch.Tensor | None = None  # kept (last block) or brought back, until unpacked
+    copied_back: object = None             # CUDA event on the side stream: the copy back is done
+    kept: bool = False                     # the last block's: never left the device
+    prefetched: bool = False               # its copy back started before its block needed it
+
+
+def is_block_input(t: torch.Tensor, x: torch.Tensor) -> bool:
+    # Recent torch hands the hook the tensor itself; older versions may hand a new Python
+    # object over the same memory.
+    return t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.dtype == x.dtype)
+
+
+class BlockInputOffloader:
+    """Moves checkpointed block inputs to host memory in forward and back in backward.
+
+    `stats` counts the current step (it restarts when block 0 saves its input): tensors and
+    bytes moved to the host and brought back, how many came back through a prefetch, and the
+    order of events ("offload 0", ..., "keep 3", "prefetch 2", "use 3", ...).
+    """
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.free_host_buffers = {}  # layer -> host tensors not in use (pinned on CUDA)
+        self.host_bytes = 0          # all host buffers allocated, in use or free
+        self.host_allocations = 0    # how many times a host buffer was allocated
+        self.waiting = {}            # layer -> SavedBlockInput on the host, not yet coming back
+        self.stream = None           # the side CUDA stream for every copy, made on first use
+        self.stats = self.new_stats()
+
+    @staticmethod
+    def new_stats() -> dict:
+        return {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "kept_bytes": 0,
+                "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": []}
+
+    # --- forward: pack ----------------------------------------------------------------------
+
+    def pack(self, layer: int, x: torch.Tensor, t: torch.Tensor):
+        if not is_block_input(t, x):
+            return t  # older torch also saves an empty placeholder tensor: leave it
+        if layer == 0:
+            self.stats = self.new_stats()
+        nbytes = t.numel() * t.element_size()
+        if layer == self.n_layers - 1:  # backward starts with this one: keep it on the device
+            self.log("keep", layer, "kept", nbytes)
+            return SavedBlockInput(layer, t.device, on_device=t, kept=True)
+        saved = SavedBlockInput(layer, t.device, host=self.take_host_buffer(layer, t))
+        self.copy_to_host(t, saved.host)
+        self.waiting[layer] = saved
+        self.log("offload", layer, "offloaded", nbytes)
+        return saved
+
+    def take_host_buffer(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        free = self.free_host_buffers.setdefault(layer, [])
+        while free:
+            buffer = free.pop()
+            if buffer.shape == like.shape and buffer.dtype == like.dtype:
+                return buffer
+            self.host_bytes -= buffer.numel() * buffer.element_size()  # new length: let it go
+        self.host_allocations += 1
+        self.host_bytes += like.numel() * like.element_size()
+        # Pinned (page-locked) memory: the GPU copies it directly, at full speed and without
+        # blocking the host; pageable memory would be staged and ~4x slower.
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+    def copy_to_host(self, x: torch.Tensor, host: torch.Tensor) -> None:
+        if not x.is_cuda:
+            host.copy_(x)
+            return
+        stream = self.side_stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x must be computed first
+        with torch.cuda.stream(stream):
+            host.copy_(x, non_blocking=True)
+        # The compute stream runs on. When forward drops x, its memory must not be handed to
+        # another tensor before the side stream has read it.
+        x.record_stream(stream)
+
+    # --- backward: unpack -------------------------------------------------------------------
+
+    def unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if saved.on_device is None:
+            if saved.host is None:
+                raise RuntimeError(f"block {saved.layer}'s offloaded input was already used; a "
+                                   f"second backward through the same graph is not supported")
+            self.waiting.pop(saved.layer, None)
+            self.start_copy_back(saved)  # nobody prefetched it: fetch it now
+            self.log("fetch", saved.layer)
+        if saved.copied_back is not None:  # the compute stream waits for the copy, not the host
+            torch.cuda.current_stream(saved.device).wait_event(saved.copied_back)
+        # Backward runs the blocks in reverse: start bringing back the previous block's input,
+        # so its copy overlaps this block's recompute and backward.
+        previous = self.waiting.pop(saved.layer - 1, None)
+        if previous is not None:
+            previous.prefetched = True
+            self.start_copy_back(previous)
+            self.log("prefetch", previous.layer)
+        x, saved.on_device = saved.on_device, None  # now the recompute holds the only reference
+        if not saved.kept:
+            self.stats["prefetched"] += saved.prefetched
+            self.log("use", saved.layer, "restored", x.numel() * x.element_size())
+        else:
+            self.log("use", saved.layer)
+        return x
+
+    def start_copy_back(self, saved: SavedBlockInput) -> None:
+        host = saved.host
+        if saved.device.type != "cuda":
+            saved.on_device = host.clone()  # a new tensor, as on a GPU: the buffer is reused
+        else:
+            compute = torch.cuda.current_stream(saved.device)
+            # Allocated for the compute stream, which will use and free it. Its memory may have
+            # been released by compute work still queued, so the side stream waits for that.
+            saved.on_device = torch.empty(host.shape, dtype=host.dtype, device=saved.device)
+            stream = self.side_stream(saved.device)
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                saved.on_device.copy_(host, non_blocking=True)
+                saved.copied_back = torch.cuda.Event()
+                saved.copied_back.record(stream)
+        # Every copy into or out of a host buffer is on the one side stream, in order: the next
+        # step's copy out cannot overtake this copy back, so the buffer is free again now.
+        self.free_host_buffers[saved.layer].append(host)
+        saved.host = None
+
+    def side_stream(self, device: torch.device):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=device)
+        return self.stream
+
+    def log(self, event: str, layer: int, counter: str | None = None, nbytes: int = 0) -> None:
+        self.stats["events"].append(f"{event} {layer}")
+        if counter is not None:
+            self.stats[counter] += 1
+            self.stats[f"{counter}_bytes"] += nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring: on a GPU the allocator's peak; on a CPU the bytes autograd keeps for backward.
+# ---------------------------------------------------------------------------------------------
+
+def bytes_saved_for_backward(run_step, offloader=None) -> int:
+    """CPU stand-in for the GPU allocator's peak: run_step() (forward and backward) and return
+    the bytes of distinct storages autograd kept from forward to backward, parameters excluded.
+
+    The offloader's hooks sit inside ours (only the innermost saved-tensors hooks run), so the
+    one block input it keeps on the device is added from its own count.
+    """
+    saved = {}
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        if not (base.is_leaf and base.requires_grad):  # parameters (also FSDP's gathered ones)
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_step()
+    return sum(saved.values()) + (offloader.stats["kept_bytes"] if offloader else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo: memory vs number of layers, without checkpointing, with it, with offload.
+# ---------------------------------------------------------------------------------------------
+
+MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
+
+
+def measure_mode(cfg, rt, args, tokens, checkpointing: bool, offload: bool) -> dict:
+    """Build the model as train.py does (Ulysses and FSDP when launched with torchrun), run one
+    forward+backward and return {"device": bytes, "host": bytes} for this rank."""
+    train = importlib.import_module("train")  # imported here: train.py imports this file
+    fsdp = importlib.import_module("01_fsdp")
+    ulysses = importlib.import_module("02_ulysses")
+
+    def techniques(model):
+        if cfg.ulysses:
+            ulysses.apply_ulysses(model, rt.sp_group)
+        if checkpointing:
+            apply_checkpointing(model, offload)
+
+    model = fsdp.build_model(args, rt.device, rt.fsdp_mesh if cfg.fsdp else None,
+                             getattr(torch, cfg.dtype), seed=cfg.seed,
+                             exact_init=rt.device.type == "cpu", before_sharding=techniques)
+    offloader = model.checkpoint_offload if checkpointing else None
+    step = partial(train.forward_backward, model, tokens, rt)
+    try:
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            device_bytes = torch.cuda.max_memory_allocated() - before
+        else:
+            device_bytes = bytes_saved_for_backward(step, offloader)
+    except torch.cuda.OutOfMemoryError:
+        device_bytes = None
+    return {"device": device_bytes, "host": offloader.host_bytes if offloader else 0}
+
+
+def main():
+    train = importlib.import_module("train")
+    from model import get_model_args
+
+    on_gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b" if on_gpu else "small")
+    parser.add_argument("--seq-len", default="32K" if on_gpu else "4K", help="total tokens")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    opts = parser.parse_args()
+    launched = "WORLD_SIZE" in os.environ
+    cfg = train.Config(model=opts.model, seq_len=importlib.import_module("02_ulysses").parse_tokens(opts.seq_len),
+                       fsdp=launched, ulysses=launched, device="cuda" if on_gpu else "cpu",
+                       dtype="bfloat16" if on_gpu else "float32")
+    rt = train.setup_runtime(train.resolve_techniques(cfg))
+    base_args = get_model_args(cfg.model)
+    tokens = torch.randint(0, base_args.vocab_size, (1, cfg.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    itemsize = getattr(torch, cfg.dtype).itemsize
+
+    rows = []
+    for n_layers in opts.layers:
+        args = replace(base_args, n_layers=n_layers)
+        measured = {mode: measure_mode(cfg, rt, args, tokens, *flags) for mode, flags in MODES.items()}
+        if on_gpu:
+            torch.cuda.empty_cache()
+        planned = {offload: checkpoint_memory_bytes(args, cfg.seq_len, rt.sp, offload, itemsize)
+                   for offload in (False, True)}
+        rows.append((n_layers, measured, planned))
+
+    if rt.rank == 0:
+        unit, unit_name = (GiB, "GiB") if on_gpu else (MiB, "MiB")
+        how = ("peak GPU memory allocated during forward+backward, above the model" if on_gpu
+               else "bytes kept from forward to backward (saved tensors; CPU)")
+        print(f"{cfg.model} cut to {'/'.join(map(str, opts.layers))} layers, {cfg.seq_len:,} tokens over {rt.world} rank(s) "
+              f"(sp {rt.sp}: {cfg.seq_len // rt.sp:,} local), {cfg.dtype} on {rt.device.type}"
+              f"{', FSDP + Ulysses' if launched else ''}")
+        print(f"per rank, {unit_name}: {how}; host = the offloader's host buffers (pinned on a "
+              f"GPU machine); planner = checkpoint_memory_bytes (block inputs only)")
+        print(f"{'layers':>6}{'none':>10}{'checkpoint':>12}{'offload':>10}{'host':>10}"
+              f"{'planner: ckpt gpu':>19}{'offload gpu':>13}{'host':>8}")
+        show = lambda n: "OOM" if n is None else f"{n / unit:.1f}"  # noqa: E731
+        for n_layers, measured, planned in rows:
+            print(f"{n_layers:>6}{show(measured['none']['device']):>10}"
+                  f"{show(measured['checkpoint']['device']):>12}{show(measured['offload']['device']):>10}"
+                  f"{show(measured['offload']['host']):>10}{show(planned[False]['gpu']):>19}"
+                  f"{show(planned[True]['gpu']):>13}{show(planned[True]['host']):>8}")
+    if launched:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""03_checkpoint_offload.py: checkpointing and offload change no number, the offload really moves
+the block inputs to the host and back in time, and repeated steps reuse the same buffers."""
+
+import gc
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import model as llama
+from ranks import run_ranks
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+
+offload = importlib.import_module("03_checkpoint_offload")
+train = importlib.import_module("train")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny preset with 4 layers: 3 offloaded block inputs, so prefetching has a chain to follow.
+# (Registered at import, so the spawned ranks, which import this module, have it too.)
+MODEL = "tiny-4L"
+llama.PRESETS[MODEL] = replace(llama.get_model_args("tiny"), n_layers=4)
+ARGS = llama.get_model_args(MODEL)
+L = ARGS.n_layers
+ROWS, SEQ = 2, 32
+
+
+def _build(cfg):
+    """The model exactly as train.py builds it, with its runtime."""
+    cfg = train.resolve_techniques(cfg)
+    rt = train.setup_runtime(cfg)
+    return train.build_model(cfg, rt), rt, cfg
+
+
+def _check_offload_stats(stats, local_tokens, itemsize=4):
+    """One step moved L-1 block inputs to the host and brought each back, prefetched, before
+    its block's backward used it; the last block's input stayed."""
+    block_input = ROWS * local_tokens * ARGS.dim * itemsize
+    assert stats["offloaded"] == L - 1 and stats["offloaded_bytes"] == (L - 1) * block_input, stats
+    assert stats["restored"] == L - 1 and stats["restored_bytes"] == (L - 1) * block_input, stats
+    assert stats["kept"] == 1 and stats["kept_bytes"] == block_input, stats
+    assert stats["prefetched"] == L - 1, stats
+    events = stats["events"]
+    assert events[:L] == [f"offload {i}" for i in range(L - 1)] + [f"keep {L - 1}"], events
+    uses = [e for e in events if e.startswith("use")]
+    assert uses == [f"use {i}" for i in reversed(range(L))], events  # backward order, once each
+    for i in range(L - 1):
+        # Block i's input started coming back just before block i+1's backward (so the copy
+        # overlaps it), and before block i used it.
+        assert events.index(f"prefetch {i}") == events.index(f"use {i + 1}") - 1, events
+        assert events.index(f"prefetch {i}") < events.index(f"use {i}"), events
+    assert not any(e.startswith("fetch") for e in events), events  # nothing fetched late
+
+
+def _equal_with_and_without_checkpoint_and_offload():
+    sp = dist.get_world_size()
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=3, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads(MODEL, tokens, labels)
+    results = {}
+    for checkpointing, offloading in [(False, False), (True, False), (True, True)]:
+        cfg = train.Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=checkpointing,
+                           offload=offloading, seq_len=SEQ, batch_size=ROWS)
+        loss, grads = train_loss_and_grads(cfg, tokens, labels)
+        what = f"checkpoint={checkpointing} offload={offloading} sp={sp}"
+        assert_matches(loss, grads, ref_loss, ref_grads, what=what)
+        results[what] = (loss, grads)
+    # Recompute and the host round trip reproduce the same bits on the CPU.
+    (loss0, grads0), *others = results.values()
+    for loss, grads in others:
+        assert torch.equal(loss, loss0)
+        assert all(torch.equal(grads[name], grads0[name]) for name in grads0)
+
+    # The offload acts: count what moved during one step of the same configuration.
+    model, rt, _ = _build(train.Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
+                                       seq_len=SEQ, batch_size=ROWS))
+    offloader = model.checkpoint_offload
+    train.forward_backward(model, tokens, rt, labels)
+    _check_offload_stats(offloader.stats, SEQ // sp)
+    assert offloader.host_bytes == offloader.stats["offloaded_bytes"]  # one buffer per block input
+    assert not offloader.waiting
+
+
+def test_loss_and_grads_equal_reference_with_fsdp_ulysses_checkpoint_offload():
+    """P=2 (FSDP + Ulysses): none / checkpoint / checkpoint+offload all equal the unsharded fp32
+    model, and each other bit for bit; the offload moved L-1 block inputs out and back."""
+    run_ranks(2, _equal_with_and_without_checkpoint_and_offload)
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+def _repeated_steps_do_not_grow():
+    sp = dist.get_world_size()
+    model, rt, cfg = _build(train.Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
+                                         seq_len=SEQ, batch_size=ROWS, lr=1e-3))
+    offloader = model.checkpoint_offload
+    optimizer = train.make_optimizer(model, cfg)
+    data = train.TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
+    live, buffers = [], []
+    for step in range(5):
+        train.train_step(model, optimizer, data.batch(step), rt, cfg)
+        _check_offload_stats(offloader.stats, SEQ // sp)
+        assert not offloader.waiting  # every offloaded input came back and was let go
+        assert offloader.host_allocations == L - 1, offloader.host_allocations  # allocated once
+        assert offloader.host_bytes == (L - 1) * ROWS * SEQ // sp * ARGS.dim * 4
+        buffers.append({layer: [b.data_ptr() for b in free]
+                        for layer, free in offloader.free_host_buffers.items()})
+        live.append(_live_tensors())
+    assert all(b == buffers[0] for b in buffers), buffers  # the same host memory every step
+    # Step 0 creates the optimizer state; after it, nothing accumulates (no copies brought back
+    # and kept, no handles, no host buffers).
+    assert len(set(live[1:])) == 1, live
+
+
+def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
+    run_ranks(2, _repeated_steps_do_not_grow)
+
+
+def test_offload_acts_on_memory_kept_for_backward():
+    """One process: the bytes kept from forward to backward drop by the block activations with
+    checkpointing, and by L-1 more block inputs with offload (which the host holds instead)."""
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=1)
+    kept, host = {}, {}
+    for mode, (checkpointing, offloading) in offload.MODES.items():
+        model, rt, _ = _build(train.Config(model=MODEL, checkpoint=checkpointing,
+                                           offload=offloading, seq_len=SEQ, batch_size=ROWS))
+        offloader = model.checkpoint_offload if checkpointing else None
+        kept[mode] = offload.bytes_saved_for_backward(
+            lambda: train.forward_backward(model, tokens, rt, labels), offloader)
+        host[mode] = offloader.host_bytes if offloader else 0
+    block_input = ROWS * SEQ * ARGS.dim * 4
+    assert kept["checkpoint"] - kept["offload"] == (L - 1) * block_input, kept
+    assert host["offload"] == (L - 1) * block_input and host["checkpoint"] == 0
+    # A block saves many times its input for backward; checkpointing keeps only the input.
+    assert kept["none"] - kept["checkpoint"] > 5 * L * block_input, kept
+    planned = offload.checkpoint_memory_bytes(ARGS, SEQ, 1, offload=True, bytes_per_value=4)
+    assert planned == {"gpu": block_input // ROWS, "host": (L - 1) * block_input // ROWS}
+
+
+def test_no_grad_forward_saves_nothing_and_matches():
+    model, rt, _ = _build(train.Config(model=MODEL, offload=True, seq_len=SEQ))
+    plain, _, _ = _build(train.Config(model=MODEL, seq_len=SEQ))
+    ids = torch.randint(0, ARGS.vocab_size, (1, SEQ))
+    positions = torch.arange(SEQ)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, positions), plain(ids, positions), rtol=0, atol=0)
+    assert model.checkpoint_offload.stats["events"] == []
+
+
+def test_parameter_names_unchanged_and_applied_once():
+    with torch.device("meta"):
+        model = llama.Transformer(ARGS)
+    names = [n for n, _ in model.named_parameters()]
+    offload.apply_checkpointing(model, offload=True)
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="already applied"):
+        offload.apply_checkpointing(model)
+
+
+def test_planner_bytes_llama3_8b_3m_tokens_8_gpus():
+    args = llama.get_model_args("llama3-8b")
+    seq_len = 3 * 2**20
+    plain = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=False)
+    moved = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=True)
+    assert plain == {"gpu": 96 * 2**30, "host": 0}  # 32 layers x 3 GiB
+    assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}
+    with pytest.raises(ValueError, match=r"sequence length \(3145728\) must be divisible .*\(7\)"):
+        offload.checkpoint_memory_bytes(args, seq_len, 7, offload=True)
+
+
+def test_train_py_stack_3_runs():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "train.py", "--stack", "3", "--steps", "3"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoint, offload" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: pinned host memory, the side stream, lower memory, same numbers.
+# ---------------------------------------------------------------------------------------------
+
+def _gpu_offload_is_pinned_async_and_exact():
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=5)
+    ref_loss, ref_grads = reference_loss_and_grads(MODEL, tokens, labels)
+    base = dict(model=MODEL, fsdp=True, ulysses=True, seq_len=SEQ, batch_size=ROWS,
+                device="cuda", dtype="float32")
+    for offloading in (False, True):
+        loss, grads = train_loss_and_grads(train.Config(checkpoint=True, offload=offloading, **base),
+                                           tokens, labels)
+        assert_matches(loss.cpu(), {n: g.cpu() for n, g in grads.items()}, ref_loss, ref_grads,
+                       rtol=1e-4, atol=1e-5, what=f"cuda fp32 offload={offloading}")
+
+    model, rt, cfg = _build(train.Config(offload=True, **base))
+    offloader = model.checkpoint_offload
+    optimizer = train.make_optimizer(model, cfg)
+    after_step = []
+    for step in range(3):
+        train.train_step(model, optimizer, tokens, rt, cfg)
+        torch.cuda.synchronize()
+        _check_offload_stats(offloader.stats, SEQ)
+        after_step.append(torch.cuda.memory_allocated())
+    buffers = [b for free in offloader.free_host_buffers.values() for b in free]
+    assert len(buffers) == L - 1 and all(b.is_pinned() and b.device.type == "cpu" for b in buffers)
+    assert offloader.stream is not None
+    assert offloader.stream.cuda_stream != torch.cuda.current_stream().cuda_stream  # a side stream
+    assert offloader.host_allocations == L - 1
+    assert after_step[1] == after_step[2], after_step  # nothing left behind on the GPU
+
+
+def _gpu_memory_after_forward(offloading: bool, args, seq_len: int) -> int:
+    llama.PRESETS["small-8L"] = args
+    model, rt, _ = _build(train.Config(model="small-8L", checkpoint=True, offload=offloading,
+                                       seq_len=seq_len, device="cuda", dtype="float32"))
+    ids = torch.randint(0, args.vocab_size, (1, seq_len), device="cuda")
+    positions = torch.arange(seq_len, device="cuda")[None]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = model(ids, positions, ids)
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # lets the allocator release memory whose copy has finished
+    between = torch.cuda.memory_allocated() - before
+    loss.backward()
+    return between
+
+
+@pytest.mark.gpu
+def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
+    run_ranks(1, _gpu_offload_is_pinned_async_and_exact, backend="nccl")
+    args = replace(llama.get_model_args("small"), n_layers=8)
+    seq_len = 8192
+    block_input = seq_len * args.dim * 4
+    kept = {o: _gpu_memory_after_forward(o, args, seq_len) for o in (False, True)}
+    # Between forward and backward the GPU no longer holds 7 of the 8 block inputs.
+    assert kept[False] - kept[True] >= (args.n_layers - 1) * block_input * 0.9, kept
