@@ -1,0 +1,582 @@
+"""05 - Untied Ulysses (UPipe): Ulysses attention one chunk of heads at a time.
+
+The memory problem. After 01-04, Llama-3-8B at 3M tokens on 8 GPUs fits, but the attention
+sub-layer is now the biggest thing on the GPU. Ulysses (02) materializes Q and the output for all
+of a rank's heads at once, and twice over: in the token layout before the all-to-all (393,216
+local tokens x 32 heads x 128 x 2 bytes = 3.0 GiB each) and in the head layout after it (3M
+tokens x 4 heads x 128 x 2 bytes = 3.0 GiB each), plus K and V (0.75 GiB per layout each) and
+the rotary temporaries; backward then keeps Q, K, V and the output of every head in the head
+layout. The talk's chart: 33.0 GiB of attention activations per GPU.
+
+The idea (Ghadia et al., "Untied Ulysses", arXiv 2602.21196). Heads are independent, so run the
+heads in stages. Stage t projects only U of the H query heads (U/P for each rank), rotates them,
+exchanges them with the all-to-all, runs attention and exchanges the result straight into its
+slice of ONE output buffer; the next stage reuses the same (small) memory. K and V are "untied"
+from Q: with grouped-query attention several consecutive stages use the same KV head, so K/V are
+projected and exchanged once per KV group and reused. Backward keeps only the input, the output
+and each stage's log-sum-exp, and walks the stages again: it recomputes the stage's projections
+(cheap matmuls), exchanges the output and its gradient to the head layout and runs the attention
+backward kernel with the saved log-sum-exp - attention forward is never run twice. At U = P a
+stage holds one head per rank: for the example above 0.75 GiB per tensor instead of 3.0, and the
+chart's attention activations go from 33.0 to 19.5 GiB, enough to reach 5M tokens.
+
+Heads keep the standard order of the checkpoint weights and of the output (rank r ends up with
+query heads [r*H/P, (r+1)*H/P), exactly as in Ulysses): this file computes the same numbers as
+02_ulysses.py and as unsharded attention, only in a different memory schedule.
+
+Run the demo (attention-stage memory per rank for every chunk size, next to Ulysses):
+
+    torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
+    torchrun --nproc-per-node 2 05_untied_ulysses.py --model llama3-8b --seq-len 256K   # GPUs
+"""
+
+import argparse
+import importlib
+import logging
+import os
+import warnings
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model import apply_rope, get_model_args, rms_norm
+
+ulysses = importlib.import_module("02_ulysses")
+
+GiB = 2**30
+log = logging.getLogger("untied_ulysses")
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk sizes that work, checked before anything runs.
+# ---------------------------------------------------------------------------------------------
+
+def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | None) -> int:
+    """The number of query heads per stage across all ranks (U); default sp = least memory.
+
+    Raise ValueError naming the numbers when U cannot be used: every rank needs the same number
+    of heads per stage (U % sp == 0), the stages must cover the heads exactly (H % U == 0), and
+    a rank's heads in one stage must use whole KV heads in the plain grouped-query pattern.
+    """
+    ulysses.check_ulysses_shapes(n_heads, n_kv_heads, sp)
+    chunk = sp if head_chunk is None else head_chunk
+    if chunk < 1 or chunk % sp:
+        raise ValueError(f"Untied Ulysses needs the head chunk U ({chunk}) to be a positive "
+                         f"multiple of the sequence-parallel degree ({sp}): every stage gives "
+                         f"each rank U/{sp} query heads (try U = {sp})")
+    if n_heads % chunk:
+        raise ValueError(f"Untied Ulysses needs the head chunk U ({chunk}) to divide the query "
+                         f"heads ({n_heads}) so the stages cover every head once")
+    group_size = n_heads // n_kv_heads  # query heads per KV head (G)
+    heads_per_stage = chunk // sp  # per rank (u)
+    if n_kv_heads >= sp and group_size % heads_per_stage and heads_per_stage % group_size:
+        raise ValueError(f"Untied Ulysses needs the query heads per rank per stage (U/P = "
+                         f"{chunk}/{sp} = {heads_per_stage}) to divide, or be a multiple of, the "
+                         f"query heads per KV head ({n_heads}/{n_kv_heads} = {group_size}), so a "
+                         f"stage never uses part of a KV group")
+    return chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule: which rows of the weights each stage projects.
+# ---------------------------------------------------------------------------------------------
+
+def rank_blocks(weight: torch.Tensor, n_heads: int, sp: int, head_dim: int) -> torch.Tensor:
+    """Projection rows (n_heads * D, dim) as (sp, heads per rank, D, dim): block r holds the
+    heads rank r attends with. With fewer heads than ranks (KV heads < P) each head is repeated
+    for the ranks that share it, like `replicate_kv_heads` in 02."""
+    rows = weight.view(n_heads, head_dim, -1)
+    if n_heads >= sp:
+        return rows.view(sp, n_heads // sp, head_dim, -1)
+    copies = sp // n_heads
+    return rows[:, None].expand(n_heads, copies, head_dim, -1).reshape(sp, 1, head_dim, -1)
+
+
+def stage_rows(weight, n_heads, sp, head_dim, heads: slice) -> torch.Tensor:
+    """The rows of `heads` (a slice within every rank's block), rank 0's first: projecting x
+    with them gives (B, s, sp * heads, D) ready for the all-to-all that sends block j to rank j."""
+    blocks = rank_blocks(weight, n_heads, sp, head_dim)[:, heads]
+    return blocks.reshape(-1, blocks.shape[-1])
+
+
+def add_stage_rows(grad_weight, grad_rows, n_heads, sp, head_dim, heads: slice) -> None:
+    """Accumulate the gradient of `stage_rows(...)` into the full weight gradient buffer."""
+    dim = grad_weight.shape[-1]
+    if n_heads >= sp:
+        grad_weight.view(sp, n_heads // sp, head_dim, dim)[:, heads] += grad_rows.view(
+            sp, -1, head_dim, dim)
+    else:  # a KV head repeated for sp // n_heads ranks: its gradient is the sum of the copies
+        grad_weight.view(n_heads, head_dim, dim).add_(
+            grad_rows.view(n_heads, sp // n_heads, head_dim, dim).sum(1))
+
+
+def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
+    """For stage t: (query-head slice, KV-head slice) within each rank's blocks of heads.
+
+    Stage t gives rank r its query heads r*H/P + t*u + [0, u) with u = U/P (Ulysses order). They
+    use KV heads (r*H/P + t*u + i) // G; stages that use the same ones form a KV group and get
+    the same KV slice, so K/V are exchanged once for all of them.
+    """
+    heads_per_stage = head_chunk // sp  # u
+    group_size = n_heads // n_kv_heads  # G
+    kv_heads_per_stage = max(1, heads_per_stage // group_size) if n_kv_heads >= sp else 1
+    plan = []
+    for stage in range(n_heads // head_chunk):
+        first = stage * heads_per_stage
+        kv_first = (first // group_size) // kv_heads_per_stage * kv_heads_per_stage
+        if n_kv_heads < sp:
+            kv_first = 0  # all of a rank's query heads use its one (replicated) KV head
+        plan.append((slice(first, first + heads_per_stage),
+                     slice(kv_first, kv_first + kv_heads_per_stage)))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention that returns its log-sum-exp, and a backward that takes it.
+# ---------------------------------------------------------------------------------------------
+# Layout: q (B, S, H, D), k and v (B, S, Hkv, D) with H % Hkv == 0 (query head h uses KV head
+# h // (H // Hkv)), causal, scale 1/sqrt(D); out (B, S, H, D). lse: fp32, (B, H, S) or
+# (B, H, S, 1) depending on the kernel - only ever handed back to `attention_backward_lse`.
+# The kernels are private ATen ops (what SDPA calls inside); each one is checked once per
+# device/dtype/head size against the plain math below, and the first that works is used.
+# UNTIED_ATTENTION_KERNEL=cudnn|flash|cpu|math forces one (to debug a GPU).
+
+def math_attention_forward(q, k, v):
+    """Reference kernel in fp32 with explicit scores (B, Hkv, G, S, S): small inputs only."""
+    batch, seq_len, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[2]
+    # (B, Hkv, G, S, D): query head h = kv * G + g uses KV head kv.
+    qg = q.float().permute(0, 2, 1, 3).unflatten(1, (n_kv_heads, -1))
+    kg, vg = (t.float().permute(0, 2, 1, 3)[:, :, None] for t in (k, v))
+    scores = (qg @ kg.transpose(-1, -2)) * head_dim**-0.5
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = (scores - lse[..., None]).exp() @ vg
+    out = out.flatten(1, 2).permute(0, 2, 1, 3).to(q.dtype)
+    return out, lse.flatten(1, 2)
+
+
+def math_attention_backward(grad_out, q, k, v, out, lse):
+    """Gradients of `math_attention_forward` from its saved lse (no softmax forward re-run)."""
+    batch, seq_len, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[2]
+    scale = head_dim**-0.5
+    to_groups = lambda t: t.float().permute(0, 2, 1, 3).unflatten(1, (n_kv_heads, -1))
+    qg, dog, og = to_groups(q), to_groups(grad_out), to_groups(out)
+    kg, vg = (t.float().permute(0, 2, 1, 3)[:, :, None] for t in (k, v))
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+    scores = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(future, float("-inf"))
+    probs = (scores - lse.unflatten(1, (n_kv_heads, -1))[..., None]).exp()
+    grad_v = (probs.transpose(-1, -2) @ dog).sum(2)
+    grad_probs = dog @ vg.transpose(-1, -2)
+    grad_scores = probs * (grad_probs - (dog * og).sum(-1, keepdim=True)) * scale
+    grad_q = grad_scores @ kg
+    grad_k = (grad_scores.transpose(-1, -2) @ qg).sum(2)
+    back = lambda t, like: t.flatten(1, 2).permute(0, 2, 1, 3).to(like.dtype)
+    return back(grad_q, q), back(grad_k[:, :, None], k), back(grad_v[:, :, None], v)
+
+
+def _aten_forward(kernel, q, k, v):
+    """(B, heads, S, D) in, (B, H, S, D) out and lse, from one private ATen op."""
+    if kernel == "cudnn":
+        # compute_log_sumexp=True, dropout 0, causal, no debug mask
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False)[:2]
+    elif kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[:2]
+    elif kernel == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    else:
+        raise ValueError(f"unknown attention kernel {kernel!r}")
+    return out, lse
+
+
+def _aten_backward(kernel, grad_out, q, k, v, out, lse):
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    # Dropout is off, so the random-state arguments are never read; pass defined placeholders.
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    if kernel == "cudnn":
+        # attn_bias, cum_seq_q, cum_seq_k = None (undefined: dense, unmasked beyond causal)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, True)
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, seq_q, seq_k, 0.0, True, unused, unused)
+    if kernel == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, True)
+    raise ValueError(f"unknown attention kernel {kernel!r}")
+
+
+def _to_kernel_layout(kernel, t):
+    """(B, S, heads, D) -> (B, heads, S, D). cuDNN gets a contiguous tensor in that layout
+    (peers saw wrong results from the raw op on transposed views); with one head per stage it
+    is the same memory, so at U = P this costs nothing. The others take transposed views."""
+    t = t.transpose(1, 2)
+    return t.contiguous() if kernel == "cudnn" else t
+
+
+def attention_forward_lse(q, k, v, kernel: str | None = None):
+    """Causal attention (layout above) -> (out (B, S, H, D), lse)."""
+    kernel, native_gqa = lse_kernel(q, kernel)
+    if kernel == "math":
+        return math_attention_forward(q, k, v)
+    if not native_gqa and k.shape[2] != q.shape[2]:
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    out, lse = _aten_forward(kernel, *(_to_kernel_layout(kernel, t) for t in (q, k, v)))
+    return out.transpose(1, 2), lse
+
+
+def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None):
+    """(dq, dk, dv) of `attention_forward_lse` from its out and lse: the attention backward
+    kernel alone, no forward recomputation."""
+    kernel, native_gqa = lse_kernel(q, kernel)
+    if kernel == "math":
+        return math_attention_backward(grad_out, q, k, v, out, lse)
+    n_kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
+    if not native_gqa and group > 1:
+        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
+    args = (_to_kernel_layout(kernel, t.contiguous()) for t in (grad_out, q, k, v, out))
+    dq, dk, dv = (t.transpose(1, 2) for t in _aten_backward(kernel, *args, lse))
+    if not native_gqa and group > 1:  # the copies of a KV head add up
+        dk, dv = (t.unflatten(2, (n_kv_heads, group)).sum(3) for t in (dk, dv))
+    return dq, dk, dv
+
+
+_KERNEL_CHOICE = {}  # (device type, dtype, head_dim) -> (kernel, handles fewer KV heads)
+
+
+def lse_kernel(q, kernel: str | None = None):
+    """(kernel name, supports GQA natively) for tensors like q: the first of cuDNN > flash (CUDA,
+    16-bit) or the CPU flash kernel that passes a small check against the math kernel; or the
+    given `kernel`, checked only for GQA support. Logged once per choice."""
+    device, dtype, head_dim = q.device.type, q.dtype, q.shape[-1]
+    forced = kernel or os.environ.get("UNTIED_ATTENTION_KERNEL")
+    key = (device, dtype, head_dim, forced)
+    if key not in _KERNEL_CHOICE:
+        if forced:
+            candidates = [forced]
+        elif device == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            candidates = ["cudnn", "flash"]
+        elif device == "cpu":
+            candidates = ["cpu"]
+        else:
+            candidates = []
+        choice = ("math", True)
+        for name in candidates:
+            if name == "math":
+                break
+            works = _check_kernel(name, device, dtype, head_dim)
+            if works is not None:
+                choice = (name, works)
+                break
+            if forced:
+                raise RuntimeError(f"UNTIED_ATTENTION_KERNEL={forced} failed its check on "
+                                   f"{device}/{dtype}/head_dim {head_dim}; see the warning above")
+        log.info("attention kernel with log-sum-exp on %s %s head_dim %d: %s (native GQA: %s)",
+                 device, dtype, head_dim, *choice)
+        _KERNEL_CHOICE[key] = choice
+    return _KERNEL_CHOICE[key]
+
+
+def _check_kernel(kernel, device, dtype, head_dim):
+    """Run `kernel` forward and backward on a small causal problem with 2 query heads per KV
+    head and compare with the math kernel. Returns True (correct with fewer KV heads), False
+    (correct only with KV heads repeated) or None (unusable: the warning says why)."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, 64, 4, head_dim)
+    q, grad_out = (torch.randn(shape, generator=generator) for _ in range(2))
+    k, v = (torch.randn(1, 64, 2, head_dim, generator=generator) for _ in range(2))
+    want = math_attention_forward(q, k, v)
+    want = (want[0], *math_attention_backward(grad_out, q, k, v, *want))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for gqa in (True, False):
+        try:
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
+            args = [t.to(device, dtype) for t in (q, kk, vv)]
+            out, lse = _aten_forward(kernel, *(_to_kernel_layout(kernel, t) for t in args))
+            out = out.transpose(1, 2)
+            grads = _aten_backward(kernel, *(_to_kernel_layout(kernel, t.contiguous()) for t in
+                                             (grad_out.to(device, dtype), *args, out)), lse)
+            dq, dk, dv = (t.transpose(1, 2).float().cpu() for t in grads)
+            if not gqa:
+                dk, dv = (t.unflatten(2, (2, 2)).sum(3) for t in (dk, dv))
+            for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.float().cpu(), dq, dk, dv), want):
+                error = (got - ref).abs().max().item()
+                if not error <= tol * (1 + ref.abs().max().item()):
+                    raise RuntimeError(f"{name} differs from the math kernel by {error:.3g}")
+            return gqa
+        except Exception as error:  # a private op: any failure means "use the next one"
+            what = "with fewer KV heads" if gqa else "with KV heads repeated"
+            warnings.warn(f"attention kernel {kernel!r} on {device}/{dtype}/head_dim {head_dim} "
+                          f"failed {what}: {type(error).__name__}: {error}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention sub-layer, stage by stage, as one autograd function.
+# ---------------------------------------------------------------------------------------------
+
+def norm_and_rotate(y, norm_weight, eps, cos, sin):
+    """Per-head RMSNorm (Qwen3's QK-norm, when present) then rotary: model.project_qkv's order."""
+    if norm_weight is not None:
+        y = rms_norm(y, norm_weight, eps)
+    return apply_rope(y, cos, sin)
+
+
+def project(x, rows, head_dim):
+    """x (B, s, dim) @ rows.T -> (B, s, heads, D)."""
+    return F.linear(x, rows).unflatten(-1, (-1, head_dim))
+
+
+def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
+    """Q or K of the heads in `rows`: projected, normed, rotated. V: rope=None, projected only."""
+    y = project(x, rows, head_dim)
+    return y if rope is None else norm_and_rotate(y, norm_weight, eps, *rope)
+
+
+def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
+                        grad_norm_weight):
+    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
+    returns the gradient of `rows`. Norm and rotary are recomputed under autograd from the
+    projection; the projection's own backward is written out, so grad_x is accumulated in
+    place (autograd would hand back a full-size temporary for every stage)."""
+    if rope is not None:
+        y = project(x, rows, head_dim).requires_grad_()
+        weight = None if norm_weight is None else norm_weight.detach().requires_grad_()
+        with torch.enable_grad():
+            post = norm_and_rotate(y, weight, eps, *rope)
+        grads = torch.autograd.grad(post, [y] if weight is None else [y, weight], grad_heads)
+        if weight is not None:
+            grad_norm_weight += grads[1]
+        grad_heads = grads[0]
+    dim = x.shape[-1]
+    grad_y = grad_heads.reshape(-1, rows.shape[0])
+    grad_x.view(-1, dim).addmm_(grad_y, rows)
+    return grad_y.t() @ x.reshape(-1, dim)
+
+
+class UntiedUlyssesAttention(torch.autograd.Function):
+    """normed x (B, s, dim) of the local tokens -> attention output (B, s, H * D), standard
+    head order, before o_proj. Weights are inputs (read at call time) and get gradients."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, wq, wk, wv, q_norm, k_norm, group, sp, head_chunk, head_dim, eps):
+        batch, local_seq_len, _ = x.shape
+        n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
+        to_heads = partial(_exchange, group=group, sp=sp, scatter_dim=2, gather_dim=1)
+        to_tokens = partial(_exchange, group=group, sp=sp, scatter_dim=1, gather_dim=2)
+        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
+        rope = (cos, sin)
+        plan = stage_plan(n_heads, n_kv_heads, sp, head_chunk)
+
+        out = x.new_empty(batch, local_seq_len, n_heads * head_dim)  # the one output buffer
+        out_blocks = out.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
+        lses = []
+        for stage, (heads, kv_heads) in enumerate(plan):
+            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
+                k = v = None  # free the previous group's K/V before making the next
+                k = to_heads(projected_heads(x, rows(wk, n_kv_heads, heads=kv_heads), head_dim,
+                                             k_norm, eps, rope))
+                v = to_heads(project(x, rows(wv, n_kv_heads, heads=kv_heads), head_dim))
+            q = to_heads(projected_heads(x, rows(wq, n_heads, heads=heads), head_dim, q_norm,
+                                         eps, rope))  # (B, S, u, D): all tokens, u heads
+            stage_out, lse = attention_forward_lse(q, k, v)
+            del q
+            lses.append(lse)
+            # back to this rank's tokens, into this stage's heads of every rank's block
+            out_blocks[:, :, :, heads] = to_tokens(stage_out).unflatten(2, (sp, -1))
+            del stage_out
+
+        ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
+        ctx.group, ctx.sp, ctx.head_chunk, ctx.head_dim, ctx.eps = group, sp, head_chunk, head_dim, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses = ctx.saved_tensors
+        sp, head_dim, eps = ctx.sp, ctx.head_dim, ctx.eps
+        batch, local_seq_len, _ = x.shape
+        n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
+        to_heads = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=2, gather_dim=1)
+        to_tokens = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=1, gather_dim=2)
+        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
+        add_rows = partial(add_stage_rows, sp=sp, head_dim=head_dim)
+        rope = (cos, sin)
+        plan = stage_plan(n_heads, n_kv_heads, sp, ctx.head_chunk)
+        blocks = lambda t: t.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
+        out_blocks, grad_blocks = blocks(out), blocks(grad_out)
+
+        # Gradient buffers allocated once; every stage adds its share in place.
+        grad_x = torch.zeros_like(x)
+        grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (wq, wk, wv))
+        grad_q_norm = None if q_norm is None else torch.zeros_like(q_norm)
+        grad_k_norm = None if k_norm is None else torch.zeros_like(k_norm)
+
+        for stage, (heads, kv_heads) in enumerate(plan):
+            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
+                wk_rows, wv_rows = rows(wk, n_kv_heads, heads=kv_heads), rows(wv, n_kv_heads, heads=kv_heads)
+                k = to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
+                v = to_heads(project(x, wv_rows, head_dim))
+                grad_k = grad_v = None
+            # The stage's q, output and output gradient in the head layout, then the attention
+            # backward kernel with the saved log-sum-exp: no attention forward here.
+            wq_rows = rows(wq, n_heads, heads=heads)
+            q = to_heads(projected_heads(x, wq_rows, head_dim, q_norm, eps, rope))
+            stage_out = to_heads(out_blocks[:, :, :, heads].flatten(2, 3))
+            grad_stage_out = to_heads(grad_blocks[:, :, :, heads].flatten(2, 3))
+            grad_q, grad_k_stage, grad_v_stage = attention_backward_lse(
+                grad_stage_out, q, k, v, stage_out, lses[stage])
+            del q, stage_out, grad_stage_out
+            group_ends = stage == len(plan) - 1 or plan[stage + 1][1] != kv_heads
+            if group_ends:
+                del k, v
+            grad_k = grad_k_stage if grad_k is None else grad_k.add_(grad_k_stage)
+            grad_v = grad_v_stage if grad_v is None else grad_v.add_(grad_v_stage)
+            del grad_k_stage, grad_v_stage
+            grad_rows = projection_backward(x, wq_rows, head_dim, q_norm, eps, rope,
+                                            to_tokens(grad_q), grad_x, grad_q_norm)
+            del grad_q
+            add_rows(grad_wq, grad_rows, n_heads, heads=heads)
+
+            if group_ends:  # K/V gradients are complete: back through their projections
+                grad_rows = projection_backward(x, wk_rows, head_dim, k_norm, eps, rope,
+                                                to_tokens(grad_k), grad_x, grad_k_norm)
+                add_rows(grad_wk, grad_rows, n_kv_heads, heads=kv_heads)
+                grad_rows = projection_backward(x, wv_rows, head_dim, None, eps, None,
+                                                to_tokens(grad_v), grad_x, None)
+                add_rows(grad_wv, grad_rows, n_kv_heads, heads=kv_heads)
+                del grad_k, grad_v
+
+        return (grad_x, None, None, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm,
+                None, None, None, None, None)
+
+
+def _exchange(x, group, sp, scatter_dim, gather_dim):
+    """02's all_to_all, or nothing with one rank (also without a process group)."""
+    if sp == 1:
+        return x
+    return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
+
+
+def untied_attend(x, rope, attn, group, head_chunk):
+    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time."""
+    cos, sin = rope
+    sp = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
+    q_norm = None if attn.q_norm is None else attn.q_norm.weight
+    k_norm = None if attn.k_norm is None else attn.k_norm.weight
+    eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+    return UntiedUlyssesAttention.apply(x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
+                                        attn.v_proj.weight, q_norm, k_norm, group, sp,
+                                        head_chunk, attn.head_dim, eps)
+
+
+def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
+    """Make every attention layer of `model` Untied-Ulysses sequence-parallel over `group` with
+    `head_chunk` query heads per stage (default: the degree, least memory). Only the `attend`
+    seam is replaced, so this works on a meta-device model before FSDP shards it."""
+    args = model.args
+    sp = dist.get_world_size(group) if dist.is_initialized() else 1
+    head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
+    for block in model.layers:
+        attn = block.self_attn
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
+
+
+# ---------------------------------------------------------------------------------------------
+# What this file removes, in bytes (the planner in train.py adds these up).
+# ---------------------------------------------------------------------------------------------
+
+def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
+                           bytes_per_value: int = 2) -> int:
+    """Bytes one Untied Ulysses attention layer holds per rank during its forward, counted like
+    02's `attention_activation_bytes`: the output buffer (local tokens, all heads), plus ONE
+    stage's q and output and its KV group's k and v, each in the token and the head layout
+    (one layout when sp=1), plus the fp32 log-sum-exp of this rank's heads kept for backward."""
+    head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
+    local_tokens = seq_len // sp
+    heads_per_stage = head_chunk // sp
+    group_size = args.n_heads // args.n_kv_heads
+    kv_heads = max(1, heads_per_stage // group_size) if args.n_kv_heads >= sp else 1
+    layouts = 1 if sp == 1 else 2
+    # per local token: q and out of the stage (U heads), k and v of its group (sp * kv heads)
+    stage = layouts * (2 * head_chunk + 2 * sp * kv_heads) * args.head_dim
+    output = args.n_heads * args.head_dim
+    lse = seq_len * (args.n_heads // sp) * 4
+    return local_tokens * (output + stage) * bytes_per_value + lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo
+# ---------------------------------------------------------------------------------------------
+
+def valid_head_chunks(args, sp: int) -> list[int]:
+    chunks = []
+    for chunk in range(sp, args.n_heads + 1, sp):
+        try:
+            chunks.append(check_head_chunk(args.n_heads, args.n_kv_heads, sp, chunk))
+        except ValueError:
+            pass
+    return chunks
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--seq-len", default="16K")
+    opts = parser.parse_args()
+    args = get_model_args(opts.model)
+    seq_len = ulysses.parse_tokens(opts.seq_len)
+
+    on_gpu = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 05_untied_ulysses.py")
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
+    group = dist.group.WORLD
+
+    from model import Attention, rope_cos_sin
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        attn = Attention(args).to(dtype)
+    local = seq_len // sp
+    positions = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
+    rope = rope_cos_sin(positions, args, dtype)
+    x = torch.randn(1, local, args.dim, device=device, dtype=dtype, requires_grad=True)
+    bytes_per_value = torch.finfo(dtype).bits // 8
+    rows = []
+    attn.core = partial(ulysses.ulysses_attention, group=group)
+    rows.append(("Ulysses (02)", "-", "-", ulysses.measure_attention_stage(attn.attend, x, (rope,)),
+                 ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
+    for chunk in valid_head_chunks(args, sp):
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=chunk)
+        measured = ulysses.measure_attention_stage(attn.attend, x, (rope,))
+        planned = untied_attention_bytes(args, seq_len, sp, chunk, bytes_per_value)
+        rows.append(("Untied Ulysses", chunk, args.n_heads // chunk, measured, planned))
+    if rank == 0:
+        how = ("allocator peak above the input, forward + backward (GPU)" if on_gpu else
+               "saved-for-backward + output bytes (CPU)")
+        kernel = lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
+        unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
+        print(f"{opts.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
+              f"one attention layer per rank; measured: {how}; planned: the byte count of "
+              f"02/05's planner functions")
+        print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}{'planned ' + unit_name:>13}")
+        for name, chunk, stages, measured, planned in rows:
+            print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Untied Ulysses vs Ulysses: one Llama-3-8B attention sub-layer over P GPUs, memory and time.
+
+    torchrun --nproc-per-node 2 bench/untied.py                       # 512K and 1M tokens (~6 min)
+    torchrun --nproc-per-node 2 bench/untied.py --seq-lens 512K --chunks 2 16
+
+The sub-layer is the model's `attend` seam: normed input x (S/P local tokens, 4096) -> Q/K/V
+projections, rotary, attention, output (S/P, 32 x 128) before o_proj; forward and backward with
+an output gradient given, in bf16 (dim 4096, 32 query / 8 KV heads, head dim 128).
+  - Ulysses: model.Attention with 02's all-to-all core (all of a rank's heads at once);
+  - Untied Ulysses: 05's staged sub-layer for each head chunk U in --chunks.
+Memory: peak allocated above the inputs (x, the output gradient, the weights) during forward +
+backward. Time: CUDA events, median of --repeats after a warm-up (the memory run); above
+--single-run-above tokens one run gives both (a 1M-token fwd+bwd takes ~30 s).
+Targets (issue 6): at U = P the peak above the input is at most half of Ulysses'; time within 3%
+of Ulysses at >= 512K tokens. A configuration that runs out of memory is recorded as OOM.
+"""
+
+import argparse
+import gc
+import importlib
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model as llama  # noqa: E402
+from report import write_result  # noqa: E402
+
+ulysses = importlib.import_module("02_ulysses")
+untied = importlib.import_module("05_untied_ulysses")
+GiB = 2**30
+
+
+def run_once(attend, x, rope, grad_out, attn):
+    x.grad = None
+    attn.zero_grad(set_to_none=True)
+    attend(x, rope).backward(grad_out)
+
+
+def timed_ms(fn) -> float:
+    if not torch.cuda.is_available():  # CPU smoke run
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def measure(attend, x, rope, grad_out, attn, repeats: int) -> dict:
+    """Peak above the inputs from one run (also the warm-up), then the median time."""
+    fn = partial(run_once, attend, x, rope, grad_out, attn)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    first_ms = timed_ms(fn)
+    peak = (torch.cuda.max_memory_allocated() - base) / GiB if on_gpu else None
+    if repeats:
+        times = sorted(timed_ms(fn) for _ in range(repeats))
+        time_ms = times[len(times) // 2]
+    else:
+        time_ms = first_ms
+    return {"peak_above_input_gib": peak, "time_ms": time_ms, "first_run_ms": first_ms,
+            "timed_runs": repeats or 1}
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--seq-lens", nargs="+", default=["512K", "1M"])
+    parser.add_argument("--chunks", nargs="+", type=int, default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--single-run-above", default="512K",
+                        help="longer sequences: one run gives memory and time")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT or docs/results)")
+    opts = parser.parse_args()
+
+    on_gpu = torch.cuda.is_available()  # a CPU run (gloo, fp32) is a smoke test: time only
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+    group = dist.group.WORLD
+    args = llama.get_model_args(opts.model)
+    torch.manual_seed(0)
+    with torch.device(device):
+        attn = llama.Attention(args).to(dtype)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.02)
+    lse_kernel = untied.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))
+    chunks = [c for c in opts.chunks if c in untied.valid_head_chunks(args, sp)]
+    if rank == 0 and chunks != opts.chunks:
+        print(f"skipping head chunks {sorted(set(opts.chunks) - set(chunks))}: not valid for "
+              f"{args.n_heads}/{args.n_kv_heads} heads over {sp} ranks")
+
+    rows = []
+    for text in opts.seq_lens:
+        seq_len = ulysses.parse_tokens(text)
+        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
+        local = seq_len // sp
+        repeats = 0 if seq_len > ulysses.parse_tokens(opts.single_run_above) else opts.repeats
+        positions = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
+        rope = llama.rope_cos_sin(positions, args, dtype)
+        x = torch.randn(1, local, args.dim, device=device, dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(1, local, args.n_heads * args.head_dim, device=device, dtype=dtype)
+        configs = [("ulysses", None)] + [("untied", c) for c in chunks]
+        baseline = None
+        for method, chunk in configs:
+            if method == "ulysses":
+                attn.core = partial(ulysses.ulysses_attention, group=group)
+                attend = attn.attend
+                planned = ulysses.attention_activation_bytes(args, seq_len, sp)
+            else:
+                attend = partial(untied.untied_attend, attn=attn, group=group, head_chunk=chunk)
+                planned = untied.untied_attention_bytes(args, seq_len, sp, chunk)
+            row = {"seq_len": seq_len, "local_tokens": local, "method": method,
+                   "head_chunk": chunk, "stages": None if chunk is None else args.n_heads // chunk,
+                   "planned_gib": planned / GiB}
+            try:
+                row.update(measure(attend, x, rope, grad_out, attn, repeats))
+            except torch.OutOfMemoryError as error:  # (both ranks fail alike: same shapes)
+                row.update(peak_above_input_gib=None, time_ms=None, oom=str(error).splitlines()[0])
+            x.grad = None
+            attn.zero_grad(set_to_none=True)
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+            dist.barrier()
+            if method == "ulysses":
+                baseline = row
+            elif baseline and baseline["time_ms"] and row["time_ms"]:
+                row["time_vs_ulysses"] = row["time_ms"] / baseline["time_ms"]
+                row["target_time_within_3pct"] = row["time_vs_ulysses"] <= 1.03
+                if baseline["peak_above_input_gib"] and row["peak_above_input_gib"]:
+                    row["peak_vs_ulysses"] = row["peak_above_input_gib"] / baseline["peak_above_input_gib"]
+                    if chunk == sp:
+                        row["target_peak_half_of_ulysses"] = row["peak_vs_ulysses"] <= 0.5
+            rows.append(row)
+            if rank == 0:
+                print(row, flush=True)
+        del x, grad_out, rope
+
+    if rank == 0:
+        print(f"\n{opts.model} attention sub-layer (attend seam) fwd+bwd over {sp} ranks, {dtype}; "
+              f"Untied kernel: {lse_kernel[0]} (native GQA: {lse_kernel[1]}); Ulysses kernel: "
+              f"{llama.attention_kernel_name(device, dtype)}")
+        print(f"{'tokens':>8} {'method':>8} {'U':>3} {'stages':>6} {'peak GiB':>9} {'x Uly':>6} "
+              f"{'time ms':>9} {'x Uly':>6} {'planned GiB':>11}  targets")
+        for r in rows:
+            oom = "oom" in r
+            peak = "OOM" if oom else fmt(r["peak_above_input_gib"], ".2f")
+            ratio = lambda key: fmt(r.get(key, 1.0 if r["method"] == "ulysses" else None), ".3f")
+            targets = []
+            if "target_peak_half_of_ulysses" in r:
+                targets.append(f"peak <= 0.5x: {'PASS' if r['target_peak_half_of_ulysses'] else 'FAIL'}")
+            if "target_time_within_3pct" in r and r["seq_len"] >= 2**19:
+                targets.append(f"time <= 1.03x: {'PASS' if r['target_time_within_3pct'] else 'FAIL'}")
+            print(f"{r['seq_len']:>8} {r['method']:>8} {r['head_chunk'] or '-':>3} "
+                  f"{r['stages'] or '-':>6} {peak:>9} {ratio('peak_vs_ulysses'):>6} "
+                  f"{fmt(r['time_ms'], '.0f'):>9} {ratio('time_vs_ulysses'):>6} "
+                  f"{r['planned_gib']:>11.2f}  {', '.join(targets)}")
+        write_result("untied_attention", {
+            "what": f"one {opts.model} attention sub-layer (normed x -> pre-o_proj output), "
+                    f"fwd+bwd, {dtype}, {sp} ranks; peak = max allocated above x, grad_out, weights",
+            "untied_kernel": lse_kernel[0], "untied_kernel_native_gqa": lse_kernel[1],
+            "ulysses_kernel": llama.attention_kernel_name(device, dtype),
+            "targets": "at U = P peak <= 0.5 x Ulysses; time <= 1.03 x Ulysses at >= 512K",
+            "rows": rows}, opts.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

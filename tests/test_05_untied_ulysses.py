@@ -1,0 +1,390 @@
+"""05_untied_ulysses.py: headwise stages compute exactly what Ulysses and unsharded attention
+compute, keep less memory alive, and never re-run attention forward in backward."""
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+import weakref
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import model as llama
+from ranks import run_ranks
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+
+untied = importlib.import_module("05_untied_ulysses")
+ulysses = importlib.import_module("02_ulysses")
+train = importlib.import_module("train")
+REPO = Path(__file__).resolve().parent.parent
+
+# (query heads, KV heads) per world size: MHA, KV heads = P, KV heads < P, KV heads > P.
+HEAD_CASES = {
+    1: [(8, 8), (8, 2)],
+    2: [(8, 8), (8, 2), (8, 1), (8, 4)],
+    4: [(8, 8), (8, 4), (8, 2), (16, 8)],
+}
+
+
+def small_args(n_heads, n_kv_heads, qk_norm, dim=32, head_dim=8):
+    return llama.ModelArgs(dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                           head_dim=head_dim, ffn_dim=64, vocab_size=64, qk_norm=qk_norm)
+
+
+def random_attention(args, seed):
+    """An Attention layer with random weights, QK-norm weights included (not all ones)."""
+    torch.manual_seed(seed)
+    attn = llama.Attention(args)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3 if p.dim() == 1 else 0.1)
+    return attn
+
+
+def chunks_to_test(n_heads, n_kv_heads, sp):
+    """U in {P, 2P, H} where valid (2P can break the KV-group rule or exceed H)."""
+    chunks = []
+    for chunk in (sp, 2 * sp, n_heads):
+        try:
+            if untied.check_head_chunk(n_heads, n_kv_heads, sp, chunk) not in chunks:
+                chunks.append(chunk)
+        except ValueError:
+            pass
+    return chunks
+
+
+def run_attend(attend, x, rope, grad_out, attn):
+    """Output, input gradient and every projection/QK-norm weight gradient of one call."""
+    x = x.detach().clone().requires_grad_()
+    attn.zero_grad(set_to_none=True)
+    out = attend(x, rope)
+    out.backward(grad_out)
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention sub-layer: equal to the unsharded layer and to plain Ulysses.
+# ---------------------------------------------------------------------------------------------
+
+def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5):
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    batch, seq_len = 2, 32
+    local = slice(rank * seq_len // sp, (rank + 1) * seq_len // sp)
+    checked = 0
+    for n_heads, n_kv_heads in HEAD_CASES[sp]:
+        for qk_norm in (False, True):
+            args = small_args(n_heads, n_kv_heads, qk_norm)
+            attn = random_attention(args, seed=n_heads * 10 + n_kv_heads + qk_norm)
+            g = torch.Generator().manual_seed(n_heads + n_kv_heads)
+            x = torch.randn(batch, seq_len, args.dim, generator=g)
+            grad_out = torch.randn(batch, seq_len, n_heads * args.head_dim, generator=g)
+            positions = torch.arange(seq_len).expand(batch, -1)
+            # Reference: unsharded, fp32, one process.
+            ref_out, ref_dx, ref_grads = run_attend(
+                attn.attend, x, llama.rope_cos_sin(positions, args, torch.float32), grad_out, attn)
+            # This rank's tokens on the device, for plain Ulysses and for every chunk size.
+            attn_here = random_attention(args, 0).to(device, dtype)
+            attn_here.load_state_dict(attn.state_dict())
+            rope = llama.rope_cos_sin(positions[:, local].to(device), args, dtype)
+            x_here, grad_here = x[:, local].to(device, dtype), grad_out[:, local].to(device, dtype)
+            attn_here.core = partial(ulysses.ulysses_attention, group=group)
+            uly = run_attend(attn_here.attend, x_here, rope, grad_here, attn_here)
+            for chunk in chunks_to_test(n_heads, n_kv_heads, sp):
+                attend = partial(untied.untied_attend, attn=attn_here, group=group, head_chunk=chunk)
+                out, dx, grads = run_attend(attend, x_here, rope, grad_here, attn_here)
+                what = (f"P={sp} heads={n_heads} kv={n_kv_heads} qk_norm={qk_norm} U={chunk}")
+                close = partial(torch.testing.assert_close, rtol=rtol, atol=atol)
+                close(out.float().cpu(), ref_out[:, local], msg=lambda m: f"{what} out: {m}")
+                close(dx.float().cpu(), ref_dx[:, local], msg=lambda m: f"{what} dx: {m}")
+                # Plain Ulysses on the same rank: the same output and the same partial grads.
+                close(out, uly[0], msg=lambda m: f"{what} out vs Ulysses: {m}")
+                close(dx, uly[1], msg=lambda m: f"{what} dx vs Ulysses: {m}")
+                assert grads.keys() == ref_grads.keys() == uly[2].keys(), what
+                for name, grad in grads.items():
+                    close(grad, uly[2][name], msg=lambda m: f"{what} d{name} vs Ulysses: {m}")
+                    grad = grad.float()
+                    dist.all_reduce(grad)  # each rank holds its tokens' share (FSDP sums them)
+                    close(grad.cpu(), ref_grads[name], msg=lambda m: f"{what} d{name}: {m}")
+                checked += 1
+    assert checked >= 4 * len(HEAD_CASES[sp])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_attention_layer_equals_unsharded_and_ulysses(world_size):
+    """MHA and GQA with KV heads = P, < P, > P; with and without QK-norm; U in {P, 2P, H}."""
+    run_ranks(world_size, _layer_matches)
+
+
+# ---------------------------------------------------------------------------------------------
+# The full model with the whole stack.
+# ---------------------------------------------------------------------------------------------
+
+def stack_flags():
+    """Everything up to 05 that is built (03 and 04 are written in parallel with this file)."""
+    flags = {"fsdp": True, "untied": True}
+    if importlib.util.find_spec("03_checkpoint_offload") is not None:
+        flags.update(checkpoint=True, offload=True)
+    if importlib.util.find_spec("04_alst_tiling") is not None:
+        flags.update(tile_mlp=True, tile_loss=True)
+    return flags
+
+
+def _model_matches(sp, chunks):
+    dp = dist.get_world_size() // sp
+    for chunk in chunks:
+        cfg = train.Config(model="tiny", sp=sp, head_chunk=chunk, seq_len=32, batch_size=2,
+                           **stack_flags())
+        tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp + chunk, ignore_frac=0.3)
+        labels[-1, :] = llama.IGNORE_INDEX  # one whole sample ignored
+        ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
+        loss, grads = train_loss_and_grads(cfg, tokens, labels)
+        assert_matches(loss, grads, ref_loss, ref_grads, what=f"sp={sp} dp={dp} U={chunk}")
+
+
+@pytest.mark.parametrize("world_size,sp,chunks", [(2, 2, (2, 8)), (4, 4, (4, 8)), (4, 2, (2,))])
+def test_full_stack_model_equals_single_process(world_size, sp, chunks):
+    """Loss and every parameter gradient. tiny has 8 query and 2 KV heads: at sp=2 KV heads = P
+    (U=2 runs 4 stages per KV group), at sp=4 they are replicated; (4, 2) is dp=2 x sp=2."""
+    run_ranks(world_size, _model_matches, sp, chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk sizes that cannot work are refused.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads,kv,sp,chunk,needle", [
+    (32, 8, 2, 3, "head chunk U (3) to be a positive multiple of the sequence-parallel degree (2)"),
+    (32, 8, 4, 0, "head chunk U (0) to be a positive multiple"),
+    (32, 8, 2, 12, "head chunk U (12) to divide the query heads (32)"),
+    (24, 6, 2, 12, "(U/P = 12/2 = 6) to divide, or be a multiple of, the query heads per KV head (24/6 = 4)"),
+    (32, 8, 3, 3, "query heads (32) to be divisible by the sequence-parallel degree (3)"),
+])
+def test_bad_chunks_are_refused(heads, kv, sp, chunk, needle):
+    with pytest.raises(ValueError) as error:
+        untied.check_head_chunk(heads, kv, sp, chunk)
+    assert needle in str(error.value)
+
+
+def test_default_chunk_is_the_degree():
+    assert untied.check_head_chunk(32, 8, 8, None) == 8
+    assert untied.check_head_chunk(8, 2, 4, None) == 4
+
+
+def test_train_refuses_bad_chunk():
+    result = subprocess.run([sys.executable, "train.py", "--untied", "--head-chunk", "3",
+                             "--steps", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "head chunk U (3) to divide the query heads (8)" in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The technique acts: less memory alive, buffers reused across stages, no attention re-run.
+# ---------------------------------------------------------------------------------------------
+
+class LiveBytes(TorchDispatchMode):
+    """A CPU stand-in for the GPU allocator's statistics: bytes of the storages created by ops
+    inside the mode that are still referenced by a tensor, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = {}  # data_ptr -> [tensors alive, nbytes]
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(func)
+        outside = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)} - self.storages.keys()
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in outside:  # in place on, or a view of, an outside tensor
+                continue
+            if ptr not in self.storages:
+                self.storages[ptr] = [0, nbytes]
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            self.storages[ptr][0] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+    def _release(self, ptr):
+        entry = self.storages.get(ptr)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.live -= entry[1]
+                del self.storages[ptr]
+
+
+def attention_stage_memory(attend, x, rope, grad_out, params):
+    """(peak live bytes during forward + backward, bytes saved for backward) of one call; the
+    saved bytes exclude the inputs and the weights, which exist anyway."""
+    exclude = {t.untyped_storage().data_ptr() for t in (x, *rope, *params)}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    tracker = LiveBytes()
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attend(x, rope)
+    with tracker:
+        out.backward(grad_out)
+    return tracker.peak, sum(saved.values())
+
+
+def _memory_shrinks_and_does_not_grow_with_stages():
+    rank, sp = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    args = small_args(16, 4, qk_norm=True, dim=64, head_dim=16)
+    attn = random_attention(args, 0)
+    params = list(attn.parameters())
+    batch, local_seq_len = 1, 256
+    positions = torch.arange(rank * local_seq_len, (rank + 1) * local_seq_len)[None]
+    rope = llama.rope_cos_sin(positions, args, torch.float32)
+    x = torch.randn(batch, local_seq_len, args.dim, requires_grad=True)
+    grad_out = torch.randn(batch, local_seq_len, args.n_heads * args.head_dim)
+    measured = {}
+    for chunk in (sp, 2 * sp, args.n_heads):
+        attend = partial(untied.untied_attend, attn=attn, group=group, head_chunk=chunk)
+        if not measured:
+            attend(x, rope).sum().backward()  # warm-up: the kernel check allocates once
+        measured[chunk] = attention_stage_memory(attend, x, rope, grad_out, params)
+    attn.core = partial(ulysses.ulysses_attention, group=group)
+    ulysses_peak, ulysses_saved = attention_stage_memory(attn.attend, x, rope, grad_out, params)
+    (peak_p, saved_p), (peak_2p, saved_2p), (peak_h, saved_h) = measured.values()
+    report = f"untied {measured}, Ulysses {(ulysses_peak, ulysses_saved)}"
+    # What backward keeps does not depend on the number of stages: the output and the lse.
+    output_bytes = grad_out.nbytes
+    lse_bytes = batch * sp * local_seq_len * args.n_heads // sp * 4
+    assert saved_p == saved_2p == saved_h == output_bytes + lse_bytes, report
+    assert saved_p < ulysses_saved / 2, report
+    # More stages, smaller stages: the peak never grows with the stage count, it shrinks.
+    assert peak_p < peak_2p < peak_h, report
+    assert peak_p < ulysses_peak * 0.5, report
+
+
+def test_memory_shrinks_with_smaller_chunks_and_is_below_ulysses():
+    run_ranks(2, _memory_shrinks_and_does_not_grow_with_stages)
+
+
+def test_backward_runs_attention_backward_only(monkeypatch):
+    """Backward uses the saved log-sum-exp: no attention forward, one backward per stage."""
+    args = small_args(8, 2, qk_norm=False)
+    attn = random_attention(args, 0)
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = untied.attention_forward_lse, untied.attention_backward_lse
+
+    def count(name, fn, *a, **k):
+        calls[name] += 1
+        return fn(*a, **k)
+
+    monkeypatch.setattr(untied, "attention_forward_lse", partial(count, "forward", forward))
+    monkeypatch.setattr(untied, "attention_backward_lse", partial(count, "backward", backward))
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    rope = llama.rope_cos_sin(torch.arange(16).expand(2, -1), args, torch.float32)
+    out = untied.untied_attend(x, rope, attn, None, head_chunk=2)
+    assert calls == {"forward": 4, "backward": 0}
+    tracker = LiveBytes()
+    with tracker:
+        out.sum().backward()
+    assert calls == {"forward": 4, "backward": 4}
+    names = [str(op) for op in tracker.ops]
+    assert not any("flash_attention_for_cpu.default" in n or "scaled_dot_product_attention" in n
+                   for n in names), names
+    assert sum("flash_attention_for_cpu_backward" in n for n in names) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel wrapper, and the byte count for the planner.
+# ---------------------------------------------------------------------------------------------
+
+def check_kernel_wrapper(device, dtype, rtol, atol):
+    for n_heads, n_kv_heads in [(4, 4), (4, 2), (4, 1)]:
+        g = torch.Generator().manual_seed(n_heads * 10 + n_kv_heads)
+        shape = (2, 48, n_heads, 64)
+        q, grad_out = (torch.randn(shape, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, 48, n_kv_heads, 64, generator=g) for _ in range(2))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), is_causal=True,
+                                                 enable_gqa=True).transpose(1, 2)
+        ref_out.backward(grad_out)
+        kernels = [None] + (["math"] if device == "cpu" else [])
+        for kernel in kernels:
+            args = [t.to(device, dtype) for t in (q, k, v)]
+            out, lse = untied.attention_forward_lse(*args, kernel=kernel)
+            grads = untied.attention_backward_lse(grad_out.to(device, dtype), *args, out, lse,
+                                                  kernel=kernel)
+            what = f"{untied.lse_kernel(args[0], kernel)} heads={n_heads} kv={n_kv_heads}"
+            assert lse.dtype == torch.float32, what
+            close = partial(torch.testing.assert_close, rtol=rtol, atol=atol)
+            close(out.float().cpu(), ref_out.detach(), msg=lambda m: f"{what} out: {m}")
+            for name, got, want in zip("qkv", grads, ref):
+                assert got.shape == want.shape, what
+                close(got.float().cpu(), want.grad, msg=lambda m: f"{what} d{name}: {m}")
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "cpu"])
+def test_private_op_calls_fit_this_torch(kernel):
+    """The GPU branches' argument lists against this torch's op schemas, on meta tensors (no
+    GPU needed): output and lse shapes, and gradients shaped like q, k, v with fewer KV heads."""
+    q = torch.empty(1, 64, 4, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 64, 2, 128, device="meta", dtype=torch.bfloat16)
+    args = [untied._to_kernel_layout(kernel, t) for t in (q, k, k)]
+    out, lse = untied._aten_forward(kernel, *args)
+    assert out.shape == (1, 4, 64, 128) and lse.dtype == torch.float32
+    assert lse.shape[:3] == (1, 4, 64) and lse.numel() == 4 * 64
+    grads = untied._aten_backward(kernel, out, *args, out, lse)
+    assert [tuple(g.shape) for g in grads] == [(1, 4, 64, 128), (1, 2, 64, 128), (1, 2, 64, 128)]
+
+
+def test_kernel_wrapper_matches_sdpa():
+    check_kernel_wrapper("cpu", torch.float32, 1e-5, 1e-5)
+
+
+def test_planner_bytes():
+    args = llama.get_model_args("llama3-8b")
+    seq_len, sp = 3 * 2**20, 8
+    ulysses_bytes = ulysses.attention_activation_bytes(args, seq_len, sp)
+    per_chunk = [untied.untied_attention_bytes(args, seq_len, sp, chunk) for chunk in (8, 16, 32)]
+    assert per_chunk == sorted(per_chunk)
+    assert per_chunk[0] < 0.65 * ulysses_bytes
+    # One stage of all heads holds Ulysses' buffers plus the output buffer it copies into.
+    local_tokens = seq_len // sp
+    output, lse = local_tokens * 32 * 128 * 2, seq_len * 4 * 4
+    assert per_chunk[-1] == ulysses_bytes + output + lse
+    # tiny by hand: 16 local tokens x (output 8 heads + 2 layouts x (q, out: 2 heads; k, v: 2
+    # ranks x 1 head)) x 8 dims x 4 bytes, plus lse of 32 tokens x 4 heads x 4 bytes.
+    tiny = llama.get_model_args("tiny")
+    assert untied.untied_attention_bytes(tiny, 32, 2, 2, 4) == 16 * (8 + 2 * 8) * 8 * 4 + 32 * 4 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# GPUs (NCCL, bf16 against the fp32 CPU reference)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_kernel_wrapper_matches_sdpa_cuda():
+    check_kernel_wrapper("cuda", torch.bfloat16, 2e-2, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_attention_layer_nccl_bf16_matches_fp32_reference():
+    run_ranks(2, _layer_matches, "cuda", torch.bfloat16, 3e-2, 3e-2, backend="nccl")
