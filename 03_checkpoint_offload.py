@@ -3,7 +3,7 @@
 The memory problem. After FSDP (01) and Ulysses (02), Llama-3-8B at 3M tokens on 8 GPUs gives
 each GPU 393,216 tokens, and backward still needs what every layer saved in forward: about
 196 KiB per token per layer in bf16 (the norms' fp32 inputs, q/k/v and the attention output,
-and four tokens x 14,336 MLP intermediates; counted with a saved-tensors hook on one block), so
+four x 14,336 MLP intermediates per token; counted with a saved-tensors hook on one block), so
 393,216 x 196 KiB x 32 layers = 2,357 GiB per GPU.
 
 The idea, in two steps.
@@ -12,17 +12,18 @@ The idea, in two steps.
      time; what stays for backward is 32 block inputs of 393,216 x 4,096 x 2 bytes = 3 GiB each:
      96 GiB per GPU, still more than an 80 GiB H100 holds next to 15 GiB of model state.
   2. Offloading the checkpoints: copy each block input into pinned host memory as soon as the
-     block has it, and bring it back just before that block's backward. The GPU keeps the last
-     block's input (backward starts there, so copying it out would only make backward wait), plus
-     during backward the block being recomputed and the one being fetched: 9 GiB at most, the
-     same for 4 layers or 80. The host holds 31 x 3 GiB = 93 GiB per GPU (744 GiB for 8 GPUs).
+     block has it, and bring it back just before that block's backward. Between forward and
+     backward the GPU keeps only the last block's input (backward starts there, so copying it
+     out would only make backward wait): 3 GiB; during backward two at a time, the one the
+     current block recomputes from and the next one coming back: 6 GiB, the same for 4 layers
+     or 80. The host holds 31 x 3 GiB = 93 GiB per GPU (744 GiB for 8 GPUs).
 
 The copies must not slow training down. They run on a side CUDA stream: in forward the side
 stream waits only for the block input to be computed and copies it out while the compute stream
 runs the next block; in backward, when block i's input is unpacked, block i-1's input starts
 coming back, so its copy overlaps block i's recompute and backward (pinned memory copies at
-~55 GB/s on an H200: a 3 GiB input in ~60 ms, against seconds of attention per block at these
-lengths). Host buffers are allocated once per layer and reused every step.
+~55 GB/s on an H200: a 3 GiB input in ~60 ms, against tens of seconds of attention per block
+at these lengths). Host buffers are allocated once per layer and reused every step.
 
 The engine is PyTorch's: `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` saves
 the block's inputs through the saved-tensors mechanism, outside the region it recomputes, so a
@@ -61,8 +62,8 @@ def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
 
     Each block input is local tokens x dim. Without offload all n_layers stay on the GPU; with
     offload only the last block's does, and n_layers - 1 live in pinned host memory. (During
-    backward two more are briefly on the GPU: the block being recomputed and the next one coming
-    back.) The recompute of one block's activations is not counted here.
+    backward the GPU holds two at a time: the one the current block recomputes from and the next
+    one coming back.) The recompute of one block's activations is not counted here.
     """
     if seq_len % sp:
         raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
@@ -175,7 +176,9 @@ class BlockInputOffloader:
         self.host_allocations += 1
         self.host_bytes += like.numel() * like.element_size()
         # Pinned (page-locked) memory: the GPU copies it directly, at full speed and without
-        # blocking the host; pageable memory would be staged and ~4x slower.
+        # blocking the host; pageable memory would be staged and ~4x slower. (PyTorch's pinned
+        # allocator rounds each buffer up to a power of two: a 3 GiB input takes 4 GiB of host
+        # memory, while power-of-two lengths such as 512K local tokens lose nothing.)
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
 
     def copy_to_host(self, x: torch.Tensor, host: torch.Tensor) -> None:
@@ -255,6 +258,11 @@ class BlockInputOffloader:
 # Measuring: on a GPU the allocator's peak; on a CPU the bytes autograd keeps for backward.
 # ---------------------------------------------------------------------------------------------
 
+def gradient_bytes(model) -> int:
+    """Bytes of this rank's gradients once backward has run (FSDP2: of its parameter shards)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+
+
 def bytes_saved_for_backward(run_step, offloader=None) -> int:
     """CPU stand-in for the GPU allocator's peak: run_step() (forward and backward) and return
     the bytes of distinct storages autograd kept from forward to backward, parameters excluded.
@@ -307,10 +315,11 @@ def measure_mode(cfg, rt, args, tokens, checkpointing: bool, offload: bool) -> d
             before = torch.cuda.memory_allocated()
             step()
             torch.cuda.synchronize()
-            device_bytes = torch.cuda.max_memory_allocated() - before
+            # Above the model state: its gradients grow with the layers, as the parameters do.
+            device_bytes = torch.cuda.max_memory_allocated() - before - gradient_bytes(model)
         else:
             device_bytes = bytes_saved_for_backward(step, offloader)
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, getattr(train, "StepOutOfMemory", MemoryError)):
         device_bytes = None
     return {"device": device_bytes, "host": offloader.host_bytes if offloader else 0}
 
@@ -347,7 +356,8 @@ def main():
 
     if rt.rank == 0:
         unit, unit_name = (GiB, "GiB") if on_gpu else (MiB, "MiB")
-        how = ("peak GPU memory allocated during forward+backward, above the model" if on_gpu
+        how = ("peak GPU memory allocated in forward+backward above the parameters and their "
+               "gradients" if on_gpu
                else "bytes kept from forward to backward (saved tensors; CPU)")
         print(f"{cfg.model} cut to {'/'.join(map(str, opts.layers))} layers, {cfg.seq_len:,} tokens over {rt.world} rank(s) "
               f"(sp {rt.sp}: {cfg.seq_len // rt.sp:,} local), {cfg.dtype} on {rt.device.type}"

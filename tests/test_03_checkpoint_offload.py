@@ -203,9 +203,8 @@ def _gpu_offload_is_pinned_async_and_exact():
     after_step = []
     for step in range(3):
         train.train_step(model, optimizer, tokens, rt, cfg)
-        torch.cuda.synchronize()
         _check_offload_stats(offloader.stats, SEQ)
-        after_step.append(torch.cuda.memory_allocated())
+        after_step.append(_settled_memory_allocated())
     buffers = [b for free in offloader.free_host_buffers.values() for b in free]
     assert len(buffers) == L - 1 and all(b.is_pinned() and b.device.type == "cpu" for b in buffers)
     assert offloader.stream is not None
@@ -214,18 +213,24 @@ def _gpu_offload_is_pinned_async_and_exact():
     assert after_step[1] == after_step[2], after_step  # nothing left behind on the GPU
 
 
+def _settled_memory_allocated() -> int:
+    """Bytes allocated once the GPU is idle. Memory last read by the side stream (a block input
+    copied out, recorded with record_stream) is released by the allocator at its next
+    allocation after the copy finished: make one."""
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+    return torch.cuda.memory_allocated()
+
+
 def _gpu_memory_after_forward(offloading: bool, args, seq_len: int) -> int:
     llama.PRESETS["small-8L"] = args
     model, rt, _ = _build(train.Config(model="small-8L", checkpoint=True, offload=offloading,
                                        seq_len=seq_len, device="cuda", dtype="float32"))
     ids = torch.randint(0, args.vocab_size, (1, seq_len), device="cuda")
     positions = torch.arange(seq_len, device="cuda")[None]
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = _settled_memory_allocated()
     loss = model(ids, positions, ids)
-    torch.cuda.synchronize()
-    torch.empty(1, device="cuda")  # lets the allocator release memory whose copy has finished
-    between = torch.cuda.memory_allocated() - before
+    between = _settled_memory_allocated() - before
     loss.backward()
     return between
 
