@@ -24,6 +24,9 @@ Heads keep the standard order of the checkpoint weights and of the output (rank 
 query heads [r*H/P, (r+1)*H/P), exactly as in Ulysses): this file computes the same numbers as
 02_ulysses.py and as unsharded attention, only in a different memory schedule.
 
+In training: `python train.py --untied [--head-chunk U]` (or `--stack 5`) replaces 02 at the same
+seam; U defaults to P, the least memory; larger U runs fewer, bigger stages.
+
 Run the demo (attention-stage memory per rank for every chunk size, next to Ulysses):
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
@@ -125,9 +128,9 @@ def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
     plan = []
     for stage in range(n_heads // head_chunk):
         first = stage * heads_per_stage
-        kv_first = (first // group_size) // kv_heads_per_stage * kv_heads_per_stage
-        if n_kv_heads < sp:
-            kv_first = 0  # all of a rank's query heads use its one (replicated) KV head
+        # Rank blocks start at a KV-group boundary, so the offset within the block decides.
+        # With KV heads < P all of a rank's query heads use its one (replicated) KV head.
+        kv_first = first // group_size if n_kv_heads >= sp else 0
         plan.append((slice(first, first + heads_per_stage),
                      slice(kv_first, kv_first + kv_heads_per_stage)))
     return plan
@@ -248,7 +251,7 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
     return dq, dk, dv
 
 
-_KERNEL_CHOICE = {}  # (device type, dtype, head_dim) -> (kernel, handles fewer KV heads)
+_KERNEL_CHOICE = {}  # (device type, dtype, head_dim, forced name) -> (kernel, handles fewer KV heads)
 
 
 def lse_kernel(q, kernel: str | None = None):
@@ -420,7 +423,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
 
         for stage, (heads, kv_heads) in enumerate(plan):
             if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
-                wk_rows, wv_rows = rows(wk, n_kv_heads, heads=kv_heads), rows(wv, n_kv_heads, heads=kv_heads)
+                wk_rows = rows(wk, n_kv_heads, heads=kv_heads)
+                wv_rows = rows(wv, n_kv_heads, heads=kv_heads)
                 k = to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
                 v = to_heads(project(x, wv_rows, head_dim))
                 grad_k = grad_v = None
@@ -572,7 +576,8 @@ def main():
         print(f"{opts.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
               f"one attention layer per rank; measured: {how}; planned: the byte count of "
               f"02/05's planner functions")
-        print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}{'planned ' + unit_name:>13}")
+        print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
+              f"{'planned ' + unit_name:>13}")
         for name, chunk, stages, measured, planned in rows:
             print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
     dist.destroy_process_group()

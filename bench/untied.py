@@ -11,8 +11,10 @@ an output gradient given, in bf16 (dim 4096, 32 query / 8 KV heads, head dim 128
 Memory: peak allocated above the inputs (x, the output gradient, the weights) during forward +
 backward. Time: CUDA events, median of --repeats after a warm-up (the memory run); above
 --single-run-above tokens one run gives both (a 1M-token fwd+bwd takes ~30 s).
-Targets (issue 6): at U = P the peak above the input is at most half of Ulysses'; time within 3%
-of Ulysses at >= 512K tokens. A configuration that runs out of memory is recorded as OOM.
+Each Untied run's output and input gradient are compared with Ulysses' (max relative difference;
+bf16 rounding expected). Targets (issue 6): at U = P the peak above the input is at most half of
+Ulysses'; time within 3% of Ulysses at >= 512K tokens. A configuration that runs out of memory
+is recorded as OOM.
 """
 
 import argparse
@@ -40,7 +42,9 @@ GiB = 2**30
 def run_once(attend, x, rope, grad_out, attn):
     x.grad = None
     attn.zero_grad(set_to_none=True)
-    attend(x, rope).backward(grad_out)
+    out = attend(x, rope)
+    out.backward(grad_out)
+    return out.detach()
 
 
 def timed_ms(fn) -> float:
@@ -56,9 +60,15 @@ def timed_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
+def max_relative_difference(got, want) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 def measure(attend, x, rope, grad_out, attn, repeats: int) -> dict:
-    """Peak above the inputs from one run (also the warm-up), then the median time."""
-    fn = partial(run_once, attend, x, rope, grad_out, attn)
+    """Peak above the inputs from one run (also the warm-up), then the median time; x.grad of
+    the last run is left in place."""
+    last = {}
+    fn = lambda: last.update(out=run_once(attend, x, rope, grad_out, attn))
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.synchronize()
@@ -72,7 +82,7 @@ def measure(attend, x, rope, grad_out, attn, repeats: int) -> dict:
     else:
         time_ms = first_ms
     return {"peak_above_input_gib": peak, "time_ms": time_ms, "first_run_ms": first_ms,
-            "timed_runs": repeats or 1}
+            "timed_runs": repeats or 1}, last["out"]
 
 
 def fmt(value, spec: str) -> str:
@@ -122,7 +132,7 @@ def main():
         x = torch.randn(1, local, args.dim, device=device, dtype=dtype, requires_grad=True)
         grad_out = torch.randn(1, local, args.n_heads * args.head_dim, device=device, dtype=dtype)
         configs = [("ulysses", None)] + [("untied", c) for c in chunks]
-        baseline = None
+        baseline = reference = None
         for method, chunk in configs:
             if method == "ulysses":
                 attn.core = partial(ulysses.ulysses_attention, group=group)
@@ -135,7 +145,14 @@ def main():
                    "head_chunk": chunk, "stages": None if chunk is None else args.n_heads // chunk,
                    "planned_gib": planned / GiB}
             try:
-                row.update(measure(attend, x, rope, grad_out, attn, repeats))
+                measured, out = measure(attend, x, rope, grad_out, attn, repeats)
+                row.update(measured)
+                if method == "ulysses":  # kept to check that every chunk size computes the same
+                    reference = out, x.grad
+                elif reference is not None:
+                    row["max_rel_diff_out"] = max_relative_difference(out, reference[0])
+                    row["max_rel_diff_grad_x"] = max_relative_difference(x.grad, reference[1])
+                del out
             except torch.OutOfMemoryError as error:  # (both ranks fail alike: same shapes)
                 row.update(peak_above_input_gib=None, time_ms=None, oom=str(error).splitlines()[0])
             x.grad = None
@@ -156,14 +173,14 @@ def main():
             rows.append(row)
             if rank == 0:
                 print(row, flush=True)
-        del x, grad_out, rope
+        del x, grad_out, rope, reference
 
     if rank == 0:
         print(f"\n{opts.model} attention sub-layer (attend seam) fwd+bwd over {sp} ranks, {dtype}; "
               f"Untied kernel: {lse_kernel[0]} (native GQA: {lse_kernel[1]}); Ulysses kernel: "
               f"{llama.attention_kernel_name(device, dtype)}")
         print(f"{'tokens':>8} {'method':>8} {'U':>3} {'stages':>6} {'peak GiB':>9} {'x Uly':>6} "
-              f"{'time ms':>9} {'x Uly':>6} {'planned GiB':>11}  targets")
+              f"{'time ms':>9} {'x Uly':>6} {'planned GiB':>11} {'diff':>7}  targets")
         for r in rows:
             oom = "oom" in r
             peak = "OOM" if oom else fmt(r["peak_above_input_gib"], ".2f")
@@ -176,7 +193,8 @@ def main():
             print(f"{r['seq_len']:>8} {r['method']:>8} {r['head_chunk'] or '-':>3} "
                   f"{r['stages'] or '-':>6} {peak:>9} {ratio('peak_vs_ulysses'):>6} "
                   f"{fmt(r['time_ms'], '.0f'):>9} {ratio('time_vs_ulysses'):>6} "
-                  f"{r['planned_gib']:>11.2f}  {', '.join(targets)}")
+                  f"{r['planned_gib']:>11.2f} {fmt(r.get('max_rel_diff_out'), '.1e'):>7}  "
+                  f"{', '.join(targets)}")
         write_result("untied_attention", {
             "what": f"one {opts.model} attention sub-layer (normed x -> pre-o_proj output), "
                     f"fwd+bwd, {dtype}, {sp} ranks; peak = max allocated above x, grad_out, weights",

@@ -252,32 +252,44 @@ def attention_stage_memory(attend, x, rope, grad_out, params):
 def _memory_shrinks_and_does_not_grow_with_stages():
     rank, sp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
-    args = small_args(16, 4, qk_norm=True, dim=64, head_dim=16)
-    attn = random_attention(args, 0)
-    params = list(attn.parameters())
-    batch, local_seq_len = 1, 256
+    batch, local_seq_len, dim, head_dim = 1, 256, 64, 16
     positions = torch.arange(rank * local_seq_len, (rank + 1) * local_seq_len)[None]
-    rope = llama.rope_cos_sin(positions, args, torch.float32)
-    x = torch.randn(batch, local_seq_len, args.dim, requires_grad=True)
-    grad_out = torch.randn(batch, local_seq_len, args.n_heads * args.head_dim)
-    measured = {}
-    for chunk in (sp, 2 * sp, args.n_heads):
-        attend = partial(untied.untied_attend, attn=attn, group=group, head_chunk=chunk)
-        if not measured:
-            attend(x, rope).sum().backward()  # warm-up: the kernel check allocates once
-        measured[chunk] = attention_stage_memory(attend, x, rope, grad_out, params)
-    attn.core = partial(ulysses.ulysses_attention, group=group)
-    ulysses_peak, ulysses_saved = attention_stage_memory(attn.attend, x, rope, grad_out, params)
+    x = torch.randn(batch, local_seq_len, dim, requires_grad=True)
+
+    def measure(n_heads, chunk, ulysses_core=False):
+        args = small_args(n_heads, 4, qk_norm=True, dim=dim, head_dim=head_dim)
+        attn = random_attention(args, 0)
+        rope = llama.rope_cos_sin(positions, args, torch.float32)
+        grad_out = torch.randn(batch, local_seq_len, n_heads * head_dim)
+        if ulysses_core:
+            attn.core = partial(ulysses.ulysses_attention, group=group)
+            attend = attn.attend
+        else:
+            attend = partial(untied.untied_attend, attn=attn, group=group, head_chunk=chunk)
+        attend(x, rope).sum().backward()  # warm-up: the first call checks the kernel once
+        return attention_stage_memory(attend, x, rope, grad_out, list(attn.parameters()))
+
+    # 1. At U = P, 4, 8 and 16 stages (8, 16, 32 query heads): what is alive beyond the buffers
+    # that grow with the heads by design - the output, its lse and the q_proj weight gradient -
+    # is the same: one stage's working memory, reused.
+    residual = {}
+    for n_heads in (8, 16, 32):
+        peak, saved = measure(n_heads, sp)
+        by_design = 4 * n_heads * (batch * local_seq_len * (head_dim + 1) + head_dim * dim)
+        residual[n_heads] = peak - by_design
+    assert max(residual.values()) <= min(residual.values()) * 1.01, residual
+
+    # 2. 16 query heads: smaller chunks, smaller peak; the saved bytes never depend on U.
+    measured = {chunk: measure(16, chunk) for chunk in (sp, 2 * sp, 16)}
+    ulysses_peak, ulysses_saved = measure(16, None, ulysses_core=True)
     (peak_p, saved_p), (peak_2p, saved_2p), (peak_h, saved_h) = measured.values()
     report = f"untied {measured}, Ulysses {(ulysses_peak, ulysses_saved)}"
-    # What backward keeps does not depend on the number of stages: the output and the lse.
-    output_bytes = grad_out.nbytes
-    lse_bytes = batch * sp * local_seq_len * args.n_heads // sp * 4
+    output_bytes = batch * local_seq_len * 16 * head_dim * 4
+    lse_bytes = batch * (16 // sp) * (sp * local_seq_len) * 4  # fp32, this rank's heads, all tokens
     assert saved_p == saved_2p == saved_h == output_bytes + lse_bytes, report
     assert saved_p < ulysses_saved / 2, report
-    # More stages, smaller stages: the peak never grows with the stage count, it shrinks.
     assert peak_p < peak_2p < peak_h, report
-    assert peak_p < ulysses_peak * 0.5, report
+    assert peak_p < ulysses_peak * 0.5, report  # the GPU target, on the CPU stand-in
 
 
 def test_memory_shrinks_with_smaller_chunks_and_is_below_ulysses():
@@ -325,7 +337,7 @@ def check_kernel_wrapper(device, dtype, rtol, atol):
         ref_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), is_causal=True,
                                                  enable_gqa=True).transpose(1, 2)
         ref_out.backward(grad_out)
-        kernels = [None] + (["math"] if device == "cpu" else [])
+        kernels = [None, "math"] + (["flash"] if device == "cuda" else [])
         for kernel in kernels:
             args = [t.to(device, dtype) for t in (q, k, v)]
             out, lse = untied.attention_forward_lse(*args, kernel=kernel)
@@ -358,6 +370,13 @@ def test_kernel_wrapper_matches_sdpa():
     check_kernel_wrapper("cpu", torch.float32, 1e-5, 1e-5)
 
 
+def test_kernel_wrapper_repeats_kv_heads_for_kernels_without_gqa(monkeypatch):
+    """The fallback for a kernel that needs as many KV heads as query heads (older torch)."""
+    monkeypatch.setitem(untied._KERNEL_CHOICE, ("cpu", torch.float32, 64, None), ("cpu", False))
+    monkeypatch.delenv("UNTIED_ATTENTION_KERNEL", raising=False)
+    check_kernel_wrapper("cpu", torch.float32, 1e-5, 1e-5)
+
+
 def test_planner_bytes():
     args = llama.get_model_args("llama3-8b")
     seq_len, sp = 3 * 2**20, 8
@@ -381,7 +400,7 @@ def test_planner_bytes():
 
 @pytest.mark.gpu
 def test_kernel_wrapper_matches_sdpa_cuda():
-    check_kernel_wrapper("cuda", torch.bfloat16, 2e-2, 2e-2)
+    check_kernel_wrapper("cuda", torch.bfloat16, 3e-2, 3e-2)
 
 
 @pytest.mark.gpu
