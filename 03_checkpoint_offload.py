@@ -35,9 +35,10 @@ replaced forward, and the recompute in backward runs while they are gathered for
 
 Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offload):
 
-    python 03_checkpoint_offload.py                         # CPU: small model, bytes kept for backward
-    torchrun --nproc-per-node 2 03_checkpoint_offload.py    # CPU/gloo or GPUs: FSDP + Ulysses
-    torchrun --nproc-per-node 2 03_checkpoint_offload.py --model llama3-8b --seq-len 32K --layers 2 4 8
+    python 03_checkpoint_offload.py                       # CPU: small model, bytes kept
+    torchrun --nproc-per-node 2 03_checkpoint_offload.py  # CPU/gloo or GPUs: FSDP + Ulysses
+    torchrun --nproc-per-node 2 03_checkpoint_offload.py --model llama3-8b --seq-len 32K \
+        --layers 2 4 8                                    # GPUs: the defaults there
 """
 
 import argparse
@@ -87,7 +88,8 @@ def apply_checkpointing(model, offload: bool = False) -> None:
     offload).
     """
     if not hasattr(model, "layers"):
-        raise ValueError(f"apply_checkpointing needs a model with .layers, got {type(model).__name__}")
+        raise ValueError(f"apply_checkpointing needs a model with .layers (its blocks), "
+                         f"got {type(model).__name__}")
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("checkpointing is already applied to this model")
     offloader = BlockInputOffloader(len(model.layers)) if offload else None
@@ -335,9 +337,9 @@ def main():
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     opts = parser.parse_args()
     launched = "WORLD_SIZE" in os.environ
-    cfg = train.Config(model=opts.model, seq_len=importlib.import_module("02_ulysses").parse_tokens(opts.seq_len),
-                       fsdp=launched, ulysses=launched, device="cuda" if on_gpu else "cpu",
-                       dtype="bfloat16" if on_gpu else "float32")
+    seq_len = importlib.import_module("02_ulysses").parse_tokens(opts.seq_len)
+    cfg = train.Config(model=opts.model, seq_len=seq_len, fsdp=launched, ulysses=launched,
+                       device="cuda" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32")
     rt = train.setup_runtime(train.resolve_techniques(cfg))
     base_args = get_model_args(cfg.model)
     tokens = torch.randint(0, base_args.vocab_size, (1, cfg.seq_len + 1),
@@ -347,7 +349,8 @@ def main():
     rows = []
     for n_layers in opts.layers:
         args = replace(base_args, n_layers=n_layers)
-        measured = {mode: measure_mode(cfg, rt, args, tokens, *flags) for mode, flags in MODES.items()}
+        measured = {mode: measure_mode(cfg, rt, args, tokens, *flags)
+                    for mode, flags in MODES.items()}
         if on_gpu:
             torch.cuda.empty_cache()
         planned = {offload: checkpoint_memory_bytes(args, cfg.seq_len, rt.sp, offload, itemsize)
@@ -359,7 +362,8 @@ def main():
         how = ("peak GPU memory allocated in forward+backward above the parameters and their "
                "gradients" if on_gpu
                else "bytes kept from forward to backward (saved tensors; CPU)")
-        print(f"{cfg.model} cut to {'/'.join(map(str, opts.layers))} layers, {cfg.seq_len:,} tokens over {rt.world} rank(s) "
+        print(f"{cfg.model} cut to {'/'.join(map(str, opts.layers))} layers, {cfg.seq_len:,} "
+              f"tokens over {rt.world} rank(s) "
               f"(sp {rt.sp}: {cfg.seq_len // rt.sp:,} local), {cfg.dtype} on {rt.device.type}"
               f"{', FSDP + Ulysses' if launched else ''}")
         print(f"per rank, {unit_name}: {how}; host = the offloader's host buffers (pinned on a "
@@ -369,7 +373,8 @@ def main():
         show = lambda n: "OOM" if n is None else f"{n / unit:.1f}"  # noqa: E731
         for n_layers, measured, planned in rows:
             print(f"{n_layers:>6}{show(measured['none']['device']):>10}"
-                  f"{show(measured['checkpoint']['device']):>12}{show(measured['offload']['device']):>10}"
+                  f"{show(measured['checkpoint']['device']):>12}"
+                  f"{show(measured['offload']['device']):>10}"
                   f"{show(measured['offload']['host']):>10}{show(planned[False]['gpu']):>19}"
                   f"{show(planned[True]['gpu']):>13}{show(planned[True]['host']):>8}")
     if launched:

@@ -1,7 +1,7 @@
 """Checkpointing and offload (03) on Llama-3-8B shapes, FSDP2 + Ulysses over the GPUs: peak GPU
 memory and step time without checkpointing, with it, and with the checkpoints offloaded.
 
-    torchrun --nproc-per-node 2 bench/offload.py                   # 2 H200s, about 7 minutes
+    torchrun --nproc-per-node 2 bench/offload.py                   # 2 H200s, about 7-8 minutes
     torchrun --nproc-per-node 2 bench/offload.py --parts layers overhead
     torchrun --nproc-per-node 2 bench/offload.py --device cpu --model tiny --fits-seq-len 256 \\
         --layers-seq-len 256 --overhead-seq-len 512 --long-seq-len 512 --long-layers 8   # smoke test
@@ -29,6 +29,9 @@ Parts (--parts):
             With fewer layers, the block inputs (8 KiB per token per layer) are smaller than one
             block's recompute (~250 KiB per token with an untiled MLP), so dropping them cannot
             decide whether a step fits; at 32 layers they are as large as the recompute.
+            (The longest part: about 4 minutes, most of it the one offload step.)
+Nothing starts after --budget-s (460) seconds; the JSON is rewritten after every configuration,
+so a run cut short keeps what it measured.
 """
 
 import argparse
@@ -209,7 +212,7 @@ def main():
         # step, the run ends instead of hanging (the results so far are already written).
         if opts.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if opts.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
+        dist.init_process_group("nccl" if opts.device == "cuda" else "gloo", timeout=timedelta(seconds=300))
     tile_loss = importlib.util.find_spec("04_alst_tiling") is not None and not opts.no_tile_loss
     base_cfg = train.resolve_techniques(train.Config(
         model=opts.model, device=opts.device, dtype="bfloat16" if opts.device == "cuda" else "float32",
