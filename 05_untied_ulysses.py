@@ -6,12 +6,12 @@ of a rank's heads at once, and twice over: in the token layout before the all-to
 local tokens x 32 heads x 128 x 2 bytes = 3.0 GiB each) and in the head layout after it (3M
 tokens x 4 heads x 128 x 2 bytes = 3.0 GiB each), plus K and V (0.75 GiB per layout each) and
 the rotary temporaries; backward then keeps Q, K, V and the output of every head in the head
-layout. The talk's chart: 33.0 GiB of attention activations per GPU.
+layout. The paper's memory chart: 33.0 GiB of attention activations per GPU.
 
 The idea (Ghadia et al., "Untied Ulysses", arXiv 2602.21196). Heads are independent, so run the
 heads in stages. Stage t projects only U of the H query heads (U/P for each rank), rotates them,
-exchanges them with the all-to-all, runs attention and exchanges the result straight into its
-slice of ONE output buffer; the next stage reuses the same (small) memory. K and V are "untied"
+exchanges them with the all-to-all, runs attention, exchanges the result back and writes it into
+its slice of ONE output buffer; the next stage reuses the same (small) memory. K and V are "untied"
 from Q: with grouped-query attention several consecutive stages use the same KV head, so K/V are
 projected and exchanged once per KV group and reused. Backward keeps only the input, the output
 and each stage's log-sum-exp, and walks the stages again: it recomputes the stage's projections
@@ -293,8 +293,9 @@ def _check_kernel(kernel, device, dtype, head_dim):
     (correct only with KV heads repeated) or None (unusable: the warning says why)."""
     generator = torch.Generator().manual_seed(0)
     shape = (1, 64, 4, head_dim)
-    q, grad_out = (torch.randn(shape, generator=generator) for _ in range(2))
-    k, v = (torch.randn(1, 64, 2, head_dim, generator=generator) for _ in range(2))
+    # Inputs rounded to `dtype` first, so only the kernel's own rounding is compared.
+    q, grad_out = (torch.randn(shape, generator=generator).to(dtype).float() for _ in range(2))
+    k, v = (torch.randn(1, 64, 2, head_dim, generator=generator).to(dtype).float() for _ in range(2))
     want = math_attention_forward(q, k, v)
     want = (want[0], *math_attention_backward(grad_out, q, k, v, *want))
     tol = 1e-4 if dtype == torch.float32 else 3e-2

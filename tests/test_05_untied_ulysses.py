@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # (query heads, KV heads) per world size: MHA, KV heads = P, KV heads < P, KV heads > P.
 HEAD_CASES = {
-    1: [(8, 8), (8, 2)],
+    1: [(8, 8), (8, 1), (8, 2)],
     2: [(8, 8), (8, 2), (8, 1), (8, 4)],
     4: [(8, 8), (8, 4), (8, 2), (16, 8)],
 }
