@@ -42,6 +42,7 @@ Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offlo
 """
 
 import argparse
+import gc
 import importlib
 import os
 from dataclasses import dataclass, replace
@@ -323,7 +324,12 @@ def measure_mode(cfg, rt, args, tokens, checkpointing: bool, offload: bool) -> d
             device_bytes = bytes_saved_for_backward(step, offloader)
     except (torch.cuda.OutOfMemoryError, getattr(train, "StepOutOfMemory", MemoryError)):
         device_bytes = None
-    return {"device": device_bytes, "host": offloader.host_bytes if offloader else 0}
+    host_bytes = offloader.host_bytes if offloader else 0
+    del model, offloader, step
+    gc.collect()  # a block and its replaced forward refer to each other: free them now
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"device": device_bytes, "host": host_bytes}
 
 
 def main():
@@ -351,8 +357,6 @@ def main():
         args = replace(base_args, n_layers=n_layers)
         measured = {mode: measure_mode(cfg, rt, args, tokens, *flags)
                     for mode, flags in MODES.items()}
-        if on_gpu:
-            torch.cuda.empty_cache()
         planned = {offload: checkpoint_memory_bytes(args, cfg.seq_len, rt.sp, offload, itemsize)
                    for offload in (False, True)}
         rows.append((n_layers, measured, planned))
