@@ -62,7 +62,7 @@ train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
 offload = importlib.import_module("03_checkpoint_offload")
 GiB = 2**30
-OOM = (torch.cuda.OutOfMemoryError, getattr(train, "StepOutOfMemory", torch.cuda.OutOfMemoryError))
+OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
 
 

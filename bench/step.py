@@ -82,7 +82,7 @@ def main():
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
                       losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
-    except torch.cuda.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, train.StepOutOfMemory) as error:
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
     if rt.rank == 0:
         print({k: v for k, v in result.items() if k != "config"})

@@ -43,7 +43,7 @@ train = importlib.import_module("train")
 tiling = importlib.import_module("04_alst_tiling")
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
-OOM = (torch.cuda.OutOfMemoryError,)
+OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 
 
 def synchronize(device):
