@@ -60,6 +60,17 @@ def chunks_to_test(n_heads, n_kv_heads, sp):
     return chunks
 
 
+def assert_close_for(dtype, got, want, rtol, atol, msg):
+    """fp32: elementwise. bf16: relative error of the whole tensor, ||got - want|| / ||want||
+    (elementwise bounds fail on entries that are themselves rounding noise)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=msg)
+        return
+    got, want = got.double().cpu(), want.double().cpu()
+    error = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+    assert error < rtol, msg(f"relative error {error:.2e} >= {rtol}")
+
+
 def run_attend(attend, x, rope, grad_out, attn):
     """Output, input gradient and every projection/QK-norm weight gradient of one call."""
     x = x.detach().clone().requires_grad_()
@@ -102,7 +113,7 @@ def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5):
                 attend = partial(untied.untied_attend, attn=attn_here, group=group, head_chunk=chunk)
                 out, dx, grads = run_attend(attend, x_here, rope, grad_here, attn_here)
                 what = (f"P={sp} heads={n_heads} kv={n_kv_heads} qk_norm={qk_norm} U={chunk}")
-                close = partial(torch.testing.assert_close, rtol=rtol, atol=atol)
+                close = partial(assert_close_for, dtype, rtol=rtol, atol=atol)
                 close(out.float().cpu(), ref_out[:, local], msg=lambda m: f"{what} out: {m}")
                 close(dx.float().cpu(), ref_dx[:, local], msg=lambda m: f"{what} dx: {m}")
                 # Plain Ulysses on the same rank: the same output and the same partial grads.
@@ -406,4 +417,4 @@ def test_kernel_wrapper_matches_sdpa_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_attention_layer_nccl_bf16_matches_fp32_reference():
-    run_ranks(2, _layer_matches, "cuda", torch.bfloat16, 3e-2, 3e-2, backend="nccl")
+    run_ranks(2, _layer_matches, "cuda", torch.bfloat16, 2e-2, 2e-2, backend="nccl")

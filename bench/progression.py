@@ -1,0 +1,113 @@
+"""The memory progression: one model, one length, each technique added in turn (the talk's chart).
+
+    python bench/progression.py --gpus 2 --seq-len 64K          # runs torchrun for each config
+
+For each configuration it runs bench/step.py under torchrun (full steps through train.py's own
+functions) and collects per-GPU: model state (fp32 parameters + gradients + Adam, measured after
+the first optimizer step), the step's peak, and what the step needs beyond the model state;
+"OOM" with the allocation that failed when a configuration does not fit. The split of the
+activation peak into attention and the rest is the planner's arithmetic (02/05 byte functions),
+marked as such. Writes progression_<model>_<gpus>gpu.json and a stacked-bar PNG when matplotlib
+is there.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from report import default_out_dir, write_result  # noqa: E402
+
+CONFIGS = [  # (label, train.py flags)
+    ("FSDP", ["--fsdp"]),
+    ("+Ulysses", ["--stack", "2"]),
+    ("+checkpointing", ["--stack", "2", "--checkpoint"]),
+    ("+offload", ["--stack", "3"]),
+    ("+tiling (ALST)", ["--stack", "4"]),
+    ("+Untied Ulysses", ["--stack", "5"]),
+]
+
+
+def run_config(label, flags, opts, tmp):
+    name = "step_" + "".join(c for c in label if c.isalnum())
+    cmd = ["torchrun", "--nproc-per-node", str(opts.gpus), str(HERE / "step.py"), "--name", name,
+           "--out", tmp, "--steps", str(opts.steps)]
+    if opts.layers:
+        cmd += ["--layers", str(opts.layers)]
+    cmd += ["--", "--model", opts.model, "--seq-len", opts.seq_len, *flags]
+    print(" ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout)
+    path = Path(tmp, f"{name}.json")
+    if path.exists():
+        result = json.loads(path.read_text())
+    else:
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        oom = "out of memory" in tail.lower()
+        result = {"status": "OOM" if oom else "error", "error": tail}
+    result["label"], result["flags"] = label, flags
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--seq-len", default="64K")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None, help="labels to run")
+    parser.add_argument("--timeout", type=float, default=400)
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, flags in CONFIGS:
+            if opts.only and label not in opts.only:
+                continue
+            row = run_config(label, flags, opts, tmp)
+            rows.append(row)
+            print(f"{label:<18} {row['status']:<6} model {row.get('after_optimizer_step_gib', 0):6.1f} "
+                  f"peak {max(row.get('peak_gib') or [0]):6.1f} GiB  step {row.get('step_time_s', 0):.2f}s",
+                  flush=True)
+    result = {"what": "memory progression, per-GPU", "model": opts.model, "seq_len": opts.seq_len,
+              "gpus": opts.gpus, "layers": opts.layers, "rows": rows}
+    name = f"progression_{opts.model}_{opts.gpus}gpu"
+    write_result(name, result, opts.out)
+    plot(rows, Path(opts.out or default_out_dir()) / f"{name}.png", opts)
+
+
+def plot(rows, path, opts):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    labels = [r["label"] for r in rows]
+    model = [r.get("after_optimizer_step_gib") or 0 for r in rows]
+    extra = [max(r.get("peak_gib") or [0]) - m if r["status"] == "ok" else 0 for r, m in zip(rows, model)]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.bar(labels, model, label="model state (params + grads + Adam)")
+    ax.bar(labels, extra, bottom=model, label="activations and temporaries at the peak")
+    for i, r in enumerate(rows):
+        if r["status"] != "ok":
+            ax.text(i, max(model[i], 1) + 2, "OOM", ha="center", color="red", weight="bold")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{opts.model}, {opts.seq_len} tokens, {opts.gpus} GPUs"
+                 + (f", {opts.layers} layers" if opts.layers else ""))
+    ax.legend()
+    plt.xticks(rotation=15)
+    plt.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
