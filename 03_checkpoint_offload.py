@@ -45,6 +45,7 @@ import argparse
 import gc
 import importlib
 import os
+import weakref
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -107,7 +108,9 @@ def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope) 
         return checkpoint(forward, x, rope, use_reentrant=False)
     # These hooks see what checkpoint saves outside its region: the block's inputs. The rotary
     # cos/sin (a tuple, one for all layers) is held by checkpoint directly and never offloaded.
-    with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer, x),
+    # The pack hook may only hold a *weak* reference to x: autograd keeps the hooks alive with
+    # the graph, and a strong one would pin x in GPU memory however well it was copied away.
+    with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer, weakref.ref(x)),
                                                   offloader.unpack):
         return checkpoint(forward, x, rope, use_reentrant=False)
 
@@ -124,10 +127,12 @@ class SavedBlockInput:
     prefetched: bool = False               # its copy back started before its block needed it
 
 
-def is_block_input(t: torch.Tensor, x: torch.Tensor) -> bool:
+def is_block_input(t: torch.Tensor, x_ref: weakref.ref) -> bool:
     # Recent torch hands the hook the tensor itself; older versions may hand a new Python
     # object over the same memory.
-    return t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape and t.dtype == x.dtype)
+    x = x_ref()
+    return x is not None and (t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape
+                                         and t.dtype == x.dtype))
 
 
 class BlockInputOffloader:
@@ -154,8 +159,8 @@ class BlockInputOffloader:
 
     # --- forward: pack ----------------------------------------------------------------------
 
-    def pack(self, layer: int, x: torch.Tensor, t: torch.Tensor):
-        if not is_block_input(t, x):
+    def pack(self, layer: int, x_ref: weakref.ref, t: torch.Tensor):
+        if not is_block_input(t, x_ref):
             return t  # older torch also saves an empty placeholder tensor: leave it
         if layer == 0:
             self.stats = self.new_stats()

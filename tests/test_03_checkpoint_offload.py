@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -142,6 +143,30 @@ def test_offload_acts_on_memory_kept_for_backward():
     assert kept["none"] - kept["checkpoint"] > 5 * L * block_input, kept
     planned = offload.checkpoint_memory_bytes(ARGS, SEQ, 1, offload=True, bytes_per_value=4)
     assert planned == {"gpu": block_input // ROWS, "host": (L - 1) * block_input // ROWS}
+
+
+def test_offloaded_inputs_are_really_released():
+    """Copying a block input to the host frees nothing while anything still references the
+    original: after forward, every offloaded input must be gone (only the last block's stays),
+    which is what lets the GPU reuse that memory. (A strong reference from the pack hook once
+    kept them all alive on the GPU although the copies were made and counted.)"""
+    model, rt, _ = _build(train.Config(model=MODEL, offload=True, seq_len=SEQ, batch_size=ROWS))
+    offloader = model.checkpoint_offload
+    seen, pack = [], offloader.pack
+
+    def watching_pack(layer, x_ref, t):
+        if t.numel():
+            seen.append((layer, weakref.ref(t)))
+        return pack(layer, x_ref, t)
+
+    offloader.pack = watching_pack
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=2)
+    input_ids, labels, positions = train.ulysses.shard_sequence(tokens, 0, 1, labels)
+    loss = model(input_ids, positions, labels)
+    gc.collect()
+    alive = {layer: ref() is not None for layer, ref in seen}
+    assert alive == {layer: layer == L - 1 for layer in range(L)}, alive
+    loss.backward()
 
 
 def test_no_grad_forward_saves_nothing_and_matches():
