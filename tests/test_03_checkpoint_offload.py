@@ -286,4 +286,4 @@ def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     # Between forward and backward the GPU no longer holds 7 of the 8 block inputs.
     assert kept[False] - kept[True] >= (args.n_layers - 1) * block_input * 0.9, kept
     # The copies never make the host wait: no synchronization beyond checkpointing's own.
-    assert syncs[True] == syncs[False], syncs
+    assert syncs[True] <= syncs[False], syncs
