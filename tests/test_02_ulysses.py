@@ -51,8 +51,9 @@ def test_attention_output_and_grads_equal_unsharded(world_size):
     run_ranks(world_size, _attention_matches_unsharded)
 
 
-def _model_matches_unsharded(sp, ignore):
-    cfg = train.Config(model="tiny", fsdp=True, ulysses=True, sp=sp, seq_len=32)
+def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", norm_rtol=None):
+    cfg = train.Config(model="tiny", fsdp=True, ulysses=True, sp=sp, seq_len=32, device=device,
+                       dtype=dtype)
     dp = dist.get_world_size() // sp
     tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp, ignore_frac=0.3 if ignore else 0)
     if ignore:
@@ -61,7 +62,8 @@ def _model_matches_unsharded(sp, ignore):
     cfg.batch_size = 2
     ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
     loss, grads = train_loss_and_grads(cfg, tokens, labels)
-    assert_matches(loss, grads, ref_loss, ref_grads, what=f"sp={sp} dp={dp} ignore={ignore}")
+    assert_matches(loss.cpu(), grads, ref_loss, ref_grads, what=f"sp={sp} dp={dp} ignore={ignore}",
+                   norm_rtol=norm_rtol)
 
 
 @pytest.mark.parametrize("world_size,sp,ignore", [(2, 2, False), (4, 4, True), (4, 2, True)])
@@ -101,6 +103,12 @@ def test_token_counts_parse():
         4096, 131072, 3145728, 1572864]
     with pytest.raises(ValueError, match="cannot read a token count"):
         ulysses.parse_tokens("lots")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_ulysses_model_nccl_bf16_matches_fp32_reference():
+    run_ranks(2, _model_matches_unsharded, 2, True, "cuda", "bfloat16", 3e-2, backend="nccl")
 
 
 @pytest.mark.gpu
