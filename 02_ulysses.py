@@ -240,42 +240,53 @@ def measure_attention_stage(attend, x, extra) -> int:
     return total
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def attention_demo_setup(script: str):
+    """What the demos of 02 and 05 share: flags, the process group, one attention layer."""
+    from types import SimpleNamespace
+
+    from model import Attention
+
+    parser = argparse.ArgumentParser(description=f"{script}: attention-stage memory per rank")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seq-len", default="16K")
     opts = parser.parse_args()
     args = get_model_args(opts.model)
     seq_len = parse_tokens(opts.seq_len)
-
     on_gpu = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 02_ulysses.py")
+        raise SystemExit(f"launch with torchrun, e.g. torchrun --nproc-per-node 2 {script}")
     dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank, sp = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    sp = dist.get_world_size()
     check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
-    group = dist.group.WORLD
-
-    from model import Attention, rope_cos_sin
-
     torch.manual_seed(0)
     with torch.device(device):
         attn = Attention(args).to(dtype)
+    return SimpleNamespace(model=opts.model, args=args, seq_len=seq_len, rank=dist.get_rank(), sp=sp,
+                           device=device, dtype=dtype, on_gpu=on_gpu, attn=attn)
+
+
+def main():
+    from model import rope_cos_sin
+
+    demo = attention_demo_setup("02_ulysses.py")
+    args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
     measured = {}
-    for name, tokens in (("without Ulysses (all tokens)", seq_len), ("with Ulysses", seq_len // sp)):
+    for name, tokens in (("without Ulysses (all tokens)", demo.seq_len),
+                         ("with Ulysses", demo.seq_len // demo.sp)):
         if name == "with Ulysses":
-            attn.core = partial(ulysses_attention, group=group)
-        positions = torch.arange(rank * tokens, (rank + 1) * tokens, device=device)[None]
+            attn.core = partial(ulysses_attention, group=dist.group.WORLD)
+        positions = torch.arange(demo.rank * tokens, (demo.rank + 1) * tokens, device=device)[None]
         x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
         measured[name] = measure_attention_stage(attn.attend, x, (rope_cos_sin(positions, args, dtype),))
         del x
-    if rank == 0:
-        how = "peak allocated (GPU)" if on_gpu else "saved-for-backward + output bytes (CPU)"
-        print(f"{opts.model}, {seq_len:,} tokens, {sp} ranks, {dtype}; one attention layer, {how}")
+    if demo.rank == 0:
+        how = "peak allocated (GPU)" if demo.on_gpu else "saved-for-backward + output bytes (CPU)"
+        print(f"{demo.model}, {demo.seq_len:,} tokens, {demo.sp} ranks, {dtype}; one attention "
+              f"layer, {how}")
         for name, nbytes in measured.items():
             print(f"  {name:<30} {nbytes / GiB:10.3f} GiB per rank")
     dist.destroy_process_group()

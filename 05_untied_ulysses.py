@@ -531,30 +531,12 @@ def valid_head_chunks(args, sp: int) -> list[int]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--seq-len", default="16K")
-    opts = parser.parse_args()
-    args = get_model_args(opts.model)
-    seq_len = ulysses.parse_tokens(opts.seq_len)
+    from model import rope_cos_sin
 
-    on_gpu = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. torchrun --nproc-per-node 2 05_untied_ulysses.py")
-    dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank, sp = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
+    demo = ulysses.attention_demo_setup("05_untied_ulysses.py")
+    args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
+    rank, sp, seq_len, on_gpu = demo.rank, demo.sp, demo.seq_len, demo.on_gpu
     group = dist.group.WORLD
-
-    from model import Attention, rope_cos_sin
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        attn = Attention(args).to(dtype)
     local = seq_len // sp
     positions = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
     rope = rope_cos_sin(positions, args, dtype)
@@ -574,7 +556,7 @@ def main():
                "saved-for-backward + output bytes (CPU)")
         kernel = lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
         unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
-        print(f"{opts.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
+        print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
               f"one attention layer per rank; measured: {how}; planned: the byte count of "
               f"02/05's planner functions")
         print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
