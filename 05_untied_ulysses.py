@@ -33,7 +33,6 @@ Run the demo (attention-stage memory per rank for every chunk size, next to Ulys
     torchrun --nproc-per-node 2 05_untied_ulysses.py --model llama3-8b --seq-len 256K   # GPUs
 """
 
-import argparse
 import importlib
 import logging
 import os
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model import apply_rope, get_model_args, rms_norm
+from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
 

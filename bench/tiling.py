@@ -24,7 +24,6 @@ import gc
 import importlib
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ranks import run_ranks
 
