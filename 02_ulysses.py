@@ -186,16 +186,49 @@ def data_sequence_mesh(device_type: str, sp: int):
 # What this file removes, in bytes (the planner in train.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
-def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) -> int:
-    """Bytes one Ulysses attention layer holds per rank during its forward: q, k, v and the
-    output in the token layout (local tokens, all heads) and again in the head layout (all
-    tokens, H/P heads), with K/V replicated up to P heads when there are fewer. sp=1 is plain
-    attention with no exchange (one layout)."""
+def attention_kernel_workspace_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                                     bytes_per_value: int = 2) -> int:
+    """What a flash-style attention backward kernel allocates for itself, beyond its inputs and
+    its dq, dk, dv, over `n_tokens` tokens with `n_heads` query and `n_kv_heads` KV heads: dq
+    accumulated in fp32, with grouped-query attention dk and dv per query head before they are
+    summed over the group (FlashAttention-2 does both), and an fp32 row sum of dO * O. Inferred
+    from the peaks measured with cuDNN on H200s (docs/calibration.md); a CPU kernel differs."""
+    q_values = n_tokens * n_heads * head_dim
+    grouped = n_heads > n_kv_heads
+    return 4 * q_values + (2 * q_values * bytes_per_value if grouped else 0) + 4 * n_tokens * n_heads
+
+
+def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
+                               saved_only: bool = False) -> int:
+    """Bytes one attention layer (normed input -> output before o_proj) holds per rank, beyond
+    its input and its output gradient: the most at once during forward and backward (default;
+    the peak is in backward), or what it keeps from forward for backward (saved_only).
+    sp=1 is plain attention, no exchange.
+
+    Per rank, local tokens N = seq_len / sp; Q = N x H x D and K = N x max(Hkv, sp) x D values
+    take the same bytes in the token layout and in the head layout (all tokens, 1/sp of heads):
+      kept for backward: q, k, v and the output in the head layout (the kernel's inputs and
+        output), its fp32 log-sum-exp (N x H), and with sp > 1 the output back in the token
+        layout (o_proj's input): 2Q + 2K + lse (+ Q);
+      added in backward: the output gradient in the head layout (sp > 1: + Q); dq, dk, dv
+        (Q + 2K); the kernel's workspace (`attention_kernel_workspace_bytes`: 2Q for the fp32
+        dq, 2Q for grouped dk/dv, an lse-sized row sum).
+    In all 10Q + 2 lse for Llama-3-8B (32 query, 8 KV heads) with sp > 1: 30 GiB per GPU at 3M
+    tokens on 8 GPUs. Measured on 2 H200s: 5.02, 20.06 and 40.13 GiB at 128K, 512K and 1M
+    tokens, as this counts (docs/calibration.md).
+    """
     local_tokens = seq_len // sp
-    kv_heads = max(args.n_kv_heads, sp)
-    per_token = (2 * args.n_heads + 2 * kv_heads) * args.head_dim  # q, out, k, v
-    layouts = 1 if sp == 1 else 2
-    return layouts * local_tokens * per_token * bytes_per_value
+    kv_heads = max(args.n_kv_heads, sp) if sp > 1 else args.n_kv_heads  # replicated up to sp
+    q = local_tokens * args.n_heads * args.head_dim * bytes_per_value
+    kv = local_tokens * kv_heads * args.head_dim * bytes_per_value
+    lse = local_tokens * args.n_heads * 4
+    exchanged = q if sp > 1 else 0
+    saved = 2 * q + 2 * kv + lse + exchanged
+    if saved_only:
+        return saved
+    workspace = attention_kernel_workspace_bytes(seq_len, args.n_heads // sp, kv_heads // sp,
+                                                 args.head_dim, bytes_per_value)
+    return saved + exchanged + q + 2 * kv + workspace
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,20 +60,44 @@ GiB, MiB = 2**30, 2**20
 # ---------------------------------------------------------------------------------------------
 
 def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
-                            bytes_per_value: int = 2) -> dict:
+                            bytes_per_value: int = 2, pinned: bool = False) -> dict:
     """Per-rank bytes of saved block inputs between forward and backward: {"gpu", "host"}.
 
     Each block input is local tokens x dim. Without offload all n_layers stay on the GPU; with
     offload only the last block's does, and n_layers - 1 live in pinned host memory. (During
     backward the GPU holds two at a time: the one the current block recomputes from and the next
-    one coming back.) The recompute of one block's activations is not counted here.
+    one coming back.) The recompute of one block's activations is `block_recompute_bytes`.
+    pinned=True: each host buffer as CUDA's pinned allocator reserves it, rounded up to a power
+    of two (3 GiB block inputs take 4 GiB; 512K local tokens lose nothing).
     """
     if seq_len % sp:
         raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
                          f"sequence-parallel degree ({sp})")
     per_layer = seq_len // sp * args.dim * bytes_per_value
-    on_host = (args.n_layers - 1) * per_layer if offload else 0
-    return {"gpu": args.n_layers * per_layer - on_host, "host": on_host}
+    host_buffer = 1 << (per_layer - 1).bit_length() if pinned and per_layer else per_layer
+    on_host = (args.n_layers - 1) * host_buffer if offload else 0
+    on_gpu = per_layer if offload else args.n_layers * per_layer
+    return {"gpu": on_gpu, "host": on_host}
+
+
+def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> dict:
+    """What one block keeps for its backward besides attention (02/05) and the MLP (04), and
+    the peak of one RMSNorm's backward: the part of "one block's recompute" that model.py's
+    RMSNorm costs. Checkpointing rebuilds this for one block at a time; without it every block
+    keeps its "saved" until backward reaches it. Per token:
+
+      saved: each of the two RMSNorms keeps an fp32 copy of its input (4 x dim), the
+        normalized copy in the compute dtype and 1/rms (4), and its output is kept by the
+        projections (or the MLP) that read it: 2 x (dim x (4 + 2 x bytes) + 4);
+      norm_backward: an RMSNorm's backward peaks in the gradient of x^2, with its fp32 input
+        copy and five fp32 token-sized tensors alive (gradients and pow's temporaries):
+        24 x dim bytes, 12 times its bf16 input (counted on CPU; GPU kernels allocate the same).
+
+    Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 24 GiB, norm backward 36 GiB.
+    """
+    dim = args.dim
+    one_norm = dim * (4 + 2 * bytes_per_value) + 4
+    return {"saved": 2 * one_norm * local_tokens, "norm_backward": 24 * dim * local_tokens}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -497,22 +497,48 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
-                           bytes_per_value: int = 2) -> int:
-    """Bytes one Untied Ulysses attention layer holds per rank during its forward, counted like
-    02's `attention_activation_bytes`: the output buffer (local tokens, all heads), plus ONE
-    stage's q and output and its KV group's k and v, each in the token and the head layout
-    (one layout when sp=1), plus the fp32 log-sum-exp of this rank's heads kept for backward."""
+                           bytes_per_value: int = 2, saved_only: bool = False) -> int:
+    """Bytes one Untied Ulysses attention layer holds per rank beyond its input and its output
+    gradient, counted like 02's `attention_activation_bytes`: the peak (in backward), or what
+    it keeps for backward (saved_only: the output buffer, local tokens x all heads, and every
+    stage's fp32 log-sum-exp). The backward also holds the input-gradient buffer and the zeroed
+    q/k/v weight gradients, and at one stage's attention kernel, with q_s = U heads x local
+    tokens and kv_s = its KV heads:
+      its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
+        layout (3 q_s); contiguous (B, heads, S, D) copies of these for cuDNN when a rank has
+        several heads in the stage (3 q_s, and 2 kv_s with several KV heads); dq, dk, dv
+        (q_s + 2 kv_s); the kernel's workspace (02); and when a KV group spans several stages,
+        its K/V gradients summed over them (2 kv_s).
+    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 7.6 GiB (Ulysses: 30 GiB). Measured on 2 H200s at
+    512K tokens within 0.3% for U = 2, 4, 8, 16 (docs/calibration.md).
+    """
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
     local_tokens = seq_len // sp
-    heads_per_stage = head_chunk // sp
+    b = bytes_per_value
+    heads_per_stage = head_chunk // sp  # per rank (u)
     group_size = args.n_heads // args.n_kv_heads
-    kv_heads = max(1, heads_per_stage // group_size) if args.n_kv_heads >= sp else 1
-    layouts = 1 if sp == 1 else 2
-    # per local token: q and out of the stage (U heads), k and v of its group (sp * kv heads)
-    stage = layouts * (2 * head_chunk + 2 * sp * kv_heads) * args.head_dim
-    output = args.n_heads * args.head_dim
-    lse = seq_len * (args.n_heads // sp) * 4
-    return local_tokens * (output + stage) * bytes_per_value + lse
+    if args.n_kv_heads >= sp:
+        kv_heads = max(1, heads_per_stage // group_size)  # per rank and stage
+        stages_per_kv = max(1, group_size // heads_per_stage)
+    else:  # one replicated KV head per rank, shared by all stages
+        kv_heads, stages_per_kv = 1, args.n_heads // head_chunk
+    q_stage = local_tokens * head_chunk * args.head_dim * b
+    kv_stage = local_tokens * sp * kv_heads * args.head_dim * b
+    saved = local_tokens * args.n_heads * args.head_dim * b + local_tokens * args.n_heads * 4
+    if saved_only:
+        return saved
+    gradients = (local_tokens * args.dim * b
+                 + (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.dim * b)
+    stage = 2 * kv_stage + 3 * q_stage + q_stage + 2 * kv_stage
+    if heads_per_stage > 1:
+        stage += 3 * q_stage
+    if kv_heads > 1:
+        stage += 2 * kv_stage
+    if stages_per_kv > 1:
+        stage += 2 * kv_stage
+    stage += ulysses.attention_kernel_workspace_bytes(seq_len, heads_per_stage, kv_heads,
+                                                      args.head_dim, b)
+    return saved + gradients + stage
 
 
 # ---------------------------------------------------------------------------------------------

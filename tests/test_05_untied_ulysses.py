@@ -395,14 +395,18 @@ def test_planner_bytes():
     per_chunk = [untied.untied_attention_bytes(args, seq_len, sp, chunk) for chunk in (8, 16, 32)]
     assert per_chunk == sorted(per_chunk)
     assert per_chunk[0] < 0.65 * ulysses_bytes
-    # One stage of all heads holds Ulysses' buffers plus the output buffer it copies into.
-    local_tokens = seq_len // sp
-    output, lse = local_tokens * 32 * 128 * 2, seq_len * 4 * 4
-    assert per_chunk[-1] == ulysses_bytes + output + lse
-    # tiny by hand: 16 local tokens x (output 8 heads + 2 layouts x (q, out: 2 heads; k, v: 2
-    # ranks x 1 head)) x 8 dims x 4 bytes, plus lse of 32 tokens x 4 heads x 4 bytes.
+    assert untied.untied_attention_bytes(args, seq_len, sp, 8, saved_only=True) == (
+        seq_len // sp * (32 * 128 * 2 + 32 * 4))  # the output buffer and every stage's lse
+    # tiny by hand, U = P = 2 (one query head per rank per stage, 4 stages per KV head),
+    # 16 local tokens, fp32: what the forward keeps, the gradient buffers, one stage.
     tiny = llama.get_model_args("tiny")
-    assert untied.untied_attention_bytes(tiny, 32, 2, 2, 4) == 16 * (8 + 2 * 8) * 8 * 4 + 32 * 4 * 4
+    saved = 16 * 8 * 8 * 4 + 16 * 8 * 4  # output (8 heads x 8 dims), lse (8 heads)
+    gradients = 16 * 64 * 4 + (8 + 2 * 2) * 8 * 64 * 4  # grad x, grads of wq, wk, wv
+    per_stage_tensor = 16 * 2 * 8 * 4  # one head per rank: q, out, k, ... in the head layout
+    # k, v; q, out, grad out; dq, dk, dv; K/V gradients summed over the stages of the group
+    stage = (2 + 3 + 3 + 2) * per_stage_tensor
+    workspace = 32 * 1 * 8 * 4 + 32 * 1 * 4  # fp32 dq over 32 tokens, 1 head; dO*O row sums
+    assert untied.untied_attention_bytes(tiny, 32, 2, 2, 4) == saved + gradients + stage + workspace
 
 
 # ---------------------------------------------------------------------------------------------
