@@ -273,12 +273,17 @@ def init_weights(model: Transformer, seed: int = 0, exact: bool = True) -> None:
     (which would take minutes to draw whole on a CPU); for real training load a checkpoint.
     """
     generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
+    for index, (name, param) in enumerate(model.named_parameters()):
         local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2 DTensor shard
         if name.endswith("norm.weight"):
             local.fill_(1.0)
         elif not exact:
-            local.normal_(0.0, 0.02)
+            # Every rank, every parameter its own stream: the device's default generator starts
+            # from the same state on every GPU and would give each rank identical shards.
+            shard = param.device_mesh.get_local_rank() if hasattr(param, "device_mesh") else 0
+            own = torch.Generator(device=local.device)
+            own.manual_seed(seed * 1_000_003 + index * 1_009 + shard)
+            local.normal_(0.0, 0.02, generator=own)
         else:
             full = torch.randn(param.shape, generator=generator) * 0.02
             local.copy_(_local_rows(full, param))

@@ -121,3 +121,28 @@ def test_unknown_preset_is_refused():
 
 def test_kernel_name_is_reported():
     assert llama.attention_kernel_name(torch.device("cpu"), torch.float32) == "sdpa (cpu)"
+
+
+def test_fast_init_gives_every_shard_its_own_values():
+    """exact=False (the big presets) draws each rank's shard itself: two shards of one
+    parameter, or two parameters of one shape, must not repeat each other, and the seed counts."""
+    from types import SimpleNamespace
+
+    args = llama.get_model_args("tiny")
+    model = llama.Transformer(args)
+    llama.init_weights(model, seed=5, exact=False)
+    a, b = model.layers[0].mlp.up_proj.weight, model.layers[1].mlp.up_proj.weight
+    assert not torch.equal(a, b) and 0.015 < a.std() < 0.025
+    # Two ranks holding shards of the same parameter: fake DTensors that report their rank.
+    shards = []
+    for rank in range(2):
+        local = torch.empty(4, 8)
+        param = SimpleNamespace(to_local=lambda local=local: local,
+                                device_mesh=SimpleNamespace(get_local_rank=lambda rank=rank: rank))
+        fake = SimpleNamespace(named_parameters=lambda param=param: [("w.weight", param)])
+        llama.init_weights(fake, seed=5, exact=False)
+        shards.append(local)
+    assert not torch.equal(shards[0], shards[1])
+    again = llama.Transformer(args)
+    llama.init_weights(again, seed=5, exact=False)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
