@@ -80,13 +80,28 @@ except ImportError:
     flash_attn_func = None
 
 
-def attention_kernel_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The kernel `causal_attention` runs for tensors on `device`/`dtype` (for the run log)."""
+def attention_kernel_name(device: torch.device, dtype: torch.dtype, n_heads: int = 32,
+                          n_kv_heads: int = 8, head_dim: int = 128) -> str:
+    """The kernel `causal_attention` runs for these shapes (for the run log): flash-attn, or the
+    first SDPA backend, in our priority order, that accepts them."""
     if device.type != "cuda":
         return "sdpa (cpu)"
     if flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16):
         return "flash-attn"
-    return "sdpa (cudnn > flash > efficient > math)"
+    try:
+        from torch.backends import cuda as backends
+
+        q = torch.empty(1, n_heads, 128, head_dim, device=device, dtype=dtype)
+        kv = torch.empty(1, n_kv_heads, 128, head_dim, device=device, dtype=dtype)
+        params = backends.SDPAParams(q, kv, kv, None, 0.0, True, n_kv_heads != n_heads)
+        for name, usable in (("cudnn", backends.can_use_cudnn_attention),
+                             ("flash", backends.can_use_flash_attention),
+                             ("efficient", backends.can_use_efficient_attention)):
+            if usable(params, False):
+                return f"sdpa {name}"
+        return "sdpa math"
+    except (ImportError, AttributeError, TypeError, RuntimeError):  # older torch: no probe
+        return "sdpa (cudnn > flash > efficient > math)"
 
 
 def _sdpa_backends():
