@@ -173,13 +173,18 @@ class KernelTensors(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _attention_bytes_match_the_code():
-    """One attention layer (fp32, CPU) per method: the bytes it keeps for backward (02's
-    measure_attention_stage: saved tensors and the output, less the layer's input, rotary
-    tables and weights, which are not its own) equal saved_only=True; and each backward kernel
-    call receives and returns the bytes the peak formula names for it."""
+    """One attention layer (fp32, CPU) per method, with 2 KV heads and with 1 (replicated over
+    the ranks): the bytes it keeps for backward (02's measure_attention_stage: saved tensors and
+    the output, less the layer's input, rotary tables and projection weights, which are not its
+    own) equal saved_only=True; and each backward kernel call receives and returns the bytes
+    the peak formula names for it (before the GPU kernel's own workspace)."""
+    for n_kv_heads in (2, 1):
+        _attention_layer_bytes(llama.ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=n_kv_heads,
+                                               head_dim=32, ffn_dim=512, vocab_size=256))
+
+
+def _attention_layer_bytes(args):
     sp, rank = dist.get_world_size(), dist.get_rank()
-    args = llama.ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=512,
-                           vocab_size=256)
     seq_len = 64
     local = seq_len // sp
     torch.manual_seed(0)
@@ -189,8 +194,9 @@ def _attention_bytes_match_the_code():
                                   torch.float32)
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)  # o_proj is not part of the layer
     not_its_own = x.nbytes + cos.nbytes + sin.nbytes + sum(p.weight.nbytes for p in projections)
+    output = local * args.n_heads * args.head_dim * 4
     q_bytes = seq_len * args.n_heads * args.head_dim * 4  # all tokens x H heads, fp32
-    kv_bytes = seq_len * args.n_kv_heads * args.head_dim * 4
+    kv_bytes = seq_len * max(args.n_kv_heads, sp) * args.head_dim * 4  # replicated up to sp
     lse_bytes = seq_len * args.n_heads * 4
     layers = [("ulysses", None, partial(ulysses.ulysses_attention, group=dist.group.WORLD))]
     layers += [("untied", chunk, None) for chunk in (sp, 2 * sp)]
@@ -200,20 +206,20 @@ def _attention_bytes_match_the_code():
             attend = attn.attend
             saved = ulysses.attention_activation_bytes(args, seq_len, sp, 4, saved_only=True)
             # grad out in the head layout, q, k, v, out, lse; dq, dk, dv: per rank 1/sp of it
-            kernel = (2 * q_bytes + q_bytes + 2 * kv_bytes + lse_bytes + q_bytes + 2 * kv_bytes) // sp
+            kernel = (3 * q_bytes + 2 * kv_bytes + lse_bytes + q_bytes + 2 * kv_bytes) // sp
             n_calls = 1
         else:
             attend = partial(untied.untied_attend, attn=attn, group=dist.group.WORLD, head_chunk=chunk)
             saved = untied.untied_attention_bytes(args, seq_len, sp, chunk, 4, saved_only=True)
             stages = args.n_heads // chunk
-            # per stage: grad out, q, out (its heads), k, v (one KV head per rank), lse; dq, dk, dv
-            kernel = (3 * q_bytes // stages + 2 * kv_bytes // args.n_kv_heads * sp + lse_bytes // stages
-                      + q_bytes // stages + 2 * kv_bytes // args.n_kv_heads * sp) // sp
+            one_kv_head = seq_len * args.head_dim * 4  # per rank: one KV head in every stage here
+            # per stage: grad out, q, out (its heads), k, v, lse; dq, dk, dv
+            kernel = ((3 * q_bytes + lse_bytes + q_bytes) // stages // sp + 4 * one_kv_head)
             n_calls = stages
         kept = ulysses.measure_attention_stage(attend, x, ((cos, sin),)) - not_its_own
         if method == "untied":  # its output buffer is also saved: the measure counts it twice
-            kept -= local * args.n_heads * args.head_dim * 4
-        assert kept == saved, (method, chunk, kept, saved)
+            kept -= output
+        assert kept == saved, (method, chunk, args.n_kv_heads, kept, saved)
         with KernelTensors() as counted:
             attend(x, (cos, sin)).backward(torch.ones(1, local, args.n_heads * args.head_dim))
         assert counted.calls == [kernel] * n_calls, (method, chunk, counted.calls, kernel)
@@ -223,7 +229,7 @@ def _attention_bytes_match_the_code():
     kept = ulysses.measure_attention_stage(plain.attend, x, ((cos, sin),))
     kept -= x.nbytes + cos.nbytes + sin.nbytes + sum(p.weight.nbytes for p in
                                                       (plain.q_proj, plain.k_proj, plain.v_proj))
-    kept -= local * args.n_heads * args.head_dim * 4  # the kernel's output is the layer's: twice
+    kept -= output  # the kernel's output is the layer's: counted twice
     assert kept == ulysses.attention_activation_bytes(args, local, 1, 4, saved_only=True)
 
 
