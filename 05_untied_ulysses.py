@@ -509,7 +509,7 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
         several heads in the stage (3 q_s, and 2 kv_s with several KV heads); dq, dk, dv
         (q_s + 2 kv_s); the kernel's workspace (02); and when a KV group spans several stages,
         its K/V gradients summed over them (2 kv_s).
-    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 7.6 GiB (Ulysses: 30 GiB). Measured on 2 H200s at
+    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1). Measured on 2 H200s at
     512K tokens within 0.3% for U = 2, 4, 8, 16 (docs/calibration.md).
     """
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
