@@ -180,6 +180,30 @@ def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> t
     return tiled_over_tokens(swiglu, tokens, (), weights, tile, sum_tiles=False).view(x.shape)
 
 
+# --- The blocks' RMSNorms: per token as well ------------------------------------------------------
+
+def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
+    """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32: untiled,
+    it keeps an fp32 copy of the whole local sequence for backward and its backward holds six
+    (24 x dim bytes per token: 36 GiB for Llama-3-8B at 393,216 tokens per GPU, the largest
+    buffer left once the MLP and the loss are tiled). Tiled, they exist for one tile at a time;
+    what stays is the input, which the residual stream holds anyway."""
+    tokens = x.reshape(-1, x.shape[-1])
+    tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
+    return tiled_over_tokens(partial(rms_norm, eps=norm.eps), tokens, (), (norm.weight,), tile,
+                             sum_tiles=False).view(x.shape)
+
+
+def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
+                         bytes_per_value: int = 2) -> dict:
+    """The tiled counterpart of 03's block_recompute_bytes (untiled RMSNorms): per block, what
+    the two norms keep for backward (their outputs, read by the projections and the MLP) and
+    the peak of one norm's backward (one tile's six fp32 token-sized tensors)."""
+    tile = min(mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
+    return {"saved": 2 * bytes_per_value * args.dim * local_tokens,
+            "norm_backward": 24 * args.dim * tile}
+
+
 # --- Seam 4: final norm + lm_head + cross-entropy ----------------------------------------------
 
 def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
@@ -200,8 +224,10 @@ def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: in
 
 
 def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
-                 mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None) -> None:
-    """Replace every block's MLP forward and/or the model's loss_sum with their tiled versions.
+                 mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None,
+                 tile_norm: bool = False) -> None:
+    """Replace every block's MLP forward, its two RMSNorms' forwards and/or the model's
+    loss_sum with their tiled versions (norm tiles are as long as MLP tiles).
 
     Only forward functions are replaced (on the instances; parameter names are unchanged) and
     no parameter is captured, so this works on the meta device before checkpointing and FSDP.
@@ -214,6 +240,10 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
             block.mlp.forward = partial(tiled_mlp_forward, block.mlp, tile_tokens=mlp_tile_tokens)
     if tile_loss:
         model.loss_sum = partial(tiled_loss_sum, model, tile_tokens=loss_tile_tokens)
+    if tile_norm:
+        for block in model.layers:
+            for norm in (block.input_layernorm, block.post_attention_layernorm):
+                norm.forward = partial(tiled_norm_forward, norm, tile_tokens=mlp_tile_tokens)
 
 
 # ---------------------------------------------------------------------------------------------

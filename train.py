@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -57,6 +56,7 @@ TECHNIQUES = [
     ("offload", "03_checkpoint_offload.py", offload, 3),
     ("tile_mlp", "04_alst_tiling.py", tiling, 4),
     ("tile_loss", "04_alst_tiling.py", tiling, 4),
+    ("tile_norm", "04_alst_tiling.py", tiling, 4),
     ("untied", "05_untied_ulysses.py", untied, 5),
 ]
 MAX_STACK = 5
@@ -85,6 +85,7 @@ class Config:
     offload: bool = False
     tile_mlp: bool = False
     tile_loss: bool = False
+    tile_norm: bool = False
     mlp_tile_tokens: int | None = None
     loss_tile_tokens: int | None = None
     untied: bool = False
@@ -120,6 +121,7 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--offload", action="store_true", help="03: offload checkpoints to CPU")
     parser.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     parser.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
+    parser.add_argument("--tile-norm", action="store_true", help="04: tiled RMSNorms")
     parser.add_argument("--mlp-tile-tokens", type=int, default=None)
     parser.add_argument("--loss-tile-tokens", type=int, default=None)
     parser.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
@@ -198,14 +200,13 @@ def setup_runtime(cfg: Config) -> Runtime:
     needs_group = cfg.fsdp or cfg.ulysses or cfg.untied
     launched = "WORLD_SIZE" in os.environ
     if not dist.is_initialized() and (launched or needs_group):
-        if not launched:  # `python train.py --stack 5`: a group of one, on a free local port
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                                  RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if cfg.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        if launched:
+            dist.init_process_group(backend)
+        else:  # `python train.py --stack 5`: a group of one, its store in memory (no port)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rt = Runtime()
     if dist.is_initialized():
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
@@ -247,10 +248,10 @@ def build_model(cfg: Config, rt: Runtime):
             ulysses.apply_ulysses(model, rt.sp_group)
         if cfg.untied:
             untied.apply_untied_ulysses(model, rt.sp_group, cfg.head_chunk)
-        if cfg.tile_mlp or cfg.tile_loss:
+        if cfg.tile_mlp or cfg.tile_loss or cfg.tile_norm:
             tiling.apply_tiling(model, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
                                 mlp_tile_tokens=cfg.mlp_tile_tokens,
-                                loss_tile_tokens=cfg.loss_tile_tokens)
+                                loss_tile_tokens=cfg.loss_tile_tokens, tile_norm=cfg.tile_norm)
         if cfg.checkpoint:
             offload.apply_checkpointing(model, offload=cfg.offload)
 
@@ -389,8 +390,8 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
         return "--checkpoint (03: keep only each block's input for backward)"
     if not cfg.offload:
         return "--offload (03: move those inputs to CPU memory)"
-    if not (cfg.tile_mlp and cfg.tile_loss):
-        return "--tile-mlp --tile-loss (04: no sequence-wide MLP or logits buffers)"
+    if not (cfg.tile_mlp and cfg.tile_loss and cfg.tile_norm):
+        return "--tile-mlp --tile-loss --tile-norm (04: no sequence-wide MLP, logits or norm buffers)"
     if not cfg.untied:
         return "--untied (05: one head chunk of Q/K/V resident at a time)"
     if cfg.head_chunk and cfg.head_chunk > sp:
@@ -644,7 +645,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     mlp = partial(tiling.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
-    norms = offload.block_recompute_bytes(args, local_tokens, b)
+    norms = (tiling.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b) if cfg.tile_norm
+             else offload.block_recompute_bytes(args, local_tokens, b))
     loss = tiling.loss_temporary_bytes(args, local_tokens, cfg.tile_loss, cfg.loss_tile_tokens, b)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).

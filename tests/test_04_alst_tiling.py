@@ -2,7 +2,6 @@
 sequence-wide buffers they exist to avoid."""
 
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
 from ranks import run_ranks
@@ -20,7 +21,6 @@ tiling = importlib.import_module("04_alst_tiling")
 train = importlib.import_module("train")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAVE_OFFLOAD = importlib.util.find_spec("03_checkpoint_offload") is not None
 
 # Small shapes where tokens > dim, so tokens x ffn_dim and tokens x vocab are the largest tensors
 # the untiled paths make (larger than any weight or its gradient): the "acts" checks can fail.
@@ -184,6 +184,68 @@ def test_tiling_acts_mlp_never_builds_tokens_x_ffn():
         assert tiled.numel < tokens_x_ffn, f"tile {tile}: a tensor of shape {tiled.shape} exists"
 
 
+@pytest.mark.parametrize("tile_tokens", TILE_CASES)
+def test_tiled_norm_equals_untiled(tile_tokens):
+    torch.manual_seed(1)
+    norm = llama.RMSNorm(ARGS.dim, ARGS.norm_eps)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, grad_out = torch.randn(BATCH, SEQ, ARGS.dim), torch.randn(BATCH, SEQ, ARGS.dim)
+    results = []
+    for run in (norm, lambda x: tiling.tiled_norm_forward(norm, x, tile_tokens)):
+        norm.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        out = run(leaf)
+        out.backward(grad_out)
+        results.append((out.detach(), leaf.grad, norm.weight.grad.clone()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class LargestFp32(TorchDispatchMode):
+    """The most elements of any fp32 tensor an op produces (the norm's upcast copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_tiling_acts_norm_never_upcasts_the_whole_sequence():
+    """In bf16 the norm computes in fp32: untiled, fp32 copies of all tokens x dim exist (in
+    forward and backward); tiled, only one tile's."""
+    norm = llama.RMSNorm(ARGS.dim, ARGS.norm_eps).to(torch.bfloat16)
+    x = torch.randn(BATCH, SEQ, ARGS.dim, dtype=torch.bfloat16)
+    tokens_x_dim = BATCH * SEQ * ARGS.dim
+    sizes = {}
+    for tile in (None, 7):
+        run = norm if tile is None else (lambda x, tile=tile: tiling.tiled_norm_forward(norm, x, tile))
+        leaf = x.clone().requires_grad_()
+        with LargestFp32() as largest:
+            run(leaf).sum().backward()
+        sizes[tile] = largest.numel
+    # and apply_tiling really installs it on both norms of a block
+    from types import SimpleNamespace
+
+    block = llama.Block(ARGS).to(torch.bfloat16)
+    tiling.apply_tiling(SimpleNamespace(layers=[block]), tile_mlp=False, tile_loss=False,
+                        tile_norm=True, mlp_tile_tokens=7)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        leaf = x.clone().requires_grad_()
+        with LargestFp32() as largest:
+            getattr(block, name)(leaf).sum().backward()
+        sizes[name] = largest.numel
+    assert sizes[None] >= tokens_x_dim, "the check cannot fail: the untiled norm never hit it"
+    for tiled in (7, "input_layernorm", "post_attention_layernorm"):
+        assert sizes[tiled] < tokens_x_dim and sizes[tiled] <= max(7 * ARGS.dim, ARGS.dim), sizes
+
+
 def test_saved_for_backward_is_only_the_input():
     """Between forward and backward the tiled MLP keeps its input and weights, nothing per tile."""
     mlp, x = _mlp_and_input()
@@ -246,21 +308,22 @@ def test_apply_tiling_keeps_parameter_names_and_works_on_meta():
 # The full model, built by train.py, against plain single-process training.
 # ---------------------------------------------------------------------------------------------
 
-def tiling_config(**techniques) -> "train.Config":
-    """FSDP + Ulysses + tiling, and checkpointing + offload once 03_checkpoint_offload.py exists."""
-    cfg = train.Config(model="tiny", seq_len=32, batch_size=2, fsdp=True, ulysses=True, **techniques)
-    if HAVE_OFFLOAD:
-        cfg.checkpoint = cfg.offload = True
-    return cfg
+def tiling_config(offload: bool, **techniques) -> "train.Config":
+    """FSDP + Ulysses + tiling, with or without checkpointing + offload (03)."""
+    return train.Config(model="tiny", seq_len=32, batch_size=2, fsdp=True, ulysses=True,
+                        checkpoint=offload, offload=offload, **techniques)
 
 
-# (tile_mlp, tile_loss, mlp tile, loss tile). Each rank holds 2 rows x 16 tokens = 32 tokens.
+# (tile_mlp, tile_loss, tile_norm, mlp/norm tile, loss tile, checkpoint + offload).
+# Each rank holds 2 rows x 16 tokens = 32 tokens.
 MODEL_CASES = [
-    (True, True, 8, 8),  # tiles divide the local tokens
-    (True, True, 5, 7),  # they don't: last tiles shorter
-    (True, True, None, None),  # shape-derived defaults
-    (True, False, 3, None),
-    (False, True, None, 3),
+    (True, True, True, 8, 8, True),  # tiles divide the local tokens
+    (True, True, True, 5, 7, True),  # they don't: last tiles shorter
+    (True, True, True, None, None, True),  # shape-derived defaults
+    (True, False, False, 3, None, True),
+    (False, True, False, None, 3, True),
+    (False, False, True, 6, None, True),
+    (True, True, True, 5, 7, False),  # without 03
 ]
 
 
@@ -269,18 +332,18 @@ def _model_matches_unsharded():
     labels[0, :16] = llama.IGNORE_INDEX  # rank 0's whole shard of row 0: all-ignored tiles
     ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
     rt = None
-    for tile_mlp, tile_loss, mlp_tile, loss_tile in MODEL_CASES:
-        cfg = tiling_config(tile_mlp=tile_mlp, tile_loss=tile_loss, mlp_tile_tokens=mlp_tile,
-                            loss_tile_tokens=loss_tile)
+    for tile_mlp, tile_loss, tile_norm, mlp_tile, loss_tile, offload in MODEL_CASES:
+        cfg = tiling_config(offload, tile_mlp=tile_mlp, tile_loss=tile_loss, tile_norm=tile_norm,
+                            mlp_tile_tokens=mlp_tile, loss_tile_tokens=loss_tile)
         rt = rt or train.setup_runtime(train.resolve_techniques(cfg))
         loss, grads = train_loss_and_grads(cfg, tokens, labels, rt)
         assert_matches(loss, grads, ref_loss, ref_grads,
                        what=f"P={dist.get_world_size()} mlp={tile_mlp}/{mlp_tile} loss={tile_loss}/{loss_tile}"
-                            f" checkpoint+offload={HAVE_OFFLOAD}")
+                            f" norm={tile_norm} checkpoint+offload={offload}")
 
 
 def test_fsdp_ulysses_tiled_model_equals_single_process():
-    """P=2, FSDP + Ulysses (+ checkpointing and offload once 03 exists) with tiling."""
+    """P=2, FSDP + Ulysses (with and without checkpointing + offload) with tiling."""
     run_ranks(2, _model_matches_unsharded)
 
 
@@ -291,7 +354,6 @@ def test_train_py_tiles_on_cpu():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-@pytest.mark.skipif(not HAVE_OFFLOAD, reason="--stack 4 needs 03_checkpoint_offload.py, not built yet")
 def test_train_py_stack_4():
     result = subprocess.run([sys.executable, "train.py", "--stack", "4", "--steps", "3", "--seq-len", "64"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
