@@ -16,7 +16,9 @@ The idea, in two steps.
      backward the GPU keeps only the last block's input (backward starts there, so copying it
      out would only make backward wait): 3 GiB; during backward two at a time, the one the
      current block recomputes from and the next one coming back: 6 GiB, the same for 4 layers
-     or 80. The host holds 31 x 3 GiB = 93 GiB per GPU (744 GiB for 8 GPUs).
+     or 80. The host holds 31 block inputs per GPU: 93 GiB of data, but PyTorch's pinned
+     allocator rounds each buffer up to a power of two, so 31 x 4 GiB = 124 GiB per GPU
+     (992 GiB for 8 GPUs).
 
 The copies must not slow training down. They run on a side CUDA stream: in forward the side
 stream waits only for the block input to be computed and copies it out while the compute stream
@@ -29,7 +31,9 @@ The engine is PyTorch's: `torch.utils.checkpoint.checkpoint(..., use_reentrant=F
 the block's inputs through the saved-tensors mechanism, outside the region it recomputes, so a
 `torch.autograd.graph.saved_tensors_hooks(pack, unpack)` placed around the checkpoint call sees
 exactly the block's inputs and nothing inside the block. `pack` moves the hidden state to the
-host and returns a small handle; `unpack` returns it on the GPU. Under FSDP2 (applied after
+host and returns a small handle; `unpack` returns it on the GPU. The GPU copy is freed only when
+nothing references it any more: autograd keeps the hooks alive with the graph, so `pack` may
+hold the input weakly only (a strong reference once kept every offloaded input on the GPU). Under FSDP2 (applied after
 this, one `fully_shard` per block) FSDP's hooks gather the block's parameters around the
 replaced forward, and the recompute in backward runs while they are gathered for backward.
 

@@ -31,34 +31,16 @@ from tqdm import tqdm
 
 import model as llama
 
+# The numbered files start with a digit, so they are imported by name.
 fsdp = importlib.import_module("01_fsdp")
 ulysses = importlib.import_module("02_ulysses")
+offload = importlib.import_module("03_checkpoint_offload")
+tiling = importlib.import_module("04_alst_tiling")
+untied = importlib.import_module("05_untied_ulysses")
 
-
-def _optional(name):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name != name:
-            raise
-        return None
-
-
-offload = _optional("03_checkpoint_offload")
-tiling = _optional("04_alst_tiling")
-untied = _optional("05_untied_ulysses")
-
-# (flag, file that implements it, module or None, first --stack level that turns it on)
-TECHNIQUES = [
-    ("fsdp", "01_fsdp.py", fsdp, 1),
-    ("ulysses", "02_ulysses.py", ulysses, 2),
-    ("checkpoint", "03_checkpoint_offload.py", offload, 3),
-    ("offload", "03_checkpoint_offload.py", offload, 3),
-    ("tile_mlp", "04_alst_tiling.py", tiling, 4),
-    ("tile_loss", "04_alst_tiling.py", tiling, 4),
-    ("tile_norm", "04_alst_tiling.py", tiling, 4),
-    ("untied", "05_untied_ulysses.py", untied, 5),
-]
+# (flag, the first --stack level that turns it on)
+TECHNIQUES = [("fsdp", 1), ("ulysses", 2), ("checkpoint", 3), ("offload", 3), ("tile_mlp", 4),
+              ("tile_loss", 4), ("tile_norm", 4), ("untied", 5)]
 MAX_STACK = 5
 
 
@@ -148,20 +130,17 @@ def parse_args(argv=None) -> Config:
 
 
 def resolve_techniques(cfg: Config) -> Config:
-    """Expand --stack, refuse what is not built, and check combinations that cannot work."""
+    """Expand --stack and refuse combinations that cannot work."""
     if cfg.stack is not None:
         if not 0 <= cfg.stack <= MAX_STACK:
             raise ValueError(f"--stack must be between 0 and {MAX_STACK}, got {cfg.stack}")
-        for flag, _, _, level in TECHNIQUES:
+        for flag, level in TECHNIQUES:
             if level <= cfg.stack:
                 setattr(cfg, flag, True)
         if cfg.untied:
             cfg.ulysses = False  # 05 replaces 02 at the same seam
     if cfg.ulysses and cfg.untied:
         raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
-    for flag, filename, module, _ in TECHNIQUES:
-        if getattr(cfg, flag) and module is None:
-            raise ValueError(f"--{flag.replace('_', '-')} needs {filename}, which is not built yet")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
     if cfg.head_chunk is not None and not cfg.untied:
@@ -616,8 +595,6 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     Returns {"moments": {moment: {component: bytes}}, "peak_moment", "peak", "block_moment",
     "host" (pinned bytes per GPU), "model_state", "local_tokens", "sp", "dp", "head_chunk"}.
     """
-    if offload is None or tiling is None or untied is None:
-        raise ValueError("--plan needs 03, 04 and 05 built (their byte functions)")
     args = args or llama.get_model_args(cfg.model)
     sp, head_chunk = plan_check(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
@@ -737,7 +714,7 @@ def plan_tokens_text(n: int) -> str:
 
 
 def plan_flags_text(cfg: Config, head_chunk) -> str:
-    names = [f for f, *_ in TECHNIQUES if getattr(cfg, f)]
+    names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
     return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"
 
 
@@ -787,7 +764,7 @@ def plan_levels(cfg: Config):
     """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
     and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
     other flags (batch size, head chunk, --sp, tile sizes, dtype) kept."""
-    techniques = {flag: False for flag, *_ in TECHNIQUES}
+    techniques = {flag: False for flag, _ in TECHNIQUES}
     base = replace(cfg, stack=None, sp=None, head_chunk=None, **techniques)
     rows = []
     for level in range(MAX_STACK + 1):
@@ -849,6 +826,17 @@ def plan_main(argv) -> str:
 # Main loop
 # ---------------------------------------------------------------------------------------------
 
+def attention_kernel(cfg: Config, rt: Runtime, args) -> str:
+    """The kernel each rank's attention runs, for the log: 05's kernel with log-sum-exp, or the
+    one causal_attention picks for the heads a rank holds after the exchange."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.untied:
+        q = torch.empty(1, 1, 1, args.head_dim, device=rt.device, dtype=dtype)
+        return f"{untied.lse_kernel(q)[0]} (with log-sum-exp, 05)"
+    return llama.attention_kernel_name(rt.device, dtype, args.n_heads // rt.sp,
+                                       max(args.n_kv_heads // rt.sp, 1), args.head_dim)
+
+
 @dataclass
 class Run:
     history: list
@@ -868,13 +856,13 @@ def train(cfg: Config) -> Run:
     log_file = open(cfg.log, "a" if cfg.resume else "w") if (cfg.log and is_main) else None
     header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
               "torch": torch.__version__,
-              "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, cfg.dtype)),
+              "attention_kernel": attention_kernel(cfg, rt, args),
               "parameters": llama.num_params(args), "first_step": first_step}
     if is_main:
         print(f"{cfg.model}: {header['parameters'] / 1e6:.1f}M params, {cfg.seq_len:,} tokens, "
               f"world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
               f"attention: {header['attention_kernel']}, techniques: "
-              f"{', '.join(f for f, *_ in TECHNIQUES if getattr(cfg, f)) or 'none'}"
+              f"{', '.join(f for f, _ in TECHNIQUES if getattr(cfg, f)) or 'none'}"
               + (f", resumed at step {first_step}" if cfg.resume else ""))
     if log_file:
         log_file.write(json.dumps(header) + "\n")

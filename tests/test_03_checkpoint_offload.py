@@ -195,7 +195,9 @@ def test_planner_bytes_llama3_8b_3m_tokens_8_gpus():
     plain = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=False)
     moved = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=True)
     assert plain == {"gpu": 96 * 2**30, "host": 0}  # 32 layers x 3 GiB
-    assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}
+    assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}  # the data
+    pinned = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
+    assert pinned == {"gpu": 3 * 2**30, "host": 124 * 2**30}  # what the pinned allocator takes
     with pytest.raises(ValueError, match=r"sequence length \(3145728\) must be divisible .*\(7\)"):
         offload.checkpoint_memory_bytes(args, seq_len, 7, offload=True)
 

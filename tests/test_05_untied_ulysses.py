@@ -139,21 +139,11 @@ def test_attention_layer_equals_unsharded_and_ulysses(world_size):
 # The full model with the whole stack.
 # ---------------------------------------------------------------------------------------------
 
-def stack_flags():
-    """Everything up to 05 that is built (03 and 04 are written in parallel with this file)."""
-    flags = {"fsdp": True, "untied": True}
-    if importlib.util.find_spec("03_checkpoint_offload") is not None:
-        flags.update(checkpoint=True, offload=True)
-    if importlib.util.find_spec("04_alst_tiling") is not None:
-        flags.update(tile_mlp=True, tile_loss=True)
-    return flags
-
-
 def _model_matches(sp, chunks):
     dp = dist.get_world_size() // sp
     for chunk in chunks:
         cfg = train.Config(model="tiny", sp=sp, head_chunk=chunk, seq_len=32, batch_size=2,
-                           **stack_flags())
+                           stack=5)
         tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp + chunk, ignore_frac=0.3)
         labels[-1, :] = llama.IGNORE_INDEX  # one whole sample ignored
         ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)

@@ -14,7 +14,7 @@ import torch
 
 from ranks import run_ranks
 from reference import full
-from test_train import ROOT, highest_built_stack
+from test_train import ROOT
 
 train = importlib.import_module("train")
 
@@ -37,8 +37,8 @@ def _resume_equals_straight(tmp, stack):
 
 
 def test_six_steps_equal_three_plus_resume_three(tmp_path):
-    """The whole built stack at P=2: identical losses, parameters and Adam state."""
-    run_ranks(2, _resume_equals_straight, str(tmp_path), highest_built_stack())
+    """The whole stack at P=2: identical losses, parameters and Adam state."""
+    run_ranks(2, _resume_equals_straight, str(tmp_path), train.MAX_STACK)
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

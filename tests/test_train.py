@@ -39,15 +39,10 @@ def test_default_run_exits_0_and_loss_goes_down(tmp_path):
     assert last < first - 0.5, (first, last)
 
 
-def highest_built_stack() -> int:
-    missing = [level for _, _, module, level in train.TECHNIQUES if module is None]
-    return min(missing, default=train.MAX_STACK + 1) - 1
-
-
 def test_torchrun_two_processes_with_the_stack(tmp_path):
-    """The README's multi-process command, on CPU/gloo, with every built technique."""
+    """The README's multi-process command, on CPU/gloo, with every technique."""
     result = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
-                        "--stack", str(highest_built_stack()), "--steps", "3", "--seq-len", "64",
+                        "--stack", str(train.MAX_STACK), "--steps", "3", "--seq-len", "64",
                         "--log-file", str(tmp_path / "log.jsonl"))
     assert result.returncode == 0, result.stderr[-3000:]
     header, steps = read_log(tmp_path / "log.jsonl")
@@ -59,14 +54,6 @@ def error_of(argv, capsys) -> str:
         train.main(argv)
     assert exit_info.value.code != 0
     return capsys.readouterr().err
-
-
-def test_unbuilt_technique_is_refused(monkeypatch, capsys):
-    techniques = [(flag, filename, None if flag == "untied" else module, level)
-                  for flag, filename, module, level in train.TECHNIQUES]
-    monkeypatch.setattr(train, "TECHNIQUES", techniques)
-    assert "--untied needs 05_untied_ulysses.py, which is not built yet" in error_of(
-        ["--untied"], capsys)
 
 
 @pytest.mark.parametrize("argv,needle", [
