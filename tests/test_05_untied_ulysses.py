@@ -1,6 +1,7 @@
 """05_untied_ulysses.py: headwise stages compute exactly what Ulysses and unsharded attention
 compute, keep less memory alive, and never re-run attention forward in backward."""
 
+import gc
 import importlib
 import importlib.util
 import subprocess
@@ -242,11 +243,18 @@ def attention_stage_memory(attend, x, rope, grad_out, params):
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    tracker = LiveBytes()
-    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = attend(x, rope)
-    with tracker:
-        out.backward(grad_out)
+    # Tensors are counted until their Python objects die; the cyclic garbage collector running
+    # at a random allocation inside one measurement but not another would move the peak.
+    gc.collect()
+    gc.disable()
+    try:
+        tracker = LiveBytes()
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attend(x, rope)
+        with tracker:
+            out.backward(grad_out)
+    finally:
+        gc.enable()
     return tracker.peak, sum(saved.values())
 
 
@@ -267,8 +275,11 @@ def _memory_shrinks_and_does_not_grow_with_stages():
             attend = attn.attend
         else:
             attend = partial(untied.untied_attend, attn=attn, group=group, head_chunk=chunk)
-        attend(x, rope).sum().backward()  # warm-up: the first call checks the kernel once
-        return attention_stage_memory(attend, x, rope, grad_out, list(attn.parameters()))
+        x_here = x.detach().clone().requires_grad_()  # every measurement starts alike
+        attend(x_here, rope).sum().backward()  # warm-up: the first call checks the kernel once
+        x_here.grad = None
+        attn.zero_grad(set_to_none=True)
+        return attention_stage_memory(attend, x_here, rope, grad_out, list(attn.parameters()))
 
     # 1. At U = P, 4, 8 and 16 stages (8, 16, 32 query heads): what is alive beyond the buffers
     # that grow with the heads by design - the output, its lse and the q_proj weight gradient -
@@ -278,7 +289,11 @@ def _memory_shrinks_and_does_not_grow_with_stages():
         peak, saved = measure(n_heads, sp)
         by_design = 4 * n_heads * (batch * local_seq_len * (head_dim + 1) + head_dim * dim)
         residual[n_heads] = peak - by_design
-    assert max(residual.values()) <= min(residual.values()) * 1.01, residual
+    # (The CPU byte tracker is exact only to about one x-sized tensor: storages are matched by
+    # address and released when their Python objects die. Keeping one stage's q alive per stage
+    # would add 12 x 32 KiB from 4 to 16 stages, far above this bound.)
+    x_bytes = batch * local_seq_len * dim * 4
+    assert max(residual.values()) - min(residual.values()) <= 2 * x_bytes, residual
 
     # 2. 16 query heads: smaller chunks, smaller peak; the saved bytes never depend on U.
     measured = {chunk: measure(16, chunk) for chunk in (sp, 2 * sp, 16)}
