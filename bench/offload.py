@@ -36,7 +36,6 @@ so a run cut short keeps what it measured.
 
 import argparse
 import dataclasses
-import gc
 import importlib
 import importlib.util
 import json
@@ -55,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import cuda_time_ms, default_out_dir, environment  # noqa: E402
+from report import cuda_time_ms, default_out_dir, environment, release, synchronize  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -64,31 +63,6 @@ offload = importlib.import_module("03_checkpoint_offload")
 GiB = 2**30
 OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def release(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def allocate_adam_state(model, optimizer):
-    """A step with zero gradients at learning rate 0 creates AdamW's moments without changing
-    any weight, so the first measured step already holds the whole model state."""
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
 
 
 def max_over_ranks(value: float, rt) -> float:

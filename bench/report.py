@@ -4,6 +4,7 @@ Every JSON result carries the GPU kind and count, torch version, attention kerne
 and the exact command, so a number in the README can be traced to the run that produced it.
 """
 
+import gc
 import json
 import os
 import subprocess
@@ -58,3 +59,15 @@ def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(device):
+    """Free what the last configuration left (models hold reference cycles) before the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -20,11 +20,9 @@ gives the time per layer, and the overhead is also extrapolated to the full dept
 
 import argparse
 import dataclasses
-import gc
 import importlib
 import importlib.util
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import default_out_dir, environment, write_result  # noqa: E402
+from report import default_out_dir, environment, release, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -43,37 +41,6 @@ tiling = importlib.import_module("04_alst_tiling")
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
 OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def release(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def peak_and_times(run, device, repeats: int) -> dict:
-    """Run once (warm-up, and the peak memory above what was allocated before), then time
-    `repeats` more runs: median seconds."""
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    run()
-    synchronize(device)
-    peak = (torch.cuda.max_memory_allocated() - base) / GiB if device.type == "cuda" else None
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return {"peak_gib": peak, "time_s": statistics.median(times) if times else None}
 
 
 # ---------------------------------------------------------------------------------------------
