@@ -46,6 +46,8 @@ Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offlo
 """
 
 import argparse
+import contextlib
+import contextvars
 import gc
 import importlib
 import os
@@ -133,14 +135,38 @@ def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope) 
     if not torch.is_grad_enabled():  # no backward coming: nothing to save or recompute
         return forward(x, rope)
     if offloader is None:
-        return checkpoint(forward, x, rope, use_reentrant=False)
+        return checkpoint(forward, x, rope, use_reentrant=False, context_fn=mark_recompute)
     # These hooks see what checkpoint saves outside its region: the block's inputs. The rotary
     # cos/sin (a tuple, one for all layers) is held by checkpoint directly and never offloaded.
     # The pack hook may only hold a *weak* reference to x: autograd keeps the hooks alive with
     # the graph, and a strong one would pin x in GPU memory however well it was copied away.
     with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer, weakref.ref(x)),
                                                   offloader.unpack):
-        return checkpoint(forward, x, rope, use_reentrant=False)
+        return checkpoint(forward, x, rope, use_reentrant=False, context_fn=mark_recompute)
+
+
+# checkpoint runs the block's forward a second time in backward, only to rebuild what its ops
+# save. An op whose output nothing in that rerun reads can skip its work there (04's tiled MLP,
+# the last op of a block, does): this flag tells it when it runs inside the recompute.
+_recomputing = contextvars.ContextVar("recomputing", default=False)
+
+
+@contextlib.contextmanager
+def _recompute_marker():
+    token = _recomputing.set(True)
+    try:
+        yield
+    finally:
+        _recomputing.reset(token)
+
+
+def mark_recompute():
+    """checkpoint's context_fn: nothing around the forward, the marker around its recompute."""
+    return contextlib.nullcontext(), _recompute_marker()
+
+
+def is_recomputing() -> bool:
+    return _recomputing.get()
 
 
 @dataclass

@@ -21,7 +21,11 @@ tile at a time. One autograd.Function does it for both (`SequenceTiledRecompute`
     runs inside the block's forward and backward.
 The price: one more forward of the MLP and of lm_head per step (the recompute), against the
 memory of a tile: a 4,096-token MLP tile holds 0.44 GiB of intermediates, and a 2,092-token loss
-tile 1 GiB of fp32 logits. The loss is the same global token mean (train.py divides the sum).
+tile 1 GiB of fp32 logits. With 03's checkpointing the block's forward runs again in backward
+anyway, so the tiled MLP there returns without computing (its output, the end of the block,
+is read by nothing in that rerun, and its own backward recomputes the tiles): the MLP forward
+runs twice per step, as with checkpointing alone, not three times. The loss is the same global
+token mean (train.py divides the sum).
 
 Every rank cuts the same number of tiles. Where each tile calls a module whose weights are
 gathered at every call (ZeRO-3 style), a rank with fewer tiles deadlocks the others' gathers; peers
@@ -51,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model import IGNORE_INDEX, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")  # parse_tokens, measure_attention_stage
+offload = importlib.import_module("03_checkpoint_offload")  # is_recomputing
 
 GiB = 2**30
 MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits
@@ -109,11 +114,16 @@ class SequenceTiledRecompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fn, tile_tokens, sum_tiles, n_token_args, x, *tensors):
+    def forward(ctx, fn, tile_tokens, sum_tiles, skip_in_recompute, n_token_args, x, *tensors):
         token_args, weights = tensors[:n_token_args], tensors[n_token_args:]
         ctx.fn, ctx.tile_tokens, ctx.sum_tiles, ctx.n_token_args = fn, tile_tokens, sum_tiles, n_token_args
         # Only the input, labels and weights: nothing per tile survives the forward.
         ctx.save_for_backward(x, *tensors)
+        if skip_in_recompute and offload.is_recomputing():
+            # In 03's recompute the block is rerun only to rebuild what its ops save; this output
+            # (same shape as x) feeds nothing but the residual add that ends the block, and our
+            # backward recomputes every tile anyway: computing it here would be a third forward.
+            return torch.empty_like(x)
         out = None
         for tile in token_tiles(x.shape[0], tile_tokens):  # autograd is off inside forward
             piece = fn(x[tile], *(t[tile] for t in token_args), *weights)
@@ -130,8 +140,8 @@ class SequenceTiledRecompute(torch.autograd.Function):
         x, *tensors = ctx.saved_tensors
         n_token_args = ctx.n_token_args
         token_args, weights = tensors[:n_token_args], tensors[n_token_args:]
-        x_needs_grad = ctx.needs_input_grad[4]
-        weight_needs_grad = ctx.needs_input_grad[5 + n_token_args:]
+        x_needs_grad = ctx.needs_input_grad[5]
+        weight_needs_grad = ctx.needs_input_grad[6 + n_token_args:]
         # Fresh leaves, so each tile's graph ends here and autograd.grad returns the pieces.
         weight_leaves = [w.detach().requires_grad_(need) for w, need in zip(weights, weight_needs_grad)]
         wanted_weights = [w for w in weight_leaves if w.requires_grad]
@@ -157,12 +167,14 @@ class SequenceTiledRecompute(torch.autograd.Function):
                     weight_grad_sums[i] += grad
         sums = iter(weight_grad_sums)
         weight_grads = [next(sums).to(w.dtype) if w.requires_grad else None for w in weight_leaves]
-        return (None, None, None, None, grad_x, *([None] * n_token_args), *weight_grads)
+        return (None, None, None, None, None, grad_x, *([None] * n_token_args), *weight_grads)
 
 
-def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool):
+def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool,
+                      skip_in_recompute: bool = False):
     """SequenceTiledRecompute with its arguments named (autograd's apply takes positions only)."""
-    return SequenceTiledRecompute.apply(fn, tile_tokens, sum_tiles, len(token_args), x, *token_args, *weights)
+    return SequenceTiledRecompute.apply(fn, tile_tokens, sum_tiles, skip_in_recompute,
+                                        len(token_args), x, *token_args, *weights)
 
 
 # --- Seam 3: the MLP ---------------------------------------------------------------------------
@@ -177,7 +189,9 @@ def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> t
     tokens = x.reshape(-1, x.shape[-1])
     tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # read now: FSDP
-    return tiled_over_tokens(swiglu, tokens, (), weights, tile, sum_tiles=False).view(x.shape)
+    # The MLP is the last op of a block: in 03's recompute its output is not needed (see above).
+    return tiled_over_tokens(swiglu, tokens, (), weights, tile, sum_tiles=False,
+                             skip_in_recompute=True).view(x.shape)
 
 
 # --- The blocks' RMSNorms: per token as well ------------------------------------------------------
