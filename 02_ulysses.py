@@ -250,7 +250,7 @@ def parse_tokens(text: str) -> int:
     return value
 
 
-def measure_attention_stage(attend, x, extra) -> int:
+def measure_stage_memory(attend, x, extra) -> int:
     """Peak bytes above the input while one attention stage runs forward and backward: on a GPU
     the allocator's peak; on a CPU the bytes of every tensor the stage saves for backward plus
     its output (what stays alive between forward and backward)."""
@@ -315,7 +315,7 @@ def main():
             attn.core = partial(ulysses_attention, group=dist.group.WORLD)
         positions = torch.arange(demo.rank * tokens, (demo.rank + 1) * tokens, device=device)[None]
         x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
-        measured[name] = measure_attention_stage(attn.attend, x, (rope_cos_sin(positions, args, dtype),))
+        measured[name] = measure_stage_memory(attn.attend, x, (rope_cos_sin(positions, args, dtype),))
         del x
     if demo.rank == 0:
         how = "peak allocated (GPU)" if demo.on_gpu else "saved-for-backward + output bytes (CPU)"

@@ -5,8 +5,8 @@ the largest allocations left are temporaries of per-token operations that span t
 sequence. Llama-3-8B at 3M tokens on 8 GPUs gives each GPU 393,216 tokens:
   - the MLP, down(silu(gate(x)) * up(x)), keeps four tokens x 14,336 intermediates for its
     backward (gate, silu(gate), up, their product): 10.5 GiB each in bf16, 42 GiB per layer
-    while that layer runs forward and backward (checkpointing recomputes them, it cannot shrink
-    them);
+    kept from its forward to its backward, and six such tensors (63 GiB) at once inside that
+    backward (checkpointing recomputes them, it cannot shrink them);
   - the loss needs the logits, tokens x 128,256 vocabulary entries, in fp32: 188 GiB, its
     log-softmax and its gradient as much again, plus a 94 GiB bf16 copy.
 
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import IGNORE_INDEX, rms_norm
 
-ulysses = importlib.import_module("02_ulysses")  # parse_tokens, measure_attention_stage
+ulysses = importlib.import_module("02_ulysses")  # parse_tokens, measure_stage_memory
 offload = importlib.import_module("03_checkpoint_offload")  # is_recomputing
 
 GiB = 2**30
@@ -366,7 +366,7 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
         x = torch.randn(1, local_tokens, dim, generator=generator).to(device, dtype).requires_grad_()
         try:
             with LargestTensor() as largest:
-                nbytes = ulysses.measure_attention_stage(run, x, ())
+                nbytes = ulysses.measure_stage_memory(run, x, ())
             results[name] = (nbytes, largest.nbytes)
         except torch.cuda.OutOfMemoryError:
             results[name] = "OOM"

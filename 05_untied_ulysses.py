@@ -571,11 +571,11 @@ def main():
     bytes_per_value = torch.finfo(dtype).bits // 8
     rows = []
     attn.core = partial(ulysses.ulysses_attention, group=group)
-    rows.append(("Ulysses (02)", "-", "-", ulysses.measure_attention_stage(attn.attend, x, (rope,)),
+    rows.append(("Ulysses (02)", "-", "-", ulysses.measure_stage_memory(attn.attend, x, (rope,)),
                  ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
     for chunk in valid_head_chunks(args, sp):
         attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=chunk)
-        measured = ulysses.measure_attention_stage(attn.attend, x, (rope,))
+        measured = ulysses.measure_stage_memory(attn.attend, x, (rope,))
         planned = untied_attention_bytes(args, seq_len, sp, chunk, bytes_per_value)
         rows.append(("Untied Ulysses", chunk, args.n_heads // chunk, measured, planned))
     if rank == 0:
@@ -583,13 +583,17 @@ def main():
                "saved-for-backward + output bytes (CPU)")
         kernel = lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
         unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
+        # The planner's byte functions count the GPU peak; the CPU stand-in counts another
+        # quantity (what is kept between forward and backward), so they are shown side by side
+        # only on a GPU.
         print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
-              f"one attention layer per rank; measured: {how}; planned: the byte count of "
-              f"02/05's planner functions")
+              f"one attention layer per rank; measured: {how}"
+              + ("; planned: the peak by 02/05's byte functions" if on_gpu else ""))
         print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
-              f"{'planned ' + unit_name:>13}")
+              + (f"{'planned ' + unit_name:>13}" if on_gpu else ""))
         for name, chunk, stages, measured, planned in rows:
-            print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
+            print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}"
+                  + (f"{planned / unit:>13.2f}" if on_gpu else ""))
     dist.destroy_process_group()
 
 

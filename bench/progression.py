@@ -5,9 +5,8 @@
 For each configuration it runs bench/step.py under torchrun (full steps through train.py's own
 functions) and collects per-GPU: model state (fp32 parameters + gradients + Adam, measured after
 the first optimizer step), the step's peak, and what the step needs beyond the model state;
-"OOM" with the allocation that failed when a configuration does not fit. The split of the
-activation peak into attention and the rest is the planner's arithmetic (02/05 byte functions),
-marked as such. Writes progression_<model>_<gpus>gpu.json and a stacked-bar PNG when matplotlib
+"OOM" with the allocation that failed when a configuration does not fit. (The split of the
+activation peak into attention and the rest is `train.py --plan`'s, not measured here.) Writes progression_<model>_<gpus>gpu.json and a stacked-bar PNG when matplotlib
 is there.
 """
 

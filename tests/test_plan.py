@@ -174,7 +174,7 @@ class KernelTensors(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _attention_bytes_match_the_code():
     """One attention layer (fp32, CPU) per method, with 2 KV heads and with 1 (replicated over
-    the ranks): the bytes it keeps for backward (02's measure_attention_stage: saved tensors and
+    the ranks): the bytes it keeps for backward (02's measure_stage_memory: saved tensors and
     the output, less the layer's input, rotary tables and projection weights, which are not its
     own) equal saved_only=True; and each backward kernel call receives and returns the bytes
     the peak formula names for it (before the GPU kernel's own workspace)."""
@@ -216,7 +216,7 @@ def _attention_layer_bytes(args):
             # per stage: grad out, q, out (its heads), k, v, lse; dq, dk, dv
             kernel = ((3 * q_bytes + lse_bytes + q_bytes) // stages // sp + 4 * one_kv_head)
             n_calls = stages
-        kept = ulysses.measure_attention_stage(attend, x, ((cos, sin),)) - not_its_own
+        kept = ulysses.measure_stage_memory(attend, x, ((cos, sin),)) - not_its_own
         if method == "untied":  # its output buffer is also saved: the measure counts it twice
             kept -= output
         assert kept == saved, (method, chunk, args.n_kv_heads, kept, saved)
@@ -226,7 +226,7 @@ def _attention_layer_bytes(args):
         x.grad = None
     # Plain attention (no exchange): the same count with sp = 1.
     plain = llama.Attention(args)
-    kept = ulysses.measure_attention_stage(plain.attend, x, ((cos, sin),))
+    kept = ulysses.measure_stage_memory(plain.attend, x, ((cos, sin),))
     kept -= x.nbytes + cos.nbytes + sin.nbytes + sum(p.weight.nbytes for p in
                                                       (plain.q_proj, plain.k_proj, plain.v_proj))
     kept -= output  # the kernel's output is the layer's: counted twice
