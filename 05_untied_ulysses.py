@@ -138,6 +138,177 @@ def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# The attention sub-layer, stage by stage, as one autograd function.
+# ---------------------------------------------------------------------------------------------
+
+def norm_and_rotate(y, norm_weight, eps, cos, sin):
+    """Per-head RMSNorm (Qwen3's QK-norm, when present) then rotary: model.project_qkv's order."""
+    if norm_weight is not None:
+        y = rms_norm(y, norm_weight, eps)
+    return apply_rope(y, cos, sin)
+
+
+def project(x, rows, head_dim):
+    """x (B, s, dim) @ rows.T -> (B, s, heads, D)."""
+    return F.linear(x, rows).unflatten(-1, (-1, head_dim))
+
+
+def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
+    """Q or K of the heads in `rows`: projected, normed, rotated. V: rope=None, projected only."""
+    y = project(x, rows, head_dim)
+    return y if rope is None else norm_and_rotate(y, norm_weight, eps, *rope)
+
+
+def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
+                        grad_norm_weight):
+    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
+    returns the gradient of `rows`. Norm and rotary are recomputed under autograd from the
+    projection; the projection's own backward is written out, so grad_x is accumulated in
+    place (autograd would hand back a full-size temporary for every stage)."""
+    if rope is not None:
+        y = project(x, rows, head_dim).requires_grad_()
+        weight = None if norm_weight is None else norm_weight.detach().requires_grad_()
+        with torch.enable_grad():
+            post = norm_and_rotate(y, weight, eps, *rope)
+        grads = torch.autograd.grad(post, [y] if weight is None else [y, weight], grad_heads)
+        if weight is not None:
+            grad_norm_weight += grads[1]
+        grad_heads = grads[0]
+    dim = x.shape[-1]
+    grad_y = grad_heads.reshape(-1, rows.shape[0])
+    grad_x.view(-1, dim).addmm_(grad_y, rows)
+    return grad_y.t() @ x.reshape(-1, dim)
+
+
+class UntiedUlyssesAttention(torch.autograd.Function):
+    """normed x (B, s, dim) of the local tokens -> attention output (B, s, H * D), standard
+    head order, before o_proj. Weights are inputs (read at call time) and get gradients."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, wq, wk, wv, q_norm, k_norm, group, sp, head_chunk, head_dim, eps):
+        batch, local_seq_len, _ = x.shape
+        n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
+        to_heads = partial(_exchange, group=group, sp=sp, scatter_dim=2, gather_dim=1)
+        to_tokens = partial(_exchange, group=group, sp=sp, scatter_dim=1, gather_dim=2)
+        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
+        rope = (cos, sin)
+        plan = stage_plan(n_heads, n_kv_heads, sp, head_chunk)
+
+        out = x.new_empty(batch, local_seq_len, n_heads * head_dim)  # the one output buffer
+        out_blocks = out.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
+        lses = []
+        for stage, (heads, kv_heads) in enumerate(plan):
+            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
+                k = v = None  # free the previous group's K/V before making the next
+                k = to_heads(projected_heads(x, rows(wk, n_kv_heads, heads=kv_heads), head_dim,
+                                             k_norm, eps, rope))
+                v = to_heads(project(x, rows(wv, n_kv_heads, heads=kv_heads), head_dim))
+            q = to_heads(projected_heads(x, rows(wq, n_heads, heads=heads), head_dim, q_norm,
+                                         eps, rope))  # (B, S, u, D): all tokens, u heads
+            stage_out, lse = attention_forward_lse(q, k, v)
+            del q
+            lses.append(lse)
+            # back to this rank's tokens, into this stage's heads of every rank's block
+            out_blocks[:, :, :, heads] = to_tokens(stage_out).unflatten(2, (sp, -1))
+            del stage_out
+
+        ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
+        ctx.group, ctx.sp, ctx.head_chunk, ctx.head_dim, ctx.eps = group, sp, head_chunk, head_dim, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses = ctx.saved_tensors
+        sp, head_dim, eps = ctx.sp, ctx.head_dim, ctx.eps
+        batch, local_seq_len, _ = x.shape
+        n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
+        to_heads = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=2, gather_dim=1)
+        to_tokens = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=1, gather_dim=2)
+        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
+        add_rows = partial(add_stage_rows, sp=sp, head_dim=head_dim)
+        rope = (cos, sin)
+        plan = stage_plan(n_heads, n_kv_heads, sp, ctx.head_chunk)
+        blocks = lambda t: t.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
+        out_blocks, grad_blocks = blocks(out), blocks(grad_out)
+
+        # Gradient buffers allocated once; every stage adds its share in place.
+        grad_x = torch.zeros_like(x)
+        grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (wq, wk, wv))
+        grad_q_norm = None if q_norm is None else torch.zeros_like(q_norm)
+        grad_k_norm = None if k_norm is None else torch.zeros_like(k_norm)
+
+        for stage, (heads, kv_heads) in enumerate(plan):
+            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
+                wk_rows = rows(wk, n_kv_heads, heads=kv_heads)
+                wv_rows = rows(wv, n_kv_heads, heads=kv_heads)
+                k = to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
+                v = to_heads(project(x, wv_rows, head_dim))
+                grad_k = grad_v = None
+            # The stage's q, output and output gradient in the head layout, then the attention
+            # backward kernel with the saved log-sum-exp: no attention forward here.
+            wq_rows = rows(wq, n_heads, heads=heads)
+            q = to_heads(projected_heads(x, wq_rows, head_dim, q_norm, eps, rope))
+            stage_out = to_heads(out_blocks[:, :, :, heads].flatten(2, 3))
+            grad_stage_out = to_heads(grad_blocks[:, :, :, heads].flatten(2, 3))
+            grad_q, grad_k_stage, grad_v_stage = attention_backward_lse(
+                grad_stage_out, q, k, v, stage_out, lses[stage])
+            del q, stage_out, grad_stage_out
+            group_ends = stage == len(plan) - 1 or plan[stage + 1][1] != kv_heads
+            if group_ends:
+                del k, v
+            grad_k = grad_k_stage if grad_k is None else grad_k.add_(grad_k_stage)
+            grad_v = grad_v_stage if grad_v is None else grad_v.add_(grad_v_stage)
+            del grad_k_stage, grad_v_stage
+            grad_rows = projection_backward(x, wq_rows, head_dim, q_norm, eps, rope,
+                                            to_tokens(grad_q), grad_x, grad_q_norm)
+            del grad_q
+            add_rows(grad_wq, grad_rows, n_heads, heads=heads)
+
+            if group_ends:  # K/V gradients are complete: back through their projections
+                grad_rows = projection_backward(x, wk_rows, head_dim, k_norm, eps, rope,
+                                                to_tokens(grad_k), grad_x, grad_k_norm)
+                add_rows(grad_wk, grad_rows, n_kv_heads, heads=kv_heads)
+                grad_rows = projection_backward(x, wv_rows, head_dim, None, eps, None,
+                                                to_tokens(grad_v), grad_x, None)
+                add_rows(grad_wv, grad_rows, n_kv_heads, heads=kv_heads)
+                del grad_k, grad_v
+
+        return (grad_x, None, None, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm,
+                None, None, None, None, None)
+
+
+def _exchange(x, group, sp, scatter_dim, gather_dim):
+    """02's all_to_all, or nothing with one rank (also without a process group)."""
+    if sp == 1:
+        return x
+    return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
+
+
+def untied_attend(x, rope, attn, group, head_chunk):
+    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time."""
+    cos, sin = rope
+    sp = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
+    q_norm = None if attn.q_norm is None else attn.q_norm.weight
+    k_norm = None if attn.k_norm is None else attn.k_norm.weight
+    eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+    return UntiedUlyssesAttention.apply(x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
+                                        attn.v_proj.weight, q_norm, k_norm, group, sp,
+                                        head_chunk, attn.head_dim, eps)
+
+
+def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
+    """Make every attention layer of `model` Untied-Ulysses sequence-parallel over `group` with
+    `head_chunk` query heads per stage (default: the degree, least memory). Only the `attend`
+    seam is replaced, so this works on a meta-device model before FSDP shards it."""
+    args = model.args
+    sp = dist.get_world_size(group) if dist.is_initialized() else 1
+    head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
+    for block in model.layers:
+        attn = block.self_attn
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
+
+
+# ---------------------------------------------------------------------------------------------
 # Attention that returns its log-sum-exp, and a backward that takes it.
 # ---------------------------------------------------------------------------------------------
 # Layout: q (B, S, H, D), k and v (B, S, Hkv, D) with H % Hkv == 0 (query head h uses KV head
@@ -321,177 +492,6 @@ def _check_kernel(kernel, device, dtype, head_dim):
             warnings.warn(f"attention kernel {kernel!r} on {device}/{dtype}/head_dim {head_dim} "
                           f"failed {what}: {type(error).__name__}: {error}")
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The attention sub-layer, stage by stage, as one autograd function.
-# ---------------------------------------------------------------------------------------------
-
-def norm_and_rotate(y, norm_weight, eps, cos, sin):
-    """Per-head RMSNorm (Qwen3's QK-norm, when present) then rotary: model.project_qkv's order."""
-    if norm_weight is not None:
-        y = rms_norm(y, norm_weight, eps)
-    return apply_rope(y, cos, sin)
-
-
-def project(x, rows, head_dim):
-    """x (B, s, dim) @ rows.T -> (B, s, heads, D)."""
-    return F.linear(x, rows).unflatten(-1, (-1, head_dim))
-
-
-def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
-    """Q or K of the heads in `rows`: projected, normed, rotated. V: rope=None, projected only."""
-    y = project(x, rows, head_dim)
-    return y if rope is None else norm_and_rotate(y, norm_weight, eps, *rope)
-
-
-def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
-                        grad_norm_weight):
-    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
-    returns the gradient of `rows`. Norm and rotary are recomputed under autograd from the
-    projection; the projection's own backward is written out, so grad_x is accumulated in
-    place (autograd would hand back a full-size temporary for every stage)."""
-    if rope is not None:
-        y = project(x, rows, head_dim).requires_grad_()
-        weight = None if norm_weight is None else norm_weight.detach().requires_grad_()
-        with torch.enable_grad():
-            post = norm_and_rotate(y, weight, eps, *rope)
-        grads = torch.autograd.grad(post, [y] if weight is None else [y, weight], grad_heads)
-        if weight is not None:
-            grad_norm_weight += grads[1]
-        grad_heads = grads[0]
-    dim = x.shape[-1]
-    grad_y = grad_heads.reshape(-1, rows.shape[0])
-    grad_x.view(-1, dim).addmm_(grad_y, rows)
-    return grad_y.t() @ x.reshape(-1, dim)
-
-
-class UntiedUlyssesAttention(torch.autograd.Function):
-    """normed x (B, s, dim) of the local tokens -> attention output (B, s, H * D), standard
-    head order, before o_proj. Weights are inputs (read at call time) and get gradients."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, wq, wk, wv, q_norm, k_norm, group, sp, head_chunk, head_dim, eps):
-        batch, local_seq_len, _ = x.shape
-        n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
-        to_heads = partial(_exchange, group=group, sp=sp, scatter_dim=2, gather_dim=1)
-        to_tokens = partial(_exchange, group=group, sp=sp, scatter_dim=1, gather_dim=2)
-        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
-        rope = (cos, sin)
-        plan = stage_plan(n_heads, n_kv_heads, sp, head_chunk)
-
-        out = x.new_empty(batch, local_seq_len, n_heads * head_dim)  # the one output buffer
-        out_blocks = out.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
-        lses = []
-        for stage, (heads, kv_heads) in enumerate(plan):
-            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
-                k = v = None  # free the previous group's K/V before making the next
-                k = to_heads(projected_heads(x, rows(wk, n_kv_heads, heads=kv_heads), head_dim,
-                                             k_norm, eps, rope))
-                v = to_heads(project(x, rows(wv, n_kv_heads, heads=kv_heads), head_dim))
-            q = to_heads(projected_heads(x, rows(wq, n_heads, heads=heads), head_dim, q_norm,
-                                         eps, rope))  # (B, S, u, D): all tokens, u heads
-            stage_out, lse = attention_forward_lse(q, k, v)
-            del q
-            lses.append(lse)
-            # back to this rank's tokens, into this stage's heads of every rank's block
-            out_blocks[:, :, :, heads] = to_tokens(stage_out).unflatten(2, (sp, -1))
-            del stage_out
-
-        ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
-        ctx.group, ctx.sp, ctx.head_chunk, ctx.head_dim, ctx.eps = group, sp, head_chunk, head_dim, eps
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses = ctx.saved_tensors
-        sp, head_dim, eps = ctx.sp, ctx.head_dim, ctx.eps
-        batch, local_seq_len, _ = x.shape
-        n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
-        to_heads = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=2, gather_dim=1)
-        to_tokens = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=1, gather_dim=2)
-        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
-        add_rows = partial(add_stage_rows, sp=sp, head_dim=head_dim)
-        rope = (cos, sin)
-        plan = stage_plan(n_heads, n_kv_heads, sp, ctx.head_chunk)
-        blocks = lambda t: t.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
-        out_blocks, grad_blocks = blocks(out), blocks(grad_out)
-
-        # Gradient buffers allocated once; every stage adds its share in place.
-        grad_x = torch.zeros_like(x)
-        grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (wq, wk, wv))
-        grad_q_norm = None if q_norm is None else torch.zeros_like(q_norm)
-        grad_k_norm = None if k_norm is None else torch.zeros_like(k_norm)
-
-        for stage, (heads, kv_heads) in enumerate(plan):
-            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
-                wk_rows = rows(wk, n_kv_heads, heads=kv_heads)
-                wv_rows = rows(wv, n_kv_heads, heads=kv_heads)
-                k = to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
-                v = to_heads(project(x, wv_rows, head_dim))
-                grad_k = grad_v = None
-            # The stage's q, output and output gradient in the head layout, then the attention
-            # backward kernel with the saved log-sum-exp: no attention forward here.
-            wq_rows = rows(wq, n_heads, heads=heads)
-            q = to_heads(projected_heads(x, wq_rows, head_dim, q_norm, eps, rope))
-            stage_out = to_heads(out_blocks[:, :, :, heads].flatten(2, 3))
-            grad_stage_out = to_heads(grad_blocks[:, :, :, heads].flatten(2, 3))
-            grad_q, grad_k_stage, grad_v_stage = attention_backward_lse(
-                grad_stage_out, q, k, v, stage_out, lses[stage])
-            del q, stage_out, grad_stage_out
-            group_ends = stage == len(plan) - 1 or plan[stage + 1][1] != kv_heads
-            if group_ends:
-                del k, v
-            grad_k = grad_k_stage if grad_k is None else grad_k.add_(grad_k_stage)
-            grad_v = grad_v_stage if grad_v is None else grad_v.add_(grad_v_stage)
-            del grad_k_stage, grad_v_stage
-            grad_rows = projection_backward(x, wq_rows, head_dim, q_norm, eps, rope,
-                                            to_tokens(grad_q), grad_x, grad_q_norm)
-            del grad_q
-            add_rows(grad_wq, grad_rows, n_heads, heads=heads)
-
-            if group_ends:  # K/V gradients are complete: back through their projections
-                grad_rows = projection_backward(x, wk_rows, head_dim, k_norm, eps, rope,
-                                                to_tokens(grad_k), grad_x, grad_k_norm)
-                add_rows(grad_wk, grad_rows, n_kv_heads, heads=kv_heads)
-                grad_rows = projection_backward(x, wv_rows, head_dim, None, eps, None,
-                                                to_tokens(grad_v), grad_x, None)
-                add_rows(grad_wv, grad_rows, n_kv_heads, heads=kv_heads)
-                del grad_k, grad_v
-
-        return (grad_x, None, None, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm,
-                None, None, None, None, None)
-
-
-def _exchange(x, group, sp, scatter_dim, gather_dim):
-    """02's all_to_all, or nothing with one rank (also without a process group)."""
-    if sp == 1:
-        return x
-    return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
-
-
-def untied_attend(x, rope, attn, group, head_chunk):
-    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time."""
-    cos, sin = rope
-    sp = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
-    q_norm = None if attn.q_norm is None else attn.q_norm.weight
-    k_norm = None if attn.k_norm is None else attn.k_norm.weight
-    eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-    return UntiedUlyssesAttention.apply(x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
-                                        attn.v_proj.weight, q_norm, k_norm, group, sp,
-                                        head_chunk, attn.head_dim, eps)
-
-
-def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
-    """Make every attention layer of `model` Untied-Ulysses sequence-parallel over `group` with
-    `head_chunk` query heads per stage (default: the degree, least memory). Only the `attend`
-    seam is replaced, so this works on a meta-device model before FSDP shards it."""
-    args = model.args
-    sp = dist.get_world_size(group) if dist.is_initialized() else 1
-    head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
-    for block in model.layers:
-        attn = block.self_attn
-        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
 
 
 # ---------------------------------------------------------------------------------------------
