@@ -8,7 +8,8 @@ without editing this file:
   2. `Attention.attend(x, rope) -> out`    the whole sub-layer from normed input to pre-`o_proj`
                                            output (B, S, heads * D). 05_untied_ulysses.py replaces
                                            it, because it projects Q/K/V one head chunk at a time.
-  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
+  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence
+                                           (and, with --tile-norm, each block's RMSNorm.forward).
   4. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
                                            04_alst_tiling.py tiles it so seq x vocab logits never exist.
 
