@@ -173,13 +173,17 @@ def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
     return count.clamp(min=1.0)  # all labels ignored: loss 0, not NaN
 
 
+def check_data_sequence_layout(world: int, sp: int) -> None:
+    if sp < 1 or world % sp:
+        raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
+
+
 def data_sequence_mesh(device_type: str, sp: int):
     """Ranks as a (dp, sp) grid; sequence-parallel groups are contiguous ranks (one node)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if sp < 1 or world % sp:
-        raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
+    check_data_sequence_layout(world, sp)
     return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
 
 

@@ -191,13 +191,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
     if cfg.device == "cuda":
         rt.device = torch.device("cuda", torch.cuda.current_device())
-    if rt.world > 1 and not cfg.fsdp:
-        raise ValueError(f"{rt.world} processes need --fsdp (01) to keep the model in sync; "
-                         f"add --fsdp or --stack 1 or higher")
-    sequence_parallel = cfg.ulysses or cfg.untied
-    rt.sp = (cfg.sp or rt.world) if sequence_parallel else 1
-    if cfg.sp is not None and not sequence_parallel:
-        raise ValueError("--sp needs --ulysses or --untied")
+    rt.sp, _ = check_layout(cfg, rt.world, llama.get_model_args(cfg.model))
     if dist.is_initialized():
         mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -206,12 +200,29 @@ def setup_runtime(cfg: Config) -> Runtime:
             from torch.distributed.device_mesh import init_device_mesh
 
             rt.fsdp_mesh = init_device_mesh(cfg.device, (rt.world,))
-    args = llama.get_model_args(cfg.model)
-    if sequence_parallel:
-        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, rt.sp, cfg.seq_len)
-    if cfg.untied:
-        untied.check_head_chunk(args.n_heads, args.n_kv_heads, rt.sp, cfg.head_chunk)
     return rt
+
+
+def check_layout(cfg: Config, world_size: int, args) -> tuple:
+    """(sequence-parallel degree, head chunk) of `cfg` on `world_size` ranks, or a ValueError
+    naming the constraint. Training runs it before building anything; --plan runs the same."""
+    if world_size < 1:
+        raise ValueError(f"--gpus must be at least 1, got {world_size}")
+    if world_size > 1 and not cfg.fsdp:
+        raise ValueError(f"{world_size} processes need --fsdp (01) to keep the model in sync; "
+                         f"add --fsdp or --stack 1 or higher")
+    sequence_parallel = cfg.ulysses or cfg.untied
+    sp = (cfg.sp or world_size) if sequence_parallel else 1
+    if cfg.sp is not None and not sequence_parallel:
+        raise ValueError("--sp needs --ulysses or --untied")
+    ulysses.check_data_sequence_layout(world_size, sp)
+    if sequence_parallel:
+        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, cfg.seq_len)
+    head_chunk = (untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp, cfg.head_chunk)
+                  if cfg.untied else None)
+    tiling.check_tile_tokens("mlp_tile_tokens", cfg.mlp_tile_tokens)
+    tiling.check_tile_tokens("loss_tile_tokens", cfg.loss_tile_tokens)
+    return sp, head_chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,29 +568,6 @@ def parse_bytes(text: str) -> int:
     return int(number * units[unit])
 
 
-def plan_check(cfg: Config, world_size: int, args) -> tuple:
-    """(sequence-parallel degree, head chunk) of `cfg` on `world_size` GPUs, or the ValueError
-    training raises for it (setup_runtime's and the techniques' checks, in their order)."""
-    if world_size < 1:
-        raise ValueError(f"--gpus must be at least 1, got {world_size}")
-    if world_size > 1 and not cfg.fsdp:
-        raise ValueError(f"{world_size} processes need --fsdp (01) to keep the model in sync; "
-                         f"add --fsdp or --stack 1 or higher")
-    sequence_parallel = cfg.ulysses or cfg.untied
-    sp = (cfg.sp or world_size) if sequence_parallel else 1
-    if cfg.sp is not None and not sequence_parallel:
-        raise ValueError("--sp needs --ulysses or --untied")
-    if sp < 1 or world_size % sp:  # 02's data_sequence_mesh, which needs a process group
-        raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world_size})")
-    if sequence_parallel:
-        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, cfg.seq_len)
-    head_chunk = (untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp, cfg.head_chunk)
-                  if cfg.untied else None)
-    tiling.check_tile_tokens("mlp_tile_tokens", cfg.mlp_tile_tokens)
-    tiling.check_tile_tokens("loss_tile_tokens", cfg.loss_tile_tokens)
-    return sp, head_chunk
-
-
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from a numbered file's byte function.
@@ -596,7 +584,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     "host" (pinned bytes per GPU), "model_state", "local_tokens", "sp", "dp", "head_chunk"}.
     """
     args = args or llama.get_model_args(cfg.model)
-    sp, head_chunk = plan_check(cfg, world_size, args)
+    sp, head_chunk = check_layout(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
     local_tokens = tokens // sp
@@ -689,7 +677,7 @@ def plan_longest_seq_len(cfg: Config, world_size: int, gpu_mem: int, host_mem: i
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
     (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
     host; (0, None) when none does. Raises training's ValueError for an impossible setup."""
-    sp, _ = plan_check(replace(cfg, seq_len=None), world_size, llama.get_model_args(cfg.model))
+    sp, _ = check_layout(replace(cfg, seq_len=None), world_size, llama.get_model_args(cfg.model))
     step = sp * 1024
 
     def plan_at(multiple):
