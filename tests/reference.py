@@ -78,6 +78,11 @@ def assert_matches(loss, grads, ref_loss, ref_grads, rtol=1e-5, atol=1e-6, what=
         if norm_rtol is None:
             torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
         else:
-            got, ref = got.double().cpu(), ref.double().cpu()
-            error = ((got - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+            error = relative_error(got, ref)
             assert error < norm_rtol, f"{what} {name}: relative error {error:.2e} >= {norm_rtol}"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| over the whole tensor, in float64 on the CPU."""
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm().clamp(min=1e-12)).item()

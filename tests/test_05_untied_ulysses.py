@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 import model as llama
 from ranks import run_ranks
-from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+from reference import (assert_matches, make_batch, reference_loss_and_grads, relative_error,
+                       train_loss_and_grads)
 
 untied = importlib.import_module("05_untied_ulysses")
 ulysses = importlib.import_module("02_ulysses")
@@ -67,8 +68,7 @@ def assert_close_for(dtype, got, want, rtol, atol, msg):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=msg)
         return
-    got, want = got.double().cpu(), want.double().cpu()
-    error = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+    error = relative_error(got, want)
     assert error < rtol, msg(f"relative error {error:.2e} >= {rtol}")
 
 
