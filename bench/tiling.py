@@ -150,7 +150,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seq-lens", nargs="+", default=["512K", "1M"], help="total tokens, phases")
+    parser.add_argument("--seq-lens", nargs="*", default=["512K", "1M"], help="total tokens, phases (none: steps only)")
     parser.add_argument("--step-seq-lens", nargs="+", default=["64K", "128K"],
                         help="total tokens, steps (untiled steps need the whole logits to fit)")
     parser.add_argument("--layers", type=int, default=8, help="model depth for the steps")

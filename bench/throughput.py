@@ -1,0 +1,276 @@
+"""Throughput of a training step on Llama-3-8B shapes: tokens/s per GPU and MFU for no context
+parallelism, PyTorch's own ring attention (the peer, bench/ring.py), Ulysses and Untied Ulysses,
+all on the same ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms), measured
+side by side in one run; next to each, the bound set by the kernels' own speed.
+
+    torchrun --nproc-per-node 2 bench/throughput.py                          # 2 H200s
+    torchrun --nproc-per-node 2 bench/throughput.py --seq-lens 1M --methods ulysses untied ring
+    python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods none ulysses untied
+
+Depth: a full 32-layer step at 512K tokens on 2 GPUs takes minutes, so each row runs the real
+length with 1 and with 2 layers of Llama-3-8B width and extrapolates per layer:
+    step(32 layers) = step(1) + 31 x (step(2) - step(1))
+(embedding, loss and the optimizer of the big vocabulary are in step(1); every extra layer adds
+one offloaded block, as all but the last of the 32 are). Marked "extrapolated" in the JSON;
+--validate METHOD:LENGTH also runs that row at full depth to show the extrapolation's error.
+
+Rows (each GPU's tokens per step: S / GPUs, except no context parallelism, where each GPU trains
+its own sequence of S tokens):
+  none      no context parallelism: FSDP over the GPUs, each GPU attends over its whole sequence;
+  ring      torch.distributed.tensor.experimental.context_parallel (load-balanced ring, SDPA);
+  ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default P).
+Step = forward + backward + AdamW step; time = the last of --steps (the first warms up kernels,
+the allocator and the offload buffers), single step above --single-step-above.
+
+FLOPs (per step, all GPUs), what MFU and the bound count: per layer, causal attention forward
+2 S^2 d (d = heads x head dim), backward 2.5x forward, checkpoint recompute one more forward;
+linear layers 2 x params x tokens forward, 2x that backward, recompute one more forward (the
+tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
+H200's dense bf16 peak). Kernel bound = attention FLOPs at the attention kernel's measured
+standalone rate (this GPU, this run, one GPU's shape) + linear FLOPs at the measured bf16 matmul
+rate; target (issue 7): step time within 15% of it at >= 512K.
+"""
+
+import argparse
+import dataclasses
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model as llama  # noqa: E402
+import ring  # noqa: E402
+from report import default_out_dir, environment, release, synchronize  # noqa: E402
+from step import with_layers  # noqa: E402
+
+train = importlib.import_module("train")
+ulysses = importlib.import_module("02_ulysses")
+GiB = 2**30
+H200_BF16_PEAK = 989e12
+OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
+
+
+# ---------------------------------------------------------------------------------------------
+# One row: a method at a length and a depth.
+# ---------------------------------------------------------------------------------------------
+
+def method_config(base: train.Config, method: str, model_name: str, seq_len: int) -> train.Config:
+    name, _, chunk = method.partition(":")
+    cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len,
+                              ulysses=name == "ulysses", untied=name == "untied",
+                              head_chunk=int(chunk) if chunk else None)
+    return train.resolve_techniques(cfg)
+
+
+def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dict:
+    """Build the model for `cfg` and time `steps` optimizer steps; the last one counts."""
+    rt = train.setup_runtime(cfg)
+    vocab = llama.get_model_args(cfg.model).vocab_size
+    # Ring and sequence parallelism: one sequence shared by all ranks; none: one per rank.
+    seed = rt.rank if method == "none" else 0
+    tokens = torch.randint(0, vocab, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    model = optimizer = None
+    try:
+        model = train.build_model(cfg, rt)
+        if method == "ring":
+            ring.use_ring_attention(model, ring_gqa)
+            mesh = ring.context_parallel_mesh(rt.device.type)
+            step_fn = lambda: ring.ring_forward_backward(model, tokens, rt, mesh)  # noqa: E731
+        else:
+            step_fn = lambda: train.forward_backward(model, tokens, rt)  # noqa: E731
+        optimizer = train.make_optimizer(model, cfg)
+        times, peaks = [], []
+        for _ in range(steps):
+            synchronize(rt.device)
+            if rt.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            loss = step_fn()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(rt.device)
+            times.append(time.perf_counter() - start)
+            if rt.device.type == "cuda":
+                peaks.append(torch.cuda.max_memory_allocated() / GiB)
+        row = {"status": "ok", "step_times_s": times, "step_time_s": times[-1],
+               "peak_gib": peaks[-1] if peaks else None, "loss": float(loss)}
+    except OOM as error:
+        row = {"status": "OOM", "error": str(error).split("\n")[0]}
+    del model, optimizer
+    release(rt.device)
+    dist.barrier()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs, and the kernels' standalone rates.
+# ---------------------------------------------------------------------------------------------
+
+def step_flops(args: llama.ModelArgs, seq_len: int, sequences: int) -> dict:
+    """FLOPs of one step of `sequences` sequences of `seq_len` tokens (see the docstring)."""
+    d = args.n_heads * args.head_dim
+    attention_forward = 2 * seq_len**2 * d * args.n_layers * sequences
+    per_layer_params = (args.dim * d + 2 * args.dim * args.n_kv_heads * args.head_dim + d * args.dim
+                        + 3 * args.dim * args.ffn_dim)
+    linear_params = args.n_layers * per_layer_params + args.dim * args.vocab_size  # + lm_head
+    linear_forward = 2 * linear_params * seq_len * sequences
+    return {"attention": attention_forward * (1 + 2.5 + 1), "linear": linear_forward * (1 + 2 + 1)}
+
+
+def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, local_tokens: int,
+                 device, dtype) -> dict:
+    """FLOP/s of the attention kernel (forward + backward, causal, one GPU's heads over the whole
+    sequence) and of a bf16 matmul of one GPU's tokens through the MLP's up projection."""
+    from report import cuda_time_ms
+
+    q = torch.randn(1, seq_len, local_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, seq_len, local_kv_heads, args.head_dim, device=device, dtype=dtype,
+                        requires_grad=True) for _ in range(2))
+    grad = torch.randn_like(q)
+
+    def attention():
+        q.grad = k.grad = v.grad = None
+        llama.causal_attention(q, k, v).backward(grad)
+
+    attention_ms = cuda_time_ms(attention, warmup=1, repeats=1)
+    attention_flops = 2 * seq_len**2 * local_heads * args.head_dim * (1 + 2.5)
+    del q, k, v, grad
+    x = torch.randn(local_tokens, args.dim, device=device, dtype=dtype)
+    w = torch.randn(args.dim, args.ffn_dim, device=device, dtype=dtype)
+    matmul_ms = cuda_time_ms(lambda: x @ w, warmup=2, repeats=5)
+    rates = {"attention_flops_per_s": attention_flops / (attention_ms / 1e3),
+             "matmul_flops_per_s": 2 * local_tokens * args.dim * args.ffn_dim / (matmul_ms / 1e3),
+             "attention_rate_seq_len": seq_len}
+    del x, w
+    release(device)
+    return rates
+
+
+# ---------------------------------------------------------------------------------------------
+
+def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
+    """Per (method, length): extrapolated full-depth step, tokens/s per GPU, MFU, kernel bound."""
+    table = []
+    keys = sorted({(r["method"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    for method, seq_len in keys:
+        by_depth = {r["layers"]: r for r in rows if (r["method"], r["seq_len"]) == (method, seq_len)}
+        entry = {"method": method, "seq_len": seq_len}
+        one, two, full = by_depth.get(1), by_depth.get(2), by_depth.get(args.n_layers)
+        statuses = {r["status"] for r in by_depth.values()}
+        if full and full["status"] == "ok":
+            step, how = full["step_time_s"], "measured at full depth"
+        elif one and two and one["status"] == two["status"] == "ok":
+            step = one["step_time_s"] + (args.n_layers - 1) * (two["step_time_s"] - one["step_time_s"])
+            how = f"extrapolated from 1 and 2 layers to {args.n_layers}"
+        else:
+            entry["status"] = "OOM" if "OOM" in statuses else "not run"
+            table.append(entry)
+            continue
+        sequences = world if method == "none" else 1
+        tokens_per_gpu = seq_len * sequences / world
+        flops = step_flops(args, seq_len, sequences)
+        entry.update(status="ok", step_time_s=step, how=how,
+                     tokens_per_s_per_gpu=tokens_per_gpu / step,
+                     mfu=(flops["attention"] + flops["linear"]) / (step * world * H200_BF16_PEAK))
+        rate = rates.get(seq_len)
+        if rate:
+            bound = (flops["attention"] / world / rate["attention_flops_per_s"]
+                     + flops["linear"] / world / rate["matmul_flops_per_s"])
+            entry.update(kernel_bound_s=bound, step_over_bound=step / bound)
+        table.append(entry)
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seq-lens", nargs="+", default=["128K", "256K", "512K", "1M"])
+    parser.add_argument("--methods", nargs="+", default=["ulysses", "untied", "ring", "none"],
+                        help="none, ring, ulysses, untied or untied:U")
+    parser.add_argument("--no-cp-up-to", default="256K", help="skip 'none' above this length")
+    parser.add_argument("--steps", type=int, default=2, help="steps per row; the last is timed")
+    parser.add_argument("--single-step-above", default="512K")
+    parser.add_argument("--validate", nargs="*", default=[], help="METHOD:LENGTH rows to also run at full depth")
+    parser.add_argument("--ring-gqa", choices=["native", "repeat"], default="native")
+    parser.add_argument("--budget-s", type=float, default=540, help="skip what starts after this")
+    parser.add_argument("--name", default=None, help="result file name")
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    started = time.perf_counter()
+    args = llama.get_model_args(opts.model)
+    base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
+                        offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
+                        dtype="bfloat16" if opts.device == "cuda" else "float32")
+    rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
+    dtype = getattr(torch, base.dtype)
+    methods = [m for m in opts.methods if not (m == "ring" and opts.device == "cpu")]  # CUDA only
+    parse = ulysses.parse_tokens
+    result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
+              "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
+              "tile_mlp, tile_loss, tile_norm + the method", "ring_gqa": opts.ring_gqa,
+              "peak_flops_per_gpu": H200_BF16_PEAK, "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
+              "attention_kernel": llama.attention_kernel_name(rt.device, dtype, args.n_heads // rt.world,
+                                                              max(args.n_kv_heads // rt.world, 1), args.head_dim),
+              "rows": [], "kernel_rates": {}, "table": []}
+    name = opts.name or f"throughput_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
+    out_dir = Path(opts.out or default_out_dir())
+
+    def in_budget() -> bool:  # rank 0 decides, so every rank skips the same rows
+        flag = torch.tensor([float(time.perf_counter() - started < opts.budget_s)], device=rt.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+    def save():
+        result["table"] = summarize(result["rows"], args, rt.world, result["kernel_rates"])
+        result["wall_s"] = time.perf_counter() - started
+        if rt.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{name}.json").write_text(json.dumps({**environment(), **result}, indent=1) + "\n")
+
+    plan = [(m, parse(s), layers) for s in opts.seq_lens for m in methods for layers in (1, 2)
+            if not (m == "none" and parse(s) > parse(opts.no_cp_up_to))]
+    plan += [(m, parse(s), args.n_layers) for m, _, s in (v.partition(":") for v in opts.validate)]
+    for method, seq_len, layers in plan:
+        if opts.device == "cuda" and seq_len not in result["kernel_rates"] and in_budget():
+            rate_len = min(seq_len, parse("256K"))  # the kernel's rate is flat beyond; saves time
+            result["kernel_rates"][seq_len] = kernel_rates(
+                args, args.n_heads // rt.world, max(args.n_kv_heads // rt.world, 1), rate_len,
+                seq_len // rt.world, rt.device, dtype)
+        row = {"method": method, "seq_len": seq_len, "layers": layers}
+        if not in_budget():
+            result["rows"].append({**row, "status": "skipped (time budget)"})
+            continue
+        cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
+        steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
+        row.update(time_steps(method.partition(":")[0], cfg, steps, opts.ring_gqa), steps=steps)
+        result["rows"].append(row)
+        if rt.rank == 0:
+            print({k: v for k, v in row.items() if k != "step_times_s"}, flush=True)
+        save()
+    save()
+
+    if rt.rank == 0:
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        print(f"\n{'tokens':>8} {'method':>10} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6} "
+              f"{'bound s':>8} {'/bound':>7}  how")
+        for e in result["table"]:
+            if e["status"] != "ok":
+                print(f"{e['seq_len']:>8} {e['method']:>10} {e['status']:>9}")
+                continue
+            print(f"{e['seq_len']:>8} {e['method']:>10} {e['step_time_s']:>9.2f} "
+                  f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
+                  f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
+        print(f"wrote {out_dir / (name + '.json')}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
