@@ -65,6 +65,20 @@ OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
 
 
+def allocate_adam_state(model, optimizer):
+    """A step with zero gradients at learning rate 0 creates AdamW's moments without changing
+    any weight, so the first measured step already holds the whole model state."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
 def max_over_ranks(value: float, rt) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=rt.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -7,8 +7,10 @@ and the exact command, so a number in the README can be traced to the run that p
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -71,3 +73,23 @@ def release(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def peak_and_times(run, device, repeats: int) -> dict:
+    """Run once (the warm-up, and the peak memory above what was allocated before it), then time
+    `repeats` more runs: median seconds."""
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    run()
+    synchronize(device)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"peak_gib": peak, "time_s": statistics.median(times) if times else None}

@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
