@@ -617,11 +617,17 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.
     first_norm = norms["saved"] // 2  # kept until the block's input gradient is done
+    # At Ulysses' kernel backward two token-layout tensors of its standalone count are gone in
+    # a block: o_proj's input (o_proj's backward ran first) and the output gradient (exchanged
+    # into the head layout, then dropped). Untied Ulysses keeps both: it saved its output and
+    # slices the output gradient stage by stage. (Measured at 128K-1M, docs/calibration.md.)
+    token_layout = (local_tokens * args.n_heads * args.head_dim * b
+                    if cfg.ulysses and not cfg.untied and sp > 1 else 0)
     block_moments = {
         "its MLP": (attention_saved, norms["saved"] + hidden + mlp()),
         "its post-attention RMSNorm": (attention_saved,
                                        first_norm + 2 * hidden + norms["norm_backward"]),
-        "its attention": (attention(), first_norm + 2 * hidden),
+        "its attention": (attention() - token_layout, first_norm + 2 * hidden - token_layout),
     }
     block_moment = max(block_moments, key=lambda m: sum(block_moments[m]))
     block_attention, block_rest = block_moments[block_moment]
@@ -632,8 +638,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         checkpoints = offload.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b, pinned=True)
         host = checkpoints["host"]
         forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
-        # Offloaded: backward starts with the last input and brings the next one back.
-        last_layer_kept = {"saved": checkpoints["gpu"] + (hidden if cfg.offload else 0),
+        # Offloaded: backward starts with the last input and brings the next one back (if
+        # there is a next one: a one-layer model keeps its only input on the GPU).
+        prefetched = hidden if cfg.offload and n_layers > 1 else 0
+        last_layer_kept = {"saved": checkpoints["gpu"] + prefetched,
                            "attention": 0}
         first_layer_kept = {"saved": hidden, "attention": 0}
     else:  # every layer keeps its activations until backward reaches it
