@@ -5,9 +5,10 @@
 For each configuration it runs bench/step.py under torchrun (full steps through train.py's own
 functions) and collects per-GPU: model state (fp32 parameters + gradients + Adam, measured after
 the first optimizer step), the step's peak, and what the step needs beyond the model state;
-"OOM" with the allocation that failed when a configuration does not fit. (The split of the
-activation peak into attention and the rest is `train.py --plan`'s, not measured here.) Writes progression_<model>_<gpus>gpu.json and a stacked-bar PNG when matplotlib
-is there.
+"OOM" with the allocation that failed when a configuration does not fit. With --snapshot,
+step.py also reads PyTorch's memory snapshot (bench/snapshot.py): the peak split into model
+state, attention and other, and for an OOM what was alive and which request failed, where.
+Writes progression_<model>_<gpus>gpu.json and a stacked-bar PNG when matplotlib is there.
 """
 
 import argparse
@@ -38,6 +39,8 @@ def run_config(label, flags, opts, tmp):
            "--out", tmp, "--steps", str(opts.steps)]
     if opts.layers:
         cmd += ["--layers", str(opts.layers)]
+    if opts.snapshot:
+        cmd += ["--snapshot"]
     cmd += ["--", "--model", opts.model, "--seq-len", opts.seq_len, *flags]
     print(" ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout)
@@ -62,6 +65,7 @@ def main():
     parser.add_argument("--only", nargs="*", default=None, help="labels to run")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--snapshot", action="store_true", help="split each peak with the memory snapshot")
     opts = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,14 +94,31 @@ def plot(rows, path, opts):
         print("matplotlib not installed: no PNG")
         return
     labels = [r["label"] for r in rows]
-    model = [r.get("after_optimizer_step_gib") or 0 for r in rows]
-    extra = [max(r.get("peak_gib") or [0]) - m if r["status"] == "ok" else 0 for r, m in zip(rows, model)]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.bar(labels, model, label="model state (params + grads + Adam)")
-    ax.bar(labels, extra, bottom=model, label="activations and temporaries at the peak")
-    for i, r in enumerate(rows):
-        if r["status"] != "ok":
-            ax.text(i, max(model[i], 1) + 2, "OOM", ha="center", color="red", weight="bold")
+    if all("memory_at_peak" in r for r in rows):  # measured split, from the memory snapshot
+        parts = {name: [r["memory_at_peak"]["gib"][name] for r in rows]
+                 for name in ("model state", "attention", "other")}
+        bottom = [0.0] * len(rows)
+        for name, values in parts.items():
+            ax.bar(labels, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        for i, r in enumerate(rows):
+            oom = r["memory_at_peak"].get("oom")
+            if oom:  # the request that failed, on top of what was alive
+                ax.bar(labels[i], oom["requested_gib"], bottom=bottom[i], color="none",
+                       edgecolor="red", hatch="//")
+                ax.text(i, bottom[i] + oom["requested_gib"] + 2,
+                        f"OOM: +{oom['requested_gib']:.1f} GiB\n{oom['owner']}", ha="center",
+                        color="red", fontsize=7)
+    else:  # no snapshot: model state and the rest of the peak
+        model = [r.get("after_optimizer_step_gib") or 0 for r in rows]
+        extra = [max(r.get("peak_gib") or [0]) - m if r["status"] == "ok" else 0
+                 for r, m in zip(rows, model)]
+        ax.bar(labels, model, label="model state (params + grads + Adam)")
+        ax.bar(labels, extra, bottom=model, label="activations and temporaries at the peak")
+        for i, r in enumerate(rows):
+            if r["status"] != "ok":
+                ax.text(i, max(model[i], 1) + 2, "OOM", ha="center", color="red", weight="bold")
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{opts.model}, {opts.seq_len} tokens, {opts.gpus} GPUs"
                  + (f", {opts.layers} layers" if opts.layers else ""))

@@ -6,7 +6,9 @@ Everything after `--` is train.py's flags. Records per rank 0: bytes allocated a
 built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
 (+ Adam state) = the model state; the peak of each step; step times (median after the first,
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
-kernel. `--layers N` overrides the preset's depth (stated in the result).
+kernel. `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
+what was alive at the peak (model state / attention / other, and the largest owners), read from
+PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
 """
 
 import argparse
@@ -22,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
+import snapshot  # noqa: E402
 from report import write_result  # noqa: E402
 
 train = importlib.import_module("train")
@@ -43,11 +46,15 @@ def main():
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--snapshot", action="store_true", help="attribute the peak (memory snapshot)")
+    parser.add_argument("--snapshot-file", default=None, help="also dump rank 0's raw snapshot here")
     opts, train_argv = parser.parse_known_args()
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
     cfg.model = with_layers(cfg.model, opts.layers)
     rt = train.setup_runtime(cfg)
+    if opts.snapshot or opts.snapshot_file:
+        snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = train.TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
     model = train.build_model(cfg, rt)
@@ -59,6 +66,8 @@ def main():
               "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, cfg.dtype))}
     try:
         for step in range(opts.steps):
+            if opts.snapshot or opts.snapshot_file:
+                snapshot.step_begins_here()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
@@ -84,6 +93,14 @@ def main():
                       losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
     except (torch.OutOfMemoryError, train.StepOutOfMemory) as error:
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
+    if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:
+        taken = torch.cuda.memory._snapshot()
+        result["memory_at_peak"] = snapshot.summarize(taken, torch.cuda.current_device())
+        result["memory_at_peak"]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+        if opts.snapshot_file:
+            import pickle
+
+            Path(opts.snapshot_file).write_bytes(pickle.dumps(taken))
     if rt.rank == 0:
         print({k: v for k, v in result.items() if k != "config"})
         write_result(opts.name, result, opts.out)

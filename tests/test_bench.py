@@ -36,3 +36,41 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
     assert results, f"{script}.py wrote no JSON"
     for path in results:
         assert json.loads(path.read_text())  # a complete, parseable result
+
+
+def _frame(path: str, function: str) -> dict:
+    return {"filename": str(ROOT / path), "line": 1, "name": function}
+
+
+def test_snapshot_splits_the_peak_and_names_the_failed_request():
+    """bench/snapshot.py's replay of an allocator trace (the format of
+    torch.cuda.memory._snapshot()['device_traces']): the largest moment, split by who allocated,
+    and an out-of-memory request with its owner. Frames innermost first, as the snapshot has them;
+    one list outermost first (starting at <module>) checks that it is read the right way round."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import snapshot
+
+    alloc = lambda addr, size, *frames: {"action": "alloc", "addr": addr, "size": size,  # noqa: E731
+                                         "frames": list(frames)}
+    free = lambda addr, size: {"action": "free_completed", "addr": addr, "size": size}  # noqa: E731
+    entry = _frame("train.py", "<module>")
+    trace = [
+        alloc(1, 100 * 2**30, _frame("01_fsdp.py", "build_model"), entry),  # before the step
+        alloc(2, 512, _frame("bench/snapshot.py", snapshot.STEP_MARK)), free(2, 512),
+        alloc(3, 50 * 2**30, _frame("model.py", "causal_attention"), _frame("02_ulysses.py", "x")),
+        alloc(4, 30 * 2**30, entry, _frame("04_alst_tiling.py", "tiled_mlp_forward")),  # reversed
+        alloc(5, 20 * 2**30, {"filename": "/t/torch/optim/adamw.py", "line": 1, "name": "adamw"}),
+        free(3, 50 * 2**30),  # the peak was just before: 200 GiB
+        alloc(6, 40 * 2**30, _frame("model.py", "rms_norm")),
+    ]
+    summary = snapshot.summarize({"device_traces": [trace]})
+    assert summary["peak_gib"] == 200 and summary["first_step_found"]
+    assert summary["gib"] == {"model state": 120, "attention": 50, "other": 30}
+    assert summary["largest_owners"][0]["owner"] == "model.py:causal_attention"
+    assert summary["largest_owners"][1]["owner"] == "04_alst_tiling.py:tiled_mlp_forward"
+    assert "oom" not in summary
+
+    failed = {"action": "oom", "size": 125 * 2**30, "frames": [_frame("model.py", "loss_sum")]}
+    summary = snapshot.summarize({"device_traces": [trace + [failed]]})
+    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum", "allocated_gib": 190}
+    assert summary["peak_gib"] == 190 and summary["gib"]["other"] == 70

@@ -1,0 +1,133 @@
+"""What fills a GPU at its peak, read from PyTorch's memory snapshot.
+
+    torchrun --nproc-per-node 2 bench/step.py --snapshot --name s -- --model llama3-8b --seq-len 64K --stack 4
+
+bench/step.py --snapshot records the CUDA caching allocator's history from before the model is
+built (`torch.cuda.memory._record_memory_history`), takes `torch.cuda.memory._snapshot()` after
+its steps (or at an out-of-memory error) and calls `summarize` here, which replays every
+allocation and free of the trace to find the moment with the most bytes allocated and reports
+what was alive then:
+  - model state: allocations made before the first step began (parameters, and Adam's moments
+    when they existed), and those made by optimizer code or FSDP's gradient reduce-scatter;
+  - attention: allocations made inside the attention functions of model.py, 02 and 05;
+  - other: everything else, listed by the innermost function of this repository that
+    allocated it (file:function), largest first: how a buffer spanning the whole local
+    sequence that need not exist is found (issue 5).
+On out of memory the trace ends with the request that failed: its size and owner are reported
+with what was alive at that moment ("what OOMs", as the chart shows it).
+The replayed peak equals torch.cuda.max_memory_allocated (recorded next to it as a check).
+The raw snapshot can also be dumped and viewed offline: python -m torch.cuda._memory_viz, or
+drag the pickle into https://pytorch.org/memory_viz.
+"""
+
+from pathlib import Path
+
+GiB = 2**30
+REPO = Path(__file__).resolve().parents[1]
+REPO_FILES = {p.name for p in REPO.glob("*.py")}
+ATTENTION_FUNCTIONS = {"causal_attention", "attend", "project_qkv", "apply_rope", "core",
+                       "ulysses_attention", "all_to_all", "seq_to_heads", "heads_to_seq"}
+ATTENTION_FILES = {"05_untied_ulysses.py"}
+MODEL_STATE_MARKS = ("torch/optim/", "foreach_reduce")
+STEP_MARK = "step_begins_here"
+
+
+def start_recording(max_entries: int = 2_000_000) -> None:
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+
+def step_begins_here():
+    """Leave a mark in the trace (a small allocation made in this function) where a step
+    starts; what was allocated before the first mark is model state."""
+    import torch
+
+    return torch.empty(1, device="cuda")
+
+
+def innermost_first(frames: list) -> list:
+    """Snapshot frames run from the allocating call outwards; reverse a list that starts at the
+    program's entry."""
+    if frames and frames[0].get("name") in ("<module>", "_run_module_as_main", "main"):
+        return frames[::-1]
+    return frames
+
+
+def owner(frames: list) -> str:
+    """file:function of the innermost frame in this repository, or the innermost frame."""
+    frames = innermost_first(frames)
+    for frame in frames:
+        name = Path(frame.get("filename", "")).name
+        if name in REPO_FILES:
+            return f"{name}:{frame.get('name')}"
+    return f"{Path(frames[0]['filename']).name}:{frames[0].get('name')}" if frames else "?"
+
+
+def category(frames: list, before_first_step: bool) -> str:
+    text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames)
+    if before_first_step or any(mark in text for mark in MODEL_STATE_MARKS):
+        return "model state"
+    for frame in innermost_first(frames):
+        name = Path(frame.get("filename", "")).name
+        if name in REPO_FILES:  # the innermost function of ours decides
+            if name in ATTENTION_FILES or frame.get("name") in ATTENTION_FUNCTIONS:
+                return "attention"
+            return "other"
+    return "other"
+
+
+def replay(trace: list) -> dict:
+    """Walk a device's trace: bytes allocated at every moment, the live set at the largest
+    one (or at the out-of-memory error, which ends the walk) and where the first step began."""
+    live, total = {}, 0
+    peak, peak_live = 0, {}
+    first_step = None
+    oom = None
+    for index, event in enumerate(trace):
+        action = event.get("action")
+        if action == "alloc":
+            frames = event.get("frames", [])
+            if first_step is None and any(f.get("name") == STEP_MARK for f in frames):
+                first_step = index
+            live[event["addr"]] = (event["size"], frames, index)
+            total += event["size"]
+            if total > peak:
+                peak, peak_live = total, dict(live)
+        elif action == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+        elif action == "oom":
+            oom = {"requested_bytes": event["size"], "owner": owner(event.get("frames", [])),
+                   "allocated_bytes": total}
+            peak, peak_live = total, dict(live)
+            break
+    return {"peak_bytes": peak, "live": list(peak_live.values()), "first_step_index": first_step,
+            "oom": oom}
+
+
+def summarize(snapshot: dict, device: int = 0, top: int = 12) -> dict:
+    """Bytes alive at the peak by category, the largest owners of 'other' and 'attention', and
+    on out of memory the failed request (see the module docstring)."""
+    replayed = replay(snapshot["device_traces"][device])
+    first_step = replayed["first_step_index"]
+    categories = {"model state": 0, "attention": 0, "other": 0}
+    owners = {}
+    for size, frames, index in replayed["live"]:
+        before = first_step is None or index < first_step
+        kind = category(frames, before)
+        categories[kind] += size
+        if kind != "model state":
+            key = (kind, owner(frames))
+            count, nbytes, largest = owners.get(key, (0, 0, 0))
+            owners[key] = (count + 1, nbytes + size, max(largest, size))
+    largest = sorted(owners.items(), key=lambda item: -item[1][1])[:top]
+    summary = {"peak_gib": replayed["peak_bytes"] / GiB,
+               "gib": {k: v / GiB for k, v in categories.items()},
+               "largest_owners": [{"category": k[0], "owner": k[1], "tensors": c, "gib": b / GiB,
+                                   "largest_tensor_gib": m / GiB} for k, (c, b, m) in largest],
+               "first_step_found": first_step is not None}
+    if replayed["oom"]:
+        oom = replayed["oom"]
+        summary["oom"] = {"requested_gib": oom["requested_bytes"] / GiB, "owner": oom["owner"],
+                          "allocated_gib": oom["allocated_bytes"] / GiB}
+    return summary
