@@ -20,6 +20,8 @@ SMOKE_RUNS = {
                "--layers", "2", "--repeats", "1"],
     "offload": ["--device", "cpu", "--model", "tiny", "--parts", "fits", "layers", "--fits-seq-len",
                 "256", "--layers-seq-len", "256", "--steps", "2"],
+    "max_length": ["--device", "cpu", "--model", "tiny", "--methods", "ulysses", "untied",
+                   "--first-length", "1K", "--granularity", "256", "--max-trials", "2"],
     "untied": ["--model", "tiny", "--seq-lens", "256", "--chunks", "2", "8", "--repeats", "1"],
 }
 
@@ -74,3 +76,39 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
     summary = snapshot.summarize({"device_traces": [trace + [failed]]})
     assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum", "allocated_gib": 190}
     assert summary["peak_gib"] == 190 and summary["gib"]["other"] == 70
+
+
+def test_max_length_search_brackets_the_limit(monkeypatch):
+    """bench/max_length.py's search, with a stand-in trial that fits up to 5,000 tokens: it
+    steps up from the first length until a trial fails, then bisects to the granularity."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import max_length
+
+    tried = []
+
+    def fake_trial(base, method, seq_len, layers):
+        tried.append(seq_len)
+        return {"seq_len": seq_len, "status": "completed" if seq_len <= 5000 else "OOM"}
+
+    monkeypatch.setattr(max_length, "trial", fake_trial)
+    fits, fails, trials = max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 20, lambda: True)
+    assert (fits, fails) == (4864, 5120), tried
+    assert tried[0] == 4096 and len(trials) == len(tried) <= 6
+    fits, fails, _ = max_length.search(None, "ulysses", 8192, 256, 0.1, 1, 20, lambda: True)
+    assert (fits, fails) == (4864, 5120)  # from above: steps down, then bisects
+
+
+@pytest.mark.gpu
+def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
+    """On a GPU: step.py --snapshot's replayed peak is the allocator's own maximum, its parts
+    add up to it, and attention and model state are both found."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               str(ROOT / "bench" / "step.py"), "--snapshot", "--steps", "2", "--name", "snap",
+               "--out", str(tmp_path), "--", "--model", "small", "--seq-len", "8K", "--stack", "4"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    memory = json.loads((tmp_path / "snap.json").read_text())["memory_at_peak"]
+    assert memory["first_step_found"]
+    assert memory["peak_gib"] == pytest.approx(memory["max_memory_allocated_gib"], rel=1e-6)
+    assert sum(memory["gib"].values()) == pytest.approx(memory["peak_gib"], rel=1e-9)
+    assert memory["gib"]["model state"] > 0 and memory["gib"]["attention"] > 0

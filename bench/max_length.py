@@ -1,0 +1,177 @@
+"""The longest sequence whose training step completes, per method, found by search on the GPUs.
+
+    torchrun --nproc-per-node 2 bench/max_length.py --methods ulysses untied
+    python bench/max_length.py --device cpu --model tiny --methods ulysses --first-length 1K --granularity 256 --max-trials 2
+
+Both methods run the whole ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms);
+only the attention method differs (Ulysses, or Untied Ulysses with U = P).
+
+Why not the full 32 layers: a full-depth step at 2M tokens on 2 GPUs takes over half an hour, and
+its offloaded block inputs (31 x tokens / GPUs x 8 KiB) outgrow the host memory first (251 GiB on
+the 2-GPU machine: both stacks stop near 1M there, which says nothing about the GPUs). The GPU
+peak of a full-depth step is in the backward of layer 0: the model state, all other layers'
+gradients, one block input, and one block's recompute. A --layers 1 model of the same width
+reaches the same moment (its only block input stays on the GPU, as layer 0's is brought back),
+and a ballast tensor holds what the missing layers would: their parameters, gradients and Adam
+moments, sharded (16 bytes x parameters / GPUs). What this leaves out is stated in the JSON:
+host memory (reported as what full depth would need) and the missing layers' step time.
+
+Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
+calibrated against these benchmarks), then steps of --step up or down until the status changes,
+then bisection to --granularity tokens, within --budget-s. Every trial is recorded (length,
+completed or OOM, time, peak).
+"""
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model as llama  # noqa: E402
+from report import default_out_dir, environment, release, synchronize  # noqa: E402
+from step import with_layers  # noqa: E402
+from throughput import OOM, method_config  # noqa: E402
+
+train = importlib.import_module("train")
+fsdp = importlib.import_module("01_fsdp")
+offload = importlib.import_module("03_checkpoint_offload")
+ulysses = importlib.import_module("02_ulysses")
+GiB = 2**30
+
+
+def ballast_bytes(args, layers: int, world: int) -> int:
+    """Per-GPU model state of the layers a `layers`-deep model leaves out."""
+    full = sum(fsdp.model_state_bytes(args, world).values())
+    shallow = sum(fsdp.model_state_bytes(dataclasses.replace(args, n_layers=layers), world).values())
+    return full - shallow
+
+
+def trial(base, method: str, seq_len: int, layers: int) -> dict:
+    """One optimizer step of a `layers`-deep model plus the ballast: completed or OOM."""
+    args = llama.get_model_args(base.model)
+    cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
+    rt = train.setup_runtime(cfg)
+    row = {"method": method, "seq_len": seq_len}
+    model = optimizer = ballast = None
+    try:
+        nbytes = ballast_bytes(args, layers, rt.world)
+        ballast = torch.empty(nbytes if rt.device.type == "cuda" else 0, dtype=torch.uint8,
+                              device=rt.device)
+        model = train.build_model(cfg, rt)
+        optimizer = train.make_optimizer(model, cfg)
+        tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        train.train_step(model, optimizer, tokens, rt, cfg)
+        synchronize(rt.device)
+        row.update(status="completed", step_time_s=time.perf_counter() - start,
+                   ballast_gib=ballast.numel() / GiB)
+        if rt.device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
+    except OOM as error:
+        row.update(status="OOM", error=str(error).split("\n")[0])
+    # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU.
+    host = offload.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"]
+    row["full_depth_host_gib_per_gpu"] = host / GiB
+    del model, optimizer, ballast
+    release(rt.device)
+    dist.barrier()
+    return row
+
+
+def search(base, method: str, start: int, granularity: int, step: float, layers: int,
+           max_trials: int, in_budget) -> tuple:
+    """(longest completed length or None, trials): step from `start` until the status flips,
+    then bisect to `granularity`."""
+    rounded = lambda n: max(granularity, n // granularity * granularity)  # noqa: E731
+    trials, fits, fails = [], None, None
+    length = rounded(start)
+    while len(trials) < max_trials and in_budget():
+        row = trial(base, method, length, layers)
+        trials.append(row)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print({k: v for k, v in row.items() if k != "error"}, flush=True)
+        if row["status"] == "completed":
+            fits = max(fits or 0, length)
+        else:
+            fails = min(fails or length, length)
+        if fails is None:
+            length = max(rounded(int(length * (1 + step))), length + granularity)
+        elif fits is None:
+            length = min(rounded(int(length / (1 + step))), length - granularity)
+            if length < granularity:
+                break
+        elif fails - fits > granularity:
+            length = rounded((fits + fails) // 2)
+        else:
+            break
+    return fits, fails, trials
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--methods", nargs="+", default=["ulysses", "untied"])
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--first-length", default=None, help="first length (default: the planner's longest)")
+    parser.add_argument("--granularity", default="64K")
+    parser.add_argument("--step", type=float, default=0.1, help="relative step before bisecting")
+    parser.add_argument("--max-trials", type=int, default=4, help="per method")
+    parser.add_argument("--budget-s", type=float, default=540)
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    started = time.perf_counter()
+    parse = ulysses.parse_tokens
+    base = train.Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,
+                        offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
+                        dtype="bfloat16" if opts.device == "cuda" else "float32")
+    rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
+    gpu_bytes = torch.cuda.get_device_properties(rt.device).total_memory if opts.device == "cuda" else 0
+
+    def in_budget() -> bool:  # rank 0 decides, so every rank stops together
+        flag = torch.tensor([float(time.perf_counter() - started < opts.budget_s)], device=rt.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+    result = {"what": "longest completed training step per method (search)", "model": opts.model,
+              "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
+              "gpu_memory_gib": gpu_bytes / GiB, "methods": {}}
+    for method in opts.methods:
+        cfg = method_config(base, method, opts.model, 1024)
+        if opts.first_length:
+            start = parse(opts.first_length)
+        else:  # the planner's longest for this GPU, host memory not limiting (see above)
+            start, _ = train.plan_longest_seq_len(cfg, rt.world, gpu_bytes, 2**60)
+        fits, fails, trials = search(base, method, start, parse(opts.granularity),
+                                     opts.step, opts.layers, opts.max_trials, in_budget)
+        result["methods"][method] = {"planner_longest": start if not opts.first_length else None,
+                                     "longest_completed": fits, "shortest_oom": fails, "trials": trials}
+    lengths = {m: r["longest_completed"] for m, r in result["methods"].items()}
+    if lengths.get("ulysses") and lengths.get("untied"):
+        result["untied_over_ulysses"] = lengths["untied"] / lengths["ulysses"]
+        result["target"] = ">= 1.25 (paper: 5M vs 4M on 8 x H100)"
+    result["wall_s"] = time.perf_counter() - started
+    if rt.rank == 0:
+        name = f"max_length_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
+        out = Path(opts.out or default_out_dir())
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps({**environment(), **result}, indent=1) + "\n")
+        for method, r in result["methods"].items():
+            print(f"{method:>8}: longest completed {r['longest_completed']}, shortest OOM {r['shortest_oom']}, "
+                  f"{len(r['trials'])} trials")
+        print(f"wrote {out / (name + '.json')}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
