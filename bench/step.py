@@ -96,7 +96,9 @@ def main():
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:
         taken = torch.cuda.memory._snapshot()
         result["memory_at_peak"] = snapshot.summarize(taken, torch.cuda.current_device())
-        result["memory_at_peak"]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+        # The allocator's own maximum over the steps (its peak counter restarts every step).
+        result["memory_at_peak"]["max_memory_allocated_gib"] = max(
+            peaks + [torch.cuda.max_memory_allocated() / GiB])
         if opts.snapshot_file:
             import pickle
 
