@@ -112,12 +112,16 @@ def _sdpa_backends():
             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     allow_flash_attn: bool = True) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v. q: (B, S, H, D); k, v: (B, S, Hkv, D), H % Hkv == 0.
 
     Query head h attends with KV head h // (H // Hkv) (grouped-query attention).
+    allow_flash_attn=False stays on F.scaled_dot_product_attention (what torch's own context
+    parallelism intercepts; bench/ring.py).
     """
-    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if (allow_flash_attn and flash_attn_func is not None and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16)):
         return flash_attn_func(q, k, v, causal=True)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, heads, S, D)
     gqa = k.shape[1] != q.shape[1]

@@ -13,7 +13,8 @@ peak of a full-depth step is in the backward of layer 0: the model state, all ot
 gradients, one block input, and one block's recompute. A --layers 1 model of the same width
 reaches the same moment (its only block input stays on the GPU, as layer 0's is brought back),
 and a ballast tensor holds what the missing layers would: their parameters, gradients and Adam
-moments, sharded (16 bytes x parameters / GPUs). What this leaves out is stated in the JSON:
+moments, sharded (16 bytes x parameters / GPUs); the shallow model's own Adam moments are
+created before the measured step, as in any later step. What this leaves out is stated in the JSON:
 host memory (reported as what full depth would need) and the missing layers' step time.
 
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
@@ -36,6 +37,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
+from offload import allocate_adam_state  # noqa: E402
 from report import default_out_dir, environment, release, synchronize  # noqa: E402
 from step import with_layers  # noqa: E402
 from throughput import OOM, method_config  # noqa: E402
@@ -67,6 +69,7 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
                               device=rt.device)
         model = train.build_model(cfg, rt)
         optimizer = train.make_optimizer(model, cfg)
+        allocate_adam_state(model, optimizer)  # a later step's state, as the ballast holds
         tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -90,8 +93,8 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
 
 def search(base, method: str, start: int, granularity: int, step: float, layers: int,
            max_trials: int, in_budget) -> tuple:
-    """(longest completed length or None, trials): step from `start` until the status flips,
-    then bisect to `granularity`."""
+    """(longest completed length or None, shortest OOM length or None, trials): step from
+    `start` until the status flips, then bisect to `granularity`."""
     rounded = lambda n: max(granularity, n // granularity * granularity)  # noqa: E731
     trials, fits, fails = [], None, None
     length = rounded(start)

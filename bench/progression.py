@@ -23,7 +23,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from report import default_out_dir, write_result  # noqa: E402
 
-CONFIGS = [  # (label, train.py flags)
+CONFIGS = [  # (label, train.py flags); "none" is one process: without FSDP nothing keeps ranks in sync
+    ("none", []),
     ("FSDP", ["--fsdp"]),
     ("+Ulysses", ["--stack", "2"]),
     ("+checkpointing", ["--stack", "2", "--checkpoint"]),
@@ -35,7 +36,8 @@ CONFIGS = [  # (label, train.py flags)
 
 def run_config(label, flags, opts, tmp):
     name = "step_" + "".join(c for c in label if c.isalnum())
-    cmd = ["torchrun", "--nproc-per-node", str(opts.gpus), str(HERE / "step.py"), "--name", name,
+    gpus = 1 if not flags else opts.gpus
+    cmd = ["torchrun", "--nproc-per-node", str(gpus), str(HERE / "step.py"), "--name", name,
            "--out", tmp, "--steps", str(opts.steps)]
     if opts.layers:
         cmd += ["--layers", str(opts.layers)]

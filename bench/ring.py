@@ -11,14 +11,16 @@ What the context manager does, and why our model needs no change for it:
     2P-1-r, so every rank gets an equal share of the causal work;
   - it replaces F.scaled_dot_product_attention by a ring: each rank's K/V chunk travels around
     the ranks and partial outputs are merged with their log-sum-exp. Our attention core calls
-    F.scaled_dot_product_attention, and positions travel with the tokens, so rotary phases stay
-    right after the reordering.
+    F.scaled_dot_product_attention (told to, even where flash-attn is installed: the ring would
+    not see a flash-attn call and each rank would attend to its own chunk only), and positions
+    travel with the tokens, so rotary phases stay right after the reordering.
 The loss is the same global token mean as train.forward_backward's: every rank sums its tokens'
 losses and divides by the count over the whole sequence (each rank holds the whole batch before
 sharding, so the count needs no collective).
 """
 
 import importlib
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,21 +36,22 @@ def context_parallel_mesh(device_type: str):
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
-def repeat_kv_attention(q, k, v):
-    """The attention core with K/V heads repeated to the query heads before the kernel (what
-    torchtitan does for its ring): for kernels or ring versions without grouped-query support."""
-    groups = q.shape[2] // k.shape[2]
-    k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))
-    return llama.causal_attention(q, k, v)
+def sdpa_attention(q, k, v, repeat_kv: bool = False):
+    """The model's attention core on SDPA only; repeat_kv repeats K/V heads to the query heads
+    before the kernel (what torchtitan does for its ring), for kernels or ring versions without
+    grouped-query support."""
+    if repeat_kv:
+        groups = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))
+    return llama.causal_attention(q, k, v, allow_flash_attn=False)
 
 
 def use_ring_attention(model, gqa: str = "native") -> None:
-    """'native': the model's own core (SDPA with enable_gqa); 'repeat': K/V heads repeated."""
+    """'native': SDPA with enable_gqa; 'repeat': K/V heads repeated first."""
     if gqa not in ("native", "repeat"):
         raise ValueError(f"gqa must be 'native' or 'repeat', got {gqa!r}")
-    if gqa == "repeat":
-        for block in model.layers:
-            block.self_attn.core = repeat_kv_attention
+    for block in model.layers:
+        block.self_attn.core = partial(sdpa_attention, repeat_kv=gqa == "repeat")
 
 
 def ring_forward_backward(model, tokens: torch.Tensor, rt, cp_mesh, labels=None) -> torch.Tensor:

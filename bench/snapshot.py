@@ -9,13 +9,16 @@ allocation and free of the trace to find the moment with the most bytes allocate
 what was alive then:
   - model state: allocations made before the first step began (parameters, and Adam's moments
     when they existed), and those made by optimizer code or FSDP's gradient reduce-scatter;
-  - attention: allocations made inside the attention functions of model.py, 02 and 05;
+  - attention: allocations made inside the attention functions of model.py, 02 and 05, and
+    (backward runs in autograd's C++ threads, without Python frames) by attention kernels;
   - other: everything else, listed by the innermost function of this repository that
     allocated it (file:function), largest first: how a buffer spanning the whole local
     sequence that need not exist is found (issue 5).
 On out of memory the trace ends with the request that failed: its size and owner are reported
 with what was alive at that moment ("what OOMs", as the chart shows it).
-The replayed peak equals torch.cuda.max_memory_allocated (recorded next to it as a check).
+The replayed peak is recorded next to torch.cuda.max_memory_allocated as a check: they differ
+by the allocator's rounding (the trace records requested sizes) and by nothing else unless the
+trace outgrew max_entries (then "trace_complete" is false and nothing is attributed by time).
 The raw snapshot can also be dumped and viewed offline: python -m torch.cuda._memory_viz, or
 drag the pickle into https://pytorch.org/memory_viz.
 """
@@ -28,6 +31,7 @@ REPO_FILES = {p.name for p in REPO.glob("*.py")}
 ATTENTION_FUNCTIONS = {"causal_attention", "attend", "project_qkv", "apply_rope", "core",
                        "ulysses_attention", "all_to_all", "seq_to_heads", "heads_to_seq"}
 ATTENTION_FILES = {"05_untied_ulysses.py"}
+ATTENTION_KERNELS = ("scaled_dot_product", "attention_backward", "flash_attn", "fmha")  # C++ frames
 MODEL_STATE_MARKS = ("torch/optim/", "foreach_reduce")
 STEP_MARK = "step_begins_here"
 
@@ -35,7 +39,8 @@ STEP_MARK = "step_begins_here"
 def start_recording(max_entries: int = 2_000_000) -> None:
     import torch
 
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    # "all": C++ frames too, so allocations of backward kernels (no Python frames) are named.
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="all")
 
 
 def step_begins_here():
@@ -55,13 +60,17 @@ def innermost_first(frames: list) -> list:
 
 
 def owner(frames: list) -> str:
-    """file:function of the innermost frame in this repository, or the innermost frame."""
+    """file:function of the innermost frame in this repository, else the innermost ATen
+    operator (a C++ frame), else the innermost frame."""
     frames = innermost_first(frames)
     for frame in frames:
         name = Path(frame.get("filename", "")).name
         if name in REPO_FILES:
             return f"{name}:{frame.get('name')}"
-    return f"{Path(frames[0]['filename']).name}:{frames[0].get('name')}" if frames else "?"
+    for frame in frames:
+        if "at::_ops::" in frame.get("name", ""):
+            return frame["name"].split("(")[0]
+    return f"{Path(frames[0].get('filename', '')).name}:{frames[0].get('name')}" if frames else "?"
 
 
 def category(frames: list, before_first_step: bool) -> str:
@@ -74,6 +83,8 @@ def category(frames: list, before_first_step: bool) -> str:
             if name in ATTENTION_FILES or frame.get("name") in ATTENTION_FUNCTIONS:
                 return "attention"
             return "other"
+    if any(kernel in frame.get("name", "") for frame in frames for kernel in ATTENTION_KERNELS):
+        return "attention"
     return "other"
 
 
@@ -94,7 +105,7 @@ def replay(trace: list) -> dict:
             total += event["size"]
             if total > peak:
                 peak, peak_live = total, dict(live)
-        elif action == "free_completed" and event["addr"] in live:
+        elif action == "free_requested" and event["addr"] in live:  # when the stat drops
             total -= live.pop(event["addr"])[0]
         elif action == "oom":
             oom = {"requested_bytes": event["size"], "owner": owner(event.get("frames", [])),
@@ -113,7 +124,7 @@ def summarize(snapshot: dict, device: int = 0, top: int = 12) -> dict:
     categories = {"model state": 0, "attention": 0, "other": 0}
     owners = {}
     for size, frames, index in replayed["live"]:
-        before = first_step is None or index < first_step
+        before = first_step is not None and index < first_step
         kind = category(frames, before)
         categories[kind] += size
         if kind != "model state":
@@ -125,7 +136,8 @@ def summarize(snapshot: dict, device: int = 0, top: int = 12) -> dict:
                "gib": {k: v / GiB for k, v in categories.items()},
                "largest_owners": [{"category": k[0], "owner": k[1], "tensors": c, "gib": b / GiB,
                                    "largest_tensor_gib": m / GiB} for k, (c, b, m) in largest],
-               "first_step_found": first_step is not None}
+               "first_step_found": first_step is not None,
+               "trace_complete": first_step is not None}  # the mark falls out of a wrapped trace
     if replayed["oom"]:
         oom = replayed["oom"]
         summary["oom"] = {"requested_gib": oom["requested_bytes"] / GiB, "owner": oom["owner"],

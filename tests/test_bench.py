@@ -54,7 +54,7 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
 
     alloc = lambda addr, size, *frames: {"action": "alloc", "addr": addr, "size": size,  # noqa: E731
                                          "frames": list(frames)}
-    free = lambda addr, size: {"action": "free_completed", "addr": addr, "size": size}  # noqa: E731
+    free = lambda addr, size: {"action": "free_requested", "addr": addr, "size": size}  # noqa: E731
     entry = _frame("train.py", "<module>")
     trace = [
         alloc(1, 100 * 2**30, _frame("01_fsdp.py", "build_model"), entry),  # before the step
@@ -62,20 +62,24 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
         alloc(3, 50 * 2**30, _frame("model.py", "causal_attention"), _frame("02_ulysses.py", "x")),
         alloc(4, 30 * 2**30, entry, _frame("04_alst_tiling.py", "tiled_mlp_forward")),  # reversed
         alloc(5, 20 * 2**30, {"filename": "/t/torch/optim/adamw.py", "line": 1, "name": "adamw"}),
-        free(3, 50 * 2**30),  # the peak was just before: 200 GiB
+        alloc(8, 10 * 2**30, {"filename": "", "line": 0,  # a backward kernel: C++ frames only
+                              "name": "at::_ops::_scaled_dot_product_cudnn_attention_backward::call(x)"}),
+        free(3, 50 * 2**30),  # the peak was just before: 210 GiB
         alloc(6, 40 * 2**30, _frame("model.py", "rms_norm")),
     ]
     summary = snapshot.summarize({"device_traces": [trace]})
-    assert summary["peak_gib"] == 200 and summary["first_step_found"]
-    assert summary["gib"] == {"model state": 120, "attention": 50, "other": 30}
+    assert summary["peak_gib"] == 210 and summary["first_step_found"]
+    assert summary["gib"] == {"model state": 120, "attention": 60, "other": 30}
     assert summary["largest_owners"][0]["owner"] == "model.py:causal_attention"
     assert summary["largest_owners"][1]["owner"] == "04_alst_tiling.py:tiled_mlp_forward"
     assert "oom" not in summary
 
     failed = {"action": "oom", "size": 125 * 2**30, "frames": [_frame("model.py", "loss_sum")]}
     summary = snapshot.summarize({"device_traces": [trace + [failed]]})
-    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum", "allocated_gib": 190}
-    assert summary["peak_gib"] == 190 and summary["gib"]["other"] == 70
+    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum", "allocated_gib": 200}
+    assert summary["peak_gib"] == 200 and summary["gib"]["other"] == 70
+    owners = [o["owner"] for o in summary["largest_owners"]]
+    assert "at::_ops::_scaled_dot_product_cudnn_attention_backward::call" in owners
 
 
 def test_max_length_search_brackets_the_limit(monkeypatch):
@@ -109,6 +113,8 @@ def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     memory = json.loads((tmp_path / "snap.json").read_text())["memory_at_peak"]
     assert memory["first_step_found"]
-    assert memory["peak_gib"] == pytest.approx(memory["max_memory_allocated_gib"], rel=1e-6)
+    assert memory["trace_complete"]
+    # requested sizes vs the allocator's rounded blocks
+    assert memory["peak_gib"] == pytest.approx(memory["max_memory_allocated_gib"], rel=0.02)
     assert sum(memory["gib"].values()) == pytest.approx(memory["peak_gib"], rel=1e-9)
     assert memory["gib"]["model state"] > 0 and memory["gib"]["attention"] > 0
