@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 bench/untied.py                       # 512K and 1M tokens (~6 min)
     torchrun --nproc-per-node 2 bench/untied.py --seq-lens 512K --chunks 2 16
+    torchrun --nproc-per-node 2 bench/untied.py --seq-lens 128K --chunks 2 16 --profile --name untied_profile
 
 The sub-layer is the model's `attend` seam: normed input x (S/P local tokens, 4096) -> Q/K/V
 projections, rotary, attention, output (S/P, 32 x 128) before o_proj; forward and backward with
@@ -85,6 +86,27 @@ def measure(attend, x, rope, grad_out, attn, repeats: int) -> dict:
             "timed_runs": repeats or 1}, last["out"]
 
 
+def profile_top_ops(fn, top: int = 15) -> list:
+    """Run fn once under torch.profiler: the ops with the most own device time (CPU time on a
+    CPU run), in ms, with their call counts: where a configuration's extra time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    def own_time(event):  # microseconds; the attribute's name changed across torch versions
+        if not on_gpu:
+            return event.self_cpu_time_total
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+
+    events = sorted(prof.key_averages(), key=own_time, reverse=True)[:top]
+    return [{"op": e.key, "own_ms": own_time(e) / 1e3, "calls": e.count} for e in events]
+
+
 def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -97,6 +119,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--single-run-above", default="512K",
                         help="longer sequences: one run gives memory and time")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more fwd+bwd per configuration under torch.profiler: top ops by own device time")
+    parser.add_argument("--name", default="untied_attention", help="result file name")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT or docs/results)")
     opts = parser.parse_args()
 
@@ -153,6 +178,9 @@ def main():
                     row["max_rel_diff_out"] = max_relative_difference(out, reference[0])
                     row["max_rel_diff_grad_x"] = max_relative_difference(x.grad, reference[1])
                 del out
+                if opts.profile:
+                    row["profile_top_ops"] = profile_top_ops(
+                        lambda: run_once(attend, x, rope, grad_out, attn))
             except torch.OutOfMemoryError as error:  # (both ranks fail alike: same shapes)
                 row.update(peak_above_input_gib=None, time_ms=None, oom=str(error).splitlines()[0])
             x.grad = None
@@ -195,7 +223,7 @@ def main():
                   f"{fmt(r['time_ms'], '.0f'):>9} {ratio('time_vs_ulysses'):>6} "
                   f"{r['planned_gib']:>11.2f} {fmt(r.get('max_rel_diff_out'), '.1e'):>7}  "
                   f"{', '.join(targets)}")
-        write_result("untied_attention", {
+        write_result(opts.name, {
             "what": f"one {opts.model} attention sub-layer (normed x -> pre-o_proj output), "
                     f"fwd+bwd, {dtype}, {sp} ranks; peak = max allocated above x, grad_out, weights",
             "untied_kernel": lse_kernel[0], "untied_kernel_native_gqa": lse_kernel[1],

@@ -22,7 +22,8 @@ SMOKE_RUNS = {
                 "256", "--layers-seq-len", "256", "--steps", "2"],
     "max_length": ["--device", "cpu", "--model", "tiny", "--methods", "ulysses", "untied",
                    "--first-length", "1K", "--granularity", "256", "--max-trials", "2"],
-    "untied": ["--model", "tiny", "--seq-lens", "256", "--chunks", "2", "8", "--repeats", "1"],
+    "untied": ["--model", "tiny", "--seq-lens", "256", "--chunks", "2", "8", "--repeats", "1",
+               "--profile"],
 }
 
 
