@@ -148,7 +148,12 @@ def main():
 
     result = {"what": "longest completed training step per method (search)", "model": opts.model,
               "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
-              "gpu_memory_gib": gpu_bytes / GiB, "methods": {}}
+              "gpu_memory_gib": gpu_bytes / GiB, "methods": {},
+              "attention_kernel": {}}
+    for method in opts.methods:  # the kernel each method's ranks run, for the record
+        cfg = method_config(base, method, opts.model, 1024)
+        result["attention_kernel"][method] = train.attention_kernel(
+            cfg, train.setup_runtime(cfg), llama.get_model_args(opts.model))
     for method in opts.methods:
         cfg = method_config(base, method, opts.model, 1024)
         if opts.first_length:

@@ -6,6 +6,8 @@ side by side in one run; next to each, the bound set by the kernels' own speed.
     torchrun --nproc-per-node 2 bench/throughput.py                          # 2 H200s
     torchrun --nproc-per-node 2 bench/throughput.py --seq-lens 1M --methods ulysses untied ring
     python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods none ulysses untied
+    python bench/throughput.py --plot docs/results/throughput_llama3-8b_2gpu.json \
+        docs/results/throughput_llama3-8b_2gpu_1m.json        # the chart from saved results
 
 Depth: a full 32-layer step at 512K tokens on 2 GPUs takes minutes, so each row runs the real
 length with 1 and with 2 layers of Llama-3-8B width and extrapolates per layer:
@@ -206,6 +208,46 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
     return table
 
 
+PAPER_8XH100 = {  # tokens/s per GPU, Llama3-8B, 8 x H100 (Untied Ulysses paper's table)
+    "paper: Ulysses": {131072: 2320, 262144: 1504, 524288: 879, 1048576: 475},
+    "paper: UPipe (Untied)": {131072: 2281, 262144: 1487, 524288: 867, 1048576: 473},
+    "paper: native PyTorch ring": {131072: 1374, 262144: 846, 524288: 474, 1048576: 250},
+}
+
+
+def plot(tables: list[list[dict]], path: Path, title: str) -> None:
+    """Tokens/s per GPU against the length, ours (solid) next to the paper's rows (dashed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    ours = {}
+    for table in tables:
+        for e in table:
+            if e.get("status") == "ok":
+                ours.setdefault(e["method"], {})[e["seq_len"]] = e["tokens_per_s_per_gpu"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, points, style in ([(f"ours: {m}", p, "-o") for m, p in sorted(ours.items())]
+                                 + [(m, p, "--") for m, p in PAPER_8XH100.items()]):
+        lengths = sorted(points)
+        ax.plot(lengths, [points[n] for n in lengths], style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({n for p in ours.values() for n in p}),
+                  [f"{n // 1024}K" if n < 2**20 else f"{n // 2**20}M"
+                   for n in sorted({n for p in ours.values() for n in p})])
+    ax.set_xlabel("tokens per sequence")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    plt.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -221,7 +263,15 @@ def main():
     parser.add_argument("--budget-s", type=float, default=540, help="skip what starts after this")
     parser.add_argument("--name", default=None, help="result file name")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
+                        help="no run: draw these results (merged) into a PNG next to the first")
     opts = parser.parse_args()
+    if opts.plot:
+        tables = [json.loads(Path(f).read_text())["table"] for f in opts.plot]
+        first = json.loads(Path(opts.plot[0]).read_text())
+        plot(tables, Path(opts.plot[0]).with_suffix(".png"),
+             f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
+        return
     started = time.perf_counter()
     args = llama.get_model_args(opts.model)
     base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
@@ -287,6 +337,9 @@ def main():
                   f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
                   f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
         print(f"wrote {out_dir / (name + '.json')}")
+        if opts.device == "cuda":
+            plot([result["table"]], out_dir / f"{name}.png",
+                 f"{opts.model}, {rt.world} GPUs (ours) vs 8 x H100 (paper)")
     dist.destroy_process_group()
 
 
