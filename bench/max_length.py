@@ -26,9 +26,9 @@ completed or OOM, time, peak).
 import argparse
 import dataclasses
 import importlib
-import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 from offload import allocate_adam_state  # noqa: E402
-from report import default_out_dir, environment, release, synchronize  # noqa: E402
+from report import release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 from throughput import OOM, method_config  # noqa: E402
 
@@ -141,10 +141,7 @@ def main():
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     gpu_bytes = torch.cuda.get_device_properties(rt.device).total_memory if opts.device == "cuda" else 0
 
-    def in_budget() -> bool:  # rank 0 decides, so every rank stops together
-        flag = torch.tensor([float(time.perf_counter() - started < opts.budget_s)], device=rt.device)
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
+    in_budget = partial(within_budget, started, opts.budget_s, rt.device)
 
     result = {"what": "longest completed training step per method (search)", "model": opts.model,
               "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
@@ -171,13 +168,10 @@ def main():
     result["wall_s"] = time.perf_counter() - started
     if rt.rank == 0:
         name = f"max_length_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
-        out = Path(opts.out or default_out_dir())
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps({**environment(), **result}, indent=1) + "\n")
         for method, r in result["methods"].items():
             print(f"{method:>8}: longest completed {r['longest_completed']}, shortest OOM {r['shortest_oom']}, "
                   f"{len(r['trials'])} trials")
-        print(f"wrote {out / (name + '.json')}")
+        write_result(name, result, opts.out)
     dist.destroy_process_group()
 
 

@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
@@ -54,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import cuda_time_ms, default_out_dir, environment, release, synchronize  # noqa: E402
+from report import cuda_time_ms, default_out_dir, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -225,18 +226,13 @@ def main():
     out_dir = opts.out or default_out_dir()
     name = f"offload_{opts.model}_{rt.world}gpu" if on_gpu else f"offload_{opts.model}_cpu"
 
-    def in_budget() -> bool:  # rank 0 decides, so every rank skips the same configurations
-        flag = torch.tensor([float(time.perf_counter() - started < opts.budget_s)], device=rt.device)
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
+    in_budget = partial(within_budget, started, opts.budget_s, rt.device)
 
     def save():  # after every configuration, so a run cut short still leaves its numbers
         result["summary"] = summarize(result["rows"], bandwidth, opts)
         result["wall_s"] = time.perf_counter() - started
         if rt.rank == 0:
-            path = Path(out_dir) / f"{name}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
+            write_result(name, result, out_dir, announce=False)
 
     parse = ulysses.parse_tokens
     plan = {  # part -> [(seq_len, layers, mode, steps)]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def environment() -> dict:
@@ -40,12 +41,24 @@ def default_out_dir() -> str:
     return os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "docs" / "results")
 
 
-def write_result(name: str, result: dict, out_dir: str | None = None) -> Path:
+def write_result(name: str, result: dict, out_dir: str | None = None, announce: bool = True) -> Path:
+    """`result` with environment() as <out_dir>/<name>.json; announce=False for the saves a
+    benchmark makes after every configuration (a run cut short keeps what it measured)."""
     path = Path(out_dir or default_out_dir()) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
-    print(f"wrote {path}")
+    if announce:
+        print(f"wrote {path}")
     return path
+
+
+def within_budget(started: float, budget_s: float, device) -> bool:
+    """Whether fewer than budget_s seconds have passed since `started` (time.perf_counter), as
+    rank 0 sees it: every rank gets rank 0's answer, so all ranks skip the same configurations
+    and their collectives stay matched."""
+    flag = torch.tensor([float(time.perf_counter() - started < budget_s)], device=device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3) -> float:

@@ -45,6 +45,7 @@ import importlib
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 import ring  # noqa: E402
-from report import default_out_dir, environment, release, synchronize  # noqa: E402
+from report import cuda_time_ms, default_out_dir, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -148,8 +149,6 @@ def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, loca
                  device, dtype) -> dict:
     """FLOP/s of the attention kernel (forward + backward, causal, one GPU's heads over the whole
     sequence) and of a bf16 matmul of one GPU's tokens through the MLP's up projection."""
-    from report import cuda_time_ms
-
     q = torch.randn(1, seq_len, local_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, seq_len, local_kv_heads, args.head_dim, device=device, dtype=dtype,
                         requires_grad=True) for _ in range(2))
@@ -291,24 +290,20 @@ def main():
     name = opts.name or f"throughput_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
     out_dir = Path(opts.out or default_out_dir())
 
-    def in_budget() -> bool:  # rank 0 decides, so every rank skips the same rows
-        flag = torch.tensor([float(time.perf_counter() - started < opts.budget_s)], device=rt.device)
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
+    in_budget = partial(within_budget, started, opts.budget_s, rt.device)
 
     def save():
         result["table"] = summarize(result["rows"], args, rt.world, result["kernel_rates"])
         result["wall_s"] = time.perf_counter() - started
         if rt.rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{name}.json").write_text(json.dumps({**environment(), **result}, indent=1) + "\n")
+            write_result(name, result, out_dir, announce=False)
 
     plan = [(m, parse(s), layers) for s in opts.seq_lens for m in methods for layers in (1, 2)
             if not (m == "none" and parse(s) > parse(opts.no_cp_up_to))]
     plan += [(m, parse(s), args.n_layers) for m, _, s in (v.rpartition(":") for v in opts.validate)]
     for method, seq_len, layers in plan:
         if opts.device == "cuda" and seq_len not in result["kernel_rates"] and in_budget():
-            rate_len = min(seq_len, parse("256K"))  # the kernel's rate is flat beyond; saves time
+            rate_len = min(seq_len, parse("256K"))  # longer: minutes per measurement (docstring)
             result["kernel_rates"][seq_len] = kernel_rates(
                 args, args.n_heads // rt.world, max(args.n_kv_heads // rt.world, 1), rate_len,
                 seq_len // rt.world, rt.device, dtype)

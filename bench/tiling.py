@@ -22,9 +22,9 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
-import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import default_out_dir, environment, peak_and_times, release, write_result  # noqa: E402
+from report import default_out_dir, peak_and_times, release, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -181,16 +181,11 @@ def main():
     out_dir = opts.out or default_out_dir()
     name = f"tiling_{opts.model}_{rt.world}gpu" if opts.device == "cuda" else f"tiling_{opts.model}_cpu"
 
-    def in_budget() -> bool:  # rank 0 decides, so every rank skips the same configurations
-        flag = torch.tensor([float(time.perf_counter() - started < opts.budget_s)], device=rt.device)
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
+    in_budget = partial(within_budget, started, opts.budget_s, rt.device)
 
     def save():  # after every configuration, so a run cut short still leaves its numbers
         if rt.rank == 0:
-            path = Path(out_dir) / f"{name}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
+            write_result(name, result, out_dir, announce=False)
 
     for text in opts.seq_lens:
         seq_len = ulysses.parse_tokens(text)
