@@ -19,7 +19,8 @@ host memory (reported as what full depth would need) and the missing layers' ste
 
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
 calibrated against these benchmarks), then steps of --step up or down until the status changes,
-then bisection to --granularity tokens, within --budget-s. Every trial is recorded (length,
+then bisection to --granularity tokens, within --budget-s (a trial starts only if the time the
+last one took, scaled by the square of the length, still fits). Every trial is recorded (length,
 completed or OOM, time, peak).
 """
 
@@ -91,14 +92,23 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
     return row
 
 
+def expected_seconds(trials: list, seq_len: int) -> float:
+    """A trial's time from the last completed one: attention's quadratic cost dominates."""
+    timed = [t for t in trials if t.get("step_time_s")]
+    if not timed:
+        return 0.0
+    return timed[-1]["step_time_s"] * (seq_len / timed[-1]["seq_len"]) ** 2
+
+
 def search(base, method: str, start: int, granularity: int, step: float, layers: int,
-           max_trials: int, in_budget) -> tuple:
+           max_trials: int, in_budget, after_trial=lambda fits, fails, trials: None) -> tuple:
     """(longest completed length or None, shortest OOM length or None, trials): step from
-    `start` until the status flips, then bisect to `granularity`."""
+    `start` until the status flips, then bisect to `granularity`. after_trial(fits, fails,
+    trials) runs after each trial (the script saves what it has: a trial can take minutes)."""
     rounded = lambda n: max(granularity, n // granularity * granularity)  # noqa: E731
     trials, fits, fails = [], None, None
     length = rounded(start)
-    while len(trials) < max_trials and in_budget():
+    while len(trials) < max_trials and in_budget(expected_seconds(trials, length)):
         row = trial(base, method, length, layers)
         trials.append(row)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -107,6 +117,7 @@ def search(base, method: str, start: int, granularity: int, step: float, layers:
             fits = max(fits or 0, length)
         else:
             fails = min(fails or length, length)
+        after_trial(fits, fails, trials)
         if fails is None:
             length = max(rounded(int(length * (1 + step))), length + granularity)
         elif fits is None:
@@ -141,7 +152,8 @@ def main():
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     gpu_bytes = torch.cuda.get_device_properties(rt.device).total_memory if opts.device == "cuda" else 0
 
-    in_budget = partial(within_budget, started, opts.budget_s, rt.device)
+    def in_budget(next_trial_s: float) -> bool:  # room for the next trial, as rank 0 sees it
+        return within_budget(started, opts.budget_s - next_trial_s, rt.device)
 
     result = {"what": "longest completed training step per method (search)", "model": opts.model,
               "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
@@ -151,23 +163,30 @@ def main():
         cfg = method_config(base, method, opts.model, 1024)
         result["attention_kernel"][method] = train.attention_kernel(
             cfg, train.setup_runtime(cfg), llama.get_model_args(opts.model))
+    name = f"max_length_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
+
+    def save(method, planned, fits, fails, trials):
+        result["methods"][method] = {"planner_longest": planned, "longest_completed": fits,
+                                     "shortest_oom": fails, "trials": trials}
+        if rt.rank == 0:
+            write_result(name, result, opts.out, announce=False)
+
     for method in opts.methods:
         cfg = method_config(base, method, opts.model, 1024)
-        if opts.first_length:
-            start = parse(opts.first_length)
-        else:  # the planner's longest for this GPU, host memory not limiting (see above)
-            start, _ = train.plan_longest_seq_len(cfg, rt.world, gpu_bytes, 2**60)
-        fits, fails, trials = search(base, method, start, parse(opts.granularity),
-                                     opts.step, opts.layers, opts.max_trials, in_budget)
-        result["methods"][method] = {"planner_longest": start if not opts.first_length else None,
-                                     "longest_completed": fits, "shortest_oom": fails, "trials": trials}
+        planned = None
+        if opts.device == "cuda":  # the planner's longest for this GPU, host memory not limiting (see above)
+            planned, _ = train.plan_longest_seq_len(cfg, rt.world, gpu_bytes, 2**60)
+        elif not opts.first_length:
+            parser.error("--first-length is needed on CPU (the planner plans for a GPU's memory)")
+        start = parse(opts.first_length) if opts.first_length else planned
+        search(base, method, start, parse(opts.granularity), opts.step, opts.layers, opts.max_trials,
+               in_budget, after_trial=partial(save, method, planned))
     lengths = {m: r["longest_completed"] for m, r in result["methods"].items()}
     if lengths.get("ulysses") and lengths.get("untied"):
         result["untied_over_ulysses"] = lengths["untied"] / lengths["ulysses"]
         result["target"] = ">= 1.25 (paper: 5M vs 4M on 8 x H100)"
     result["wall_s"] = time.perf_counter() - started
     if rt.rank == 0:
-        name = f"max_length_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
         for method, r in result["methods"].items():
             print(f"{method:>8}: longest completed {r['longest_completed']}, shortest OOM {r['shortest_oom']}, "
                   f"{len(r['trials'])} trials")

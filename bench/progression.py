@@ -70,6 +70,9 @@ def main():
     parser.add_argument("--snapshot", action="store_true", help="split each peak with the memory snapshot")
     opts = parser.parse_args()
     rows = []
+    result = {"what": "memory progression, per-GPU", "model": opts.model, "seq_len": opts.seq_len,
+              "gpus": opts.gpus, "layers": opts.layers, "rows": rows}
+    name = f"progression_{opts.model}_{opts.gpus}gpu"
     with tempfile.TemporaryDirectory() as tmp:
         for label, flags in CONFIGS:
             if opts.only and label not in opts.only:
@@ -79,9 +82,7 @@ def main():
             print(f"{label:<18} {row['status']:<6} model {row.get('after_optimizer_step_gib', 0):6.1f} "
                   f"peak {max(row.get('peak_gib') or [0]):6.1f} GiB  step {row.get('step_time_s', 0):.2f}s",
                   flush=True)
-    result = {"what": "memory progression, per-GPU", "model": opts.model, "seq_len": opts.seq_len,
-              "gpus": opts.gpus, "layers": opts.layers, "rows": rows}
-    name = f"progression_{opts.model}_{opts.gpus}gpu"
+            write_result(name, result, opts.out, announce=False)  # a run cut short keeps its rows
     write_result(name, result, opts.out)
     plot(rows, Path(opts.out or default_out_dir()) / f"{name}.png", opts)
 
@@ -97,14 +98,17 @@ def plot(rows, path, opts):
         return
     labels = [r["label"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    if all("memory_at_peak" in r for r in rows):  # measured split, from the memory snapshot
-        parts = {name: [r["memory_at_peak"]["gib"][name] for r in rows]
+    if any("memory_at_peak" in r for r in rows):  # measured split, from the memory snapshot
+        parts = {name: [r["memory_at_peak"]["gib"][name] if "memory_at_peak" in r else 0 for r in rows]
                  for name in ("model state", "attention", "other")}
         bottom = [0.0] * len(rows)
         for name, values in parts.items():
             ax.bar(labels, values, bottom=bottom, label=name)
             bottom = [b + v for b, v in zip(bottom, values)]
         for i, r in enumerate(rows):
+            if "memory_at_peak" not in r:  # failed before its steps (building the model)
+                ax.text(i, 2, r["status"], ha="center", color="red", weight="bold")
+                continue
             oom = r["memory_at_peak"].get("oom")
             if oom:  # the request that failed, on top of what was alive
                 ax.bar(labels[i], oom["requested_gib"], bottom=bottom[i], color="none",

@@ -37,9 +37,14 @@ STEP_MARK = "step_begins_here"
 
 
 def start_recording(max_entries: int = 2_000_000) -> None:
+    import os
+
     import torch
 
     # "all": C++ frames too, so allocations of backward kernels (no Python frames) are named.
+    # Naming them with addr2line (the default in older torch) can take minutes per snapshot;
+    # dladdr reads only the function names, which is all `owner` and `category` use.
+    os.environ.setdefault("TORCH_SYMBOLIZE_MODE", "dladdr")
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="all")
 
 
@@ -95,12 +100,19 @@ def replay(trace: list) -> dict:
     peak, peak_live = 0, {}
     first_step = None
     oom = None
+    largest_in_steps = {}  # owner -> (largest single allocation, its frames, allocations)
     for index, event in enumerate(trace):
         action = event.get("action")
         if action == "alloc":
             frames = event.get("frames", [])
             if first_step is None and any(f.get("name") == STEP_MARK for f in frames):
                 first_step = index
+            if first_step is not None:
+                who = owner(frames)
+                largest, where, count = largest_in_steps.get(who, (0, frames, 0))
+                if event["size"] > largest:
+                    largest, where = event["size"], frames
+                largest_in_steps[who] = (largest, where, count + 1)
             live[event["addr"]] = (event["size"], frames, index)
             total += event["size"]
             if total > peak:
@@ -113,12 +125,13 @@ def replay(trace: list) -> dict:
             peak, peak_live = total, dict(live)
             break
     return {"peak_bytes": peak, "live": list(peak_live.values()), "first_step_index": first_step,
-            "oom": oom}
+            "oom": oom, "largest_in_steps": largest_in_steps}
 
 
 def summarize(snapshot: dict, device: int = 0, top: int = 12) -> dict:
-    """Bytes alive at the peak by category, the largest owners of 'other' and 'attention', and
-    on out of memory the failed request (see the module docstring)."""
+    """Bytes alive at the peak by category, the largest owners of 'other' and 'attention', each
+    owner's largest allocation during the steps, and on out of memory the failed request (see
+    the module docstring)."""
     replayed = replay(snapshot["device_traces"][device])
     first_step = replayed["first_step_index"]
     categories = {"model state": 0, "attention": 0, "other": 0}
@@ -136,6 +149,11 @@ def summarize(snapshot: dict, device: int = 0, top: int = 12) -> dict:
                "gib": {k: v / GiB for k, v in categories.items()},
                "largest_owners": [{"category": k[0], "owner": k[1], "tensors": c, "gib": b / GiB,
                                    "largest_tensor_gib": m / GiB} for k, (c, b, m) in largest],
+               "largest_allocations_in_steps": [
+                   {"category": category(frames, False), "owner": who, "largest_tensor_gib": size / GiB,
+                    "allocations": count}
+                   for who, (size, frames, count) in sorted(
+                       replayed["largest_in_steps"].items(), key=lambda item: -item[1][0])[:top]],
                "first_step_found": first_step is not None,
                "trace_complete": first_step is not None}  # the mark falls out of a wrapped trace
     if replayed["oom"]:

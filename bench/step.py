@@ -94,8 +94,10 @@ def main():
     except (torch.OutOfMemoryError, train.StepOutOfMemory) as error:
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:
+        started = time.perf_counter()
         taken = torch.cuda.memory._snapshot()
         result["memory_at_peak"] = snapshot.summarize(taken, torch.cuda.current_device())
+        result["memory_at_peak"]["snapshot_and_summary_s"] = time.perf_counter() - started
         # The allocator's own maximum over the steps (its peak counter restarts every step).
         result["memory_at_peak"]["max_memory_allocated_gib"] = max(
             peaks + [torch.cuda.max_memory_allocated() / GiB])

@@ -74,6 +74,10 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
     assert summary["largest_owners"][0]["owner"] == "model.py:causal_attention"
     assert summary["largest_owners"][1]["owner"] == "04_alst_tiling.py:tiled_mlp_forward"
     assert "oom" not in summary
+    # over the whole step, not only at the peak: rms_norm's 40 GiB came after it
+    in_steps = {o["owner"]: o["largest_tensor_gib"] for o in summary["largest_allocations_in_steps"]}
+    assert in_steps["model.py:causal_attention"] == 50 and in_steps["model.py:rms_norm"] == 40
+    assert "01_fsdp.py:build_model" not in in_steps  # before the first step
 
     failed = {"action": "oom", "size": 125 * 2**30, "frames": [_frame("model.py", "loss_sum")]}
     summary = snapshot.summarize({"device_traces": [trace + [failed]]})
@@ -96,11 +100,17 @@ def test_max_length_search_brackets_the_limit(monkeypatch):
         return {"seq_len": seq_len, "status": "completed" if seq_len <= 5000 else "OOM"}
 
     monkeypatch.setattr(max_length, "trial", fake_trial)
-    fits, fails, trials = max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 20, lambda: True)
+    fits, fails, trials = max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 20, lambda seconds: True)
     assert (fits, fails) == (4864, 5120), tried
     assert tried[0] == 4096 and len(trials) == len(tried) <= 6
-    fits, fails, _ = max_length.search(None, "ulysses", 8192, 256, 0.1, 1, 20, lambda: True)
+    fits, fails, _ = max_length.search(None, "ulysses", 8192, 256, 0.1, 1, 20, lambda seconds: True)
     assert (fits, fails) == (4864, 5120)  # from above: steps down, then bisects
+    # the budget check is asked for room for the next trial: the last one's time x length ratio^2
+    assert max_length.expected_seconds([{"seq_len": 1000, "step_time_s": 10.0}], 2000) == 40.0
+    saved = []
+    max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 2, lambda seconds: True,
+                      after_trial=lambda fits, fails, trials: saved.append(len(trials)))
+    assert saved == [1, 2]  # saved after every trial
 
 
 @pytest.mark.gpu
@@ -119,3 +129,4 @@ def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
     assert memory["peak_gib"] == pytest.approx(memory["max_memory_allocated_gib"], rel=0.02)
     assert sum(memory["gib"].values()) == pytest.approx(memory["peak_gib"], rel=1e-9)
     assert memory["gib"]["model state"] > 0 and memory["gib"]["attention"] > 0
+    assert memory["largest_allocations_in_steps"][0]["largest_tensor_gib"] > 0
