@@ -45,7 +45,11 @@ def start_recording(max_entries: int = 2_000_000) -> None:
     # Naming them with addr2line (the default in older torch) can take minutes per snapshot;
     # dladdr reads only the function names, which is all `owner` and `category` use.
     os.environ.setdefault("TORCH_SYMBOLIZE_MODE", "dladdr")
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="all")
+    # context="alloc": stacks for allocations only. With "all" (also frees), torch 2.11 breaks the
+    # tiled steps: checkpoint's early stop raises inside our autograd.Function's forward, and the
+    # stack captured for a free during that unwinding loses the exception ("SystemError: apply
+    # returned NULL without setting an exception"). Frees need no stack here anyway.
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, context="alloc", stacks="all")
 
 
 def step_begins_here():
