@@ -125,6 +125,7 @@ def plot(rows, path, opts):
         for i, r in enumerate(rows):
             if r["status"] != "ok":
                 ax.text(i, max(model[i], 1) + 2, "OOM", ha="center", color="red", weight="bold")
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.12)  # room for the OOM labels under the title
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{opts.model}, {opts.seq_len} tokens, {opts.gpus} GPUs"
                  + (f", {opts.layers} layers" if opts.layers else ""))
