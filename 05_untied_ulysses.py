@@ -15,7 +15,7 @@ its slice of ONE output buffer; the next stage reuses the same (small) memory. K
 from Q: with grouped-query attention several consecutive stages use the same KV head, so K/V are
 projected and exchanged once per KV group and reused. Backward keeps only the input, the output
 and each stage's log-sum-exp, and walks the stages again: it recomputes the stage's projections
-(cheap matmuls), exchanges the output and its gradient to the head layout and runs the attention
+(cheap matmuls; rotary needs no recompute, its gradient is the inverse rotation), exchanges the output and its gradient to the head layout and runs the attention
 backward kernel with the saved log-sum-exp - its backward never re-runs the attention forward
 (with 03's checkpointing the block's recompute still runs it once more, as for any attention;
 keeping the output through selective checkpointing would remove that too). At U = P a
@@ -162,18 +162,21 @@ def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
 def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
                         grad_norm_weight):
     """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
-    returns the gradient of `rows`. Norm and rotary are recomputed under autograd from the
-    projection; the projection's own backward is written out, so grad_x is accumulated in
-    place (autograd would hand back a full-size temporary for every stage)."""
+    returns the gradient of `rows`. Rotary embedding is a rotation, so its gradient is the
+    inverse rotation (sin negated): no recompute. The per-head norm (QK-norm, when present)
+    needs its input, the projection, recomputed under autograd. The projection's own backward
+    is written out, so grad_x is accumulated in place (autograd would hand back a full-size
+    temporary for every stage)."""
     if rope is not None:
-        y = project(x, rows, head_dim).requires_grad_()
-        weight = None if norm_weight is None else norm_weight.detach().requires_grad_()
-        with torch.enable_grad():
-            post = norm_and_rotate(y, weight, eps, *rope)
-        grads = torch.autograd.grad(post, [y] if weight is None else [y, weight], grad_heads)
-        if weight is not None:
-            grad_norm_weight += grads[1]
-        grad_heads = grads[0]
+        cos, sin = rope
+        grad_heads = apply_rope(grad_heads, cos, -sin)
+        if norm_weight is not None:
+            y = project(x, rows, head_dim).requires_grad_()
+            weight = norm_weight.detach().requires_grad_()
+            with torch.enable_grad():
+                normed = rms_norm(y, weight, eps)
+            grad_heads, grad_weight = torch.autograd.grad(normed, [y, weight], grad_heads)
+            grad_norm_weight += grad_weight
     dim = x.shape[-1]
     grad_y = grad_heads.reshape(-1, rows.shape[0])
     grad_x.view(-1, dim).addmm_(grad_y, rows)
