@@ -381,7 +381,7 @@ def measure_mode(cfg, rt, args, tokens, checkpointing: bool, offload: bool) -> d
             device_bytes = torch.cuda.max_memory_allocated() - before - gradient_bytes(model)
         else:
             device_bytes = bytes_saved_for_backward(step, offloader)
-    except (torch.cuda.OutOfMemoryError, getattr(train, "StepOutOfMemory", MemoryError)):
+    except torch.OutOfMemoryError:
         device_bytes = None
     host_bytes = offloader.host_bytes if offloader else 0
     del model, offloader, step

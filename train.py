@@ -358,14 +358,17 @@ def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, 
 # Failing clearly: out of memory names its phase and the next technique to turn on.
 # ---------------------------------------------------------------------------------------------
 
-class StepOutOfMemory(RuntimeError):
-    pass
+class StepOutOfMemory(torch.OutOfMemoryError):
+    """torch's out-of-memory error with the phase of the step it happened in (so code that
+    catches torch.OutOfMemoryError catches this one too)."""
 
 
 @contextlib.contextmanager
 def out_of_memory_names(phase: str):
     try:
         yield
+    except StepOutOfMemory:  # already named by an inner phase
+        raise
     except torch.OutOfMemoryError as error:
         raise StepOutOfMemory(f"out of GPU memory in the {phase}: {str(error).splitlines()[0]}") from error
 

@@ -41,7 +41,7 @@ import model as llama  # noqa: E402
 from offload import allocate_adam_state  # noqa: E402
 from report import release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
-from throughput import OOM, method_config  # noqa: E402
+from throughput import method_config  # noqa: E402
 
 train = importlib.import_module("train")
 fsdp = importlib.import_module("01_fsdp")
@@ -81,7 +81,7 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
                    ballast_gib=ballast.numel() / GiB)
         if rt.device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-    except OOM as error:
+    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row.update(status="OOM", error=str(error).split("\n")[0])
     # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU.
     host = offload.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"]

@@ -62,7 +62,6 @@ train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
 offload = importlib.import_module("03_checkpoint_offload")
 GiB = 2**30
-OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
 
 
@@ -130,7 +129,7 @@ def run_config(base_cfg, rt, part: str, seq_len: int, layers: int, mode: str, st
                 host = torch.cuda.host_memory_stats()
                 row["pinned_allocator_gib"] = {k: v / GiB for k, v in host.items()
                                                if k.startswith("allocated_bytes")}
-    except OOM as error:
+    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row.update(status="OOM", error=str(error).split("\n")[0][:300])
     del model, optimizer
     release(rt.device)

@@ -62,7 +62,6 @@ train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
 H200_BF16_PEAK = 989e12
-OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +121,7 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
                 peaks.append(torch.cuda.max_memory_allocated() / GiB)
         row = {"status": "ok", "step_times_s": times, "step_time_s": times[-1],
                "peak_gib": peaks[-1] if peaks else None, "loss": float(loss)}
-    except OOM as error:
+    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row = {"status": "OOM", "error": str(error).split("\n")[0]}
     del model, optimizer
     release(rt.device)

@@ -40,7 +40,6 @@ train = importlib.import_module("train")
 tiling = importlib.import_module("04_alst_tiling")
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
-OOM = (torch.OutOfMemoryError, train.StepOutOfMemory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +72,7 @@ def measure_phases(args, local_tokens: int, device, dtype, repeats: int) -> list
                "tile_tokens": tile, "tiles": tiling.tile_count(local_tokens, tile) if tile else 1}
         try:
             row.update(status="ok", **peak_and_times(run, device, repeats))
-        except OOM as error:
+        except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
             row.update(status="OOM", error=str(error).split("\n")[0])
         x.grad = None
         model.zero_grad(set_to_none=True)
@@ -109,7 +108,7 @@ def measure_step(base_cfg, rt, seq_len: int, variant: str, layers: int, repeats:
 
         row.update(status="ok", **peak_and_times(run, rt.device, repeats))
         row["peak_gib_note"] = "above the model's own memory"
-    except OOM as error:
+    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row.update(status="OOM", error=str(error).split("\n")[0])
     del model
     release(rt.device)

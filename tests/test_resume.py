@@ -138,6 +138,17 @@ def test_out_of_memory_names_the_phase_and_the_next_technique(monkeypatch, capsy
     assert "next: try --fsdp" in err
 
 
+def test_named_out_of_memory_is_still_torchs_and_named_once():
+    """Code that catches torch.OutOfMemoryError (the benchmarks) catches the named one too, and
+    an inner phase's name is not wrapped again by an outer one."""
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        with train.out_of_memory_names("step"):
+            with train.out_of_memory_names("backward"):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    assert isinstance(caught.value, train.StepOutOfMemory)
+    assert str(caught.value) == "out of GPU memory in the backward: CUDA out of memory. Tried to allocate 1.00 GiB"
+
+
 def test_next_technique_follows_the_files():
     cfg = train.Config()
     assert train.next_memory_technique(cfg, 8).startswith("--fsdp")
