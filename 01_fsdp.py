@@ -54,7 +54,8 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
     (and the last block) gathered from forward to backward.
 
       after_forward:   the root's and the last block's gathered parameters;
-      during_backward: the root's, two blocks' (the one in backward and the next, prefetched),
+      during_backward: the root's, two blocks' (the one in backward and the next, prefetched;
+                       one in a one-layer model),
                        the running block's unsharded gradients, and lm_head's unsharded gradient
                        (the root's gradients are reduce-scattered only when backward ends);
       end_of_backward: the root's unsharded gradients and their fp32 copy for the reduce-scatter
@@ -64,8 +65,10 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
     """
     root = num_params(replace(args, n_layers=0))
     block = (num_params(args) - root) // max(args.n_layers, 1)
+    gathered_blocks = min(args.n_layers, 2)
     return {"after_forward": bytes_per_value * (root + block),
-            "during_backward": bytes_per_value * (root + 3 * block + args.vocab_size * args.dim),
+            "during_backward": bytes_per_value * (root + (gathered_blocks + 1) * block
+                                                  + args.vocab_size * args.dim),
             "end_of_backward": (bytes_per_value + 4) * root}
 
 

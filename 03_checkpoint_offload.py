@@ -95,15 +95,19 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> 
       saved: each of the two RMSNorms keeps an fp32 copy of its input (4 x dim), the
         normalized copy in the compute dtype and 1/rms (4), and its output is kept by the
         projections (or the MLP) that read it: 2 x (dim x (4 + 2 x bytes) + 4);
+      first_norm: the first norm's share of it, kept until the block's input gradient is done;
       norm_backward: an RMSNorm's backward peaks in the gradient of x^2, with its fp32 input
         copy and five fp32 token-sized tensors alive (gradients and pow's temporaries):
         24 x dim bytes, 12 times its bf16 input (counted on CPU; GPU kernels allocate the same).
+    (Neither norm keeps its bf16 input: post_norm_input and block_input are 0 here; 04's tiled
+    norms do keep theirs.)
 
     Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 24 GiB, norm backward 36 GiB.
     """
     dim = args.dim
     one_norm = dim * (4 + 2 * bytes_per_value) + 4
-    return {"saved": 2 * one_norm * local_tokens, "norm_backward": 24 * dim * local_tokens}
+    return {"saved": 2 * one_norm * local_tokens, "first_norm": one_norm * local_tokens,
+            "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * local_tokens}
 
 
 # ---------------------------------------------------------------------------------------------

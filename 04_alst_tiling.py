@@ -218,12 +218,16 @@ def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) ->
 
 def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
                          bytes_per_value: int = 2) -> dict:
-    """The tiled counterpart of 03's block_recompute_bytes (untiled RMSNorms): per block, what
-    the two norms keep for backward (their outputs, read by the projections and the MLP) and
-    the peak of one norm's backward (one tile's six fp32 token-sized tensors)."""
+    """The tiled counterpart of 03's block_recompute_bytes (untiled RMSNorms), same keys. Per
+    block: the two norms' outputs, kept by the projections and the MLP that read them, and the
+    inputs the tiled norms keep (SequenceTiledRecompute saves its input): the post-attention
+    norm's input, the residual stream h (post_norm_input, until that norm's backward), and the
+    first norm's input, the block input (block_input: with checkpointing it is the checkpoint
+    itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors."""
     tile = min(mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
-    return {"saved": 2 * bytes_per_value * args.dim * local_tokens,
-            "norm_backward": 24 * args.dim * tile}
+    hidden = bytes_per_value * args.dim * local_tokens
+    return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
+            "block_input": hidden, "norm_backward": 24 * args.dim * tile}
 
 
 # --- Seam 4: final norm + lm_head + cross-entropy ----------------------------------------------

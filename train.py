@@ -619,7 +619,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.
-    first_norm = norms["saved"] // 2  # kept until the block's input gradient is done
+    first_norm = norms["first_norm"]  # kept until the block's input gradient is done
     # At Ulysses' kernel backward two token-layout tensors of its standalone count are gone in
     # a block: o_proj's input (o_proj's backward ran first) and the output gradient (exchanged
     # into the head layout, then dropped). Untied Ulysses keeps both: it saved its output and
@@ -628,8 +628,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                     if cfg.ulysses and not cfg.untied and sp > 1 else 0)
     block_moments = {
         "its MLP": (attention_saved, norms["saved"] + hidden + mlp()),
-        "its post-attention RMSNorm": (attention_saved,
-                                       first_norm + 2 * hidden + norms["norm_backward"]),
+        "its post-attention RMSNorm": (attention_saved, first_norm + norms["post_norm_input"]
+                                       + 2 * hidden + norms["norm_backward"]),
         "its attention": (attention() - token_layout, first_norm + 2 * hidden - token_layout),
     }
     block_moment = max(block_moments, key=lambda m: sum(block_moments[m]))
@@ -649,7 +649,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         first_layer_kept = {"saved": hidden, "attention": 0}
     else:  # every layer keeps its activations until backward reaches it
         host = 0
-        layer = norms["saved"] + mlp_saved
+        layer = norms["saved"] + norms["block_input"] + mlp_saved
         forward_kept = {"saved": n_layers * layer, "attention": n_layers * attention_saved}
         last_layer_kept = {"saved": (n_layers - 1) * layer,
                            "attention": (n_layers - 1) * attention_saved}

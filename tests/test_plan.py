@@ -237,6 +237,40 @@ def _attention_layer_bytes(args):
     assert kept == ulysses.attention_activation_bytes(args, local, 1, 4, saved_only=True)
 
 
+def test_a_block_saves_what_the_norm_and_mlp_counts_say():
+    """One block (fp32, CPU, plain attention, tiled MLP), with tiled and with untiled RMSNorms:
+    the distinct storages it saves for backward, less its weights and the rotary tables, equal
+    what the planner adds for it. The tiled norms keep their inputs (the block input and the
+    residual stream h) besides the outputs the projections and the MLP keep; the untiled ones
+    keep fp32 copies instead (a 512K GPU step was 2 GiB over the count before h was in it)."""
+    args = llama.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                           vocab_size=64)
+    tokens, tile, fp32 = 256, 64, 4
+    for tile_norm in (True, False):
+        torch.manual_seed(0)
+        model = llama.Transformer(args)
+        tiling.apply_tiling(model, tile_mlp=True, tile_loss=False, tile_norm=tile_norm,
+                            mlp_tile_tokens=tile)
+        x = torch.randn(1, tokens, args.dim, requires_grad=True)
+        rope = llama.rope_cos_sin(torch.arange(tokens)[None], args, torch.float32)
+        not_its_own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *rope]}
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in not_its_own:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.layers[0](x, rope)
+        norms = (tiling.norm_temporary_bytes(args, tokens, tile, fp32) if tile_norm
+                 else offload.block_recompute_bytes(args, tokens, fp32))
+        counted = (norms["saved"] + norms["block_input"]
+                   + ulysses.attention_activation_bytes(args, tokens, 1, fp32, saved_only=True)
+                   + tiling.mlp_temporary_bytes(args, tokens, True, tile, fp32, saved_only=True))
+        assert sum(saved.values()) == counted, (tile_norm, sum(saved.values()), counted)
+
+
 def _model_state_bytes_match_fsdp(preset):
     """FSDP over these ranks, built as train.py builds it, after one optimizer step: this
     rank's shards of parameters, gradients and AdamW's moments are model_state_bytes."""
