@@ -3,7 +3,7 @@
 The memory problem. After FSDP (01) the model state is 15 GiB per GPU, but every GPU still runs
 the whole 3M-token sequence. One attention layer alone holds Q and its output (3 x 2^20 tokens x
 32 heads x 128 x 2 bytes = 24 GiB each) plus K and V (3 x 2^20 x 8 x 128 x 2 = 6 GiB each), and
-backward keeps such tensors for every layer: the talk's chart needs 7680 GiB of attention
+backward keeps such tensors for every layer: the paper's chart needs 7680 GiB of attention
 activations.
 
 The idea. Shard the sequence: rank r of P holds tokens [r*S/P, (r+1)*S/P) through embeddings,
