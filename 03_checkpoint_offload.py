@@ -16,9 +16,9 @@ The idea, in two steps.
      backward the GPU keeps only the last block's input (backward starts there, so copying it
      out would only make backward wait): 3 GiB; during backward two at a time, the one the
      current block recomputes from and the next one coming back: 6 GiB, the same for 4 layers
-     or 80. The host holds 31 block inputs per GPU: 93 GiB of data, but PyTorch's pinned
-     allocator rounds each buffer up to a power of two, so 31 x 4 GiB = 124 GiB per GPU
-     (992 GiB for 8 GPUs).
+     or 80. The host holds 31 block inputs per GPU: 93 GiB. PyTorch's pinned allocator rounds
+     every buffer up to a power of two (one 3 GiB buffer takes 4 GiB: 124 GiB per GPU), so each
+     block input is kept in power-of-two pieces instead, 2 GiB + 1 GiB, which take 3.
 
 The copies must not slow training down. They run on a side CUDA stream: in forward the side
 stream waits only for the block input to be computed and copies it out while the compute stream
@@ -73,17 +73,30 @@ def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
     offload only the last block's does, and n_layers - 1 live in pinned host memory. (During
     backward the GPU holds two at a time: the one the current block recomputes from and the next
     one coming back.) The recompute of one block's activations is `block_recompute_bytes`.
-    pinned=True: each host buffer as CUDA's pinned allocator reserves it, rounded up to a power
-    of two (3 GiB block inputs take 4 GiB; 512K local tokens lose nothing).
+    pinned=True: the host bytes as the pinned allocator reserves them for the offloader's
+    power-of-two pieces (`power_of_two_pieces`): the data, to within 2 MiB per block input.
     """
     if seq_len % sp:
         raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
                          f"sequence-parallel degree ({sp})")
     per_layer = seq_len // sp * args.dim * bytes_per_value
-    host_buffer = 1 << (per_layer - 1).bit_length() if pinned and per_layer else per_layer
+    host_buffer = sum(power_of_two_pieces(per_layer)) if pinned else per_layer
     on_host = (args.n_layers - 1) * host_buffer if offload else 0
     on_gpu = per_layer if offload else args.n_layers * per_layer
     return {"gpu": on_gpu, "host": on_host}
+
+
+def power_of_two_pieces(nbytes: int, smallest: int = 2 * MiB) -> list[int]:
+    """`nbytes` as a sum of powers of two, largest first (its binary digits), with what is left
+    below `smallest` rounded up to a power of two: pieces CUDA's pinned allocator, which rounds
+    every request up to a power of two, reserves without waste (3 GiB -> 2 GiB + 1 GiB)."""
+    pieces = []
+    while nbytes >= smallest:
+        pieces.append(1 << (nbytes.bit_length() - 1))
+        nbytes -= pieces[-1]
+    if nbytes:
+        pieces.append(1 << (nbytes - 1).bit_length())
+    return pieces
 
 
 def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> dict:
@@ -178,11 +191,42 @@ class SavedBlockInput:
     """What autograd holds instead of a block input between forward and backward."""
     layer: int
     device: torch.device
-    host: torch.Tensor | None = None       # the copy in host memory while it waits
+    host: "HostBuffer | None" = None       # the copy in host memory while it waits
     on_device: torch.Tensor | None = None  # kept (last block) or brought back, until unpacked
     copied_back: object = None             # CUDA event on the side stream: the copy back is done
     kept: bool = False                     # the last block's: never left the device
     prefetched: bool = False               # its copy back started before its block needed it
+
+
+class HostBuffer:
+    """One block input's place in host memory, in power-of-two pieces (pinned on a GPU machine),
+    filled and emptied with one copy per piece."""
+
+    def __init__(self, like: torch.Tensor):
+        self.shape, self.dtype = like.shape, like.dtype
+        self.nbytes = like.numel() * like.element_size()
+        self.pieces = [torch.empty(n, dtype=torch.uint8, pin_memory=like.is_cuda)
+                       for n in power_of_two_pieces(self.nbytes)]
+
+    def holds(self, like: torch.Tensor) -> bool:
+        return self.shape == like.shape and self.dtype == like.dtype
+
+    def parts(self, t: torch.Tensor):
+        """(piece, the bytes of contiguous t it holds) pairs."""
+        flat = t.view(-1).view(torch.uint8)
+        start = 0
+        for piece in self.pieces:
+            n = min(piece.numel(), self.nbytes - start)
+            yield piece[:n], flat[start:start + n]
+            start += n
+
+    def copy_from(self, t: torch.Tensor, non_blocking: bool = False) -> None:
+        for piece, part in self.parts(t):
+            piece.copy_(part, non_blocking=non_blocking)
+
+    def copy_into(self, t: torch.Tensor, non_blocking: bool = False) -> None:
+        for piece, part in self.parts(t):
+            part.copy_(piece, non_blocking=non_blocking)
 
 
 def is_block_input(t: torch.Tensor, x_ref: weakref.ref) -> bool:
@@ -232,29 +276,29 @@ class BlockInputOffloader:
         self.log("offload", layer, "offloaded", nbytes)
         return saved
 
-    def take_host_buffer(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+    def take_host_buffer(self, layer: int, like: torch.Tensor) -> HostBuffer:
         free = self.free_host_buffers.setdefault(layer, [])
         while free:
             buffer = free.pop()
-            if buffer.shape == like.shape and buffer.dtype == like.dtype:
+            if buffer.holds(like):
                 return buffer
-            self.host_bytes -= buffer.numel() * buffer.element_size()  # new length: let it go
+            self.host_bytes -= buffer.nbytes  # new length: let it go
         self.host_allocations += 1
         self.host_bytes += like.numel() * like.element_size()
         # Pinned (page-locked) memory: the GPU copies it directly, at full speed and without
-        # blocking the host; pageable memory would be staged and ~4x slower. (PyTorch's pinned
-        # allocator rounds each buffer up to a power of two: a 3 GiB input takes 4 GiB of host
-        # memory, while power-of-two lengths such as 512K local tokens lose nothing.)
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+        # blocking the host; pageable memory would be staged and ~4x slower. In power-of-two
+        # pieces, which the pinned allocator does not round up (see HostBuffer).
+        return HostBuffer(like)
 
-    def copy_to_host(self, x: torch.Tensor, host: torch.Tensor) -> None:
+    def copy_to_host(self, x: torch.Tensor, host: HostBuffer) -> None:
+        x = x.contiguous()  # (block inputs are; a copy would be recorded below like x)
         if not x.is_cuda:
-            host.copy_(x)
+            host.copy_from(x)
             return
         stream = self.side_stream(x.device)
         stream.wait_stream(torch.cuda.current_stream(x.device))  # x must be computed first
         with torch.cuda.stream(stream):
-            host.copy_(x, non_blocking=True)
+            host.copy_from(x, non_blocking=True)
         # The compute stream runs on. When forward drops x, its memory must not be handed to
         # another tensor before the side stream has read it.
         x.record_stream(stream)
@@ -291,7 +335,8 @@ class BlockInputOffloader:
     def start_copy_back(self, saved: SavedBlockInput) -> None:
         host = saved.host
         if saved.device.type != "cuda":
-            saved.on_device = host.clone()  # a new tensor, as on a GPU: the buffer is reused
+            saved.on_device = torch.empty(host.shape, dtype=host.dtype)  # new, as on a GPU:
+            host.copy_into(saved.on_device)                               # the buffer is reused
         else:
             compute = torch.cuda.current_stream(saved.device)
             # Allocated for the compute stream, which will use and free it. Its memory may have
@@ -300,7 +345,7 @@ class BlockInputOffloader:
             stream = self.side_stream(saved.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                saved.on_device.copy_(host, non_blocking=True)
+                host.copy_into(saved.on_device, non_blocking=True)
                 saved.copied_back = torch.cuda.Event()
                 saved.copied_back.record(stream)
         # Every copy into or out of a host buffer is on the one side stream, in order: the next

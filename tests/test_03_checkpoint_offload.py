@@ -111,7 +111,7 @@ def _repeated_steps_do_not_grow():
         assert not offloader.waiting  # every offloaded input came back and was let go
         assert offloader.host_allocations == L - 1, offloader.host_allocations  # allocated once
         assert offloader.host_bytes == (L - 1) * ROWS * SEQ // sp * ARGS.dim * 4
-        buffers.append({layer: [b.data_ptr() for b in free]
+        buffers.append({layer: [p.data_ptr() for b in free for p in b.pieces]
                         for layer, free in offloader.free_host_buffers.items()})
         live.append(_live_tensors())
     assert all(b == buffers[0] for b in buffers), buffers  # the same host memory every step
@@ -197,9 +197,27 @@ def test_planner_bytes_llama3_8b_3m_tokens_8_gpus():
     assert plain == {"gpu": 96 * 2**30, "host": 0}  # 32 layers x 3 GiB
     assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}  # the data
     pinned = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
-    assert pinned == {"gpu": 3 * 2**30, "host": 124 * 2**30}  # what the pinned allocator takes
+    assert pinned == moved  # power-of-two pieces: the pinned allocator rounds nothing up
     with pytest.raises(ValueError, match=r"sequence length \(3145728\) must be divisible .*\(7\)"):
         offload.checkpoint_memory_bytes(args, seq_len, 7, offload=True)
+
+
+def test_host_buffers_are_power_of_two_pieces_that_round_trip():
+    """The pinned allocator rounds every request up to a power of two (a 3 GiB buffer takes 4);
+    the offloader asks for the binary digits of the size instead, each reserved exactly."""
+    GiB, MiB = 2**30, 2**20
+    assert offload.power_of_two_pieces(3 * GiB) == [2 * GiB, GiB]
+    assert offload.power_of_two_pieces(int(1.5 * GiB)) == [GiB, GiB // 2]
+    assert offload.power_of_two_pieces(10 * GiB + 3 * MiB) == [8 * GiB, 2 * GiB, 2 * MiB, MiB]
+    assert offload.power_of_two_pieces(3 * MiB + 5) == [2 * MiB, 2 * MiB]  # the rest rounded up
+    assert offload.power_of_two_pieces(1000) == [1024]
+    x = torch.randn(3, 1000, 250)  # 3,000,000 bytes: 2 MiB + the rest in a 1 MiB piece
+    buffer = offload.HostBuffer(x)
+    assert [p.numel() for p in buffer.pieces] == [2 * MiB, MiB] and buffer.holds(x)
+    back = torch.empty_like(x)
+    buffer.copy_from(x)
+    buffer.copy_into(back)
+    assert torch.equal(back, x)
 
 
 def test_train_py_stack_3_runs():
@@ -234,7 +252,8 @@ def _gpu_offload_is_pinned_async_and_exact():
         _check_offload_stats(offloader.stats, SEQ)
         after_step.append(_settled_memory_allocated())
     buffers = [b for free in offloader.free_host_buffers.values() for b in free]
-    assert len(buffers) == L - 1 and all(b.is_pinned() and b.device.type == "cpu" for b in buffers)
+    assert len(buffers) == L - 1
+    assert all(p.is_pinned() and p.device.type == "cpu" for b in buffers for p in b.pieces)
     assert offloader.stream is not None
     assert offloader.stream.cuda_stream != torch.cuda.current_stream().cuda_stream  # a side stream
     assert offloader.host_allocations == L - 1
@@ -289,3 +308,17 @@ def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     assert kept[False] - kept[True] >= (args.n_layers - 1) * block_input * 0.9, kept
     # The copies never make the host wait: no synchronization beyond checkpointing's own.
     assert syncs[True] <= syncs[False], syncs
+    # Pinned pieces: exact round trip on the side of a GPU, and no rounding up of the total.
+    x = torch.randn(3, 1000, 250, device="cuda")  # 3,000,000 bytes: pieces of 2 MiB + 1 MiB
+    stats = getattr(torch.cuda, "host_memory_stats", dict)
+    before = stats().get("allocated_bytes.current")
+    buffer = offload.HostBuffer(x)
+    after = stats().get("allocated_bytes.current")
+    assert all(p.is_pinned() for p in buffer.pieces)
+    if before is not None and after is not None:  # one 3,000,000-byte request would reserve 4 MiB
+        assert after - before <= 3 * 2**20, (before, after)
+    back = torch.empty_like(x)
+    buffer.copy_from(x, non_blocking=True)
+    buffer.copy_into(back, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, x)
