@@ -651,9 +651,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         host = 0
         layer = norms["saved"] + norms["block_input"] + mlp_saved
         forward_kept = {"saved": n_layers * layer, "attention": n_layers * attention_saved}
-        last_layer_kept = {"saved": (n_layers - 1) * layer,
+        # In the running block's backward, what a tiled norm saved of its input is still there
+        # (with checkpointing that input is the checkpoint, counted above).
+        last_layer_kept = {"saved": (n_layers - 1) * layer + norms["block_input"],
                            "attention": (n_layers - 1) * attention_saved}
-        first_layer_kept = {"saved": 0, "attention": 0}
+        first_layer_kept = {"saved": norms["block_input"], "attention": 0}
 
     def backward_of(kept, model_state):
         return {"model_state": model_state, "attention": kept["attention"] + block_attention,

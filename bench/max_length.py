@@ -20,7 +20,7 @@ host memory (reported as what full depth would need) and the missing layers' ste
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
 calibrated against these benchmarks), then steps of --step up or down until the status changes,
 then bisection to --granularity tokens, within --budget-s (a trial starts only if the time the
-last one took, scaled by the square of the length, still fits). Every trial is recorded (length,
+last completed one took, scaled by the square of the length, still fits). Every trial is recorded (length,
 completed or OOM, time, peak).
 """
 
@@ -59,6 +59,7 @@ def ballast_bytes(args, layers: int, world: int) -> int:
 
 def trial(base, method: str, seq_len: int, layers: int) -> dict:
     """One optimizer step of a `layers`-deep model plus the ballast: completed or OOM."""
+    started = time.perf_counter()
     args = llama.get_model_args(base.model)
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
     rt = train.setup_runtime(cfg)
@@ -89,15 +90,18 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
     del model, optimizer, ballast
     release(rt.device)
     dist.barrier()
+    row["trial_s"] = time.perf_counter() - started  # building, the step, releasing
     return row
 
 
 def expected_seconds(trials: list, seq_len: int) -> float:
-    """A trial's time from the last completed one: attention's quadratic cost dominates."""
-    timed = [t for t in trials if t.get("step_time_s")]
+    """A trial's time from the last completed one (any method: the ALST stack is the same),
+    scaled by the length squared: attention's quadratic cost dominates."""
+    timed = [t for t in trials if t.get("status") == "completed"]
     if not timed:
         return 0.0
-    return timed[-1]["step_time_s"] * (seq_len / timed[-1]["seq_len"]) ** 2
+    last = timed[-1]
+    return last.get("trial_s", last.get("step_time_s", 0.0)) * (seq_len / last["seq_len"]) ** 2
 
 
 def search(base, method: str, start: int, granularity: int, step: float, layers: int,
@@ -108,7 +112,7 @@ def search(base, method: str, start: int, granularity: int, step: float, layers:
     rounded = lambda n: max(granularity, n // granularity * granularity)  # noqa: E731
     trials, fits, fails = [], None, None
     length = rounded(start)
-    while len(trials) < max_trials and in_budget(expected_seconds(trials, length)):
+    while len(trials) < max_trials and in_budget(length, trials):
         row = trial(base, method, length, layers)
         trials.append(row)
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -152,8 +156,11 @@ def main():
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     gpu_bytes = torch.cuda.get_device_properties(rt.device).total_memory if opts.device == "cuda" else 0
 
-    def in_budget(next_trial_s: float) -> bool:  # room for the next trial, as rank 0 sees it
-        return within_budget(started, opts.budget_s - next_trial_s, rt.device)
+    earlier_trials = []  # of the methods searched before: their times predict the next one's
+
+    def in_budget(length: int, trials: list) -> bool:  # room for the next trial, as rank 0 sees it
+        expected = expected_seconds(earlier_trials + trials, length)
+        return within_budget(started, opts.budget_s - expected, rt.device)
 
     result = {"what": "longest completed training step per method (search)", "model": opts.model,
               "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
@@ -179,8 +186,10 @@ def main():
         elif not opts.first_length:
             parser.error("--first-length is needed on CPU (the planner plans for a GPU's memory)")
         start = parse(opts.first_length) if opts.first_length else planned
-        search(base, method, start, parse(opts.granularity), opts.step, opts.layers, opts.max_trials,
-               in_budget, after_trial=partial(save, method, planned))
+        save(method, planned, None, None, [])  # listed even if the budget allows no trial
+        _, _, trials = search(base, method, start, parse(opts.granularity), opts.step, opts.layers,
+                              opts.max_trials, in_budget, after_trial=partial(save, method, planned))
+        earlier_trials += trials
     lengths = {m: r["longest_completed"] for m, r in result["methods"].items()}
     if lengths.get("ulysses") and lengths.get("untied"):
         result["untied_over_ulysses"] = lengths["untied"] / lengths["ulysses"]

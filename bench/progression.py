@@ -45,7 +45,10 @@ def run_config(label, flags, opts, tmp):
         cmd += ["--snapshot"]
     cmd += ["--", "--model", opts.model, "--seq-len", opts.seq_len, *flags]
     print(" ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout)
+    except subprocess.TimeoutExpired:  # the next configurations still run
+        return {"status": f"timeout ({opts.timeout:.0f} s)", "label": label, "flags": flags}
     path = Path(tmp, f"{name}.json")
     if path.exists():
         result = json.loads(path.read_text())

@@ -23,6 +23,7 @@ The raw snapshot can also be dumped and viewed offline: python -m torch.cuda._me
 drag the pickle into https://pytorch.org/memory_viz.
 """
 
+from functools import lru_cache
 from pathlib import Path
 
 GiB = 2**30
@@ -60,6 +61,13 @@ def step_begins_here():
     return torch.empty(1, device="cuda")
 
 
+@lru_cache(maxsize=None)
+def file_name(path: str) -> str:
+    """The last part of a frame's file path (cached: a trace repeats a few thousand paths over
+    up to millions of frames)."""
+    return path.rpartition("/")[2]
+
+
 def innermost_first(frames: list) -> list:
     """Snapshot frames run from the allocating call outwards; reverse a list that starts at the
     program's entry."""
@@ -73,13 +81,13 @@ def owner(frames: list) -> str:
     operator (a C++ frame), else the innermost frame."""
     frames = innermost_first(frames)
     for frame in frames:
-        name = Path(frame.get("filename", "")).name
+        name = file_name(frame.get("filename", ""))
         if name in REPO_FILES:
             return f"{name}:{frame.get('name')}"
     for frame in frames:
         if "at::_ops::" in frame.get("name", ""):
             return frame["name"].split("(")[0]
-    return f"{Path(frames[0].get('filename', '')).name}:{frames[0].get('name')}" if frames else "?"
+    return f"{file_name(frames[0].get('filename', ''))}:{frames[0].get('name')}" if frames else "?"
 
 
 def category(frames: list, before_first_step: bool) -> str:
@@ -87,7 +95,7 @@ def category(frames: list, before_first_step: bool) -> str:
     if before_first_step or any(mark in text for mark in MODEL_STATE_MARKS):
         return "model state"
     for frame in innermost_first(frames):
-        name = Path(frame.get("filename", "")).name
+        name = file_name(frame.get("filename", ""))
         if name in REPO_FILES:  # the innermost function of ours decides
             if name in ATTENTION_FILES or frame.get("name") in ATTENTION_FUNCTIONS:
                 return "attention"

@@ -100,15 +100,17 @@ def test_max_length_search_brackets_the_limit(monkeypatch):
         return {"seq_len": seq_len, "status": "completed" if seq_len <= 5000 else "OOM"}
 
     monkeypatch.setattr(max_length, "trial", fake_trial)
-    fits, fails, trials = max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 20, lambda seconds: True)
+    room = lambda length, trials: True  # noqa: E731
+    fits, fails, trials = max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 20, room)
     assert (fits, fails) == (4864, 5120), tried
     assert tried[0] == 4096 and len(trials) == len(tried) <= 6
-    fits, fails, _ = max_length.search(None, "ulysses", 8192, 256, 0.1, 1, 20, lambda seconds: True)
+    fits, fails, _ = max_length.search(None, "ulysses", 8192, 256, 0.1, 1, 20, room)
     assert (fits, fails) == (4864, 5120)  # from above: steps down, then bisects
     # the budget check is asked for room for the next trial: the last one's time x length ratio^2
-    assert max_length.expected_seconds([{"seq_len": 1000, "step_time_s": 10.0}], 2000) == 40.0
+    done = {"seq_len": 1000, "status": "completed", "step_time_s": 9.0, "trial_s": 10.0}
+    assert max_length.expected_seconds([done, {"seq_len": 4000, "status": "OOM"}], 2000) == 40.0
     saved = []
-    max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 2, lambda seconds: True,
+    max_length.search(None, "ulysses", 4096, 256, 0.1, 1, 2, room,
                       after_trial=lambda fits, fails, trials: saved.append(len(trials)))
     assert saved == [1, 2]  # saved after every trial
 

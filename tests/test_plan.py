@@ -360,6 +360,20 @@ def test_each_technique_acts_where_its_file_says():
     assert peaks == sorted(peaks, reverse=True), peaks
 
 
+def test_tiled_norms_without_checkpointing_keep_the_running_blocks_input():
+    """Without checkpointing, a tiled RMSNorm's saved input (the block input) is still there in
+    its own block's backward: one hidden state more than the other layers' activations."""
+    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**19, dtype="bfloat16",
+                                                fsdp=True, ulysses=True, tile_mlp=True,
+                                                tile_loss=True, tile_norm=True))
+    plan = train.plan_memory(cfg, 2)
+    hidden = 2**19 // 2 * LLAMA8B.dim * 2
+    norms = tiling.norm_temporary_bytes(LLAMA8B, 2**18, None, 2)
+    layer = norms["saved"] + norms["block_input"]  # the tiled MLP keeps only its input (a norm's output)
+    assert plan["moments"]["backward of layer 0"]["saved"] == hidden
+    assert plan["moments"]["backward of the last layer"]["saved"] == (LLAMA8B.n_layers - 1) * layer + hidden
+
+
 def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():
     longest = {}
     for stack in (1, 2, 4, 5):
