@@ -490,7 +490,9 @@ def _check_kernel(kernel, device, dtype, head_dim):
                 if not error <= tol * (1 + ref.abs().max().item()):
                     raise RuntimeError(f"{name} differs from the math kernel by {error:.3g}")
             return gqa
-        except Exception as error:  # a private op: any failure means "use the next one"
+        except torch.OutOfMemoryError:  # a full GPU says nothing about the kernel
+            raise
+        except Exception as error:  # a private op: any other failure means "use the next one"
             what = "with fewer KV heads" if gqa else "with KV heads repeated"
             warnings.warn(f"attention kernel {kernel!r} on {device}/{dtype}/head_dim {head_dim} "
                           f"failed {what}: {type(error).__name__}: {error}")
