@@ -202,10 +202,10 @@ class HostBuffer:
     """One block input's place in host memory, in power-of-two pieces (pinned on a GPU machine),
     filled and emptied with one copy per piece."""
 
-    def __init__(self, like: torch.Tensor):
-        self.shape, self.dtype = like.shape, like.dtype
-        self.nbytes = like.numel() * like.element_size()
-        self.pieces = [torch.empty(n, dtype=torch.uint8, pin_memory=like.is_cuda)
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, pinned: bool):
+        self.shape, self.dtype = torch.Size(shape), dtype
+        self.nbytes = self.shape.numel() * dtype.itemsize
+        self.pieces = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
                        for n in power_of_two_pieces(self.nbytes)]
 
     def holds(self, like: torch.Tensor) -> bool:
@@ -283,12 +283,13 @@ class BlockInputOffloader:
             if buffer.holds(like):
                 return buffer
             self.host_bytes -= buffer.nbytes  # new length: let it go
-        self.host_allocations += 1
-        self.host_bytes += like.numel() * like.element_size()
         # Pinned (page-locked) memory: the GPU copies it directly, at full speed and without
         # blocking the host; pageable memory would be staged and ~4x slower. In power-of-two
         # pieces, which the pinned allocator does not round up (see HostBuffer).
-        return HostBuffer(like)
+        buffer = HostBuffer(like.shape, like.dtype, pinned=like.is_cuda)
+        self.host_allocations += 1
+        self.host_bytes += buffer.nbytes
+        return buffer
 
     def copy_to_host(self, x: torch.Tensor, host: HostBuffer) -> None:
         x = x.contiguous()  # (block inputs are; a copy would be recorded below like x)

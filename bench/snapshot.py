@@ -12,8 +12,10 @@ what was alive then:
   - attention: allocations made inside the attention functions of model.py, 02 and 05, and
     (backward runs in autograd's C++ threads, without Python frames) by attention kernels;
   - other: everything else, listed by the innermost function of this repository that
-    allocated it (file:function), largest first: how a buffer spanning the whole local
-    sequence that need not exist is found (issue 5).
+    allocated it (file:function), largest first.
+Not every large buffer is alive at the peak, so it also lists, over the whole of the steps, each
+owner's largest single allocation: how a temporary spanning the whole local sequence that need
+not exist is found (issue 5), wherever in the step it happens.
 On out of memory the trace ends with the request that failed: its size and owner are reported
 with what was alive at that moment ("what OOMs", as the chart shows it).
 The replayed peak is recorded next to torch.cuda.max_memory_allocated as a check: they differ
@@ -107,9 +109,11 @@ def category(frames: list, before_first_step: bool) -> str:
 
 def replay(trace: list) -> dict:
     """Walk a device's trace: bytes allocated at every moment, the live set at the largest
-    one (or at the out-of-memory error, which ends the walk) and where the first step began."""
+    one (or at the out-of-memory error, which ends the walk) and where the first step began.
+    The live set is rebuilt in a second walk up to that moment (copying it at every new
+    maximum would cost the live count at each of them)."""
     live, total = {}, 0
-    peak, peak_live = 0, {}
+    peak, peak_index = 0, -1
     first_step = None
     oom = None
     largest_in_steps = {}  # owner -> (largest single allocation, its frames, allocations)
@@ -125,18 +129,24 @@ def replay(trace: list) -> dict:
                 if event["size"] > largest:
                     largest, where = event["size"], frames
                 largest_in_steps[who] = (largest, where, count + 1)
-            live[event["addr"]] = (event["size"], frames, index)
+            live[event["addr"]] = event["size"]
             total += event["size"]
             if total > peak:
-                peak, peak_live = total, dict(live)
+                peak, peak_index = total, index
         elif action == "free_requested" and event["addr"] in live:  # when the stat drops
-            total -= live.pop(event["addr"])[0]
+            total -= live.pop(event["addr"])
         elif action == "oom":
             oom = {"requested_bytes": event["size"], "owner": owner(event.get("frames", [])),
                    "allocated_bytes": total}
-            peak, peak_live = total, dict(live)
+            peak, peak_index = total, index
             break
-    return {"peak_bytes": peak, "live": list(peak_live.values()), "first_step_index": first_step,
+    at_peak = {}
+    for index, event in enumerate(trace[:peak_index + 1]):
+        if event.get("action") == "alloc":
+            at_peak[event["addr"]] = (event["size"], event.get("frames", []), index)
+        elif event.get("action") == "free_requested":
+            at_peak.pop(event["addr"], None)
+    return {"peak_bytes": peak, "live": list(at_peak.values()), "first_step_index": first_step,
             "oom": oom, "largest_in_steps": largest_in_steps}
 
 

@@ -60,6 +60,7 @@ from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
+offload = importlib.import_module("03_checkpoint_offload")
 GiB = 2**30
 H200_BF16_PEAK = 989e12
 
@@ -77,13 +78,14 @@ def method_config(base: train.Config, method: str, model_name: str, seq_len: int
 
 
 def warm_pinned_cache(cfg: train.Config, rt) -> None:
-    """Allocate and free the pinned buffers this row's offload will ask for, so PyTorch's host
-    cache holds them and no row's timed step pays for pinning memory (~1 s for 4 GiB)."""
+    """Allocate and free the pinned buffers this row's offload will ask for (03's own
+    HostBuffer, the same pieces), so PyTorch's host cache holds them and no row's timed step
+    pays for pinning memory (~1 s for 4 GiB)."""
     if not (cfg.offload and rt.device.type == "cuda"):
         return
     args = llama.get_model_args(cfg.model)
-    block_input = cfg.seq_len // rt.sp * args.dim * getattr(torch, cfg.dtype).itemsize
-    buffers = [torch.empty(block_input, dtype=torch.uint8, pin_memory=True)
+    block_input = (cfg.batch_size, cfg.seq_len // rt.sp, args.dim)
+    buffers = [offload.HostBuffer(block_input, getattr(torch, cfg.dtype), pinned=True)
                for _ in range(args.n_layers - 1)]
     del buffers
 

@@ -212,7 +212,7 @@ def test_host_buffers_are_power_of_two_pieces_that_round_trip():
     assert offload.power_of_two_pieces(3 * MiB + 5) == [2 * MiB, 2 * MiB]  # the rest rounded up
     assert offload.power_of_two_pieces(1000) == [1024]
     x = torch.randn(3, 1000, 250)  # 3,000,000 bytes: 2 MiB + the rest in a 1 MiB piece
-    buffer = offload.HostBuffer(x)
+    buffer = offload.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
     assert [p.numel() for p in buffer.pieces] == [2 * MiB, MiB] and buffer.holds(x)
     back = torch.empty_like(x)
     buffer.copy_from(x)
@@ -312,7 +312,7 @@ def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     x = torch.randn(3, 1000, 250, device="cuda")  # 3,000,000 bytes: pieces of 2 MiB + 1 MiB
     stats = getattr(torch.cuda, "host_memory_stats", dict)
     before = stats().get("allocated_bytes.current")
-    buffer = offload.HostBuffer(x)
+    buffer = offload.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
     after = stats().get("allocated_bytes.current")
     assert all(p.is_pinned() for p in buffer.pieces)
     if before is not None and after is not None:  # one 3,000,000-byte request would reserve 4 MiB
