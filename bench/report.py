@@ -106,3 +106,49 @@ def peak_and_times(run, device, repeats: int) -> dict:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return {"peak_gib": peak, "time_s": statistics.median(times) if times else None}
+
+
+def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
+    """Run fn once under torch.profiler: where the time goes.
+
+    profile_top_ops: the ops with the most own device time (CPU time on a CPU run), in ms, with
+    their call counts. On a GPU also the span from the first kernel's start to the last one's
+    end and how much of it the compute kernels (all but NCCL's) left the GPU idle: launch gaps
+    and waits on communication that no op's own time shows. trace_path: also write the Chrome
+    trace there (open it in chrome://tracing or Perfetto).
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with torch_profile(activities=activities) as prof:
+        fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    def own_time(event):  # microseconds; the attribute's name changed across torch versions
+        if not on_gpu:
+            return event.self_cpu_time_total
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+
+    events = sorted(prof.key_averages(), key=own_time, reverse=True)[:top]
+    result = {"profile_top_ops": [{"op": e.key, "own_ms": own_time(e) / 1e3, "calls": e.count}
+                                  for e in events]}
+    if on_gpu:
+        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        compute = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
+        if compute:
+            busy, covered_to = 0.0, compute[0][0]
+            for start, end in compute:  # the union of the compute kernels' intervals
+                if end > covered_to:
+                    busy += end - max(start, covered_to)
+                    covered_to = end
+            span = max(end for _, end, _ in kernels) - min(start for start, _, _ in kernels)
+            result.update(profile_span_ms=span / 1e3, profile_compute_busy_ms=busy / 1e3,
+                          profile_compute_idle_ms=(span - busy) / 1e3,
+                          profile_kernels=len(kernels))
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return result

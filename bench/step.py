@@ -8,7 +8,9 @@ built (sharded fp32 parameters), after backward (+ gradients), after the first o
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
 kernel. `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
 what was alive at the peak (model state / attention / other, and the largest owners), read from
-PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
+PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot. `--profile` runs one more step under
+torch.profiler: the ops with the most device time and the GPU's idle time between compute
+kernels (`--trace FILE` also writes rank 0's Chrome trace).
 """
 
 import argparse
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 import snapshot  # noqa: E402
-from report import write_result  # noqa: E402
+from report import profile, write_result  # noqa: E402
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -48,6 +50,8 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--snapshot", action="store_true", help="attribute the peak (memory snapshot)")
     parser.add_argument("--snapshot-file", default=None, help="also dump rank 0's raw snapshot here")
+    parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
+    parser.add_argument("--trace", default=None, help="with --profile: rank 0's Chrome trace file")
     opts, train_argv = parser.parse_known_args()
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
@@ -91,6 +95,14 @@ def main():
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
                       losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
+        if opts.profile:
+            def one_step():
+                train.forward_backward(model, data.batch(opts.steps), rt)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            trace = opts.trace if rt.rank == 0 else None
+            result["profile"] = profile(one_step, top=25, trace_path=trace)
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:

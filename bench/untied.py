@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import write_result  # noqa: E402
+from report import profile, write_result  # noqa: E402
 
 ulysses = importlib.import_module("02_ulysses")
 untied = importlib.import_module("05_untied_ulysses")
@@ -84,27 +84,6 @@ def measure(attend, x, rope, grad_out, attn, repeats: int) -> dict:
         time_ms = first_ms
     return {"peak_above_input_gib": peak, "time_ms": time_ms, "first_run_ms": first_ms,
             "timed_runs": repeats or 1}, last["out"]
-
-
-def profile_top_ops(fn, top: int = 15) -> list:
-    """Run fn once under torch.profiler: the ops with the most own device time (CPU time on a
-    CPU run), in ms, with their call counts: where a configuration's extra time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
-        fn()
-        if on_gpu:
-            torch.cuda.synchronize()
-
-    def own_time(event):  # microseconds; the attribute's name changed across torch versions
-        if not on_gpu:
-            return event.self_cpu_time_total
-        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-
-    events = sorted(prof.key_averages(), key=own_time, reverse=True)[:top]
-    return [{"op": e.key, "own_ms": own_time(e) / 1e3, "calls": e.count} for e in events]
 
 
 def fmt(value, spec: str) -> str:
@@ -179,8 +158,7 @@ def main():
                     row["max_rel_diff_grad_x"] = max_relative_difference(x.grad, reference[1])
                 del out
                 if opts.profile:
-                    row["profile_top_ops"] = profile_top_ops(
-                        lambda: run_once(attend, x, rope, grad_out, attn))
+                    row.update(profile(lambda: run_once(attend, x, rope, grad_out, attn)))
             except torch.OutOfMemoryError as error:  # (both ranks fail alike: same shapes)
                 row.update(peak_above_input_gib=None, time_ms=None, oom=str(error).splitlines()[0])
             x.grad = None
