@@ -389,12 +389,11 @@ def _aten_backward(kernel, grad_out, q, k, v, out, lse):
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
-def _to_kernel_layout(kernel, t):
-    """(B, S, heads, D) -> (B, heads, S, D). cuDNN gets a contiguous tensor in that layout
-    (peers saw wrong results from the raw op on transposed views); with one head per stage it
-    is the same memory, so at U = P this costs nothing. The others take transposed views."""
-    t = t.transpose(1, 2)
-    return t.contiguous() if kernel == "cudnn" else t
+def _to_kernel_layout(t):
+    """(B, S, heads, D) -> (B, heads, S, D) as a view, no copy: the kernels read strided
+    tensors, as they do when SDPA hands them Ulysses' transposed q, k, v. (A contiguous copy
+    per tensor, made here until we measured it, cost ~1% of a 128K step at 16 heads a stage.)"""
+    return t.transpose(1, 2)
 
 
 def attention_forward_lse(q, k, v, kernel: str | None = None):
@@ -405,7 +404,7 @@ def attention_forward_lse(q, k, v, kernel: str | None = None):
     if not native_gqa and k.shape[2] != q.shape[2]:
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    out, lse = _aten_forward(kernel, *(_to_kernel_layout(kernel, t) for t in (q, k, v)))
+    out, lse = _aten_forward(kernel, *(_to_kernel_layout(t) for t in (q, k, v)))
     return out.transpose(1, 2), lse
 
 
@@ -419,7 +418,7 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
     if not native_gqa and group > 1:
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
-    args = (_to_kernel_layout(kernel, t.contiguous()) for t in (grad_out, q, k, v, out))
+    args = (_to_kernel_layout(t.contiguous()) for t in (grad_out, q, k, v, out))
     dq, dk, dv = (t.transpose(1, 2) for t in _aten_backward(kernel, *args, lse))
     if not native_gqa and group > 1:  # the copies of a KV head add up
         dk, dv = (t.unflatten(2, (n_kv_heads, group)).sum(3) for t in (dk, dv))
@@ -478,9 +477,9 @@ def _check_kernel(kernel, device, dtype, head_dim):
         try:
             kk, vv = (k, v) if gqa else (k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
             args = [t.to(device, dtype) for t in (q, kk, vv)]
-            out, lse = _aten_forward(kernel, *(_to_kernel_layout(kernel, t) for t in args))
+            out, lse = _aten_forward(kernel, *(_to_kernel_layout(t) for t in args))
             out = out.transpose(1, 2)
-            grads = _aten_backward(kernel, *(_to_kernel_layout(kernel, t.contiguous()) for t in
+            grads = _aten_backward(kernel, *(_to_kernel_layout(t.contiguous()) for t in
                                              (grad_out.to(device, dtype), *args, out)), lse)
             dq, dk, dv = (t.transpose(1, 2).float().cpu() for t in grads)
             if not gqa:
@@ -512,9 +511,7 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     q/k/v weight gradients, and at one stage's attention kernel, with q_s = U heads x local
     tokens and kv_s = its KV heads:
       its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
-        layout (3 q_s); contiguous (B, heads, S, D) copies of these for cuDNN when a rank has
-        several heads in the stage (3 q_s, and 2 kv_s with several KV heads); dq, dk, dv
-        (q_s + 2 kv_s); the kernel's workspace (02); and when a KV group spans several stages,
+        layout (3 q_s); dq, dk, dv (q_s + 2 kv_s); the kernel's workspace (02); and when a KV group spans several stages,
         its K/V gradients summed over them (2 kv_s).
     Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1). Measured on 2 H200s at
     512K tokens within 0.3% for U = 2, 4, 8, 16 (docs/calibration.md).
@@ -537,10 +534,6 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     gradients = (local_tokens * args.dim * b
                  + (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.dim * b)
     stage = 2 * kv_stage + 3 * q_stage + q_stage + 2 * kv_stage
-    if heads_per_stage > 1:
-        stage += 3 * q_stage
-    if kv_heads > 1:
-        stage += 2 * kv_stage
     if stages_per_kv > 1:
         stage += 2 * kv_stage
     stage += ulysses.attention_kernel_workspace_bytes(seq_len, heads_per_stage, kv_heads,

@@ -63,6 +63,8 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
     args = llama.get_model_args(base.model)
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
     rt = train.setup_runtime(cfg)
+    if cfg.untied and cfg.head_chunk is None:
+        cfg.head_chunk = rt.sp  # U = P, the least memory: what this search is about
     row = {"method": method, "seq_len": seq_len}
     model = optimizer = ballast = None
     try:

@@ -30,7 +30,7 @@ CONFIGS = [  # (label, train.py flags); "none" is one process: without FSDP noth
     ("+checkpointing", ["--stack", "2", "--checkpoint"]),
     ("+offload", ["--stack", "3"]),
     ("+tiling (ALST)", ["--stack", "4"]),
-    ("+Untied Ulysses", ["--stack", "5"]),
+    ("+Untied Ulysses", ["--stack", "5", "--head-chunk", "P"]),  # U = P: the least memory
 ]
 
 
@@ -43,6 +43,7 @@ def run_config(label, flags, opts, tmp):
         cmd += ["--layers", str(opts.layers)]
     if opts.snapshot:
         cmd += ["--snapshot"]
+    flags = [str(gpus) if flag == "P" else flag for flag in flags]
     cmd += ["--", "--model", opts.model, "--seq-len", opts.seq_len, *flags]
     print(" ".join(cmd), flush=True)
     try:

@@ -20,7 +20,8 @@ Rows (each GPU's tokens per step: S / GPUs, except no context parallelism, where
 its own sequence of S tokens):
   none      no context parallelism: FSDP over the GPUs, each GPU attends over its whole sequence;
   ring      torch.distributed.tensor.experimental.context_parallel (load-balanced ring, SDPA);
-  ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default P).
+  ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default: what
+            train.py chooses, the fewest stages whose planned step fits the GPU).
 Step = forward + backward + AdamW step; time = the last of --steps (the first warms up kernels,
 the allocator and the offload buffers), single step above --single-step-above.
 
@@ -182,6 +183,9 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
     for method, seq_len in keys:
         by_depth = {r["layers"]: r for r in rows if (r["method"], r["seq_len"]) == (method, seq_len)}
         entry = {"method": method, "seq_len": seq_len}
+        chunks = {r["head_chunk"] for r in by_depth.values() if r.get("head_chunk")}
+        if chunks:
+            entry["head_chunk"] = chunks.pop() if len(chunks) == 1 else sorted(chunks)
         one, two, full = by_depth.get(1), by_depth.get(2), by_depth.get(args.n_layers)
         statuses = {r["status"] for r in by_depth.values()}
         if full and full["status"] == "ok":
@@ -315,6 +319,8 @@ def main():
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(method.partition(":")[0], cfg, steps, opts.ring_gqa), steps=steps)
+        if cfg.untied:  # train.py filled it in when the method named none
+            row["head_chunk"] = cfg.head_chunk
         result["rows"].append(row)
         if rt.rank == 0:
             print({k: v for k, v in row.items() if k != "step_times_s"}, flush=True)
@@ -329,7 +335,8 @@ def main():
             if e["status"] != "ok":
                 print(f"{e['seq_len']:>8} {e['method']:>10} {e['status']:>9}")
                 continue
-            print(f"{e['seq_len']:>8} {e['method']:>10} {e['step_time_s']:>9.2f} "
+            label = e["method"] + (f" U={e['head_chunk']}" if ":" not in e["method"] and "head_chunk" in e else "")
+            print(f"{e['seq_len']:>8} {label:>10} {e['step_time_s']:>9.2f} "
                   f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
                   f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
         print(f"wrote {out_dir / (name + '.json')}")

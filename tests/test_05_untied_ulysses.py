@@ -374,7 +374,7 @@ def test_private_op_calls_fit_this_torch(kernel):
     GPU needed): output and lse shapes, and gradients shaped like q, k, v with fewer KV heads."""
     q = torch.empty(1, 64, 4, 128, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 64, 2, 128, device="meta", dtype=torch.bfloat16)
-    args = [untied._to_kernel_layout(kernel, t) for t in (q, k, k)]
+    args = [untied._to_kernel_layout(t) for t in (q, k, k)]
     out, lse = untied._aten_forward(kernel, *args)
     assert out.shape == (1, 4, 64, 128) and lse.dtype == torch.float32
     assert lse.shape[:3] == (1, 4, 64) and lse.numel() == 4 * 64

@@ -386,6 +386,22 @@ def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():
     assert longest[4] > 2 * 2**20 and longest[5] > 2.5 * 2**20  # millions with the full stack
 
 
+def test_untied_default_runs_the_fewest_stages_that_fit():
+    """Without --head-chunk, training on a GPU runs Untied Ulysses in as few stages as fit:
+    one stage (U = H) where memory is plentiful, U = P (the least memory) near the longest
+    length that fits, and in between a U whose plan leaves a tenth of the GPU spare."""
+    gpu = 141 * GiB
+    choose = lambda length: train.fewest_stages_that_fit(_cfg(5, length), 2, gpu)  # noqa: E731
+    assert choose(2**17) == LLAMA8B.n_heads
+    longest, _ = train.plan_longest_seq_len(_cfg(5, 1024), 2, gpu, 2**50)
+    assert choose(longest) == 2
+    middle = choose(2**21)
+    assert 2 < middle < LLAMA8B.n_heads
+    plan = train.plan_memory(_cfg(5, 2**21, head_chunk=middle), 2)
+    assert plan["peak"] <= 0.9 * (gpu - train.PLAN_GPU_RESERVE)
+    assert train.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)["peak"] > 0.9 * (gpu - train.PLAN_GPU_RESERVE)
+
+
 def test_host_memory_limits_offload():
     """Offloaded checkpoints live in the node's host memory, shared by its GPUs, in power-of-two
     pieces the pinned allocator reserves exactly."""
