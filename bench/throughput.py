@@ -22,8 +22,11 @@ its own sequence of S tokens):
   ring      torch.distributed.tensor.experimental.context_parallel (load-balanced ring, SDPA);
   ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default: what
             train.py chooses, the fewest stages whose planned step fits the GPU).
-Step = forward + backward + AdamW step; time = the last of --steps (the first warms up kernels,
-the allocator and the offload buffers), single step above --single-step-above.
+Step = forward + backward + AdamW step; time = the median of --steps after the first (which warms
+up kernels, the allocator and the offload buffers), single step above --single-step-above. A 1-
+and 2-layer pair measures a layer as their difference, so a step's run-to-run noise (~1%) counts
+twice in it: compare methods within a few percent at full depth (--validate; `--seq-lens` with
+no lengths runs only those rows).
 
 FLOPs (per step, all GPUs), what MFU and the bound count: per layer, causal attention forward
 2 S^2 d (d = heads x head dim), backward 2.5x forward, checkpoint recompute one more forward;
@@ -44,6 +47,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import statistics
 import sys
 import time
 from functools import partial
@@ -122,7 +126,7 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
             times.append(time.perf_counter() - start)
             if rt.device.type == "cuda":
                 peaks.append(torch.cuda.max_memory_allocated() / GiB)
-        row = {"status": "ok", "step_times_s": times, "step_time_s": times[-1],
+        row = {"status": "ok", "step_times_s": times, "step_time_s": statistics.median(times[1:] or times),
                "peak_gib": peaks[-1] if peaks else None, "loss": float(loss)}
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row = {"status": "OOM", "error": str(error).split("\n")[0]}
@@ -256,11 +260,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seq-lens", nargs="+", default=["128K", "256K", "512K", "1M"])
+    parser.add_argument("--seq-lens", nargs="*", default=["128K", "256K", "512K", "1M"])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied", "ring", "none"],
                         help="none, ring, ulysses, untied or untied:U")
     parser.add_argument("--no-cp-up-to", default="256K", help="skip 'none' above this length")
-    parser.add_argument("--steps", type=int, default=2, help="steps per row; the last is timed")
+    parser.add_argument("--steps", type=int, default=2, help="steps per row; those after the first are timed")
     parser.add_argument("--single-step-above", default="512K")
     parser.add_argument("--validate", nargs="*", default=[], help="METHOD:LENGTH rows to also run at full depth")
     parser.add_argument("--ring-gqa", choices=["native", "repeat"], default="native")
