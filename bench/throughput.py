@@ -237,7 +237,10 @@ def plot(tables: list[list[dict]], path: Path, title: str) -> None:
     for table in tables:
         for e in table:
             if e.get("status") == "ok":
-                ours.setdefault(e["method"], {})[e["seq_len"]] = e["tokens_per_s_per_gpu"]
+                name, _, chunk = e["method"].partition(":")
+                if name == "untied":  # one line per head chunk
+                    name += f" U={chunk or e.get('head_chunk') or 'P'}"
+                ours.setdefault(name, {})[e["seq_len"]] = e["tokens_per_s_per_gpu"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, points, style in ([(f"ours: {m}", p, "-o") for m, p in sorted(ours.items())]
                                  + [(m, p, "--") for m, p in PAPER_8XH100.items()]):
@@ -275,7 +278,12 @@ def main():
                         help="no run: draw these results (merged) into a PNG next to the first")
     opts = parser.parse_args()
     if opts.plot:
-        tables = [json.loads(Path(f).read_text())["table"] for f in opts.plot]
+        tables = []
+        for f in opts.plot:
+            saved = json.loads(Path(f).read_text())
+            for e in saved["table"]:  # runs before rows recorded U ran 05's default then, U = P
+                e.setdefault("head_chunk", saved["world_size"])
+            tables.append(saved["table"])
         first = json.loads(Path(opts.plot[0]).read_text())
         plot(tables, Path(opts.plot[0]).with_suffix(".png"),
              f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
