@@ -107,7 +107,8 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--mlp-tile-tokens", type=int, default=None)
     parser.add_argument("--loss-tile-tokens", type=int, default=None)
     parser.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
-    parser.add_argument("--head-chunk", type=int, default=None, help="05: query heads per stage (U)")
+    parser.add_argument("--head-chunk", type=int, default=None, help="05: query heads per stage (U); default: on a GPU the fewest stages whose "
+                             "planned step fits, else the sequence-parallel degree (least memory)")
     parser.add_argument("--save-dir", default=None, help="write sharded checkpoints here")
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")

@@ -65,7 +65,7 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
     rt = train.setup_runtime(cfg)
     if cfg.untied and cfg.head_chunk is None:
         cfg.head_chunk = rt.sp  # U = P, the least memory: what this search is about
-    row = {"method": method, "seq_len": seq_len}
+    row = {"method": method, "seq_len": seq_len, "head_chunk": cfg.head_chunk}
     model = optimizer = ballast = None
     try:
         nbytes = ballast_bytes(args, layers, rt.world)

@@ -138,6 +138,7 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     if on_gpu:
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA]
+        result["profile_kernel_classes_ms"] = kernel_classes((name, end - start) for start, end, name in kernels)
         compute = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
         if compute:
             busy, covered_to = 0.0, compute[0][0]
@@ -152,3 +153,26 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     if trace_path:
         prof.export_chrome_trace(trace_path)
     return result
+
+
+KERNEL_CLASSES = [  # (class, substrings of a kernel's name), the first match wins
+    ("attention forward", ("fprop", "flash_fwd", "fmha_fwd")),
+    ("attention backward", ("bprop", "flash_bwd", "fmha_bwd", "fmha_reduce")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "splitkreduce")),
+    ("communication (nccl)", ("nccl",)),
+    ("copies", ("copy", "memcpy", "catarray", "chunk_cat")),
+]
+
+
+def kernel_classes(kernels) -> dict:
+    """Device milliseconds per kind of kernel from (name, microseconds) pairs: where two
+    configurations' step times differ. Also fed from a saved Chrome trace's kernel events."""
+    totals = {name: 0.0 for name, _ in KERNEL_CLASSES} | {"other (elementwise, reductions)": 0.0}
+    calls = dict.fromkeys(totals, 0)
+    for name, microseconds in kernels:
+        lowered = name.lower()
+        kind = next((k for k, keys in KERNEL_CLASSES if any(key in lowered for key in keys)),
+                    "other (elementwise, reductions)")
+        totals[kind] += microseconds / 1e3
+        calls[kind] += 1
+    return {kind: {"ms": round(totals[kind], 3), "calls": calls[kind]} for kind in totals}
