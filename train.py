@@ -107,8 +107,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--mlp-tile-tokens", type=int, default=None)
     parser.add_argument("--loss-tile-tokens", type=int, default=None)
     parser.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
-    parser.add_argument("--head-chunk", type=int, default=None, help="05: query heads per stage (U); default: on a GPU the fewest stages whose "
-                             "planned step fits, else the sequence-parallel degree (least memory)")
+    parser.add_argument("--head-chunk", type=int, default=None,
+                        help="05: query heads per stage (U); default: on a GPU the fewest stages "
+                             "whose planned step fits, else the sp degree (least memory)")
     parser.add_argument("--save-dir", default=None, help="write sharded checkpoints here")
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")
@@ -231,6 +232,8 @@ def check_layout(cfg: Config, world_size: int, args) -> tuple:
 # ---------------------------------------------------------------------------------------------
 
 def build_model(cfg: Config, rt: Runtime):
+    """The model of `cfg` with its techniques applied, sharded and on the device. With --untied
+    and no --head-chunk on a GPU it also fills in cfg.head_chunk (`fewest_stages_that_fit`)."""
     args = llama.get_model_args(cfg.model)
     dtype = getattr(torch, cfg.dtype)
 
@@ -238,9 +241,8 @@ def build_model(cfg: Config, rt: Runtime):
         if cfg.ulysses:
             ulysses.apply_ulysses(model, rt.sp_group)
         if cfg.untied:
-            if cfg.head_chunk is None and rt.device.type == "cuda":  # recorded in cfg
-                gpu_mem = torch.cuda.get_device_properties(rt.device).total_memory
-                cfg.head_chunk = fewest_stages_that_fit(cfg, rt.world, gpu_mem)
+            if cfg.head_chunk is None and rt.device.type == "cuda":  # the choice is kept in cfg
+                cfg.head_chunk = fewest_stages_that_fit(cfg, rt.world, smallest_gpu_memory(rt))
             untied.apply_untied_ulysses(model, rt.sp_group, cfg.head_chunk)
         if cfg.tile_mlp or cfg.tile_loss or cfg.tile_norm:
             tiling.apply_tiling(model, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
@@ -683,13 +685,25 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
 
 
+def smallest_gpu_memory(rt: Runtime) -> int:
+    """The smallest GPU's memory over all ranks: choices made from it are the same on every rank
+    (a head chunk that differed between ranks would mismatch the all-to-alls)."""
+    memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory], device=rt.device)
+    if dist.is_initialized():
+        dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    return int(memory.item())
+
+
 def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int) -> int:
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
     U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
     Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges: at 128K
     tokens one stage is ~5% faster than U = P, docs/results/throughput_llama3-8b_2gpu_chunks.json);
     the memory that U = P saves matters only near the longest length that fits, and there
-    only U = P fits. The tenth kept spare covers the planner's error (within 4%, calibration)."""
+    only U = P fits. The tenth kept spare covers the planner's error (within 4%, calibration).
+    One stage holds more memory than Ulysses (its backward keeps the output and the input-
+    gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
+    passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
     args = llama.get_model_args(cfg.model)
     sp, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
     for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):

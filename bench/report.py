@@ -112,10 +112,11 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     """Run fn once under torch.profiler: where the time goes.
 
     profile_top_ops: the ops with the most own device time (CPU time on a CPU run), in ms, with
-    their call counts. On a GPU also the span from the first kernel's start to the last one's
-    end and how much of it the compute kernels (all but NCCL's) left the GPU idle: launch gaps
-    and waits on communication that no op's own time shows. trace_path: also write the Chrome
-    trace there (open it in chrome://tracing or Perfetto).
+    their call counts. On a GPU also device time per kind of kernel (`kernel_classes`), the
+    span from the first kernel's start to the last one's end, and how much of it the compute
+    kernels (all but NCCL's and the copy engines') left the GPU idle: launch gaps and waits on
+    communication that no op's own time shows. trace_path: also write the Chrome trace there
+    (open it in chrome://tracing or Perfetto).
     """
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -139,7 +140,9 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA]
         result["profile_kernel_classes_ms"] = kernel_classes((name, end - start) for start, end, name in kernels)
-        compute = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
+        # Compute: neither communication nor the copy engines' transfers (offload, memset).
+        compute = sorted((start, end) for start, end, name in kernels
+                         if not any(key in name.lower() for key in ("nccl", "memcpy", "memset")))
         if compute:
             busy, covered_to = 0.0, compute[0][0]
             for start, end in compute:  # the union of the compute kernels' intervals
@@ -156,8 +159,9 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
 
 
 KERNEL_CLASSES = [  # (class, substrings of a kernel's name), the first match wins
-    ("attention forward", ("fprop", "flash_fwd", "fmha_fwd")),
-    ("attention backward", ("bprop", "flash_bwd", "fmha_bwd", "fmha_reduce")),
+    ("attention forward", ("fprop", "flash_fwd", "flashattnfwd", "fmha_fwd", "fmha_cutlassf")),
+    ("attention backward", ("bprop", "flash_bwd", "flashattnbwd", "fmha_bwd", "fmha_cutlassb",
+                            "fmha_reduce")),
     ("matmul", ("nvjet", "gemm", "cutlass", "splitkreduce")),
     ("communication (nccl)", ("nccl",)),
     ("copies", ("copy", "memcpy", "catarray", "chunk_cat")),

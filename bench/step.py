@@ -9,8 +9,8 @@ which warms up kernels and allocates the optimizer state); tokens/s per GPU; the
 kernel. `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
 what was alive at the peak (model state / attention / other, and the largest owners), read from
 PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot. `--profile` runs one more step under
-torch.profiler: the ops with the most device time and the GPU's idle time between compute
-kernels (`--trace FILE` also writes rank 0's Chrome trace).
+torch.profiler: the ops with the most device time, device time per kind of kernel and the
+GPU's idle time between compute kernels (`--trace FILE`: rank 0's Chrome trace too).
 """
 
 import argparse
@@ -95,16 +95,18 @@ def main():
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
                       losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
-        if opts.profile:
-            def one_step():
-                train.forward_backward(model, data.batch(opts.steps), rt)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            trace = opts.trace if rt.rank == 0 else None
-            result["profile"] = profile(one_step, top=25, trace_path=trace)
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
+    if opts.profile and result.get("status") == "ok":
+        def one_step():
+            train.forward_backward(model, data.batch(opts.steps), rt)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        try:  # the profiler's own memory must not turn the measured steps into a failure
+            result["profile"] = profile(one_step, top=25, trace_path=opts.trace if rt.rank == 0 else None)
+        except torch.OutOfMemoryError as error:
+            result["profile"] = {"status": "OOM", "error": str(error).split("\n")[0]}
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:
         started = time.perf_counter()
         taken = torch.cuda.memory._snapshot()

@@ -21,7 +21,8 @@ its own sequence of S tokens):
   none      no context parallelism: FSDP over the GPUs, each GPU attends over its whole sequence;
   ring      torch.distributed.tensor.experimental.context_parallel (load-balanced ring, SDPA);
   ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default: what
-            train.py chooses, the fewest stages whose planned step fits the GPU).
+            train.py chooses for the full-depth model: the fewest stages whose planned
+            step fits the GPU).
 Step = forward + backward + AdamW step; time = the median of --steps after the first (which warms
 up kernels, the allocator and the offload buffers), single step above --single-step-above. A 1-
 and 2-layer pair measures a layer as their difference, so a step's run-to-run noise (~1%) counts
@@ -96,7 +97,8 @@ def warm_pinned_cache(cfg: train.Config, rt) -> None:
 
 
 def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dict:
-    """Build the model for `cfg` and time `steps` optimizer steps; the last one counts."""
+    """Build the model for `cfg` and time `steps` optimizer steps: the median of those after
+    the first counts."""
     rt = train.setup_runtime(cfg)
     vocab = llama.get_model_args(cfg.model).vocab_size
     # Ring and sequence parallelism: one sequence shared by all ranks; none: one per rank.
@@ -329,9 +331,13 @@ def main():
             result["rows"].append({**row, "status": "skipped (time budget)"})
             continue
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
+        if cfg.untied and cfg.head_chunk is None and opts.device == "cuda":
+            # What train.py would choose for the full-depth model, not for the shallow one.
+            cfg.head_chunk = train.fewest_stages_that_fit(dataclasses.replace(cfg, model=opts.model),
+                                                          rt.world, train.smallest_gpu_memory(rt))
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(method.partition(":")[0], cfg, steps, opts.ring_gqa), steps=steps)
-        if cfg.untied:  # train.py filled it in when the method named none
+        if cfg.untied:
             row["head_chunk"] = cfg.head_chunk
         result["rows"].append(row)
         if rt.rank == 0:
@@ -341,14 +347,14 @@ def main():
 
     if rt.rank == 0:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"\n{'tokens':>8} {'method':>10} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6} "
+        print(f"\n{'tokens':>8} {'method':>12} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6} "
               f"{'bound s':>8} {'/bound':>7}  how")
         for e in result["table"]:
             if e["status"] != "ok":
-                print(f"{e['seq_len']:>8} {e['method']:>10} {e['status']:>9}")
+                print(f"{e['seq_len']:>8} {e['method']:>12} {e['status']:>9}")
                 continue
             label = e["method"] + (f" U={e['head_chunk']}" if ":" not in e["method"] and "head_chunk" in e else "")
-            print(f"{e['seq_len']:>8} {label:>10} {e['step_time_s']:>9.2f} "
+            print(f"{e['seq_len']:>8} {label:>12} {e['step_time_s']:>9.2f} "
                   f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
                   f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
         print(f"wrote {out_dir / (name + '.json')}")
