@@ -15,11 +15,11 @@ its slice of ONE output buffer; the next stage reuses the same (small) memory. K
 from Q: with grouped-query attention several consecutive stages use the same KV head, so K/V are
 projected and exchanged once per KV group and reused. Backward keeps only the input, the output
 and each stage's log-sum-exp, and walks the stages again: it recomputes the stage's projections
-(cheap matmuls; rotary needs no recompute, its gradient is the inverse rotation), exchanges the output and its gradient to the head layout and runs the attention
-backward kernel with the saved log-sum-exp - its backward never re-runs the attention forward
-(with 03's checkpointing the block's recompute still runs it once more, as for any attention;
-keeping the output through selective checkpointing would remove that too). At U = P a
-stage holds one head per rank: for the example above 0.75 GiB per tensor instead of 3.0, and the
+(cheap matmuls; rotary needs no recompute, its gradient is the inverse rotation), exchanges the
+output and its gradient to the head layout and runs the attention backward kernel with the
+saved log-sum-exp - its backward never re-runs the attention forward (with 03's checkpointing
+the block's recompute still runs it once more, as for any attention; keeping the output through
+selective checkpointing would remove that too). At U = P a stage holds one head per rank: for the example above 0.75 GiB per tensor instead of 3.0, and the
 chart's attention activations go from 33.0 to 19.5 GiB, enough to reach 5M tokens.
 
 Heads keep the standard order of the checkpoint weights and of the output (rank r ends up with

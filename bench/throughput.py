@@ -218,6 +218,15 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
     return table
 
 
+def method_label(entry: dict) -> str:
+    """A table entry's method, with Untied's head chunk (from `untied:U`, else the one train.py
+    chose, recorded in the entry)."""
+    name, _, chunk = entry["method"].partition(":")
+    if name != "untied":
+        return entry["method"]
+    return f"untied U={chunk or entry.get('head_chunk') or 'P'}"
+
+
 PAPER_8XH100 = {  # tokens/s per GPU, Llama3-8B, 8 x H100 (Untied Ulysses paper's table)
     "paper: Ulysses": {131072: 2320, 262144: 1504, 524288: 879, 1048576: 475},
     "paper: UPipe (Untied)": {131072: 2281, 262144: 1487, 524288: 867, 1048576: 473},
@@ -238,11 +247,8 @@ def plot(tables: list[list[dict]], path: Path, title: str) -> None:
     ours = {}
     for table in tables:
         for e in table:
-            if e.get("status") == "ok":
-                name, _, chunk = e["method"].partition(":")
-                if name == "untied":  # one line per head chunk
-                    name += f" U={chunk or e.get('head_chunk') or 'P'}"
-                ours.setdefault(name, {})[e["seq_len"]] = e["tokens_per_s_per_gpu"]
+            if e.get("status") == "ok":  # one line per method and head chunk
+                ours.setdefault(method_label(e), {})[e["seq_len"]] = e["tokens_per_s_per_gpu"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, points, style in ([(f"ours: {m}", p, "-o") for m, p in sorted(ours.items())]
                                  + [(m, p, "--") for m, p in PAPER_8XH100.items()]):
@@ -280,14 +286,12 @@ def main():
                         help="no run: draw these results (merged) into a PNG next to the first")
     opts = parser.parse_args()
     if opts.plot:
-        tables = []
-        for f in opts.plot:
-            saved = json.loads(Path(f).read_text())
-            for e in saved["table"]:  # runs before rows recorded U ran 05's default then, U = P
-                e.setdefault("head_chunk", saved["world_size"])
-            tables.append(saved["table"])
-        first = json.loads(Path(opts.plot[0]).read_text())
-        plot(tables, Path(opts.plot[0]).with_suffix(".png"),
+        saved = [json.loads(Path(f).read_text()) for f in opts.plot]
+        for run in saved:
+            for e in run["table"]:  # runs before rows recorded U ran 05's default then, U = P
+                e.setdefault("head_chunk", run["world_size"])
+        first = saved[0]
+        plot([run["table"] for run in saved], Path(opts.plot[0]).with_suffix(".png"),
              f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
         return
     started = time.perf_counter()
@@ -353,8 +357,7 @@ def main():
             if e["status"] != "ok":
                 print(f"{e['seq_len']:>8} {e['method']:>12} {e['status']:>9}")
                 continue
-            label = e["method"] + (f" U={e['head_chunk']}" if ":" not in e["method"] and "head_chunk" in e else "")
-            print(f"{e['seq_len']:>8} {label:>12} {e['step_time_s']:>9.2f} "
+            print(f"{e['seq_len']:>8} {method_label(e):>12} {e['step_time_s']:>9.2f} "
                   f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
                   f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
         print(f"wrote {out_dir / (name + '.json')}")
