@@ -2,12 +2,12 @@
 
 The memory problem. Training Llama-3-8B (8.03B parameters) with AdamW in mixed precision keeps,
 per parameter, an fp32 master copy (4 bytes), an fp32 gradient (4) and two fp32 Adam moments (8):
-16 bytes x 8.03e9 = 128.5 GB = 119.6 GiB on every GPU. An 80 GiB H100 cannot even place it.
+16 bytes x 8.03e9 = 128.5 GB = 119.7 GiB on every GPU. An 80 GiB H100 cannot even place it.
 
 The idea. Every rank keeps only 1/N of each of those tensors (a shard of dim 0). Before a block
 runs, its full bf16 parameters are all-gathered, used, and freed again; after its backward, the
 gradients are reduce-scattered so each rank receives the summed gradient of its own shard, and
-the optimizer updates only that shard. Model state per GPU: 119.6 GiB / 8 = 15.0 GiB, plus one
+the optimizer updates only that shard. Model state per GPU: 119.7 GiB / 8 = 15.0 GiB, plus one
 block's gathered bf16 parameters at a time.
 
 We use PyTorch's own engine, `fully_shard` (FSDP2): one call per transformer block (the unit of

@@ -39,9 +39,9 @@ What else spans the sequence (found with PyTorch's memory snapshot, bench/step.p
 the RMSNorms compute in fp32, and their backward holds 12 x the bf16 hidden state at once, so
 `--tile-norm` runs them through the same Function. The rotary tables are already half-width in
 the compute dtype (two tables of 32 MiB per GPU at 512K). After that, a 512K step on 2 GPUs
-(docs/results/snap_512k_stack4.json) allocates nothing larger than 2 GiB, the size of the local
-bf16 hidden state, except the attention kernel's backward buffer: fp32 dK and dV for every query head, 8 GiB, four
-times the queries. That one belongs to attention, and 05 cuts it by heads.
+(docs/results/snap_512k_stack4.json) allocates no activation larger than 2 GiB, the size of the
+local bf16 hidden state, except the attention kernel's backward buffer: fp32 dK and dV for every query
+head, 8 GiB, four times the queries. That one belongs to attention, and 05 cuts it by heads.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 

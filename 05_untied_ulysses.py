@@ -581,21 +581,23 @@ def main():
         planned = untied_attention_bytes(args, seq_len, sp, chunk, bytes_per_value)
         rows.append(("Untied Ulysses", chunk, args.n_heads // chunk, measured, planned))
     if rank == 0:
-        how = ("allocator peak above the input, forward + backward (GPU)" if on_gpu else
-               "saved-for-backward + output bytes (CPU)")
+        how = ("allocator peak above the input, forward + backward" if on_gpu else
+               "bytes kept from forward to backward (saved tensors + output)")
         kernel = lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
         unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
-        # The planner's byte functions count the GPU peak; the CPU stand-in counts another
-        # quantity (what is kept between forward and backward), so they are shown side by side
-        # only on a GPU.
         print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
-              f"one attention layer per rank; measured: {how}"
-              + ("; planned: the peak by 02/05's byte functions" if on_gpu else ""))
+              f"one attention layer per rank; measured: {how}; planned: the GPU peak by 02/05's "
+              f"byte functions")
         print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
-              + (f"{'planned ' + unit_name:>13}" if on_gpu else ""))
+              f"{'planned ' + unit_name:>13}")
         for name, chunk, stages, measured, planned in rows:
-            print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}"
-                  + (f"{planned / unit:>13.2f}" if on_gpu else ""))
+            print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
+        if not on_gpu:
+            # The CPU stand-in and the planner count different things, so the columns differ.
+            print("  On a CPU the measured column is what a stage keeps between forward and backward:\n"
+                  "  for Untied Ulysses its output and the log-sum-exps, the same for every U. U shrinks\n"
+                  "  the transient peak inside backward (the planned column), which needs a GPU's\n"
+                  "  allocator to measure (tests/test_05_untied_ulysses.py counts it on a CPU).")
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """A compact Llama-3 (and Qwen3-shaped) transformer that knows nothing of distribution.
 
-The numbered files plug into four seams, each an attribute that can be replaced from outside
+The numbered files plug into five seams, each an attribute that can be replaced from outside
 without editing this file:
 
   1. `Attention.core(q, k, v) -> out`      the attention kernel over local tensors (B, S, heads, D).
@@ -8,9 +8,10 @@ without editing this file:
   2. `Attention.attend(x, rope) -> out`    the whole sub-layer from normed input to pre-`o_proj`
                                            output (B, S, heads * D). 05_untied_ulysses.py replaces
                                            it, because it projects Q/K/V one head chunk at a time.
-  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence
-                                           (and, with --tile-norm, each block's RMSNorm.forward).
-  4. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
+  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
+  4. `RMSNorm.forward(x)`                  04_alst_tiling.py (--tile-norm) tiles each block's norms,
+                                           whose fp32 copies would span the whole sequence.
+  5. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
                                            04_alst_tiling.py tiles it so seq x vocab logits never exist.
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right

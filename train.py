@@ -906,7 +906,10 @@ def train(cfg: Config) -> Run:
         log_file.write(json.dumps(header) + "\n")
     history = []
     tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
-    for step in tqdm(range(first_step, cfg.steps), disable=not is_main, desc="train", leave=False):
+    # The bar only on a terminal: written into a log file it would garble the step lines.
+    show_bar = is_main and sys.stderr.isatty()
+    per = "gpu" if rt.device.type == "cuda" else "rank"
+    for step in tqdm(range(first_step, cfg.steps), disable=not show_bar, desc="train", leave=False):
         tokens = data.batch(step)  # the data position is the step: resuming needs nothing more
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -927,7 +930,7 @@ def train(cfg: Config) -> Run:
         if is_main:
             mem = f" | peak {record['peak_gpu_mem_gib']:.2f} GiB" if record["peak_gpu_mem_gib"] else ""
             tqdm.write(f"step {step:4d} | loss {record['loss']:.4f} | "
-                       f"{record['tokens_per_s_per_gpu']:,.0f} tok/s/gpu | {step_time:.3f}s{mem}")
+                       f"{record['tokens_per_s_per_gpu']:,.0f} tok/s/{per} | {step_time:.3f}s{mem}")
             if log_file:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 from offload import allocate_adam_state  # noqa: E402
-from report import release, synchronize, within_budget, write_result  # noqa: E402
+from report import refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 from throughput import method_config  # noqa: E402
 
@@ -150,6 +150,9 @@ def main():
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
+    refuse_without_gpu("max_length.py", opts.model, opts.device,
+                       "python bench/max_length.py --device cpu --model tiny --methods ulysses "
+                       "--first-length 1K --granularity 256 --max-trials 2")
     started = time.perf_counter()
     parse = ulysses.parse_tokens
     base = train.Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,

@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import cuda_time_ms, default_out_dir, release, synchronize, within_budget, write_result  # noqa: E402
+from report import cuda_time_ms, default_out_dir, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -190,6 +190,10 @@ def main():
     parser.add_argument("--budget-s", type=float, default=460, help="skip what starts after this")
     parser.add_argument("--out", default=None, help="directory (default $OUT or docs/results)")
     opts = parser.parse_args()
+    refuse_without_gpu("offload.py", opts.model, opts.device,
+                       "torchrun --nproc-per-node 2 bench/offload.py --device cpu --model tiny "
+                       "--fits-seq-len 256 --layers-seq-len 256 --overhead-seq-len 512 --long-seq-len "
+                       "512 --long-layers 8")
     started = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # the JSON records the command as it was launched
         os.environ.setdefault("BENCH_COMMAND", f"torchrun --nproc-per-node {os.environ['WORLD_SIZE']} "

@@ -18,10 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from report import default_out_dir, write_result  # noqa: E402
+from report import default_out_dir, refuse_without_gpu, write_result  # noqa: E402
 
 CONFIGS = [  # (label, train.py flags); "none" is one process: without FSDP nothing keeps ranks in sync
     ("none", []),
@@ -73,6 +75,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--snapshot", action="store_true", help="split each peak with the memory snapshot")
     opts = parser.parse_args()
+    refuse_without_gpu("progression.py", None, "cuda" if torch.cuda.is_available() else "cpu", None)
     rows = []
     result = {"what": "memory progression, per-GPU", "model": opts.model, "seq_len": opts.seq_len,
               "gpus": opts.gpus, "layers": opts.layers, "rows": rows}

@@ -37,6 +37,19 @@ def environment() -> dict:
     }
 
 
+def refuse_without_gpu(script: str, model: str | None, device, cpu_form: str | None) -> None:
+    """The benchmarks measure GPUs. Without one, a full-size model would only exhaust host memory
+    minutes later and be killed without a word, and NCCL-only scripts would fail deep inside
+    torch: stop at once and say what runs on a CPU instead (the smoke forms tests/test_bench.py
+    runs; their numbers mean nothing)."""
+    if str(device).startswith("cuda") or model in ("tiny", "small"):
+        return
+    what = f"--model {model} is a GPU measurement" if model else "it measures GPUs only"
+    raise SystemExit(f"bench/{script}: no CUDA GPU here, and {what}. "
+                     + (f"Its CPU smoke form: {cpu_form}" if cpu_form else
+                        "It has no CPU form; the numbered files' demos run on a CPU."))
+
+
 def default_out_dir() -> str:
     return os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "docs" / "results")
 

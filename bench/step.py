@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 import snapshot  # noqa: E402
-from report import profile, write_result  # noqa: E402
+from report import profile, refuse_without_gpu, write_result  # noqa: E402
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -53,6 +53,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None, help="with --profile: rank 0's Chrome trace file")
     opts, train_argv = parser.parse_known_args()
+    refuse_without_gpu("step.py", None, "cuda" if torch.cuda.is_available() else "cpu", None)
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
     cfg.model = with_layers(cfg.model, opts.layers)

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 import ring  # noqa: E402
-from report import cuda_time_ms, default_out_dir, release, synchronize, within_budget, write_result  # noqa: E402
+from report import cuda_time_ms, default_out_dir, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -285,6 +285,9 @@ def main():
     parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                         help="no run: draw these results (merged) into a PNG next to the first")
     opts = parser.parse_args()
+    refuse_without_gpu("throughput.py", opts.model, opts.device,
+                       "python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods "
+                       "none ulysses untied")
     if opts.plot:
         saved = [json.loads(Path(f).read_text()) for f in opts.plot]
         for run in saved:

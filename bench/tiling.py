@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import default_out_dir, peak_and_times, release, within_budget, write_result  # noqa: E402
+from report import default_out_dir, peak_and_times, refuse_without_gpu, release, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -157,6 +157,9 @@ def main():
     parser.add_argument("--budget-s", type=float, default=450, help="skip what starts after this")
     parser.add_argument("--out", default=None, help="directory (default $OUT or docs/results)")
     opts = parser.parse_args()
+    refuse_without_gpu("tiling.py", opts.model, opts.device,
+                       "python bench/tiling.py --device cpu --model tiny --seq-lens 2K --step-seq-lens "
+                       "256 --repeats 1")
     started = time.perf_counter()
 
     checkpoint = importlib.util.find_spec("03_checkpoint_offload") is not None

@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import cuda_time_ms, write_result  # noqa: E402
+from report import cuda_time_ms, refuse_without_gpu, write_result  # noqa: E402
 
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
@@ -46,6 +46,7 @@ def main():
                         help="skip the no-Ulysses memory run above this length")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
+    refuse_without_gpu("ulysses.py", None, "cuda" if torch.cuda.is_available() else "cpu", None)
 
     dist.init_process_group("nccl")
     rank, sp = dist.get_rank(), dist.get_world_size()

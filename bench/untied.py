@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import profile, write_result  # noqa: E402
+from report import profile, refuse_without_gpu, write_result  # noqa: E402
 
 ulysses = importlib.import_module("02_ulysses")
 untied = importlib.import_module("05_untied_ulysses")
@@ -100,9 +100,13 @@ def main():
                         help="longer sequences: one run gives memory and time")
     parser.add_argument("--profile", action="store_true",
                         help="one more fwd+bwd per configuration under torch.profiler: top ops by own device time")
-    parser.add_argument("--name", default="untied_attention", help="result file name")
+    parser.add_argument("--name", default=None,
+                        help="result file name (default untied_attention, untied_attention_cpu on a CPU)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT or docs/results)")
     opts = parser.parse_args()
+    refuse_without_gpu("untied.py", opts.model, "cuda" if torch.cuda.is_available() else "cpu",
+                       "torchrun --nproc-per-node 2 bench/untied.py --model tiny --seq-lens 256 --chunks "
+                       "2 8 --repeats 1")
 
     on_gpu = torch.cuda.is_available()  # a CPU run (gloo, fp32) is a smoke test: time only
     dist.init_process_group("nccl" if on_gpu else "gloo")
@@ -201,7 +205,7 @@ def main():
                   f"{fmt(r['time_ms'], '.0f'):>9} {ratio('time_vs_ulysses'):>6} "
                   f"{r['planned_gib']:>11.2f} {fmt(r.get('max_rel_diff_out'), '.1e'):>7}  "
                   f"{', '.join(targets)}")
-        write_result(opts.name, {
+        write_result(opts.name or ("untied_attention" if on_gpu else "untied_attention_cpu"), {
             "what": f"one {opts.model} attention sub-layer (normed x -> pre-o_proj output), "
                     f"fwd+bwd, {dtype}, {sp} ranks; peak = max allocated above x, grad_out, weights",
             "untied_kernel": lse_kernel[0], "untied_kernel_native_gqa": lse_kernel[1],

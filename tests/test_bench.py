@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +40,19 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
     assert results, f"{script}.py wrote no JSON"
     for path in results:
         assert json.loads(path.read_text())  # a complete, parseable result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("script,needle", [("throughput", "--device cpu --model tiny"),
+                                           ("ulysses", "no CPU form")])
+def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
+    """Without a GPU a full-size benchmark would be killed for host memory minutes later (or fail
+    inside NCCL): it stops at once and says what runs on a CPU."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "no CUDA GPU here" in done.stderr and needle in done.stderr, done.stderr[-2000:]
 
 
 def _frame(path: str, function: str) -> dict:

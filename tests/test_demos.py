@@ -1,0 +1,31 @@
+"""Every numbered file runs on its own: its CPU demo, as its docstring gives it, in 2 processes
+(gloo) where it is launched with torchrun. What each prints is checked elsewhere (the byte counts
+by the technique's tests); this catches a demo broken by a change to what it imports."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DEMOS = {  # file -> (launched with torchrun, a line the demo prints)
+    "01_fsdp.py": (True, "fully_shard on the meta device"),
+    "02_ulysses.py": (True, "with Ulysses"),
+    "03_checkpoint_offload.py": (True, "checkpoint"),
+    "04_alst_tiling.py": (False, "MLP tiled"),
+    "05_untied_ulysses.py": (True, "Untied Ulysses"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(DEMOS))
+def test_demo_runs_on_cpu(script):
+    torchrun, expected = DEMOS[script]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *launcher, str(ROOT / script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert expected in done.stdout, done.stdout[-3000:]
