@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -75,7 +73,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--snapshot", action="store_true", help="split each peak with the memory snapshot")
     opts = parser.parse_args()
-    refuse_without_gpu("progression.py", None, "cuda" if torch.cuda.is_available() else "cpu", None)
+    refuse_without_gpu("progression.py")
     rows = []
     result = {"what": "memory progression, per-GPU", "model": opts.model, "seq_len": opts.seq_len,
               "gpus": opts.gpus, "layers": opts.layers, "rows": rows}

@@ -37,11 +37,14 @@ def environment() -> dict:
     }
 
 
-def refuse_without_gpu(script: str, model: str | None, device, cpu_form: str | None) -> None:
-    """The benchmarks measure GPUs. Without one, a full-size model would only exhaust host memory
+def refuse_without_gpu(script: str, model: str | None = None, device=None,
+                       cpu_form: str | None = None) -> None:
+    """The benchmarks measure GPUs (device: the one asked for, default what torch sees). Without one, a full-size model would only exhaust host memory
     minutes later and be killed without a word, and NCCL-only scripts would fail deep inside
     torch: stop at once and say what runs on a CPU instead (the smoke forms tests/test_bench.py
     runs; their numbers mean nothing)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda") or model in ("tiny", "small"):
         return
     what = f"--model {model} is a GPU measurement" if model else "it measures GPUs only"

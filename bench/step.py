@@ -53,7 +53,7 @@ def main():
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None, help="with --profile: rank 0's Chrome trace file")
     opts, train_argv = parser.parse_known_args()
-    refuse_without_gpu("step.py", None, "cuda" if torch.cuda.is_available() else "cpu", None)
+    refuse_without_gpu("step.py")
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
     cfg.model = with_layers(cfg.model, opts.layers)

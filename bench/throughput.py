@@ -285,9 +285,6 @@ def main():
     parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                         help="no run: draw these results (merged) into a PNG next to the first")
     opts = parser.parse_args()
-    refuse_without_gpu("throughput.py", opts.model, opts.device,
-                       "python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods "
-                       "none ulysses untied")
     if opts.plot:
         saved = [json.loads(Path(f).read_text()) for f in opts.plot]
         for run in saved:
@@ -297,6 +294,9 @@ def main():
         plot([run["table"] for run in saved], Path(opts.plot[0]).with_suffix(".png"),
              f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
         return
+    refuse_without_gpu("throughput.py", opts.model, opts.device,
+                       "python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods "
+                       "none ulysses untied")
     started = time.perf_counter()
     args = llama.get_model_args(opts.model)
     base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,

@@ -46,7 +46,7 @@ def main():
                         help="skip the no-Ulysses memory run above this length")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    refuse_without_gpu("ulysses.py", None, "cuda" if torch.cuda.is_available() else "cpu", None)
+    refuse_without_gpu("ulysses.py")
 
     dist.init_process_group("nccl")
     rank, sp = dist.get_rank(), dist.get_world_size()

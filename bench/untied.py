@@ -104,9 +104,9 @@ def main():
                         help="result file name (default untied_attention, untied_attention_cpu on a CPU)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT or docs/results)")
     opts = parser.parse_args()
-    refuse_without_gpu("untied.py", opts.model, "cuda" if torch.cuda.is_available() else "cpu",
-                       "torchrun --nproc-per-node 2 bench/untied.py --model tiny --seq-lens 256 --chunks "
-                       "2 8 --repeats 1")
+    refuse_without_gpu("untied.py", opts.model,
+                       cpu_form="torchrun --nproc-per-node 2 bench/untied.py --model tiny "
+                                "--seq-lens 256 --chunks 2 8 --repeats 1")
 
     on_gpu = torch.cuda.is_available()  # a CPU run (gloo, fp32) is a smoke test: time only
     dist.init_process_group("nccl" if on_gpu else "gloo")

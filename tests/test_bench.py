@@ -55,6 +55,21 @@ def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
     assert "no CUDA GPU here" in done.stderr and needle in done.stderr, done.stderr[-2000:]
 
 
+def test_throughput_plot_needs_no_gpu(tmp_path):
+    """--plot only reads saved results: it runs where no GPU is (and is not refused there)."""
+    saved = tmp_path / "throughput.json"
+    saved.write_text((ROOT / "docs" / "results" / "throughput_llama3-8b_2gpu.json").read_text())
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--plot", str(saved)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert saved.with_suffix(".png").stat().st_size > 0
+
+
 def _frame(path: str, function: str) -> dict:
     return {"filename": str(ROOT / path), "line": 1, "name": function}
 
