@@ -174,6 +174,7 @@ def main():
             print(f"fully_shard on the meta device, this run's {dist.get_world_size()} ranks hold "
                   f"{', '.join(f'{c / 1e9:.3f}B' for c in counts)} parameters each "
                   f"(= {16 * max(counts) / GiB:.1f} GiB of fp32 state + Adam per rank)")
+        dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
         dist.destroy_process_group()
 
 

@@ -327,6 +327,7 @@ def main():
               f"layer, {how}")
         for name, nbytes in measured.items():
             print(f"  {name:<30} {nbytes / GiB:10.3f} GiB per rank")
+    dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -491,6 +491,8 @@ def main():
                   f"{show(measured['offload']['host']):>10}{show(planned[False]['gpu']):>19}"
                   f"{show(planned[True]['gpu']):>13}{show(planned[True]['host']):>8}")
     if launched:
+        # gloo aborts if a rank tears down while its peer is still in a collective
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

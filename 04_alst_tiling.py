@@ -447,6 +447,7 @@ def main():
               f" loss {loss_temporary_bytes(args, local_tokens, False, bytes_per_value=dtype.itemsize) / GiB:.3f} -> "
               f"{loss_temporary_bytes(args, local_tokens, True, opts.loss_tile_tokens, dtype.itemsize) / GiB:.3f} GiB")
     if launched:
+        dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
         dist.destroy_process_group()
 
 

@@ -600,6 +600,7 @@ def main():
                   "  for Untied Ulysses its output and the log-sum-exps, the same for every U. U shrinks\n"
                   "  the transient peak inside backward (the planned column), which needs a GPU's\n"
                   "  allocator to measure (tests/test_05_untied_ulysses.py counts it on a CPU).")
+    dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
     dist.destroy_process_group()
 
 
