@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 from offload import allocate_adam_state  # noqa: E402
-from report import refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
+from report import end_distributed, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 from throughput import method_config  # noqa: E402
 
@@ -205,7 +205,7 @@ def main():
             print(f"{method:>8}: longest completed {r['longest_completed']}, shortest OOM {r['shortest_oom']}, "
                   f"{len(r['trials'])} trials")
         write_result(name, result, opts.out)
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import cuda_time_ms, default_out_dir, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
+from report import cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -272,7 +272,7 @@ def main():
                   f"{fmt(r.get('step_time_s'), '.3f') if ok else '':>8} {fmt(r.get('host_gib'), '.2f'):>9}")
         print(json.dumps(result["summary"], indent=1))
         print(f"wall {time.perf_counter() - started:.0f} s")
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

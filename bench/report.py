@@ -53,6 +53,15 @@ def refuse_without_gpu(script: str, model: str | None = None, device=None,
                         "It has no CPU form; the numbered files' demos run on a CPU."))
 
 
+def end_distributed() -> None:
+    """Tear the process group down once every rank is done: gloo aborts the process ('terminate
+    called without an active exception') when a rank destroys its group while its peer is still
+    in the last collective, as rank 0 is while it prints and writes the result."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def default_out_dir() -> str:
     return os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "docs" / "results")
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 import snapshot  # noqa: E402
-from report import profile, refuse_without_gpu, write_result  # noqa: E402
+from report import end_distributed, profile, refuse_without_gpu, write_result  # noqa: E402
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -123,7 +123,7 @@ def main():
     if rt.rank == 0:
         print({k: v for k, v in result.items() if k != "config"})
         write_result(opts.name, result, opts.out)
-    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+    end_distributed()
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
 import ring  # noqa: E402
-from report import cuda_time_ms, default_out_dir, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
+from report import cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -367,7 +367,7 @@ def main():
         if opts.device == "cuda":
             plot([result["table"]], out_dir / f"{name}.png",
                  f"{opts.model}, {rt.world} GPUs (ours) vs 8 x H100 (paper)")
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

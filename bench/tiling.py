@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import default_out_dir, peak_and_times, refuse_without_gpu, release, within_budget, write_result  # noqa: E402
+from report import default_out_dir, end_distributed, peak_and_times, refuse_without_gpu, release, within_budget, write_result  # noqa: E402
 from step import with_layers  # noqa: E402
 
 train = importlib.import_module("train")
@@ -235,7 +235,7 @@ def main():
                   f"both {fmt(o['total_tiling_overhead'], '+.1%')}; both at {args.n_layers} layers "
                   f"(extrapolated) {fmt(full, '+.1%')} (target <= +5%)")
         write_result(name, result, out_dir)
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

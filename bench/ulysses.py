@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import cuda_time_ms, refuse_without_gpu, write_result  # noqa: E402
+from report import cuda_time_ms, end_distributed, refuse_without_gpu, write_result  # noqa: E402
 
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
@@ -126,7 +126,7 @@ def main():
             "what": "one Llama-3-8B attention core (32/8 heads, D=128, bf16, causal), fwd+bwd",
             "attention_kernel": llama.attention_kernel_name(torch.device("cuda"), dtype),
             "rows": rows}, opts.out)
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model as llama  # noqa: E402
-from report import profile, refuse_without_gpu, write_result  # noqa: E402
+from report import end_distributed, profile, refuse_without_gpu, write_result  # noqa: E402
 
 ulysses = importlib.import_module("02_ulysses")
 untied = importlib.import_module("05_untied_ulysses")
@@ -212,7 +212,7 @@ def main():
             "ulysses_kernel": llama.attention_kernel_name(device, dtype),
             "targets": "at U = P peak <= 0.5 x Ulysses; time <= 1.03 x Ulysses at >= 512K",
             "rows": rows}, opts.out)
-    dist.destroy_process_group()
+    end_distributed()
 
 
 if __name__ == "__main__":
