@@ -21,7 +21,6 @@ device and sharded there):
 """
 
 import argparse
-import os
 from dataclasses import replace
 
 import torch
@@ -146,12 +145,11 @@ def main():
     opts = parser.parse_args()
     args = get_model_args(opts.model)
 
-    launched = "RANK" in os.environ
-    if launched:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    world = opts.world_size or (dist.get_world_size() if launched else 8)
-    rank = dist.get_rank() if launched else 0
+    from demos import end_ranks, start_ranks
+
+    ranks = start_ranks()
+    launched, rank = ranks.launched, ranks.rank
+    world = opts.world_size or (ranks.world if launched else 8)
 
     full, sharded = model_state_bytes(args, 1), model_state_bytes(args, world)
     if rank == 0:
@@ -165,8 +163,7 @@ def main():
     if launched:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        mesh = init_device_mesh(ranks.device.type, (dist.get_world_size(),))
         local = sharded_numel_on_meta(args, mesh)
         counts = [None] * dist.get_world_size()
         dist.all_gather_object(counts, local)
@@ -174,8 +171,7 @@ def main():
             print(f"fully_shard on the meta device, this run's {dist.get_world_size()} ranks hold "
                   f"{', '.join(f'{c / 1e9:.3f}B' for c in counts)} parameters each "
                   f"(= {16 * max(counts) / GiB:.1f} GiB of fp32 state + Adam per rank)")
-        dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
-        dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

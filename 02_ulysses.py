@@ -26,14 +26,14 @@ Run the demo (attention-stage bytes per rank, with and without Ulysses):
     torchrun --nproc-per-node 2 02_ulysses.py --model llama3-8b --seq-len 128K   # on GPUs
 """
 
-import argparse
-import os
+import contextlib
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from model import IGNORE_INDEX, causal_attention, get_model_args
+import kernels
+from model import IGNORE_INDEX
 
 GiB = 2**30
 
@@ -117,7 +117,7 @@ def replicate_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
 # The attention core for the model's seam 1.
 # ---------------------------------------------------------------------------------------------
 
-def ulysses_attention(q, k, v, group, kernel=causal_attention):
+def ulysses_attention(q, k, v, group, kernel=kernels.causal_attention):
     """Local q (B, S/P, H, D), k/v (B, S/P, Hkv, D) -> local output (B, S/P, H, D).
 
     Rank r's query heads [r*H/P, (r+1)*H/P) use KV heads [r*Hkv/P, (r+1)*Hkv/P) when Hkv >= P
@@ -173,6 +173,25 @@ def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
     return count.clamp(min=1.0)  # all labels ignored: loss 0, not NaN
 
 
+def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, labels=None,
+                      phase=contextlib.nullcontext) -> torch.Tensor:
+    """One forward + backward on this rank's shard of `tokens` (B, S + 1); returns the loss,
+    the mean over the non-ignored labels of every rank in `world_group` (detached, summed over
+    ranks). Each rank divides its summed loss by the global count, so the ranks' gradients add
+    up (FSDP sums them) to the unsharded model's. `phase(name)` wraps forward and backward (train.py
+    names the phase of an out-of-memory error)."""
+    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels)
+    n_tokens = global_token_count(labels, world_group)
+    with phase("forward"):
+        loss = model(input_ids, positions, labels) / n_tokens
+    with phase("backward"):
+        loss.backward()
+    loss = loss.detach()
+    if world_group is not None:
+        dist.all_reduce(loss, group=world_group)  # every rank's share of the mean, added up
+    return loss
+
+
 def check_data_sequence_layout(world: int, sp: int) -> None:
     if sp < 1 or world % sp:
         raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
@@ -191,18 +210,6 @@ def data_sequence_mesh(device_type: str, sp: int):
 # What this file removes, in bytes (the planner in train.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
-def attention_kernel_workspace_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                                     bytes_per_value: int = 2) -> int:
-    """What a flash-style attention backward kernel allocates for itself, beyond its inputs and
-    its dq, dk, dv, over `n_tokens` tokens with `n_heads` query and `n_kv_heads` KV heads: dq
-    accumulated in fp32, with grouped-query attention dk and dv per query head before they are
-    summed over the group (FlashAttention-2 does both), and an fp32 row sum of dO * O. Inferred
-    from the peaks measured with cuDNN on H200s (docs/calibration.md); a CPU kernel differs."""
-    q_values = n_tokens * n_heads * head_dim
-    grouped = n_heads > n_kv_heads
-    return 4 * q_values + (2 * q_values * bytes_per_value if grouped else 0) + 4 * n_tokens * n_heads
-
-
 def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
                                saved_only: bool = False) -> int:
     """Bytes one attention layer (normed input -> output before o_proj) holds per rank, beyond
@@ -216,7 +223,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
         output), its fp32 log-sum-exp (N x H), and with sp > 1 the output back in the token
         layout (o_proj's input): 2Q + 2K + lse (+ Q);
       added in backward: the output gradient in the head layout (sp > 1: + Q); dq, dk, dv
-        (Q + 2K); the kernel's workspace (`attention_kernel_workspace_bytes`: 2Q for the fp32
+        (Q + 2K); the kernel's workspace (`kernels.backward_workspace_bytes`: 2Q for the fp32
         dq, 2Q for grouped dk/dv, an lse-sized row sum).
     In all 10Q + 2 lse for Llama-3-8B (32 query, 8 KV heads) with sp > 1: 30 GiB per GPU at 3M
     tokens on 8 GPUs. Measured on 2 H200s: 5.02, 20.06 and 40.13 GiB at 128K, 512K and 1M
@@ -231,7 +238,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
     saved = 2 * q + 2 * kv + lse + exchanged
     if saved_only:
         return saved
-    workspace = attention_kernel_workspace_bytes(seq_len, args.n_heads // sp, kv_heads // sp,
+    workspace = kernels.backward_workspace_bytes(seq_len, args.n_heads // sp, kv_heads // sp,
                                                  args.head_dim, bytes_per_value)
     return saved + exchanged + q + 2 * kv + workspace
 
@@ -240,77 +247,12 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
 # Demo
 # ---------------------------------------------------------------------------------------------
 
-def parse_tokens(text: str) -> int:
-    """'4096', '128K', '3M' -> tokens (K = 1024, M = 1024*1024)."""
-    text = str(text).strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
-    number = text[:-1] if scale > 1 else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise ValueError(f"cannot read a token count from {text!r} (try 4096, 128K or 3M)")
-    if value <= 0:
-        raise ValueError(f"the token count must be positive, got {text!r}")
-    return value
-
-
-def measure_stage_memory(attend, x, extra) -> int:
-    """Peak bytes above the input while one attention stage runs forward and backward: on a GPU
-    the allocator's peak; on a CPU the bytes of every tensor the stage saves for backward plus
-    its output (what stays alive between forward and backward)."""
-    if x.is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        attend(x, *extra).sum().backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    saved = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = attend(x, *extra)
-    total = sum(saved.values()) + out.untyped_storage().nbytes()
-    out.sum().backward()
-    return total
-
-
-def attention_demo_setup(script: str):
-    """What the demos of 02 and 05 share: flags, the process group, one attention layer."""
-    from types import SimpleNamespace
-
-    from model import Attention
-
-    parser = argparse.ArgumentParser(description=f"{script}: attention-stage memory per rank")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--seq-len", default="16K")
-    opts = parser.parse_args()
-    args = get_model_args(opts.model)
-    seq_len = parse_tokens(opts.seq_len)
-    on_gpu = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        raise SystemExit(f"launch with torchrun, e.g. torchrun --nproc-per-node 2 {script}")
-    dist.init_process_group("nccl" if on_gpu else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    sp = dist.get_world_size()
-    check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
-    torch.manual_seed(0)
-    with torch.device(device):
-        attn = Attention(args).to(dtype)
-    return SimpleNamespace(model=opts.model, args=args, seq_len=seq_len, rank=dist.get_rank(), sp=sp,
-                           device=device, dtype=dtype, on_gpu=on_gpu, attn=attn)
-
-
 def main():
+    from demos import attention_demo_setup, end_ranks, measure_stage_memory
     from model import rope_cos_sin
 
     demo = attention_demo_setup("02_ulysses.py")
+    check_ulysses_shapes(demo.args.n_heads, demo.args.n_kv_heads, demo.sp, demo.seq_len)
     args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
     measured = {}
     for name, tokens in (("without Ulysses (all tokens)", demo.seq_len),
@@ -327,8 +269,7 @@ def main():
               f"layer, {how}")
         for name, nbytes in measured.items():
             print(f"  {name:<30} {nbytes / GiB:10.3f} GiB per rank")
-    dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

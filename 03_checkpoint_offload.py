@@ -50,12 +50,12 @@ import contextlib
 import contextvars
 import gc
 import importlib
-import os
 import weakref
 from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 GiB, MiB = 2**30, 2**20
@@ -402,26 +402,26 @@ def bytes_saved_for_backward(run_step, offloader=None) -> int:
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
 
 
-def measure_mode(cfg, rt, args, tokens, checkpointing: bool, offload: bool) -> dict:
-    """Build the model as train.py does (Ulysses and FSDP when launched with torchrun), run one
-    forward+backward and return {"device": bytes, "host": bytes} for this rank."""
-    train = importlib.import_module("train")  # imported here: train.py imports this file
+def measure_mode(ranks, mesh, args, tokens, checkpointing: bool, offload: bool) -> dict:
+    """Build the model (Ulysses and FSDP when launched with torchrun), run one forward+backward
+    and return {"device": bytes, "host": bytes} for this rank."""
     fsdp = importlib.import_module("01_fsdp")
     ulysses = importlib.import_module("02_ulysses")
+    group = dist.group.WORLD if ranks.launched else None
 
     def techniques(model):
-        if cfg.ulysses:
-            ulysses.apply_ulysses(model, rt.sp_group)
+        if ranks.launched:
+            ulysses.apply_ulysses(model, group)
         if checkpointing:
             apply_checkpointing(model, offload)
 
-    model = fsdp.build_model(args, rt.device, rt.fsdp_mesh if cfg.fsdp else None,
-                             getattr(torch, cfg.dtype), seed=cfg.seed,
-                             exact_init=rt.device.type == "cpu", before_sharding=techniques)
+    model = fsdp.build_model(args, ranks.device, mesh, ranks.dtype, exact_init=not ranks.on_gpu,
+                             before_sharding=techniques)
     offloader = model.checkpoint_offload if checkpointing else None
-    step = partial(train.forward_backward, model, tokens, rt)
+    step = partial(ulysses.loss_and_backward, model, tokens.to(ranks.device), ranks.rank,
+                   ranks.world, group)
     try:
-        if rt.device.type == "cuda":
+        if ranks.on_gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -436,13 +436,14 @@ def measure_mode(cfg, rt, args, tokens, checkpointing: bool, offload: bool) -> d
     host_bytes = offloader.host_bytes if offloader else 0
     del model, offloader, step
     gc.collect()  # a block and its replaced forward refer to each other: free them now
-    if rt.device.type == "cuda":
+    if ranks.on_gpu:
         torch.cuda.empty_cache()
     return {"device": device_bytes, "host": host_bytes}
 
 
 def main():
-    train = importlib.import_module("train")
+    from data import parse_tokens
+    from demos import end_ranks, start_ranks
     from model import get_model_args
 
     on_gpu = torch.cuda.is_available()
@@ -451,34 +452,39 @@ def main():
     parser.add_argument("--seq-len", default="32K" if on_gpu else "4K", help="total tokens")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     opts = parser.parse_args()
-    launched = "WORLD_SIZE" in os.environ
-    seq_len = importlib.import_module("02_ulysses").parse_tokens(opts.seq_len)
-    cfg = train.Config(model=opts.model, seq_len=seq_len, fsdp=launched, ulysses=launched,
-                       device="cuda" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32")
-    rt = train.setup_runtime(train.resolve_techniques(cfg))
-    base_args = get_model_args(cfg.model)
-    tokens = torch.randint(0, base_args.vocab_size, (1, cfg.seq_len + 1),
+    seq_len = parse_tokens(opts.seq_len)
+    base_args = get_model_args(opts.model)
+    ranks = start_ranks()
+    mesh = None
+    if ranks.launched:  # FSDP over every rank, Ulysses over every rank
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ranks.device.type, (ranks.world,))
+        importlib.import_module("02_ulysses").check_ulysses_shapes(
+            base_args.n_heads, base_args.n_kv_heads, ranks.world, seq_len)
+    tokens = torch.randint(0, base_args.vocab_size, (1, seq_len + 1),
                            generator=torch.Generator().manual_seed(0))
-    itemsize = getattr(torch, cfg.dtype).itemsize
+    itemsize = ranks.dtype.itemsize
+    sp = ranks.world
 
     rows = []
     for n_layers in opts.layers:
         args = replace(base_args, n_layers=n_layers)
-        measured = {mode: measure_mode(cfg, rt, args, tokens, *flags)
+        measured = {mode: measure_mode(ranks, mesh, args, tokens, *flags)
                     for mode, flags in MODES.items()}
-        planned = {offload: checkpoint_memory_bytes(args, cfg.seq_len, rt.sp, offload, itemsize)
+        planned = {offload: checkpoint_memory_bytes(args, seq_len, sp, offload, itemsize)
                    for offload in (False, True)}
         rows.append((n_layers, measured, planned))
 
-    if rt.rank == 0:
+    if ranks.rank == 0:
         unit, unit_name = (GiB, "GiB") if on_gpu else (MiB, "MiB")
         how = ("peak GPU memory allocated in forward+backward above the parameters and their "
                "gradients" if on_gpu
                else "bytes kept from forward to backward (saved tensors; CPU)")
-        print(f"{cfg.model} cut to {'/'.join(map(str, opts.layers))} layers, {cfg.seq_len:,} "
-              f"tokens over {rt.world} rank(s) "
-              f"(sp {rt.sp}: {cfg.seq_len // rt.sp:,} local), {cfg.dtype} on {rt.device.type}"
-              f"{', FSDP + Ulysses' if launched else ''}")
+        print(f"{opts.model} cut to {'/'.join(map(str, opts.layers))} layers, {seq_len:,} "
+              f"tokens over {ranks.world} rank(s) "
+              f"(sp {sp}: {seq_len // sp:,} local), {ranks.dtype} on {ranks.device.type}"
+              f"{', FSDP + Ulysses' if ranks.launched else ''}")
         print(f"per rank, {unit_name}: {how}; host = the offloader's host buffers (pinned on a "
               f"GPU machine); planner = checkpoint_memory_bytes (block inputs only)")
         print(f"{'layers':>6}{'none':>10}{'checkpoint':>12}{'offload':>10}{'host':>10}"
@@ -490,10 +496,7 @@ def main():
                   f"{show(measured['offload']['device']):>10}"
                   f"{show(measured['offload']['host']):>10}{show(planned[False]['gpu']):>19}"
                   f"{show(planned[True]['gpu']):>13}{show(planned[True]['host']):>8}")
-    if launched:
-        # gloo aborts if a rank tears down while its peer is still in a collective
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

@@ -51,18 +51,15 @@ Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
 import argparse
 import importlib
-import os
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import IGNORE_INDEX, rms_norm
 
-ulysses = importlib.import_module("02_ulysses")  # parse_tokens, measure_stage_memory
 offload = importlib.import_module("03_checkpoint_offload")  # is_recomputing
 
 GiB = 2**30
@@ -373,12 +370,14 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
         "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
         "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile),
     }
+    from demos import measure_stage_memory
+
     results = {}
     for name, run in phases.items():
         x = torch.randn(1, local_tokens, dim, generator=generator).to(device, dtype).requires_grad_()
         try:
             with LargestTensor() as largest:
-                nbytes = ulysses.measure_stage_memory(run, x, ())
+                nbytes = measure_stage_memory(run, x, ())
             results[name] = (nbytes, largest.nbytes)
         except torch.cuda.OutOfMemoryError:
             results[name] = "OOM"
@@ -392,6 +391,8 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
 def main():
     from dataclasses import replace
 
+    from data import parse_tokens
+    from demos import end_ranks, start_ranks
     from model import Transformer, get_model_args
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -404,20 +405,14 @@ def main():
     check_tile_tokens("--loss-tile-tokens", opts.loss_tile_tokens)
     on_gpu = torch.cuda.is_available()
     args = get_model_args(opts.model or ("llama3-8b" if on_gpu else "small"))
-    seq_len = ulysses.parse_tokens(opts.seq_len or ("128K" if on_gpu else "16K"))
+    seq_len = parse_tokens(opts.seq_len or ("128K" if on_gpu else "16K"))
     if not on_gpu and opts.loss_tile_tokens is None:
         # The small model's 4,096-entry vocabulary allows 65,536 tokens under the 1 GiB rule:
         # one tile at this length. Use smaller tiles so the CPU demo shows the effect.
         opts.loss_tile_tokens = 1024
 
-    launched = "RANK" in os.environ
-    if launched:  # under torchrun each rank holds seq_len / world tokens, as with Ulysses
-        dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if launched else (0, 1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    ranks = start_ranks()  # under torchrun each rank holds seq_len / world tokens, as with Ulysses
+    rank, world, device, dtype = ranks.rank, ranks.world, ranks.device, ranks.dtype
     if seq_len % world:
         raise SystemExit(f"--seq-len ({seq_len}) must be divisible by the number of ranks ({world})")
     local_tokens = seq_len // world
@@ -446,9 +441,7 @@ def main():
               f"{mlp_temporary_bytes(args, local_tokens, True, opts.mlp_tile_tokens, dtype.itemsize) / GiB:.3f} GiB;"
               f" loss {loss_temporary_bytes(args, local_tokens, False, bytes_per_value=dtype.itemsize) / GiB:.3f} -> "
               f"{loss_temporary_bytes(args, local_tokens, True, opts.loss_tile_tokens, dtype.itemsize) / GiB:.3f} GiB")
-    if launched:
-        dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
-        dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

@@ -41,21 +41,18 @@ Run the demo (attention-stage memory per rank for every chunk size, next to Ulys
 """
 
 import importlib
-import logging
-import os
-import warnings
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import kernels
 from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
 
 GiB = 2**30
-log = logging.getLogger("untied_ulysses")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +210,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
                 v = to_heads(project(x, rows(wv, n_kv_heads, heads=kv_heads), head_dim))
             q = to_heads(projected_heads(x, rows(wq, n_heads, heads=heads), head_dim, q_norm,
                                          eps, rope))  # (B, S, u, D): all tokens, u heads
-            stage_out, lse = attention_forward_lse(q, k, v)
+            stage_out, lse = kernels.attention_forward_lse(q, k, v)
             del q
             lses.append(lse)
             # back to this rank's tokens, into this stage's heads of every rank's block
@@ -258,7 +255,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             q = to_heads(projected_heads(x, wq_rows, head_dim, q_norm, eps, rope))
             stage_out = to_heads(out_blocks[:, :, :, heads].flatten(2, 3))
             grad_stage_out = to_heads(grad_blocks[:, :, :, heads].flatten(2, 3))
-            grad_q, grad_k_stage, grad_v_stage = attention_backward_lse(
+            grad_q, grad_k_stage, grad_v_stage = kernels.attention_backward_lse(
                 grad_stage_out, q, k, v, stage_out, lses[stage])
             del q, stage_out, grad_stage_out
             group_ends = stage == len(plan) - 1 or plan[stage + 1][1] != kv_heads
@@ -317,194 +314,6 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention that returns its log-sum-exp, and a backward that takes it.
-# ---------------------------------------------------------------------------------------------
-# Layout: q (B, S, H, D), k and v (B, S, Hkv, D) with H % Hkv == 0 (query head h uses KV head
-# h // (H // Hkv)), causal, scale 1/sqrt(D); out (B, S, H, D). lse: fp32, (B, H, S) or
-# (B, H, S, 1) depending on the kernel - only ever handed back to `attention_backward_lse`.
-# The kernels are private ATen ops (what SDPA calls inside); each one is checked once per
-# device/dtype/head size against the plain math below, and the first that works is used.
-# UNTIED_ATTENTION_KERNEL=cudnn|flash|cpu|math forces one (to debug a GPU).
-
-def math_attention_forward(q, k, v):
-    """Reference kernel in fp32 with explicit scores (B, Hkv, G, S, S): small inputs only."""
-    batch, seq_len, n_heads, head_dim = q.shape
-    n_kv_heads = k.shape[2]
-    # (B, Hkv, G, S, D): query head h = kv * G + g uses KV head kv.
-    qg = q.float().permute(0, 2, 1, 3).unflatten(1, (n_kv_heads, -1))
-    kg, vg = (t.float().permute(0, 2, 1, 3)[:, :, None] for t in (k, v))
-    scores = (qg @ kg.transpose(-1, -2)) * head_dim**-0.5
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
-    lse = scores.logsumexp(-1)
-    out = (scores - lse[..., None]).exp() @ vg
-    out = out.flatten(1, 2).permute(0, 2, 1, 3).to(q.dtype)
-    return out, lse.flatten(1, 2)
-
-
-def math_attention_backward(grad_out, q, k, v, out, lse):
-    """Gradients of `math_attention_forward` from its saved lse (no softmax forward re-run)."""
-    batch, seq_len, n_heads, head_dim = q.shape
-    n_kv_heads = k.shape[2]
-    scale = head_dim**-0.5
-    to_groups = lambda t: t.float().permute(0, 2, 1, 3).unflatten(1, (n_kv_heads, -1))
-    qg, dog, og = to_groups(q), to_groups(grad_out), to_groups(out)
-    kg, vg = (t.float().permute(0, 2, 1, 3)[:, :, None] for t in (k, v))
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
-    scores = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(future, float("-inf"))
-    probs = (scores - lse.unflatten(1, (n_kv_heads, -1))[..., None]).exp()
-    grad_v = (probs.transpose(-1, -2) @ dog).sum(2)
-    grad_probs = dog @ vg.transpose(-1, -2)
-    grad_scores = probs * (grad_probs - (dog * og).sum(-1, keepdim=True)) * scale
-    grad_q = grad_scores @ kg
-    grad_k = (grad_scores.transpose(-1, -2) @ qg).sum(2)
-    back = lambda t, like: t.flatten(1, 2).permute(0, 2, 1, 3).to(like.dtype)
-    return back(grad_q, q), back(grad_k[:, :, None], k), back(grad_v[:, :, None], v)
-
-
-def _aten_forward(kernel, q, k, v):
-    """(B, heads, S, D) in, (B, H, S, D) out and lse, from one private ATen op."""
-    if kernel == "cudnn":
-        # compute_log_sumexp=True, dropout 0, causal, no debug mask
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False)[:2]
-    elif kernel == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[:2]
-    elif kernel == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-    else:
-        raise ValueError(f"unknown attention kernel {kernel!r}")
-    return out, lse
-
-
-def _aten_backward(kernel, grad_out, q, k, v, out, lse):
-    seq_q, seq_k = q.shape[2], k.shape[2]
-    # Dropout is off, so the random-state arguments are never read; pass defined placeholders.
-    unused = torch.zeros((), dtype=torch.int64, device=q.device)
-    if kernel == "cudnn":
-        # attn_bias, cum_seq_q, cum_seq_k = None (undefined: dense, unmasked beyond causal)
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, True)
-    if kernel == "flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, seq_q, seq_k, 0.0, True, unused, unused)
-    if kernel == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, True)
-    raise ValueError(f"unknown attention kernel {kernel!r}")
-
-
-def _to_kernel_layout(t):
-    """(B, S, heads, D) -> (B, heads, S, D) as a view, no copy: the kernels read strided
-    tensors, as they do when SDPA hands them Ulysses' transposed q, k, v. A contiguous copy of
-    each would cost time and memory (~1% of a 128K step and 3 q-sized tensors at 16 heads a
-    stage, measured)."""
-    return t.transpose(1, 2)
-
-
-def attention_forward_lse(q, k, v, kernel: str | None = None):
-    """Causal attention (layout above) -> (out (B, S, H, D), lse)."""
-    kernel, native_gqa = lse_kernel(q, kernel)
-    if kernel == "math":
-        return math_attention_forward(q, k, v)
-    if not native_gqa and k.shape[2] != q.shape[2]:
-        group = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    out, lse = _aten_forward(kernel, *(_to_kernel_layout(t) for t in (q, k, v)))
-    return out.transpose(1, 2), lse
-
-
-def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None):
-    """(dq, dk, dv) of `attention_forward_lse` from its out and lse: the attention backward
-    kernel alone, no forward recomputation."""
-    kernel, native_gqa = lse_kernel(q, kernel)
-    if kernel == "math":
-        return math_attention_backward(grad_out, q, k, v, out, lse)
-    n_kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
-    if not native_gqa and group > 1:
-        k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
-    args = (_to_kernel_layout(t.contiguous()) for t in (grad_out, q, k, v, out))
-    dq, dk, dv = (t.transpose(1, 2) for t in _aten_backward(kernel, *args, lse))
-    if not native_gqa and group > 1:  # the copies of a KV head add up
-        dk, dv = (t.unflatten(2, (n_kv_heads, group)).sum(3) for t in (dk, dv))
-    return dq, dk, dv
-
-
-_KERNEL_CHOICE = {}  # (device type, dtype, head_dim, forced name) -> (kernel, handles fewer KV heads)
-
-
-def lse_kernel(q, kernel: str | None = None):
-    """(kernel name, supports GQA natively) for tensors like q: the first of cuDNN > flash (CUDA,
-    16-bit) or the CPU flash kernel that passes a small check against the math kernel; or the
-    given `kernel`, checked only for GQA support. Logged once per choice."""
-    device, dtype, head_dim = q.device.type, q.dtype, q.shape[-1]
-    forced = kernel or os.environ.get("UNTIED_ATTENTION_KERNEL")
-    key = (device, dtype, head_dim, forced)
-    if key not in _KERNEL_CHOICE:
-        if forced:
-            candidates = [forced]
-        elif device == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            candidates = ["cudnn", "flash"]
-        elif device == "cpu":
-            candidates = ["cpu"]
-        else:
-            candidates = []
-        choice = ("math", True)
-        for name in candidates:
-            if name == "math":
-                break
-            works = _check_kernel(name, device, dtype, head_dim)
-            if works is not None:
-                choice = (name, works)
-                break
-            if forced:
-                raise RuntimeError(f"UNTIED_ATTENTION_KERNEL={forced} failed its check on "
-                                   f"{device}/{dtype}/head_dim {head_dim}; see the warning above")
-        log.info("attention kernel with log-sum-exp on %s %s head_dim %d: %s (native GQA: %s)",
-                 device, dtype, head_dim, *choice)
-        _KERNEL_CHOICE[key] = choice
-    return _KERNEL_CHOICE[key]
-
-
-def _check_kernel(kernel, device, dtype, head_dim):
-    """Run `kernel` forward and backward on a small causal problem with 2 query heads per KV
-    head and compare with the math kernel. Returns True (correct with fewer KV heads), False
-    (correct only with KV heads repeated) or None (unusable: the warning says why)."""
-    generator = torch.Generator().manual_seed(0)
-    shape = (1, 64, 4, head_dim)
-    # Inputs rounded to `dtype` first, so only the kernel's own rounding is compared.
-    q, grad_out = (torch.randn(shape, generator=generator).to(dtype).float() for _ in range(2))
-    k, v = (torch.randn(1, 64, 2, head_dim, generator=generator).to(dtype).float() for _ in range(2))
-    want = math_attention_forward(q, k, v)
-    want = (want[0], *math_attention_backward(grad_out, q, k, v, *want))
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for gqa in (True, False):
-        try:
-            kk, vv = (k, v) if gqa else (k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
-            args = [t.to(device, dtype) for t in (q, kk, vv)]
-            out, lse = _aten_forward(kernel, *(_to_kernel_layout(t) for t in args))
-            out = out.transpose(1, 2)
-            grads = _aten_backward(kernel, *(_to_kernel_layout(t.contiguous()) for t in
-                                             (grad_out.to(device, dtype), *args, out)), lse)
-            dq, dk, dv = (t.transpose(1, 2).float().cpu() for t in grads)
-            if not gqa:
-                dk, dv = (t.unflatten(2, (2, 2)).sum(3) for t in (dk, dv))
-            for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.float().cpu(), dq, dk, dv), want):
-                error = (got - ref).abs().max().item()
-                if not error <= tol * (1 + ref.abs().max().item()):
-                    raise RuntimeError(f"{name} differs from the math kernel by {error:.3g}")
-            return gqa
-        except torch.OutOfMemoryError:  # a full GPU says nothing about the kernel
-            raise
-        except Exception as error:  # a private op: any other failure means "use the next one"
-            what = "with fewer KV heads" if gqa else "with KV heads repeated"
-            warnings.warn(f"attention kernel {kernel!r} on {device}/{dtype}/head_dim {head_dim} "
-                          f"failed {what}: {type(error).__name__}: {error}")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
 # What this file removes, in bytes (the planner in train.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
@@ -542,7 +351,7 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     stage = 2 * kv_stage + 3 * q_stage + q_stage + 2 * kv_stage
     if stages_per_kv > 1:
         stage += 2 * kv_stage
-    stage += ulysses.attention_kernel_workspace_bytes(seq_len, heads_per_stage, kv_heads,
+    stage += kernels.backward_workspace_bytes(seq_len, heads_per_stage, kv_heads,
                                                       args.head_dim, b)
     return saved + gradients + stage
 
@@ -562,11 +371,13 @@ def valid_head_chunks(args, sp: int) -> list[int]:
 
 
 def main():
+    from demos import attention_demo_setup, end_ranks, measure_stage_memory
     from model import rope_cos_sin
 
-    demo = ulysses.attention_demo_setup("05_untied_ulysses.py")
+    demo = attention_demo_setup("05_untied_ulysses.py")
     args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
     rank, sp, seq_len, on_gpu = demo.rank, demo.sp, demo.seq_len, demo.on_gpu
+    ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
     group = dist.group.WORLD
     local = seq_len // sp
     positions = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
@@ -575,17 +386,17 @@ def main():
     bytes_per_value = torch.finfo(dtype).bits // 8
     rows = []
     attn.core = partial(ulysses.ulysses_attention, group=group)
-    rows.append(("Ulysses (02)", "-", "-", ulysses.measure_stage_memory(attn.attend, x, (rope,)),
+    rows.append(("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
                  ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
     for chunk in valid_head_chunks(args, sp):
         attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=chunk)
-        measured = ulysses.measure_stage_memory(attn.attend, x, (rope,))
+        measured = measure_stage_memory(attn.attend, x, (rope,))
         planned = untied_attention_bytes(args, seq_len, sp, chunk, bytes_per_value)
         rows.append(("Untied Ulysses", chunk, args.n_heads // chunk, measured, planned))
     if rank == 0:
         how = ("allocator peak above the input, forward + backward" if on_gpu else
                "bytes kept from forward to backward (saved tensors + output)")
-        kernel = lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
+        kernel = kernels.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
         unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
         print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
               f"one attention layer per rank; measured: {how}; planned: the GPU peak by 02/05's "
@@ -600,8 +411,7 @@ def main():
                   "  for Untied Ulysses its output and the log-sum-exps, the same for every U. U shrinks\n"
                   "  the transient peak inside backward (the planned column), which needs a GPU's\n"
                   "  allocator to measure (tests/test_05_untied_ulysses.py counts it on a CPU).")
-    dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

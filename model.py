@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import causal_attention
+
 IGNORE_INDEX = -100  # label value that contributes nothing to the loss
 
 
@@ -70,70 +72,6 @@ def get_model_args(name: str) -> ModelArgs:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention kernel: flash-attn if installed, else PyTorch SDPA (cuDNN first on GPUs), math on CPU.
-# ---------------------------------------------------------------------------------------------
-
-try:
-    from flash_attn import flash_attn_func  # optional, never required
-except ImportError:
-    flash_attn_func = None
-
-
-def attention_kernel_name(device: torch.device, dtype: torch.dtype, n_heads: int = 32,
-                          n_kv_heads: int = 8, head_dim: int = 128) -> str:
-    """The kernel `causal_attention` runs for these shapes (for the run log): flash-attn, or the
-    first SDPA backend, in our priority order, that accepts them."""
-    if device.type != "cuda":
-        return "sdpa (cpu)"
-    if flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16):
-        return "flash-attn"
-    try:
-        from torch.backends import cuda as backends
-
-        q = torch.empty(1, n_heads, 128, head_dim, device=device, dtype=dtype)
-        kv = torch.empty(1, n_kv_heads, 128, head_dim, device=device, dtype=dtype)
-        params = backends.SDPAParams(q, kv, kv, None, 0.0, True, n_kv_heads != n_heads)
-        for name, usable in (("cudnn", backends.can_use_cudnn_attention),
-                             ("flash", backends.can_use_flash_attention),
-                             ("efficient", backends.can_use_efficient_attention)):
-            if usable(params, False):
-                return f"sdpa {name}"
-        return "sdpa math"
-    except (ImportError, AttributeError, TypeError, RuntimeError):  # older torch: no probe
-        return "sdpa (cudnn > flash > efficient > math)"
-
-
-def _sdpa_backends():
-    from torch.nn.attention import SDPBackend
-
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     allow_flash_attn: bool = True) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(D)) v. q: (B, S, H, D); k, v: (B, S, Hkv, D), H % Hkv == 0.
-
-    Query head h attends with KV head h // (H // Hkv) (grouped-query attention).
-    allow_flash_attn=False stays on F.scaled_dot_product_attention (what torch's own context
-    parallelism intercepts; bench/ring.py).
-    """
-    if (allow_flash_attn and flash_attn_func is not None and q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16)):
-        return flash_attn_func(q, k, v, causal=True)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, heads, S, D)
-    gqa = k.shape[1] != q.shape[1]
-    if q.is_cuda:
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(_sdpa_backends(), set_priority=True):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return out.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The longest sequence whose training step completes, per method, found by search on the GPUs.
 
-    torchrun --nproc-per-node 2 bench/max_length.py --methods ulysses untied
-    python bench/max_length.py --device cpu --model tiny --methods ulysses --first-length 1K --granularity 256 --max-trials 2
+    torchrun --nproc-per-node 2 -m bench.max_length --methods ulysses untied
+    python -m bench.max_length --device cpu --model tiny --methods ulysses --first-length 1K --granularity 256 --max-trials 2
 
 Both methods run the whole ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms);
 only the attention method differs (Ulysses, or Untied Ulysses with U = P).
@@ -27,21 +27,26 @@ completed or OOM, time, peak).
 import argparse
 import dataclasses
 import importlib
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-from offload import allocate_adam_state  # noqa: E402
-from report import end_distributed, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
-from step import with_layers  # noqa: E402
-from throughput import method_config  # noqa: E402
+import model as llama
+import plan as planner
+from bench.offload import allocate_adam_state
+from bench.report import (
+    end_distributed,
+    refuse_without_gpu,
+    release,
+    synchronize,
+    within_budget,
+    write_result,
+)
+from bench.step import with_layers
+from bench.throughput import method_config
+from data import parse_tokens
 
 train = importlib.import_module("train")
 fsdp = importlib.import_module("01_fsdp")
@@ -151,10 +156,10 @@ def main():
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     refuse_without_gpu("max_length.py", opts.model, opts.device,
-                       "python bench/max_length.py --device cpu --model tiny --methods ulysses "
+                       "python -m bench.max_length --device cpu --model tiny --methods ulysses "
                        "--first-length 1K --granularity 256 --max-trials 2")
     started = time.perf_counter()
-    parse = ulysses.parse_tokens
+    parse = parse_tokens
     base = train.Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,
                         offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
                         dtype="bfloat16" if opts.device == "cuda" else "float32")
@@ -187,7 +192,7 @@ def main():
         cfg = method_config(base, method, opts.model, 1024)
         planned = None
         if opts.device == "cuda":  # the planner's longest for this GPU, host memory not limiting (see above)
-            planned, _ = train.plan_longest_seq_len(cfg, rt.world, gpu_bytes, 2**60)
+            planned, _ = planner.plan_longest_seq_len(cfg, rt.world, gpu_bytes, 2**60)
         elif not opts.first_length:
             parser.error("--first-length is needed on CPU (the planner plans for a GPU's memory)")
         start = parse(opts.first_length) if opts.first_length else planned

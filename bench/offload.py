@@ -1,9 +1,9 @@
 """Checkpointing and offload (03) on Llama-3-8B shapes, FSDP2 + Ulysses over the GPUs: peak GPU
 memory and step time without checkpointing, with it, and with the checkpoints offloaded.
 
-    torchrun --nproc-per-node 2 bench/offload.py                   # 2 H200s, about 7-8 minutes
-    torchrun --nproc-per-node 2 bench/offload.py --parts layers overhead
-    torchrun --nproc-per-node 2 bench/offload.py --device cpu --model tiny --fits-seq-len 256 \\
+    torchrun --nproc-per-node 2 -m bench.offload                   # 2 H200s, about 7-8 minutes
+    torchrun --nproc-per-node 2 -m bench.offload --parts layers overhead
+    torchrun --nproc-per-node 2 -m bench.offload --device cpu --model tiny --fits-seq-len 256 \\
         --layers-seq-len 256 --overhead-seq-len 512 --long-seq-len 512 --long-layers 8   # smoke test
 
 Every configuration builds the model through train.py (resolve_techniques, setup_runtime,
@@ -45,18 +45,26 @@ import sys
 import time
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-from report import cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
-from step import with_layers  # noqa: E402
+import kernels
+import model as llama
+from bench.report import (
+    cuda_time_ms,
+    default_out_dir,
+    end_distributed,
+    refuse_without_gpu,
+    release,
+    synchronize,
+    within_budget,
+    write_result,
+)
+from bench.step import with_layers
+from data import parse_tokens
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
@@ -191,13 +199,13 @@ def main():
     parser.add_argument("--out", default=None, help="directory (default $OUT or docs/results)")
     opts = parser.parse_args()
     refuse_without_gpu("offload.py", opts.model, opts.device,
-                       "torchrun --nproc-per-node 2 bench/offload.py --device cpu --model tiny "
+                       "torchrun --nproc-per-node 2 -m bench.offload --device cpu --model tiny "
                        "--fits-seq-len 256 --layers-seq-len 256 --overhead-seq-len 512 --long-seq-len "
                        "512 --long-layers 8")
     started = time.perf_counter()
     if "WORLD_SIZE" in os.environ:  # the JSON records the command as it was launched
         os.environ.setdefault("BENCH_COMMAND", f"torchrun --nproc-per-node {os.environ['WORLD_SIZE']} "
-                                               f"bench/offload.py {' '.join(sys.argv[1:])}".strip())
+                                               f"-m bench.offload {' '.join(sys.argv[1:])}".strip())
 
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         # A bounded collective timeout: if an out-of-memory error ever left the ranks out of
@@ -209,7 +217,7 @@ def main():
     base_cfg = train.resolve_techniques(train.Config(
         model=opts.model, device=opts.device, dtype="bfloat16" if opts.device == "cuda" else "float32",
         fsdp=True, ulysses=True, tile_loss=tile_loss, steps=0,
-        seq_len=ulysses.parse_tokens(opts.fits_seq_len)))
+        seq_len=parse_tokens(opts.fits_seq_len)))
     rt = train.setup_runtime(base_cfg)
     args = llama.get_model_args(opts.model)
     on_gpu = rt.device.type == "cuda"
@@ -224,7 +232,7 @@ def main():
               "gpu_memory_gib": (torch.cuda.get_device_properties(rt.device).total_memory / GiB
                                  if on_gpu else None),
               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-              "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, base_cfg.dtype)),
+              "attention_kernel": kernels.attention_kernel_name(rt.device, getattr(torch, base_cfg.dtype)),
               "pinned_copy": bandwidth, "rows": [], "summary": {}}
     out_dir = opts.out or default_out_dir()
     name = f"offload_{opts.model}_{rt.world}gpu" if on_gpu else f"offload_{opts.model}_cpu"
@@ -237,7 +245,7 @@ def main():
         if rt.rank == 0:
             write_result(name, result, out_dir, announce=False)
 
-    parse = ulysses.parse_tokens
+    parse = parse_tokens
     plan = {  # part -> [(seq_len, layers, mode, steps)]
         "fits": [(parse(opts.fits_seq_len), opts.layers, m, opts.steps) for m in MODES],
         "layers": [(parse(opts.layers_seq_len), n, m, 2) for n in (4, 8) for m in ("checkpoint", "offload")],

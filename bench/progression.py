@@ -1,6 +1,6 @@
 """The memory progression: one model, one length, each technique added in turn (the talk's chart).
 
-    python bench/progression.py --gpus 2 --seq-len 64K          # runs torchrun for each config
+    python -m bench.progression --gpus 2 --seq-len 64K          # runs torchrun for each config
 
 For each configuration it runs bench/step.py under torchrun (full steps through train.py's own
 functions) and collects per-GPU: model state (fp32 parameters + gradients + Adam, measured after
@@ -14,14 +14,11 @@ Writes progression_<model>_<gpus>gpu.json and a stacked-bar PNG when matplotlib 
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from report import default_out_dir, refuse_without_gpu, write_result  # noqa: E402
+from bench.report import default_out_dir, refuse_without_gpu, write_result
 
 CONFIGS = [  # (label, train.py flags); "none" is one process: without FSDP nothing keeps ranks in sync
     ("none", []),
@@ -37,7 +34,7 @@ CONFIGS = [  # (label, train.py flags); "none" is one process: without FSDP noth
 def run_config(label, flags, opts, tmp):
     name = "step_" + "".join(c for c in label if c.isalnum())
     gpus = 1 if not flags else opts.gpus
-    cmd = ["torchrun", "--nproc-per-node", str(gpus), str(HERE / "step.py"), "--name", name,
+    cmd = ["torchrun", "--nproc-per-node", str(gpus), "-m", "bench.step", "--name", name,
            "--out", tmp, "--steps", str(opts.steps)]
     if opts.layers:
         cmd += ["--layers", str(opts.layers)]
@@ -47,7 +44,8 @@ def run_config(label, flags, opts, tmp):
     cmd += ["--", "--model", opts.model, "--seq-len", opts.seq_len, *flags]
     print(" ".join(cmd), flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout,
+                              cwd=HERE.parent)  # python -m bench.step runs from the repo root
     except subprocess.TimeoutExpired:  # the next configurations still run
         return {"status": f"timeout ({opts.timeout:.0f} s)", "label": label, "flags": flags}
     path = Path(tmp, f"{name}.json")

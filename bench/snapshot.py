@@ -1,6 +1,6 @@
 """What fills a GPU at its peak, read from PyTorch's memory snapshot.
 
-    torchrun --nproc-per-node 2 bench/step.py --snapshot --name s -- --model llama3-8b --seq-len 64K --stack 4
+    torchrun --nproc-per-node 2 -m bench.step --snapshot --name s -- --model llama3-8b --seq-len 64K --stack 4
 
 bench/step.py --snapshot records the CUDA caching allocator's history from before the model is
 built (`torch.cuda.memory._record_memory_history`), takes `torch.cuda.memory._snapshot()` after

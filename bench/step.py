@@ -1,6 +1,6 @@
 """Full training steps through train.py's own functions, with a memory breakdown.
 
-    torchrun --nproc-per-node 2 bench/step.py --name fsdp_8b -- --model llama3-8b --seq-len 4K --fsdp
+    torchrun --nproc-per-node 2 -m bench.step --name fsdp_8b -- --model llama3-8b --seq-len 4K --fsdp
 
 Everything after `--` is train.py's flags. Records per rank 0: bytes allocated after the model is
 built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
@@ -17,17 +17,16 @@ import argparse
 import dataclasses
 import importlib
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-import snapshot  # noqa: E402
-from report import end_distributed, profile, refuse_without_gpu, write_result  # noqa: E402
+import kernels
+import model as llama
+from bench import snapshot
+from bench.report import end_distributed, profile, refuse_without_gpu, write_result
+from data import TokenData
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -60,15 +59,16 @@ def main():
     rt = train.setup_runtime(cfg)
     if opts.snapshot or opts.snapshot_file:
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
-    data = train.TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
+    data = TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
+    cfg.head_chunk = train.choose_head_chunk(cfg, rt)  # as train.py does
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
     times, peaks, losses = [], [], []
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
-              "attention_kernel": llama.attention_kernel_name(rt.device, getattr(torch, cfg.dtype))}
+              "attention_kernel": kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype))}
     try:
         for step in range(opts.steps):
             if opts.snapshot or opts.snapshot_file:

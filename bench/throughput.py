@@ -3,10 +3,10 @@ parallelism, PyTorch's own ring attention (the peer, bench/ring.py), Ulysses and
 all on the same ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms), measured
 side by side in one run; next to each, the bound set by the kernels' own speed.
 
-    torchrun --nproc-per-node 2 bench/throughput.py                          # 2 H200s
-    torchrun --nproc-per-node 2 bench/throughput.py --seq-lens 1M --methods ulysses untied ring
-    python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods none ulysses untied
-    python bench/throughput.py --plot docs/results/throughput_llama3-8b_2gpu.json \
+    torchrun --nproc-per-node 2 -m bench.throughput                          # 2 H200s
+    torchrun --nproc-per-node 2 -m bench.throughput --seq-lens 1M --methods ulysses untied ring
+    python -m bench.throughput --device cpu --model tiny --seq-lens 1K --methods none ulysses untied
+    python -m bench.throughput --plot docs/results/throughput_llama3-8b_2gpu.json \
         docs/results/throughput_llama3-8b_2gpu_1m.json        # the chart from saved results
 
 Depth: a full 32-layer step at 512K tokens on 2 GPUs takes minutes, so each row runs the real
@@ -49,7 +49,6 @@ import dataclasses
 import importlib
 import json
 import statistics
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -57,12 +56,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-import ring  # noqa: E402
-from report import cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu, release, synchronize, within_budget, write_result  # noqa: E402
-from step import with_layers  # noqa: E402
+import kernels
+import model as llama
+import plan as planner
+from bench import ring
+from bench.report import (
+    cuda_time_ms,
+    default_out_dir,
+    end_distributed,
+    refuse_without_gpu,
+    release,
+    synchronize,
+    within_budget,
+    write_result,
+)
+from bench.step import with_layers
+from data import parse_tokens
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
@@ -164,7 +173,7 @@ def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, loca
 
     def attention():
         q.grad = k.grad = v.grad = None
-        llama.causal_attention(q, k, v).backward(grad)
+        kernels.causal_attention(q, k, v).backward(grad)
 
     attention_ms = cuda_time_ms(attention, warmup=1, repeats=1)
     attention_flops = 2 * seq_len**2 * local_heads * args.head_dim * (1 + 2.5)
@@ -295,7 +304,7 @@ def main():
              f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
         return
     refuse_without_gpu("throughput.py", opts.model, opts.device,
-                       "python bench/throughput.py --device cpu --model tiny --seq-lens 1K --methods "
+                       "python -m bench.throughput --device cpu --model tiny --seq-lens 1K --methods "
                        "none ulysses untied")
     started = time.perf_counter()
     args = llama.get_model_args(opts.model)
@@ -305,12 +314,12 @@ def main():
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     dtype = getattr(torch, base.dtype)
     methods = [m for m in opts.methods if not (m == "ring" and opts.device == "cpu")]  # CUDA only
-    parse = ulysses.parse_tokens
+    parse = parse_tokens
     result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
               "tile_mlp, tile_loss, tile_norm + the method", "ring_gqa": opts.ring_gqa,
               "peak_flops_per_gpu": H200_BF16_PEAK, "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
-              "attention_kernel": llama.attention_kernel_name(rt.device, dtype, args.n_heads // rt.world,
+              "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.n_heads // rt.world,
                                                               max(args.n_kv_heads // rt.world, 1), args.head_dim),
               "rows": [], "kernel_rates": {}, "table": []}
     name = opts.name or f"throughput_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
@@ -340,7 +349,7 @@ def main():
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
         if cfg.untied and cfg.head_chunk is None and opts.device == "cuda":
             # What train.py would choose for the full-depth model, not for the shallow one.
-            cfg.head_chunk = train.fewest_stages_that_fit(dataclasses.replace(cfg, model=opts.model),
+            cfg.head_chunk = planner.fewest_stages_that_fit(dataclasses.replace(cfg, model=opts.model),
                                                           rt.world, train.smallest_gpu_memory(rt))
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(method.partition(":")[0], cfg, steps, opts.ring_gqa), steps=steps)

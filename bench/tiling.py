@@ -1,8 +1,8 @@
 """Tiled MLP and tiled loss (04) on Llama-3-8B shapes: peak memory and time of each phase,
 untiled vs tiled, and the step-time overhead of tiling.
 
-    torchrun --nproc-per-node 2 bench/tiling.py                  # 2 H200s, about 5 minutes
-    python bench/tiling.py --device cpu --model tiny --seq-lens 2K --step-seq-lens 256 --repeats 1
+    torchrun --nproc-per-node 2 -m bench.tiling                  # 2 H200s, about 5 minutes
+    python -m bench.tiling --device cpu --model tiny --seq-lens 2K --step-seq-lens 256 --repeats 1
 
 Phases, measured directly on each GPU's local tokens (total / GPUs, what Ulysses leaves it):
   - MLP: one block's MLP forward + backward on (local tokens, 4096) bf16;
@@ -22,19 +22,25 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-from report import default_out_dir, end_distributed, peak_and_times, refuse_without_gpu, release, within_budget, write_result  # noqa: E402
-from step import with_layers  # noqa: E402
+import kernels
+import model as llama
+from bench.report import (
+    default_out_dir,
+    end_distributed,
+    peak_and_times,
+    refuse_without_gpu,
+    release,
+    within_budget,
+    write_result,
+)
+from bench.step import with_layers
+from data import parse_tokens
 
 train = importlib.import_module("train")
 tiling = importlib.import_module("04_alst_tiling")
@@ -158,7 +164,7 @@ def main():
     parser.add_argument("--out", default=None, help="directory (default $OUT or docs/results)")
     opts = parser.parse_args()
     refuse_without_gpu("tiling.py", opts.model, opts.device,
-                       "python bench/tiling.py --device cpu --model tiny --seq-lens 2K --step-seq-lens "
+                       "python -m bench.tiling --device cpu --model tiny --seq-lens 2K --step-seq-lens "
                        "256 --repeats 1")
     started = time.perf_counter()
 
@@ -166,7 +172,7 @@ def main():
     base_cfg = train.resolve_techniques(train.Config(
         model=opts.model, device=opts.device,
         dtype="bfloat16" if opts.device == "cuda" else "float32", fsdp=True, ulysses=True,
-        checkpoint=checkpoint, steps=0, seq_len=ulysses.parse_tokens(opts.step_seq_lens[0])))
+        checkpoint=checkpoint, steps=0, seq_len=parse_tokens(opts.step_seq_lens[0])))
     rt = train.setup_runtime(base_cfg)  # joins torchrun's group (or a group of one)
     dtype = getattr(torch, base_cfg.dtype)
     args = llama.get_model_args(opts.model)
@@ -178,7 +184,7 @@ def main():
               "step_stack": "fsdp + ulysses" + (" + checkpoint" if checkpoint else ""),
               "step_what": "train.forward_backward, no optimizer step",
               "mlp_tile_rule": "ceil(local / dim) equal tiles", "loss_tile_rule": "<= 1 GiB fp32 logits",
-              "attention_kernel": llama.attention_kernel_name(rt.device, dtype),
+              "attention_kernel": kernels.attention_kernel_name(rt.device, dtype),
               "phases": [], "steps": [], "overheads": []}
     out_dir = opts.out or default_out_dir()
     name = f"tiling_{opts.model}_{rt.world}gpu" if opts.device == "cuda" else f"tiling_{opts.model}_cpu"
@@ -190,7 +196,7 @@ def main():
             write_result(name, result, out_dir, announce=False)
 
     for text in opts.seq_lens:
-        seq_len = ulysses.parse_tokens(text)
+        seq_len = parse_tokens(text)
         if not in_budget():
             result["phases"].append({"seq_len": seq_len, "status": "skipped (time budget)"})
             continue
@@ -202,7 +208,7 @@ def main():
         save()
 
     for text in opts.step_seq_lens:
-        seq_len = ulysses.parse_tokens(text)
+        seq_len = parse_tokens(text)
         for variant, layers in [*((v, opts.layers) for v in VARIANTS), ("untiled", 1)]:
             if not in_budget():
                 result["steps"].append({"seq_len": seq_len, "variant": variant, "layers": layers,

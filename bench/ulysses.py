@@ -1,7 +1,7 @@
 """One Ulysses attention layer of Llama-3-8B shape over P GPUs: exchange time vs kernel time, and
 per-GPU attention memory with and without Ulysses.
 
-    torchrun --nproc-per-node 2 bench/ulysses.py --seq-lens 128K 512K 1M
+    torchrun --nproc-per-node 2 -m bench.ulysses --seq-lens 128K 512K 1M
 
 For each total length S: q (S/P, 32 heads, 128), k/v (S/P, 8 heads, 128) in bf16 per GPU.
   - kernel: causal attention fwd+bwd over all S tokens with H/P heads (what each GPU runs);
@@ -15,16 +15,14 @@ Target (issue 3): all-to-all time under 10% of the kernel's at >= 512K tokens.
 import argparse
 import importlib
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-from report import cuda_time_ms, end_distributed, refuse_without_gpu, write_result  # noqa: E402
+import kernels
+import model as llama
+from bench.report import cuda_time_ms, end_distributed, refuse_without_gpu, write_result
+from data import parse_tokens
 
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
@@ -57,7 +55,7 @@ def main():
     dtype = torch.bfloat16
     rows = []
     for text in opts.seq_lens:
-        seq_len = ulysses.parse_tokens(text)
+        seq_len = parse_tokens(text)
         local = seq_len // sp
         q = torch.randn(1, local, H, D, device="cuda", dtype=dtype, requires_grad=True)
         k = torch.randn(1, local, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
@@ -75,7 +73,7 @@ def main():
         gh = torch.randn_like(qh)
 
         def kernel_fwd_bwd():
-            llama.causal_attention(qh, kh, vh).backward(gh)
+            kernels.causal_attention(qh, kh, vh).backward(gh)
 
         def exchanges():  # forward: q, k, v in, out back; backward: grad in, dq, dk, dv back
             for _ in range(2):
@@ -91,14 +89,14 @@ def main():
         total_ms = cuda_time_ms(ulysses_fwd_bwd, 0, repeats)
         del qh, kh, vh, gh
         baseline_peak = None
-        if seq_len <= ulysses.parse_tokens(opts.no_baseline_above) and rank == 0:
+        if seq_len <= parse_tokens(opts.no_baseline_above) and rank == 0:
             # Without Ulysses one GPU holds the whole sequence with all heads.
             qf = torch.randn(1, seq_len, H, D, device="cuda", dtype=dtype, requires_grad=True)
             kf = torch.randn(1, seq_len, Hkv, D, device="cuda", dtype=dtype, requires_grad=True)
             vf = torch.randn_like(kf, requires_grad=True)
             gf = torch.randn_like(qf)
             inputs = sum(t.numel() * 2 for t in (qf, kf, vf, gf))
-            baseline_peak = peak_above(lambda: llama.causal_attention(qf, kf, vf).backward(gf))
+            baseline_peak = peak_above(lambda: kernels.causal_attention(qf, kf, vf).backward(gf))
             del qf, kf, vf, gf
         dist.barrier()
         row = {"seq_len": seq_len, "local_tokens": local, "kernel_fwd_bwd_ms": kernel_ms,
@@ -124,7 +122,7 @@ def main():
                   f"{r['ulysses_peak_above_inputs_gib']:>19.2f} {none:>16}")
         write_result("ulysses_attention", {
             "what": "one Llama-3-8B attention core (32/8 heads, D=128, bf16, causal), fwd+bwd",
-            "attention_kernel": llama.attention_kernel_name(torch.device("cuda"), dtype),
+            "attention_kernel": kernels.attention_kernel_name(torch.device("cuda"), dtype),
             "rows": rows}, opts.out)
     end_distributed()
 

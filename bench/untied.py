@@ -1,8 +1,8 @@
 """Untied Ulysses vs Ulysses: one Llama-3-8B attention sub-layer over P GPUs, memory and time.
 
-    torchrun --nproc-per-node 2 bench/untied.py                       # 512K and 1M tokens (~6 min)
-    torchrun --nproc-per-node 2 bench/untied.py --seq-lens 512K --chunks 2 16
-    torchrun --nproc-per-node 2 bench/untied.py --seq-lens 128K --chunks 2 16 --profile --name untied_profile
+    torchrun --nproc-per-node 2 -m bench.untied                       # 512K and 1M tokens (~6 min)
+    torchrun --nproc-per-node 2 -m bench.untied --seq-lens 512K --chunks 2 16
+    torchrun --nproc-per-node 2 -m bench.untied --seq-lens 128K --chunks 2 16 --profile --name untied_profile
 
 The sub-layer is the model's `attend` seam: normed input x (S/P local tokens, 4096) -> Q/K/V
 projections, rotary, attention, output (S/P, 32 x 128) before o_proj; forward and backward with
@@ -22,18 +22,16 @@ import argparse
 import gc
 import importlib
 import os
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import model as llama  # noqa: E402
-from report import end_distributed, profile, refuse_without_gpu, write_result  # noqa: E402
+import kernels
+import model as llama
+from bench.report import end_distributed, profile, refuse_without_gpu, write_result
+from data import parse_tokens
 
 ulysses = importlib.import_module("02_ulysses")
 untied = importlib.import_module("05_untied_ulysses")
@@ -105,7 +103,7 @@ def main():
     parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT or docs/results)")
     opts = parser.parse_args()
     refuse_without_gpu("untied.py", opts.model,
-                       cpu_form="torchrun --nproc-per-node 2 bench/untied.py --model tiny "
+                       cpu_form="torchrun --nproc-per-node 2 -m bench.untied --model tiny "
                                 "--seq-lens 256 --chunks 2 8 --repeats 1")
 
     on_gpu = torch.cuda.is_available()  # a CPU run (gloo, fp32) is a smoke test: time only
@@ -123,7 +121,7 @@ def main():
         attn = llama.Attention(args).to(dtype)
     for p in attn.parameters():
         torch.nn.init.normal_(p, 0.0, 0.02)
-    lse_kernel = untied.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))
+    lse_kernel = kernels.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))
     chunks = [c for c in opts.chunks if c in untied.valid_head_chunks(args, sp)]
     if rank == 0 and chunks != opts.chunks:
         print(f"skipping head chunks {sorted(set(opts.chunks) - set(chunks))}: not valid for "
@@ -131,10 +129,10 @@ def main():
 
     rows = []
     for text in opts.seq_lens:
-        seq_len = ulysses.parse_tokens(text)
+        seq_len = parse_tokens(text)
         ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
         local = seq_len // sp
-        repeats = 0 if seq_len > ulysses.parse_tokens(opts.single_run_above) else opts.repeats
+        repeats = 0 if seq_len > parse_tokens(opts.single_run_above) else opts.repeats
         positions = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
         rope = llama.rope_cos_sin(positions, args, dtype)
         x = torch.randn(1, local, args.dim, device=device, dtype=dtype, requires_grad=True)
@@ -188,7 +186,7 @@ def main():
     if rank == 0:
         print(f"\n{opts.model} attention sub-layer (attend seam) fwd+bwd over {sp} ranks, {dtype}; "
               f"Untied kernel: {lse_kernel[0]} (native GQA: {lse_kernel[1]}); Ulysses kernel: "
-              f"{llama.attention_kernel_name(device, dtype)}")
+              f"{kernels.attention_kernel_name(device, dtype)}")
         print(f"{'tokens':>8} {'method':>8} {'U':>3} {'stages':>6} {'peak GiB':>9} {'x Uly':>6} "
               f"{'time ms':>9} {'x Uly':>6} {'planned GiB':>11} {'diff':>7}  targets")
         for r in rows:
@@ -209,7 +207,7 @@ def main():
             "what": f"one {opts.model} attention sub-layer (normed x -> pre-o_proj output), "
                     f"fwd+bwd, {dtype}, {sp} ranks; peak = max allocated above x, grad_out, weights",
             "untied_kernel": lse_kernel[0], "untied_kernel_native_gqa": lse_kernel[1],
-            "ulysses_kernel": llama.attention_kernel_name(device, dtype),
+            "ulysses_kernel": kernels.attention_kernel_name(device, dtype),
             "targets": "at U = P peak <= 0.5 x Ulysses; time <= 1.03 x Ulysses at >= 512K",
             "rows": rows}, opts.out)
     end_distributed()

@@ -5,10 +5,10 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
-
-import model as llama
 from ranks import run_ranks
 from reference import full, make_batch
+
+import model as llama
 
 fsdp = importlib.import_module("01_fsdp")
 train = importlib.import_module("train")

@@ -5,10 +5,17 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
-
-import model as llama
 from ranks import run_ranks
-from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+from reference import (
+    assert_matches,
+    make_batch,
+    reference_loss_and_grads,
+    train_loss_and_grads,
+)
+
+import kernels
+import model as llama
+from data import parse_tokens
 
 ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")
@@ -32,7 +39,7 @@ def _attention_matches_unsharded(device="cpu", dtype=torch.float32, rtol=1e-5, a
         grad_out = torch.randn(batch, seq_len, n_heads, head_dim, generator=g)
         # Reference: fp32, unsharded, on the CPU.
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out = llama.causal_attention(*ref)
+        ref_out = kernels.causal_attention(*ref)
         ref_out.backward(grad_out)
         # Ulysses: each rank holds its token slice.
         mine = [t[:, local].to(device, dtype).requires_grad_() for t in (q, k, v)]
@@ -99,10 +106,10 @@ def test_length_not_divisible_is_refused():
 
 
 def test_token_counts_parse():
-    assert [ulysses.parse_tokens(t) for t in ("4096", "128K", "3M", "1.5M")] == [
+    assert [parse_tokens(t) for t in ("4096", "128K", "3M", "1.5M")] == [
         4096, 131072, 3145728, 1572864]
     with pytest.raises(ValueError, match="cannot read a token count"):
-        ulysses.parse_tokens("lots")
+        parse_tokens("lots")
 
 
 @pytest.mark.gpu

@@ -13,12 +13,19 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
+from reference import (
+    assert_matches,
+    make_batch,
+    reference_loss_and_grads,
+    train_loss_and_grads,
+)
 
 import model as llama
-from ranks import run_ranks
-from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+from data import TokenData
 
 offload = importlib.import_module("03_checkpoint_offload")
+ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +110,7 @@ def _repeated_steps_do_not_grow():
                                          seq_len=SEQ, batch_size=ROWS, lr=1e-3))
     offloader = model.checkpoint_offload
     optimizer = train.make_optimizer(model, cfg)
-    data = train.TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
+    data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
     live, buffers = [], []
     for step in range(5):
         train.train_step(model, optimizer, data.batch(step), rt, cfg)
@@ -161,7 +168,7 @@ def test_offloaded_inputs_are_really_released():
 
     offloader.pack = watching_pack
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=2)
-    input_ids, labels, positions = train.ulysses.shard_sequence(tokens, 0, 1, labels)
+    input_ids, labels, positions = ulysses.shard_sequence(tokens, 0, 1, labels)
     loss = model(input_ids, positions, labels)
     gc.collect()
     alive = {layer: ref() is not None for layer, ref in seen}

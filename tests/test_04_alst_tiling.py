@@ -10,12 +10,17 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
+from reference import (
+    assert_matches,
+    make_batch,
+    reference_loss_and_grads,
+    train_loss_and_grads,
+)
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
-from ranks import run_ranks
-from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
 
 tiling = importlib.import_module("04_alst_tiling")
 train = importlib.import_module("train")

@@ -32,7 +32,7 @@ SMOKE_RUNS = {
 def test_benchmark_runs_on_cpu(script, tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--standalone", str(ROOT / "bench" / f"{script}.py"), *SMOKE_RUNS[script],
+               "--standalone", "-m", f"bench.{script}", *SMOKE_RUNS[script],
                "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{script}.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -49,7 +49,7 @@ def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
     """Without a GPU a full-size benchmark would be killed for host memory minutes later (or fail
     inside NCCL): it stops at once and says what runs on a CPU."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py")], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", f"bench.{script}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "no CUDA GPU here" in done.stderr and needle in done.stderr, done.stderr[-2000:]
@@ -60,7 +60,7 @@ def test_throughput_plot_needs_no_gpu(tmp_path):
     saved = tmp_path / "throughput.json"
     saved.write_text((ROOT / "docs" / "results" / "throughput_llama3-8b_2gpu.json").read_text())
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--plot", str(saved)],
+    done = subprocess.run([sys.executable, "-m", "bench.throughput", "--plot", str(saved)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     try:
@@ -79,8 +79,7 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
     torch.cuda.memory._snapshot()['device_traces']): the largest moment, split by who allocated,
     and an out-of-memory request with its owner. Frames innermost first, as the snapshot has them;
     one list outermost first (starting at <module>) checks that it is read the right way round."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import snapshot
+    from bench import snapshot
 
     alloc = lambda addr, size, *frames: {"action": "alloc", "addr": addr, "size": size,  # noqa: E731
                                          "frames": list(frames)}
@@ -119,8 +118,7 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
 def test_max_length_search_brackets_the_limit(monkeypatch):
     """bench/max_length.py's search, with a stand-in trial that fits up to 5,000 tokens: it
     steps up from the first length until a trial fails, then bisects to the granularity."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import max_length
+    from bench import max_length
 
     tried = []
 
@@ -149,7 +147,7 @@ def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
     """On a GPU: step.py --snapshot's replayed peak is the allocator's own maximum, its parts
     add up to it, and attention and model state are both found."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str(ROOT / "bench" / "step.py"), "--snapshot", "--steps", "2", "--name", "snap",
+               "-m", "bench.step", "--snapshot", "--steps", "2", "--name", "snap",
                "--out", str(tmp_path), "--", "--model", "small", "--seq-len", "8K", "--stack", "4"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import kernels
 import model as llama
 
 
@@ -25,7 +26,7 @@ def test_attention_matches_explicit_softmax(n_heads, n_kv_heads):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 17, n_heads, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 17, n_kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    torch.testing.assert_close(llama.causal_attention(q, k, v), explicit_causal_attention(q, k, v))
+    torch.testing.assert_close(kernels.causal_attention(q, k, v), explicit_causal_attention(q, k, v))
 
 
 def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
@@ -120,7 +121,7 @@ def test_unknown_preset_is_refused():
 
 
 def test_kernel_name_is_reported():
-    assert llama.attention_kernel_name(torch.device("cpu"), torch.float32) == "sdpa (cpu)"
+    assert kernels.attention_kernel_name(torch.device("cpu"), torch.float32) == "sdpa (cpu)"
 
 
 def test_fast_init_gives_every_shard_its_own_values():

@@ -3,19 +3,15 @@ model and stack) computes the same loss and gradients as the unsharded model. A 
 comparison against a peer that computed something else would mean nothing. GPU only: torch's
 ring dispatches only CUDA SDPA kernels."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
+from reference import assert_matches, full, make_batch, reference_loss_and_grads
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import ring  # noqa: E402
-from ranks import run_ranks  # noqa: E402
-from reference import assert_matches, full, make_batch, reference_loss_and_grads  # noqa: E402
-
-import train  # noqa: E402
+import train
+from bench import ring
 
 
 def _ring_matches_unsharded(gqa: str, dtype: str, norm_rtol: float):

@@ -26,8 +26,11 @@ import torch.distributed as dist
 if __name__ == "__main__":  # run as a script: the repository and tests/ on the path, as pytest has
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-import model as llama  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+
+import model as llama  # noqa: E402
+import plan as planner
+from demos import measure_stage_memory
 
 train = importlib.import_module("train")  # noqa: E402
 fsdp = importlib.import_module("01_fsdp")
@@ -76,7 +79,7 @@ def predicted_bytes(row: dict) -> tuple:
             args = replace(args, n_layers=row["layers"])
         # Adam's moments exist in later steps, and in a first step the benchmark prepared them for.
         adam = row.get("adam_allocated", row["kind"] == "step")
-        plan = train.plan_memory(cfg, row["gpus"], args, adam_allocated=adam)
+        plan = planner.plan_memory(cfg, row["gpus"], args, adam_allocated=adam)
         if row["kind"] == "model_state":
             return plan["model_state"], "after the optimizer step"
         moments = {m: sum(c.values()) for m, c in plan["moments"].items()}
@@ -220,7 +223,7 @@ def _attention_layer_bytes(args):
             # per stage: grad out, q, out (its heads), k, v, lse; dq, dk, dv
             kernel = ((3 * q_bytes + lse_bytes + q_bytes) // stages // sp + 4 * one_kv_head)
             n_calls = stages
-        kept = ulysses.measure_stage_memory(attend, x, ((cos, sin),)) - not_its_own
+        kept = measure_stage_memory(attend, x, ((cos, sin),)) - not_its_own
         if method == "untied":  # its output buffer is also saved: the measure counts it twice
             kept -= output
         assert kept == saved, (method, chunk, args.n_kv_heads, kept, saved)
@@ -230,7 +233,7 @@ def _attention_layer_bytes(args):
         x.grad = None
     # Plain attention (no exchange): the same count with sp = 1.
     plain = llama.Attention(args)
-    kept = ulysses.measure_stage_memory(plain.attend, x, ((cos, sin),))
+    kept = measure_stage_memory(plain.attend, x, ((cos, sin),))
     kept -= x.nbytes + cos.nbytes + sin.nbytes + sum(p.weight.nbytes for p in
                                                       (plain.q_proj, plain.k_proj, plain.v_proj))
     kept -= output  # the kernel's output is the layer's: counted twice
@@ -304,7 +307,7 @@ def _training_and_plan_refuse_alike():
         with pytest.raises(ValueError) as training:
             train.setup_runtime(cfg)
         with pytest.raises(ValueError) as planning:
-            train.plan_memory(cfg, world)
+            planner.plan_memory(cfg, world)
         assert str(planning.value) == str(training.value)
 
 
@@ -325,14 +328,14 @@ def test_counted_on_cpu_ranks():
 # ---------------------------------------------------------------------------------------------
 
 def test_parse_bytes():
-    assert train.parse_bytes("80GiB") == 80 * 2**30
-    assert train.parse_bytes("141GiB") == 141 * 2**30
-    assert train.parse_bytes("2TiB") == 2 * 2**40
-    assert train.parse_bytes("512GB") == 512 * 10**9
-    assert train.parse_bytes("1.5T") == int(1.5 * 2**40)
+    assert planner.parse_bytes("80GiB") == 80 * 2**30
+    assert planner.parse_bytes("141GiB") == 141 * 2**30
+    assert planner.parse_bytes("2TiB") == 2 * 2**40
+    assert planner.parse_bytes("512GB") == 512 * 10**9
+    assert planner.parse_bytes("1.5T") == int(1.5 * 2**40)
     for bad in ("eighty", "-3GiB", "0GB"):
         with pytest.raises(ValueError, match="memory size"):
-            train.parse_bytes(bad)
+            planner.parse_bytes(bad)
 
 
 def _cfg(stack, seq_len, **flags):
@@ -345,7 +348,7 @@ def test_each_technique_acts_where_its_file_says():
     layer's, without checkpointing); checkpointing keeps one input per layer, offload one in
     all; tiling removes the logits; Untied Ulysses shrinks the attention layer's backward."""
     length = 2**20
-    plans = {stack: train.plan_memory(_cfg(stack, length), 8 if stack else 1) for stack in range(6)}
+    plans = {stack: planner.plan_memory(_cfg(stack, length), 8 if stack else 1) for stack in range(6)}
     assert plans[0]["model_state"] == pytest.approx(8 * 8.03e9, rel=0.01)  # bf16 weights, grads, Adam
     assert plans[1]["model_state"] == sum(fsdp.model_state_bytes(LLAMA8B, 8).values())
     at_loss = {s: plans[s]["moments"]["end of forward (loss)"] for s in range(6)}
@@ -366,7 +369,7 @@ def test_tiled_norms_without_checkpointing_keep_the_running_blocks_input():
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**19, dtype="bfloat16",
                                                 fsdp=True, ulysses=True, tile_mlp=True,
                                                 tile_loss=True, tile_norm=True))
-    plan = train.plan_memory(cfg, 2)
+    plan = planner.plan_memory(cfg, 2)
     hidden = 2**19 // 2 * LLAMA8B.dim * 2
     norms = tiling.norm_temporary_bytes(LLAMA8B, 2**18, None, 2)
     layer = norms["saved"] + norms["block_input"]  # the tiled MLP keeps only its input (a norm's output)
@@ -377,10 +380,10 @@ def test_tiled_norms_without_checkpointing_keep_the_running_blocks_input():
 def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():
     longest = {}
     for stack in (1, 2, 4, 5):
-        length, plan = train.plan_longest_seq_len(_cfg(stack, 1024), 8, 80 * GiB, 2 * 2**40)
+        length, plan = planner.plan_longest_seq_len(_cfg(stack, 1024), 8, 80 * GiB, 2 * 2**40)
         assert plan is not None and plan["peak"] <= 77 * GiB
         assert length % (1024 * plan["sp"]) == 0
-        assert train.plan_memory(_cfg(stack, length + 1024 * plan["sp"]), 8)["peak"] > 77 * GiB
+        assert planner.plan_memory(_cfg(stack, length + 1024 * plan["sp"]), 8)["peak"] > 77 * GiB
         longest[stack] = length
     assert longest[1] < longest[2] < longest[4] < longest[5], longest
     assert longest[4] > 2 * 2**20 and longest[5] > 2.5 * 2**20  # millions with the full stack
@@ -391,24 +394,24 @@ def test_untied_default_runs_the_fewest_stages_that_fit():
     one stage (U = H) where memory is plentiful, U = P (the least memory) near the longest
     length that fits, and in between a U whose plan leaves a tenth of the GPU spare."""
     gpu = 141 * GiB
-    choose = lambda length: train.fewest_stages_that_fit(_cfg(5, length), 2, gpu)  # noqa: E731
+    choose = lambda length: planner.fewest_stages_that_fit(_cfg(5, length), 2, gpu)  # noqa: E731
     assert choose(2**17) == LLAMA8B.n_heads
-    longest, _ = train.plan_longest_seq_len(_cfg(5, 1024), 2, gpu, 2**50)
+    longest, _ = planner.plan_longest_seq_len(_cfg(5, 1024), 2, gpu, 2**50)
     assert choose(longest) == 2
     middle = choose(2**21)
     assert 2 < middle < LLAMA8B.n_heads
-    plan = train.plan_memory(_cfg(5, 2**21, head_chunk=middle), 2)
-    assert plan["peak"] <= 0.9 * (gpu - train.PLAN_GPU_RESERVE)
-    assert train.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)["peak"] > 0.9 * (gpu - train.PLAN_GPU_RESERVE)
+    plan = planner.plan_memory(_cfg(5, 2**21, head_chunk=middle), 2)
+    assert plan["peak"] <= 0.9 * (gpu - planner.PLAN_GPU_RESERVE)
+    assert planner.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)["peak"] > 0.9 * (gpu - planner.PLAN_GPU_RESERVE)
 
 
 def test_host_memory_limits_offload():
     """Offloaded checkpoints live in the node's host memory, shared by its GPUs, in power-of-two
     pieces the pinned allocator reserves exactly."""
-    plan = train.plan_memory(_cfg(5, 3 * 2**20), 8)
+    plan = planner.plan_memory(_cfg(5, 3 * 2**20), 8)
     assert plan["host"] == 31 * 3 * GiB  # 3 GiB block inputs in 2 + 1 GiB pinned pieces
-    assert train.plan_fits(plan, 8, 80 * GiB, 2 * 2**40)[1]
-    assert not train.plan_fits(plan, 8, 80 * GiB, 512 * 10**9)[1]
+    assert planner.plan_fits(plan, 8, 80 * GiB, 2 * 2**40)[1]
+    assert not planner.plan_fits(plan, 8, 80 * GiB, 512 * 10**9)[1]
 
 
 def _run_plan(*flags):

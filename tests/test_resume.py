@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import run_ranks
 from reference import full
 from test_train import ROOT
+
+import model as llama
+import resume
 
 train = importlib.import_module("train")
 
@@ -54,14 +56,14 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypat
         train.train(config(tmp_path, 3, resume=True, save_every=1))
     monkeypatch.undo()
     assert (tmp_path / "step_00000003.tmp").exists()
-    assert train.complete_checkpoints(str(tmp_path))[-1].endswith("step_00000002")
+    assert resume.complete_checkpoints(str(tmp_path))[-1].endswith("step_00000002")
     run = train.train(config(tmp_path, 4, resume=True))
     assert [h["step"] for h in run.history] == [2, 3]
 
 
 def test_only_the_two_newest_checkpoints_are_kept(tmp_path):
     train.train(config(tmp_path, 4, save_every=1))
-    assert [os.path.basename(p) for p in train.complete_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in resume.complete_checkpoints(str(tmp_path))] == [
         "step_00000003", "step_00000004"]
 
 
@@ -80,7 +82,7 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     watchdog.cancel()
     assert proc.returncode != 0
     assert "stopped by SIGTERM" in stderr and "--resume" in stderr, stderr
-    latest = train.complete_checkpoints(str(tmp_path))[-1]
+    latest = resume.complete_checkpoints(str(tmp_path))[-1]
     saved_step = json.loads(Path(latest, "meta.json").read_text())["step"]
     assert saved_step >= 3
     resumed = subprocess.run(cmd[:2] + ["--steps", str(saved_step + 2)] + cmd[4:] + ["--resume"],
@@ -101,7 +103,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     monkeypatch.setattr(train, "forward_backward", nan_at_step_3)
     with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\).* at step 3"):
         train.train(config(tmp_path, 10, save_every=1))
-    latest = train.complete_checkpoints(str(tmp_path))[-1]
+    latest = resume.complete_checkpoints(str(tmp_path))[-1]
     assert latest.endswith("step_00000003")  # steps 0, 1, 2 done; nothing saved after the NaN
 
 
@@ -111,7 +113,7 @@ def test_resume_with_another_model_or_world_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(argv + ["--model", "small"])
     assert "holds a model of another shape (tiny" in capsys.readouterr().err
-    meta_path = Path(train.complete_checkpoints(str(tmp_path))[-1], "meta.json")
+    meta_path = Path(resume.complete_checkpoints(str(tmp_path))[-1], "meta.json")
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps({**meta, "world_size": 2}))
     with pytest.raises(SystemExit):
@@ -129,7 +131,7 @@ def test_out_of_memory_names_the_phase_and_the_next_technique(monkeypatch, capsy
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7680.00 GiB")
 
-    monkeypatch.setattr(train.llama.Transformer, "forward", oom)
+    monkeypatch.setattr(llama.Transformer, "forward", oom)
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--steps", "1"])
     err = capsys.readouterr().err

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import run_ranks
 
 train = importlib.import_module("train")

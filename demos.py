@@ -1,0 +1,77 @@
+"""demos.py - what the numbered files' demos share: starting and ending their processes, one
+attention layer to measure, and the measurement itself. Plumbing only; each lesson is in its file.
+"""
+
+import argparse
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from data import parse_tokens
+from model import Attention, get_model_args
+
+
+def start_ranks() -> SimpleNamespace:
+    """Join torchrun's process group when launched by it (NCCL on GPUs, gloo on CPUs), else
+    stay one process. Returns rank, world, device, dtype (bf16 on GPUs), launched."""
+    on_gpu = torch.cuda.is_available()
+    launched = "RANK" in os.environ
+    if launched:
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    return SimpleNamespace(rank=dist.get_rank() if launched else 0,
+                           world=dist.get_world_size() if launched else 1, device=device,
+                           dtype=torch.bfloat16 if on_gpu else torch.float32, on_gpu=on_gpu,
+                           launched=launched)
+
+
+def end_ranks() -> None:
+    if dist.is_initialized():
+        dist.barrier()  # gloo aborts if a rank tears down while its peer is still in a collective
+        dist.destroy_process_group()
+
+
+def attention_demo_setup(script: str) -> SimpleNamespace:
+    """What the demos of 02 and 05 share: flags, the process group, one attention layer."""
+    parser = argparse.ArgumentParser(description=f"{script}: attention-stage memory per rank")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--seq-len", default="16K")
+    opts = parser.parse_args()
+    args = get_model_args(opts.model)
+    seq_len = parse_tokens(opts.seq_len)
+    if "RANK" not in os.environ:
+        raise SystemExit(f"launch with torchrun, e.g. torchrun --nproc-per-node 2 {script}")
+    ranks = start_ranks()
+    torch.manual_seed(0)
+    with torch.device(ranks.device):
+        attn = Attention(args).to(ranks.dtype)
+    return SimpleNamespace(**vars(ranks), model=opts.model, args=args, seq_len=seq_len,
+                           sp=ranks.world, attn=attn)
+
+
+def measure_stage_memory(attend, x, extra) -> int:
+    """Peak bytes above the input while one stage runs forward and backward: on a GPU the
+    allocator's peak; on a CPU the bytes of every tensor the stage saves for backward plus its
+    output (what stays alive between forward and backward)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        attend(x, *extra).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attend(x, *extra)
+    total = sum(saved.values()) + out.untyped_storage().nbytes()
+    out.sum().backward()
+    return total

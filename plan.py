@@ -1,0 +1,341 @@
+"""plan.py - how much memory a training step needs per GPU, without a GPU.
+
+    python plan.py --model llama3-8b --seq-len 3M --stack 5 --gpus 8 --gpu-mem 80GiB
+    python plan.py --model llama3-8b --seq-len max --gpus 8      # longest length per --stack
+    python train.py --plan ...                                   # the same
+
+Each numbered file states the bytes its technique leaves on the GPU in one function
+(`model_state_bytes` in 01, `attention_activation_bytes` in 02, `checkpoint_memory_bytes` in 03,
+`mlp_temporary_bytes` / `loss_temporary_bytes` in 04, `untied_attention_bytes` in 05); this file
+adds them up at the moments a step can peak. Training flags mean what they mean to train.py.
+The counts are calibrated against GPU runs (docs/calibration.md: within a few percent).
+"""
+
+import argparse
+import importlib
+import sys
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+import model as llama
+import train
+
+fsdp = importlib.import_module("01_fsdp")
+ulysses = importlib.import_module("02_ulysses")
+offload = importlib.import_module("03_checkpoint_offload")
+tiling = importlib.import_module("04_alst_tiling")
+untied = importlib.import_module("05_untied_ulysses")
+
+GiB = 2**30
+# What a GPU cannot hand to tensors: the CUDA context, NCCL and cuBLAS workspaces, the
+# allocator's slack. On a 139.8 GiB H200 a step failed to allocate 0.9 GiB with 136.85 GiB
+# allocated (docs/results/progression_llama3-8b_2gpu.json): 2.95 GiB was out of reach.
+PLAN_GPU_RESERVE = 3 * GiB
+PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
+    "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)"),
+    "block": ("one block's recompute + temporaries", None),
+    "loss": ("loss temporaries", None),
+    "fsdp": ("FSDP gathered params / unsharded grads", None),
+    "optimizer": ("optimizer step temporaries", None),
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '141GiB', '2TiB', '512GB', '1.5T' -> bytes. KiB/MiB/GiB/TiB and a bare K/M/G/T
+    are powers of 2; KB/MB/GB/TB powers of 10."""
+    value = str(text).strip()
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9,
+             "MB": 10**6, "KB": 10**3, "T": 2**40, "G": 2**30, "M": 2**20, "K": 2**10, "B": 1}
+    unit = next((u for u in units if value.upper().endswith(u)), "")
+    try:
+        number = float(value[:len(value) - len(unit)]) if unit else None
+    except ValueError:
+        number = None
+    if number is None:
+        raise ValueError(f"cannot read a memory size from {text!r} (try 80GiB, 2TiB or 512GB)")
+    if not number > 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(number * units[unit])
+
+
+def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True) -> dict:
+    """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
+    the step can peak, by component; every count comes from a numbered file's byte function.
+
+      end of forward (loss):      what forward keeps (checkpoints, or every layer's
+                                  activations) and the loss's temporaries;
+      backward of the last layer: all checkpoints still on the GPU, one block's backward;
+      backward of layer 0:        one checkpoint left, the other layers' gradients;
+      end of backward:            the root's gradients on their way to the reduce-scatter;
+      optimizer step:             the whole model state and AdamW's temporaries.
+    One block's backward peaks at its MLP, its post-attention RMSNorm or its attention.
+    adam_allocated=False: the first step, whose optimizer step allocates Adam's moments.
+    Returns {"moments": {moment: {component: bytes}}, "peak_moment", "peak", "block_moment",
+    "host" (pinned bytes per GPU), "model_state", "local_tokens", "sp", "dp", "head_chunk"}.
+    """
+    args = args or llama.get_model_args(cfg.model)
+    sp, head_chunk = train.check_layout(cfg, world_size, args)
+    b = getattr(torch, cfg.dtype).itemsize
+    tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
+    local_tokens = tokens // sp
+    hidden = local_tokens * args.dim * b  # a block's input or output, or its gradient
+    n_layers = args.n_layers
+    n_params = llama.num_params(args)
+    block_params = (n_params - llama.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
+    largest = max(args.vocab_size, args.ffn_dim, args.n_heads * args.head_dim) * args.dim
+    if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
+        state = fsdp.model_state_bytes(args, world_size)
+        buffers = fsdp.fsdp_buffer_bytes(args, b)
+        optimizer_temporaries = 2 * 4 * -(-largest // world_size)
+    else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
+        state = {"parameters": b * n_params, "gradients": b * n_params, "optimizer": 2 * b * n_params}
+        buffers = dict.fromkeys(("after_forward", "during_backward", "end_of_backward"), 0)
+        optimizer_temporaries = 2 * b * largest
+    # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
+
+    if cfg.untied:
+        attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b)
+    else:
+        attention = partial(ulysses.attention_activation_bytes, args, tokens, sp, b)
+    mlp = partial(tiling.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
+                  cfg.mlp_tile_tokens, b)
+    attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
+    norms = (tiling.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b) if cfg.tile_norm
+             else offload.block_recompute_bytes(args, local_tokens, b))
+    loss = tiling.loss_temporary_bytes(args, local_tokens, cfg.tile_loss, cfg.loss_tile_tokens, b)
+
+    # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
+    # The gradient of its output stays until its first RMSNorm's input gradient is added to it.
+    first_norm = norms["first_norm"]  # kept until the block's input gradient is done
+    # At Ulysses' kernel backward two token-layout tensors of its standalone count are gone in
+    # a block: o_proj's input (o_proj's backward ran first) and the output gradient (exchanged
+    # into the head layout, then dropped). Untied Ulysses keeps both: it saved its output and
+    # slices the output gradient stage by stage. (Measured at 128K-1M, docs/calibration.md.)
+    token_layout = (local_tokens * args.n_heads * args.head_dim * b
+                    if cfg.ulysses and not cfg.untied and sp > 1 else 0)
+    block_moments = {
+        "its MLP": (attention_saved, norms["saved"] + hidden + mlp()),
+        "its post-attention RMSNorm": (attention_saved, first_norm + norms["post_norm_input"]
+                                       + 2 * hidden + norms["norm_backward"]),
+        "its attention": (attention() - token_layout, first_norm + 2 * hidden - token_layout),
+    }
+    block_moment = max(block_moments, key=lambda m: sum(block_moments[m]))
+    block_attention, block_rest = block_moments[block_moment]
+
+    params, grads = state["parameters"], state["gradients"]
+    adam = state["optimizer"] if adam_allocated else 0
+    if cfg.checkpoint:
+        checkpoints = offload.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b, pinned=True)
+        host = checkpoints["host"]
+        forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
+        # Offloaded: backward starts with the last input and brings the next one back (if
+        # there is a next one: a one-layer model keeps its only input on the GPU).
+        prefetched = hidden if cfg.offload and n_layers > 1 else 0
+        last_layer_kept = {"saved": checkpoints["gpu"] + prefetched,
+                           "attention": 0}
+        first_layer_kept = {"saved": hidden, "attention": 0}
+    else:  # every layer keeps its activations until backward reaches it
+        host = 0
+        layer = norms["saved"] + norms["block_input"] + mlp_saved
+        forward_kept = {"saved": n_layers * layer, "attention": n_layers * attention_saved}
+        # In the running block's backward, what a tiled norm saved of its input is still there
+        # (with checkpointing that input is the checkpoint, counted above).
+        last_layer_kept = {"saved": (n_layers - 1) * layer + norms["block_input"],
+                           "attention": (n_layers - 1) * attention_saved}
+        first_layer_kept = {"saved": norms["block_input"], "attention": 0}
+
+    def backward_of(kept, model_state):
+        return {"model_state": model_state, "attention": kept["attention"] + block_attention,
+                "saved": kept["saved"], "block": block_rest, "fsdp": buffers["during_backward"]}
+
+    other_block_grads = (n_layers - 1) * grads * block_params // n_params
+    moments = {
+        "end of forward (loss)": {"model_state": params + adam, **forward_kept, "loss": loss,
+                                  "fsdp": buffers["after_forward"]},
+        "backward of the last layer": backward_of(last_layer_kept, params + adam),
+        "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads),
+        "end of backward": {"model_state": params + adam + grads,
+                            "fsdp": buffers["end_of_backward"]},
+        "optimizer step": {"model_state": params + grads + state["optimizer"],
+                           "optimizer": optimizer_temporaries},
+    }
+    peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
+    return {"moments": moments, "peak_moment": peak_moment,
+            "peak": sum(moments[peak_moment].values()), "block_moment": block_moment,
+            "host": host, "model_state": sum(state.values()), "local_tokens": local_tokens,
+            "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
+
+
+def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> int:
+    """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
+    U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
+    Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges: at 128K on
+    2 H200s one stage ran 2310 tokens/s per GPU, U = P 2206, side by side in one run,
+    docs/results/throughput_llama3-8b_2gpu_chunks.json);
+    the memory that U = P saves matters only near the longest length that fits, and there
+    only U = P fits. The tenth kept spare covers the planner's error (within 4%, calibration).
+    One stage holds more memory than Ulysses (its backward keeps the output and the input-
+    gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
+    passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
+    args = llama.get_model_args(cfg.model)
+    sp, least_memory = train.check_layout(replace(cfg, head_chunk=None), world_size, args)
+    for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
+        plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args)
+        if plan["peak"] <= 0.9 * (gpu_mem - PLAN_GPU_RESERVE):
+            return chunk
+    return least_memory
+
+
+def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int) -> tuple:
+    """(fits on each GPU, fits in host memory): the peak within the GPU less PLAN_GPU_RESERVE;
+    the offloaded checkpoints of all `world_size` GPUs within the node's host memory."""
+    return plan["peak"] <= gpu_mem - PLAN_GPU_RESERVE, plan["host"] * world_size <= host_mem
+
+
+def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+                         limit: int = 2**28):
+    """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
+    (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
+    host; (0, None) when none does. Raises training's ValueError for an impossible setup."""
+    sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, llama.get_model_args(cfg.model))
+    step = sp * 1024
+
+    def plan_at(multiple):
+        plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size)
+        return plan if all(plan_fits(plan, world_size, gpu_mem, host_mem)) else None
+
+    low, high, best = 0, limit // step, None  # memory grows with the length: bisect
+    while low < high:
+        middle = (low + high + 1) // 2
+        plan = plan_at(middle)
+        if plan is None:
+            high = middle - 1
+        else:
+            low, best = middle, plan
+    return low * step, best
+
+
+def plan_tokens_text(n: int) -> str:
+    short = (f"{n // 2**20}M" if n % 2**20 == 0 else f"{n / 2**20:.2f}M" if n >= 2**20
+             else f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}")
+    return f"{n:,} ({short})"
+
+
+def plan_peak_text(plan: dict) -> str:
+    """Where the step peaks: the moment, and within a block's backward the part of the block."""
+    moment = plan["peak_moment"]
+    return moment + (f" (at {plan['block_moment']})" if moment.startswith("backward of") else "")
+
+
+def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
+    """The per-GPU table of `train.py --plan` for cfg.seq_len."""
+    args = llama.get_model_args(cfg.model)
+    if cfg.untied and cfg.head_chunk is None:  # what training on such GPUs would choose
+        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem))
+    plan = plan_memory(cfg, world_size)
+    gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem)
+    peak = plan["moments"][plan["peak_moment"]]
+    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
+    label_column = 0 if cfg.checkpoint else 1
+    other = {PLAN_COMPONENTS[c][label_column] or PLAN_COMPONENTS[c][0]: peak.get(c, 0)
+             for c in PLAN_COMPONENTS if c in peak or c != "optimizer"}
+    usable = gpu_mem - PLAN_GPU_RESERVE
+    lines = [
+        f"{cfg.model} ({llama.num_params(args) / 1e9:.2f}B parameters): "
+        f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "
+        f"(data {plan['dp']} x sequence {plan['sp']}), {plan['local_tokens']:,} tokens per GPU",
+        f"techniques: {train.techniques_text(cfg, plan['head_chunk'])}",
+        f"{'per GPU':<48}{'GiB':>9}",
+        row("model state (params, grads, Adam) at the peak", peak["model_state"])
+        + f"   (all of it: {plan['model_state'] / GiB:.1f})",
+        row("attention activations", peak.get("attention", 0)),
+        row("other", sum(other.values())),
+        "    " + "; ".join(f"{label} {n / GiB:.1f}" for label, n in other.items()),
+        row("total at the peak", plan["peak"])
+        + f"   {'fits' if gpu_fits else 'does NOT fit'} in {usable / GiB:.1f} usable of "
+        f"{gpu_mem / GiB:.1f}",
+        f"    peak: {plan_peak_text(plan)}",
+        row("host RAM per GPU (offloaded checkpoints)", plan["host"])
+        + f"   {'fits' if host_fits else 'does NOT fit'} in {host_mem / world_size / GiB:.1f} "
+        f"({host_mem / GiB:.1f} per node / {gpus})",
+        "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
+                                      in plan["moments"].items() if m != plan["peak_moment"]),
+    ]
+    return "\n".join(lines)
+
+
+def plan_levels(cfg: train.Config):
+    """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
+    and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
+    other flags (batch size, head chunk, --sp, tile sizes, dtype) kept."""
+    techniques = {flag: False for flag, _ in train.TECHNIQUES}
+    base = replace(cfg, stack=None, sp=None, head_chunk=None, **techniques)
+    rows = []
+    for level in range(train.MAX_STACK + 1):
+        for use_untied in ((False, True) if level in (2, 3) else (level == 5,)):
+            label = f"--stack {level}" + (" --untied" if use_untied and level < 5 else "")
+            rows.append((label, replace(base, stack=level, untied=use_untied,
+                                        sp=cfg.sp if level >= 2 else None,
+                                        head_chunk=cfg.head_chunk if use_untied else None)))
+    rows.append(("--stack 4 --sp 1 (no context parallelism)", replace(base, stack=4, sp=1)))
+    return rows
+
+
+def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
+    """The table of `train.py --plan --seq-len max`: the longest length per stack level."""
+    lines = [f"longest sequence that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
+             f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
+             f"node, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of sp x 1,024 tokens",
+             f"{'flags':<44}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
+             f"{'host GiB/GPU':>13}  peak at"]
+    for label, level_cfg in plan_levels(cfg):
+        try:
+            level_cfg = train.resolve_techniques(level_cfg)
+            length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem)
+        except ValueError as error:
+            lines.append(f"{label:<44}  -  impossible: {error}")
+            continue
+        if plan is None:
+            lines.append(f"{label:<44}{'':>3}  none fits (not even sp x 1,024 tokens)")
+            continue
+        label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
+        lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
+                     f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  {plan_peak_text(plan)}")
+    return "\n".join(lines)
+
+
+def plan_main(argv) -> str:
+    """`python train.py --plan ...`: the per-GPU table at --seq-len, or with --seq-len max the
+    longest length per stack level. The other flags apply as in training; the compute dtype
+    defaults to bfloat16 (the GPUs')."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu-mem", default="80GiB")
+    parser.add_argument("--host-mem", default="2TiB")
+    parser.add_argument("--seq-len", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    opts, train_argv = parser.parse_known_args(argv)
+    longest = str(opts.seq_len).strip().lower() == "max"
+    if opts.seq_len is not None and not longest:
+        train_argv += ["--seq-len", opts.seq_len]
+    cfg = train.parse_args(train_argv + ["--dtype", opts.dtype])
+    gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem)
+    if longest:
+        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem)
+    return plan_table(cfg, opts.gpus, gpu_mem, host_mem)
+
+
+def main(argv=None):
+    try:
+        print(plan_main(sys.argv[1:] if argv is None else list(argv)))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
