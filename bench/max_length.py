@@ -36,14 +36,8 @@ import torch.distributed as dist
 import model as llama
 import plan as planner
 from bench.offload import allocate_adam_state
-from bench.report import (
-    end_distributed,
-    refuse_without_gpu,
-    release,
-    synchronize,
-    within_budget,
-    write_result,
-)
+from bench.report import (end_distributed, refuse_without_gpu, release, synchronize, within_budget,
+                          write_result)
 from bench.step import with_layers
 from bench.throughput import method_config
 from data import parse_tokens

@@ -53,16 +53,8 @@ import torch.distributed as dist
 
 import kernels
 import model as llama
-from bench.report import (
-    cuda_time_ms,
-    default_out_dir,
-    end_distributed,
-    refuse_without_gpu,
-    release,
-    synchronize,
-    within_budget,
-    write_result,
-)
+from bench.report import (cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu,
+                          release, synchronize, within_budget, write_result)
 from bench.step import with_layers
 from data import parse_tokens
 

@@ -60,16 +60,8 @@ import kernels
 import model as llama
 import plan as planner
 from bench import ring
-from bench.report import (
-    cuda_time_ms,
-    default_out_dir,
-    end_distributed,
-    refuse_without_gpu,
-    release,
-    synchronize,
-    within_budget,
-    write_result,
-)
+from bench.report import (cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu,
+                          release, synchronize, within_budget, write_result)
 from bench.step import with_layers
 from data import parse_tokens
 

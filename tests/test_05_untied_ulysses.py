@@ -15,13 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
-from reference import (
-    assert_matches,
-    make_batch,
-    reference_loss_and_grads,
-    relative_error,
-    train_loss_and_grads,
-)
+from reference import (assert_matches, make_batch, reference_loss_and_grads, relative_error,
+                       train_loss_and_grads)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
