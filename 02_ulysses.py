@@ -226,8 +226,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
         (Q + 2K); the kernel's workspace (`kernels.backward_workspace_bytes`: 2Q for the fp32
         dq, 2Q for grouped dk/dv, an lse-sized row sum).
     In all 10Q + 2 lse for Llama-3-8B (32 query, 8 KV heads) with sp > 1: 30 GiB per GPU at 3M
-    tokens on 8 GPUs. Measured on 2 H200s: 5.02, 20.06 and 40.13 GiB at 128K, 512K and 1M
-    tokens, as this counts (docs/calibration.md).
+    tokens on 8 GPUs (checked against GPU runs: docs/calibration.md).
     """
     local_tokens = seq_len // sp
     kv_heads = max(args.n_kv_heads, sp) if sp > 1 else args.n_kv_heads  # replicated up to sp

@@ -27,12 +27,10 @@ query heads [r*H/P, (r+1)*H/P), exactly as in Ulysses): this file computes the s
 02_ulysses.py and as unsharded attention, only in a different memory schedule.
 
 In training: `python train.py --untied [--head-chunk U]` (or `--stack 5`) replaces 02 at the same
-seam. Larger U runs fewer, bigger stages, which is faster; U = P needs the least memory (2 H200s,
-128K tokens, full depth, tokens/s vs Ulysses: U = 2 0.954x, U = 8 0.971x, one stage 0.985x; at
-256K U = 8 0.984x: a stage's fixed costs grow with S, attention with S^2; README). Without
---head-chunk a GPU run takes the fewest stages whose planned step fits (train.py's
-`fewest_stages_that_fit`: one stage at 128K-1M on 2 H200s, U = P near the longest length);
-`apply_untied_ulysses` and this demo default to U = P.
+seam. Larger U runs fewer, bigger stages, which is faster (a stage's fixed costs grow with S,
+attention with S^2; the README measures each U against Ulysses); U = P needs the least memory.
+Without --head-chunk a GPU run takes the fewest stages whose planned step fits (train.py's
+`choose_head_chunk`); `apply_untied_ulysses` and this demo default to U = P.
 
 Run the demo (attention-stage memory per rank for every chunk size, next to Ulysses):
 
@@ -328,8 +326,8 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
       its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
         layout (3 q_s); dq, dk, dv (q_s + 2 kv_s); the kernel's workspace (02); and when a
         KV group spans several stages, its K/V gradients summed over them (2 kv_s).
-    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1). Measured on 2 H200s at
-    512K tokens within 0.3% for U = 2, 4, 8, 16 (docs/calibration.md).
+    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1); checked against GPU
+    runs for U = 2, 4, 8, 16 (docs/calibration.md).
     """
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
     local_tokens = seq_len // sp

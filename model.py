@@ -216,7 +216,7 @@ class Transformer(nn.Module):
         return self.loss_sum(h, labels)
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Seam 4: final norm + lm_head + cross-entropy summed over tokens (fp32 logits)."""
+        """Seam 5: final norm + lm_head + cross-entropy summed over tokens (fp32 logits)."""
         logits = self.lm_head(self.norm(h)).float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")

@@ -171,10 +171,8 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
 def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> int:
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
     U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
-    Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges: at 128K on
-    2 H200s one stage ran 2310 tokens/s per GPU, U = P 2206, side by side in one run,
-    docs/results/throughput_llama3-8b_2gpu_chunks.json);
-    the memory that U = P saves matters only near the longest length that fits, and there
+    Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges; README,
+    throughput); the memory that U = P saves matters only near the longest length that fits, and there
     only U = P fits. The tenth kept spare covers the planner's error (within 4%, calibration).
     One stage holds more memory than Ulysses (its backward keeps the output and the input-
     gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
