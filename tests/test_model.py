@@ -43,7 +43,7 @@ def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
 def test_llama3_frequency_scaling():
     args = llama.get_model_args("llama3-8b")
     scaled, plain = llama.rope_frequencies(args), llama.rope_frequencies(
-        llama.ModelArgs(rope_scaling=False))
+        llama.ModelArgs(rope_scaling="none"))
     wavelen = 2 * math.pi / plain
     high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
     torch.testing.assert_close(scaled[high], plain[high])  # short wavelengths kept
