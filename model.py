@@ -326,6 +326,14 @@ class Transformer(nn.Module):
             # (both are on the root module) and named_parameters() lists it once.
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _apply(self, fn, recurse=True):
+        # `to_empty` (meta -> device, as 01_fsdp.build_model does) and some `.to` calls give each
+        # module a new Parameter: tie again, or lm_head would silently become a second matrix.
+        super()._apply(fn, recurse)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        return self
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None):
         """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
 
