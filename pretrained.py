@@ -361,6 +361,12 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
     ties it again on load). source_dir (the folder the run started from): its tokenizer and
     generation files and token ids are carried over, so the export is usable as is.
 
+    Why not DCP's HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)?
+    It does handle FSDP2 DTensors (tried on torch 2.14: the consolidated file is exact), but each
+    rank first writes its shards to disk and rank 0 reads them back to consolidate, which needs a
+    filesystem all ranks share, leaves a "sharded" subfolder, and writes no {"format": "pt"}
+    header some transformers versions check. Gathering sends the bytes once, over the network.
+
     A non-empty out_dir is refused unless overwrite=True. Everything is written into a temporary
     folder beside out_dir and renamed into place at the end: a failure leaves no half export and
     the previous one (if any) untouched."""

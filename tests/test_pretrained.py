@@ -153,7 +153,7 @@ def adamw_steps(model, steps=3):
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("case", ["llama-yarn", "qwen3-tied-yarn", "llama-tied"])
+@pytest.mark.parametrize("case", ["llama-yarn", "qwen3-tied-yarn", "llama-tied", "qwen3-qknorm"])
 def test_export_round_trip(tmp_path, case):
     make_hf_model(tmp_path / "in", case)
     model, args = pretrained.build_from_hf(str(tmp_path / "in"), CPU)
@@ -166,6 +166,11 @@ def test_export_round_trip(tmp_path, case):
     assert "config.json" in files and pretrained.INDEX_NAME in files
     assert sum(f.endswith(".safetensors") for f in files) > 1
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temp folders left
+    config = json.loads((out / "config.json").read_text())
+    # transformers v4 reads rope_theta + rope_scaling only: those alone mean the same rotary
+    v4_view = {k: v for k, v in config.items() if k != "rope_parameters"}
+    assert pretrained.model_args_from_hf(v4_view) == args
+    assert pretrained.model_args_from_hf(config) == args
 
     ids, pos, _, _ = batch(seed=99)
     with torch.no_grad():
@@ -382,11 +387,12 @@ class ByteCounter:
         return Handle()
 
 
-def _sharded_load_matches_single_process(path, use_dcp):
+def _sharded_load_matches_single_process(path, use_dcp, world_size):
+    assert dist.get_world_size() == world_size
     import safetensors
     from torch.distributed.device_mesh import init_device_mesh
 
-    ids, pos, _, labels = batch()
+    ids, pos, _, labels = batch(rows=6)
     reference, args = pretrained.build_from_hf(path, CPU)  # no mesh: one process's model
     ref_loss = reference(ids, pos, labels)
     ref_loss.backward()
@@ -406,8 +412,8 @@ def _sharded_load_matches_single_process(path, use_dcp):
     assert sum(counts) == total, (counts, total)
     assert max(counts) < 0.6 * total, (counts, total)
 
-    # Data parallel: each rank its row; FSDP sums the gradients, the loss sums add up.
-    mine = slice(dist.get_rank(), dist.get_rank() + 1)
+    # Data parallel: each rank its rows; FSDP sums the gradients, the loss sums add up.
+    mine = slice(dist.get_rank(), len(ids), dist.get_world_size())
     loss = model(ids[mine], pos[mine], labels[mine])
     loss.backward()
     total_loss = loss.detach().clone()
@@ -422,11 +428,20 @@ def _sharded_load_matches_single_process(path, use_dcp):
         assert rel_err(model(ids, pos), reference(ids, pos)) < 1e-5
 
 
-@pytest.mark.parametrize("case,use_dcp", [("llama-llama3", True), ("qwen3-tied-yarn", True),
-                                          ("llama-tied", False)])
-def test_sharded_load_reads_only_its_slices(tmp_path, case, use_dcp):
-    make_hf_model(tmp_path, case)
-    run_ranks(2, _sharded_load_matches_single_process, str(tmp_path), use_dcp)
+@pytest.mark.parametrize("case,use_dcp,world_size,files", [
+    ("llama-llama3", True, 2, "one"), ("qwen3-tied-yarn", True, 2, "several"),
+    ("llama-tied", False, 2, "several"),
+    ("qwen3-tied-yarn", True, 3, "one"), ("llama-llama3", False, 3, "one"),  # uneven shards
+])
+def test_sharded_load_reads_only_its_slices(tmp_path, case, use_dcp, world_size, files):
+    hf = make_hf_model(tmp_path, case)
+    if files == "several":  # transformers' own sharded layout: index + model-0000i-of-0000N
+        os.remove(tmp_path / "model.safetensors")
+        hf.save_pretrained(tmp_path, max_shard_size="40KB")
+        assert (tmp_path / pretrained.INDEX_NAME).exists()
+        assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    run_ranks(world_size, _sharded_load_matches_single_process, str(tmp_path), use_dcp,
+              world_size)
 
 
 def _sharded_export_equals_single_process(path, out, want):
