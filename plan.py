@@ -75,7 +75,7 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     Returns {"moments": {moment: {component: bytes}}, "peak_moment", "peak", "block_moment",
     "host" (pinned bytes per GPU), "model_state", "local_tokens", "sp", "dp", "head_chunk"}.
     """
-    args = args or llama.get_model_args(cfg.model)
+    args = args or train.model_args(cfg)
     sp, head_chunk = train.check_layout(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
@@ -177,7 +177,7 @@ def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> 
     One stage holds more memory than Ulysses (its backward keeps the output and the input-
     gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
     passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
-    args = llama.get_model_args(cfg.model)
+    args = train.model_args(cfg)
     sp, least_memory = train.check_layout(replace(cfg, head_chunk=None), world_size, args)
     for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
         plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args)
@@ -197,7 +197,7 @@ def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
     (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
     host; (0, None) when none does. Raises training's ValueError for an impossible setup."""
-    sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, llama.get_model_args(cfg.model))
+    sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, train.model_args(cfg))
     step = sp * 1024
 
     def plan_at(multiple):
@@ -229,7 +229,7 @@ def plan_peak_text(plan: dict) -> str:
 
 def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
     """The per-GPU table of `train.py --plan` for cfg.seq_len."""
-    args = llama.get_model_args(cfg.model)
+    args = train.model_args(cfg)
     if cfg.untied and cfg.head_chunk is None:  # what training on such GPUs would choose
         cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem))
     plan = plan_memory(cfg, world_size)

@@ -349,6 +349,16 @@ def _local_part(tensor: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
+def check_export_dir(out_dir: str, overwrite: bool = False) -> None:
+    """Refuse, before anything is trained or written, an export folder that would destroy
+    something: a file of that name, or a folder that is not empty (unless overwrite)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"export: {out_dir!r} exists and is not a folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ValueError(f"export: {out_dir!r} is not empty (choose another folder, or "
+                         f"--overwrite-export to replace it)")
+
+
 def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
               dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
               max_position_embeddings: int | None = None, source_dir: str | None = None) -> None:
@@ -373,10 +383,7 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
     from safetensors.torch import save_file
 
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"export: {out_dir!r} exists and is not a folder")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ValueError(f"export: {out_dir!r} is not empty (pass overwrite=True to replace it)")
+    check_export_dir(out_dir, overwrite)
     extra = {}
     if source_dir is not None:
         source = read_hf_config(source_dir)

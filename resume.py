@@ -20,14 +20,13 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import model as llama
 
 # ---------------------------------------------------------------------------------------------
 # Saved training state: sharded (torch.distributed.checkpoint), atomic, resumable.
 # ---------------------------------------------------------------------------------------------
 
-def checkpoint_meta(cfg, rt, step: int) -> dict:
-    return {"step": step, "model": cfg.model, "model_args": asdict(llama.get_model_args(cfg.model)),
+def checkpoint_meta(cfg, rt, args, step: int) -> dict:
+    return {"step": step, "model": cfg.model, "model_args": asdict(args),
             "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "data": cfg.data}
 
@@ -57,7 +56,7 @@ def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
     barrier(rt)
     if rt.rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(checkpoint_meta(cfg, rt, step), f, indent=1)
+            json.dump(checkpoint_meta(cfg, rt, model.args, step), f, indent=1)
         if os.path.exists(final):  # the same step saved again (e.g. after a resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -87,7 +86,7 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
     path = found[-1]
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    model_args = asdict(llama.get_model_args(cfg.model))
+    model_args = asdict(model.args)
     if meta["model_args"] != model_args:
         changed = {k: (meta["model_args"].get(k), v) for k, v in model_args.items()
                    if meta["model_args"].get(k) != v}

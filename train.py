@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import kernels
 import model as llama
+import pretrained
 import resume
 from data import TokenData, parse_tokens
 
@@ -73,6 +74,13 @@ class Config:
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
+    init_from: str | None = None  # a Hugging Face model folder: its shape and weights
+    export_hf: str | None = None  # write a Hugging Face folder here at the end
+    overwrite_export: bool = False
+    rope_theta: float | None = None  # rotary settings to train with (default: the model's)
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_original_context: int | None = None
 
 
 def parse_args(argv=None) -> Config:
@@ -112,6 +120,18 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")
     parser.add_argument("--resume", action="store_true", help="continue from --save-dir's latest")
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="start from a Hugging Face Llama/Qwen3 folder (config.json + safetensors)")
+    parser.add_argument("--export-hf", default=None, metavar="DIR",
+                        help="at the end, write a Hugging Face folder that transformers loads")
+    parser.add_argument("--overwrite-export", action="store_true",
+                        help="let --export-hf replace a folder that is not empty")
+    parser.add_argument("--rope-theta", type=float, default=None, help="rotary base (context extension)")
+    parser.add_argument("--rope-scaling", choices=llama.ROPE_SCALINGS, default=None,
+                        help="rotary scaling, with Hugging Face's meaning (default: the model's)")
+    parser.add_argument("--rope-factor", type=float, default=None, help="llama3/yarn: stretch factor")
+    parser.add_argument("--rope-original-context", type=int, default=None,
+                        help="llama3/yarn: the context length the model was pretrained at")
     parser.add_argument("--plan", action="store_true",
                         help="print the per-GPU memory plan instead of training (no GPU needed); "
                              "--seq-len max: the longest length per stack level")
@@ -153,8 +173,20 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--resume needs --save-dir (where the checkpoints are)")
     if cfg.save_every < 0:
         raise ValueError("--save-every must be >= 0")
-    llama.get_model_args(cfg.model)  # unknown preset: a clear error now
+    if cfg.export_hf:
+        pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
+    model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
     return cfg
+
+
+def model_args(cfg: Config) -> llama.ModelArgs:
+    """The model's shape: --init-from's config.json, else the --model preset; with the rotary
+    settings of the --rope-* flags (context extension changes these, not the weights)."""
+    args = (pretrained.model_args_from_hf(cfg.init_from) if cfg.init_from
+            else llama.get_model_args(cfg.model))
+    rope = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+            "rope_factor": cfg.rope_factor, "rope_original_context": cfg.rope_original_context}
+    return replace(args, **{k: v for k, v in rope.items() if v is not None})
 
 
 def techniques_text(cfg: Config, head_chunk) -> str:
@@ -196,7 +228,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
     if cfg.device == "cuda":
         rt.device = torch.device("cuda", torch.cuda.current_device())
-    rt.sp, _ = check_layout(cfg, rt.world, llama.get_model_args(cfg.model))
+    rt.sp, _ = check_layout(cfg, rt.world, model_args(cfg))
     if dist.is_initialized():
         mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -255,8 +287,9 @@ def smallest_gpu_memory(rt: Runtime) -> int:
 
 
 def build_model(cfg: Config, rt: Runtime):
-    """The model of `cfg` with its techniques applied, sharded and on the device."""
-    args = llama.get_model_args(cfg.model)
+    """The model of `cfg` with its techniques applied, sharded and on the device; with
+    --init-from its weights are read from the folder, each rank only its shard."""
+    args = model_args(cfg)
     dtype = getattr(torch, cfg.dtype)
 
     def apply_techniques(model):  # the composition order: seam (02/05) -> 04 -> 03; then 01
@@ -271,11 +304,15 @@ def build_model(cfg: Config, rt: Runtime):
         if cfg.checkpoint:
             offload.apply_checkpointing(model, offload=cfg.offload)
 
+    mesh = rt.fsdp_mesh if cfg.fsdp else None
+    if cfg.init_from:
+        return pretrained.build_from_hf(cfg.init_from, rt.device, mesh, dtype,
+                                        before_sharding=apply_techniques, args=args)[0]
     # Draw weights whole on the CPU (identical to the unsharded model) while that is cheap;
     # the big presets draw each rank's shard on its device.
     exact = llama.num_params(args) < 2e8
-    return fsdp.build_model(args, rt.device, rt.fsdp_mesh if cfg.fsdp else None, dtype,
-                            seed=cfg.seed, exact_init=exact, before_sharding=apply_techniques)
+    return fsdp.build_model(args, rt.device, mesh, dtype, seed=cfg.seed, exact_init=exact,
+                            before_sharding=apply_techniques)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +421,7 @@ class Run:
 
 def train(cfg: Config) -> Run:
     rt = setup_runtime(cfg)
-    args = llama.get_model_args(cfg.model)
+    args = model_args(cfg)
     data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp)
     cfg.head_chunk = choose_head_chunk(cfg, rt)
     if cfg.untied and rt.rank == 0:
@@ -451,6 +488,13 @@ def train(cfg: Config) -> Run:
             raise resume.StopRequested(f"stopped by {stop.get('signal', 'another rank')} after step {step}: {where}")
     if log_file:
         log_file.close()
+    if cfg.export_hf:  # every rank: the export gathers each tensor from its shards
+        # fp32 runs export fp32 (exact); GPU runs bf16, as published checkpoints are.
+        pretrained.export_hf(model, args, cfg.export_hf, overwrite=cfg.overwrite_export,
+                             dtype=getattr(torch, cfg.dtype), source_dir=cfg.init_from,  # the context it was trained for:
+                             max_position_embeddings=max(cfg.seq_len, args.rope_original_context))
+        if is_main:
+            print(f"exported {cfg.export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")
     return Run(history, model, optimizer)
 
 

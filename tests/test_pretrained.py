@@ -468,3 +468,50 @@ def test_sharded_export_writes_whole_tensors(tmp_path):
     want = load_file(str(tmp_path / "in" / "model.safetensors"))
     run_ranks(2, _sharded_export_equals_single_process, str(tmp_path / "in"),
               str(tmp_path / "out"), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through train.py: --init-from under every technique, --export-hf, and back
+# ---------------------------------------------------------------------------------------------
+
+def _stack5_equals_single_process(path):
+    from reference import assert_matches, make_batch, train_loss_and_grads
+
+    train = __import__("train")
+    tokens, labels = make_batch(256, 1, 64, ignore_frac=0.1)
+    ref_loss, ref_grads = train_loss_and_grads(train.Config(init_from=path, seq_len=64), tokens,
+                                               labels, rt=train.Runtime())
+    loss, grads = train_loss_and_grads(train.Config(init_from=path, seq_len=64, stack=5,
+                                                    head_chunk=dist.get_world_size()),
+                                       tokens, labels)
+    assert_matches(loss, grads, ref_loss, ref_grads, rtol=1e-5, atol=1e-6,
+                   what=f"--init-from --stack 5 at P={dist.get_world_size()}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_init_from_under_stack_5_equals_the_single_process_model(tmp_path, world_size):
+    make_hf_model(tmp_path, "llama-yarn")
+    run_ranks(world_size, _stack5_equals_single_process, str(tmp_path))
+
+
+def test_train_exports_and_init_from_the_export_continues_exactly(tmp_path):
+    """train.py --init-from A --export-hf B: transformers loads B with our logits, and
+    --init-from B starts where the run ended (the same loss on the next batch)."""
+    import train
+
+    make_hf_model(tmp_path / "a", "qwen3-tied-yarn")
+    common = dict(seq_len=SEQ, data="synthetic", lr=1e-3)
+    run = train.train(train.Config(init_from=str(tmp_path / "a"), steps=3,
+                                   export_hf=str(tmp_path / "b"), **common))
+    ids, pos, _, labels = batch()
+    with torch.no_grad():
+        ours = run.model(ids, pos)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").float()(ids).logits
+    assert rel_err(theirs, ours) < 1e-5
+    again = train.train(train.Config(init_from=str(tmp_path / "b"), steps=0, **common))
+    with torch.no_grad():
+        assert torch.equal(again.model(ids, pos, labels), run.model(ids, pos, labels))
+    # the rotary settings the run trained with travel in config.json
+    assert again.model.args == run.model.args
+    with pytest.raises(ValueError, match="not empty"):  # refused before any training
+        train.parse_args(["--init-from", str(tmp_path / "a"), "--export-hf", str(tmp_path / "b")])
