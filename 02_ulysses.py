@@ -211,7 +211,7 @@ def data_sequence_mesh(device_type: str, sp: int):
 # ---------------------------------------------------------------------------------------------
 
 def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
-                               saved_only: bool = False) -> int:
+                               saved_only: bool = False, kernel: str = "cudnn") -> int:
     """Bytes one attention layer (normed input -> output before o_proj) holds per rank, beyond
     its input and its output gradient: the most at once during forward and backward (default;
     the peak is in backward), or what it keeps from forward for backward (saved_only).
@@ -238,7 +238,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
     if saved_only:
         return saved
     workspace = kernels.backward_workspace_bytes(seq_len, args.n_heads // sp, kv_heads // sp,
-                                                 args.head_dim, bytes_per_value)
+                                                 args.head_dim, bytes_per_value, kernel)
     return saved + exchanged + q + 2 * kv + workspace
 
 

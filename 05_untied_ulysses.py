@@ -316,7 +316,8 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
-                           bytes_per_value: int = 2, saved_only: bool = False) -> int:
+                           bytes_per_value: int = 2, saved_only: bool = False,
+                           kernel: str = "cudnn") -> int:
     """Bytes one Untied Ulysses attention layer holds per rank beyond its input and its output
     gradient, counted like 02's `attention_activation_bytes`: the peak (in backward), or what
     it keeps for backward (saved_only: the output buffer, local tokens x all heads, and every
@@ -350,7 +351,7 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     if stages_per_kv > 1:
         stage += 2 * kv_stage
     stage += kernels.backward_workspace_bytes(seq_len, heads_per_stage, kv_heads,
-                                                      args.head_dim, b)
+                                              args.head_dim, b, kernel)
     return saved + gradients + stage
 
 

@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+import kernels
 import model as llama
 import train
 
@@ -60,6 +61,14 @@ def parse_bytes(text: str) -> int:
     return int(number * units[unit])
 
 
+def planned_kernel(cfg: train.Config) -> str:
+    """The attention kernel whose backward workspace the plan counts: --attn-kernel, or for
+    auto FlashAttention-4 where it is installed, else cuDNN (plan for FA4 with --attn-kernel fa4)."""
+    if cfg.attn_kernel in ("fa4", "flash"):
+        return cfg.attn_kernel
+    return "fa4" if cfg.attn_kernel == "auto" and kernels.fa4_installed() else "cudnn"
+
+
 def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from a numbered file's byte function.
@@ -96,9 +105,11 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
 
     if cfg.untied:
-        attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b)
+        attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b,
+                            kernel=planned_kernel(cfg))
     else:
-        attention = partial(ulysses.attention_activation_bytes, args, tokens, sp, b)
+        attention = partial(ulysses.attention_activation_bytes, args, tokens, sp, b,
+                            kernel=planned_kernel(cfg))
     mlp = partial(tiling.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)

@@ -74,6 +74,7 @@ class Config:
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
+    attn_kernel: str = "auto"  # kernels.py: auto, fa4, cudnn, flash, math
     init_from: str | None = None  # a Hugging Face model folder: its shape and weights
     export_hf: str | None = None  # write a Hugging Face folder here at the end
     overwrite_export: bool = False
@@ -120,6 +121,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")
     parser.add_argument("--resume", action="store_true", help="continue from --save-dir's latest")
+    parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default=d.attn_kernel,
+                        help="attention kernel (default: FlashAttention-4 when installed on the "
+                             "GPU, else cuDNN; the run log names it)")
     parser.add_argument("--init-from", default=None, metavar="DIR",
                         help="start from a Hugging Face Llama/Qwen3 folder (config.json + safetensors)")
     parser.add_argument("--export-hf", default=None, metavar="DIR",
@@ -223,6 +227,7 @@ def setup_runtime(cfg: Config) -> Runtime:
             dist.init_process_group(backend)
         else:  # `python train.py --stack 5`: a group of one, its store in memory (no port)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    kernels.use_kernel(cfg.attn_kernel)
     rt = Runtime()
     if dist.is_initialized():
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
@@ -402,14 +407,9 @@ def out_of_memory_report(error: Exception, cfg: Config, rt: "Runtime") -> str:
 # ---------------------------------------------------------------------------------------------
 
 def attention_kernel(cfg: Config, rt: Runtime, args) -> str:
-    """The kernel each rank's attention runs, for the log: 05's kernel with log-sum-exp, or the
-    one causal_attention picks for the heads a rank holds after the exchange."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.untied:
-        q = torch.empty(1, 1, 1, args.head_dim, device=rt.device, dtype=dtype)
-        return f"{kernels.lse_kernel(q)[0]} (with log-sum-exp, 05)"
-    return kernels.attention_kernel_name(rt.device, dtype, args.n_heads // rt.sp,
-                                       max(args.n_kv_heads // rt.sp, 1), args.head_dim)
+    """The kernel attention runs (for the log); 05 calls its forward and backward separately."""
+    name = kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype), args.head_dim)
+    return name + (" (forward and backward with log-sum-exp, 05)" if cfg.untied else "")
 
 
 @dataclass

@@ -311,8 +311,7 @@ def main():
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
               "tile_mlp, tile_loss, tile_norm + the method", "ring_gqa": opts.ring_gqa,
               "peak_flops_per_gpu": H200_BF16_PEAK, "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
-              "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.n_heads // rt.world,
-                                                              max(args.n_kv_heads // rt.world, 1), args.head_dim),
+              "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
               "rows": [], "kernel_rates": {}, "table": []}
     name = opts.name or f"throughput_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
     out_dir = Path(opts.out or default_out_dir())

@@ -376,12 +376,11 @@ def test_private_op_calls_fit_this_torch(kernel):
     GPU needed): output and lse shapes, and gradients shaped like q, k, v with fewer KV heads."""
     q = torch.empty(1, 64, 4, 128, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 64, 2, 128, device="meta", dtype=torch.bfloat16)
-    args = [kernels._to_kernel_layout(t) for t in (q, k, k)]
-    out, lse = kernels._aten_forward(kernel, *args)
-    assert out.shape == (1, 4, 64, 128) and lse.dtype == torch.float32
+    out, lse = kernels._forward(kernel, q, k, k)
+    assert out.shape == (1, 64, 4, 128) and lse.dtype == torch.float32
     assert lse.shape[:3] == (1, 4, 64) and lse.numel() == 4 * 64
-    grads = kernels._aten_backward(kernel, out, *args, out, lse)
-    assert [tuple(g.shape) for g in grads] == [(1, 4, 64, 128), (1, 2, 64, 128), (1, 2, 64, 128)]
+    grads = kernels._backward(kernel, out, q, k, k, out, lse)
+    assert [tuple(g.shape) for g in grads] == [(1, 64, 4, 128), (1, 64, 2, 128), (1, 64, 2, 128)]
 
 
 def test_kernel_wrapper_matches_sdpa():
@@ -390,8 +389,7 @@ def test_kernel_wrapper_matches_sdpa():
 
 def test_kernel_wrapper_repeats_kv_heads_for_kernels_without_gqa(monkeypatch):
     """The fallback for a kernel that needs as many KV heads as query heads (older torch)."""
-    monkeypatch.setitem(kernels._KERNEL_CHOICE, ("cpu", torch.float32, 64, None), ("cpu", False))
-    monkeypatch.delenv("UNTIED_ATTENTION_KERNEL", raising=False)
+    monkeypatch.setitem(kernels._KERNEL_CHOICE, ("cpu", torch.float32, 64, "auto"), ("cpu", False))
     check_kernel_wrapper("cpu", torch.float32, 1e-5, 1e-5)
 
 

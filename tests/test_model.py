@@ -142,7 +142,7 @@ def test_unknown_preset_is_refused():
 
 
 def test_kernel_name_is_reported():
-    assert kernels.attention_kernel_name(torch.device("cpu"), torch.float32) == "sdpa (cpu)"
+    assert kernels.attention_kernel_name(torch.device("cpu"), torch.float32) == "CPU (SDPA)"
 
 
 def test_fast_init_gives_every_shard_its_own_values():
