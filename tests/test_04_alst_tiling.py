@@ -11,12 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (
-    assert_matches,
-    make_batch,
-    reference_loss_and_grads,
-    train_loss_and_grads,
-)
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
-from reference import (assert_matches, make_batch, reference_loss_and_grads, relative_error,
-                       train_loss_and_grads)
+from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
+                       relative_error, train_loss_and_grads, with_kernel)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -346,7 +346,7 @@ def test_backward_runs_attention_backward_only(monkeypatch):
 # The kernel wrapper, and the byte count for the planner.
 # ---------------------------------------------------------------------------------------------
 
-def check_kernel_wrapper(device, dtype, rtol, atol):
+def check_kernel_wrapper(device, dtype, rtol, atol, kernels_to_check=None):
     for n_heads, n_kv_heads in [(4, 4), (4, 2), (4, 1)]:
         g = torch.Generator().manual_seed(n_heads * 10 + n_kv_heads)
         shape = (2, 48, n_heads, 64)
@@ -356,7 +356,7 @@ def check_kernel_wrapper(device, dtype, rtol, atol):
         ref_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), is_causal=True,
                                                  enable_gqa=True).transpose(1, 2)
         ref_out.backward(grad_out)
-        for kernel in [None, "math"] + (["flash"] if device == "cuda" else []):
+        for kernel in kernels_to_check or [None, "math"] + (["flash"] if device == "cuda" else []):
             args = [t.to(device, dtype) for t in (q, k, v)]
             out, lse = kernels.attention_forward_lse(*args, kernel=kernel)
             grads = kernels.attention_backward_lse(grad_out.to(device, dtype), *args, out, lse,
@@ -419,11 +419,31 @@ def test_planner_bytes():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_kernel_wrapper_matches_sdpa_cuda():
-    check_kernel_wrapper("cuda", torch.bfloat16, 3e-2, 3e-2)
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_kernel_wrapper_matches_sdpa_cuda(kernel):
+    """The forced kernel's log-sum-exp pair, and the dense causal_attention, against SDPA fp32."""
+    check_kernel_wrapper("cuda", torch.bfloat16, 3e-2, 3e-2, kernels_to_check=[kernel])
+    kernels.use_kernel(kernel)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, grad_out = (torch.randn(2, 256, 8, 128, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, 256, 2, 128, generator=g) for _ in range(2))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), is_causal=True,
+                                       enable_gqa=True).transpose(1, 2).backward(grad_out)
+        mine = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+        out = kernels.causal_attention(*mine)
+        out.backward(grad_out.cuda().bfloat16())
+        assert kernels.lse_kernel(mine[0])[0] == kernel
+        for name, got, want in zip("qkv", mine, ref):
+            assert relative_error(got.grad, want.grad) < 2e-2, f"{kernel} d{name}"
+    finally:
+        kernels.use_kernel("auto")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_attention_layer_nccl_bf16_matches_fp32_reference():
-    run_ranks(2, _layer_matches, "cuda", torch.bfloat16, 2e-2, 2e-2, backend="nccl")
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_attention_layer_nccl_bf16_matches_fp32_reference(kernel):
+    run_ranks(2, with_kernel, kernel, _layer_matches, "cuda", torch.bfloat16, 2e-2, 2e-2,
+              backend="nccl")
