@@ -159,4 +159,6 @@ def test_next_technique_follows_the_files():
     cfg = train.resolve_techniques(train.Config(stack=5, head_chunk=16))
     assert train.next_memory_technique(cfg, 8) == "a smaller --head-chunk (down to 8)"
     cfg = train.resolve_techniques(train.Config(stack=5))
+    assert train.next_memory_technique(cfg, 8).startswith("--offload-model-state")
+    cfg = train.resolve_techniques(train.Config(stack=5, offload_model_state=True))
     assert train.next_memory_technique(cfg, 8).startswith("fewer tokens per GPU")
