@@ -230,15 +230,16 @@ def main():
               f"weights, bf16 compute")
         print(f"{'per rank (GiB)':<16}{'replicated':>12}{f'FSDP x{world}':>12}"
               f"{'+ offload: GPU':>16}{'host (pinned)':>15}")
-        for key in [*full, "total"]:
-            part = (lambda d: sum(d.values())) if key == "total" else (lambda d: d[key])  # noqa: E731
-            print(f"{key:<16}{part(full) / GiB:>12.1f}{part(sharded) / GiB:>12.1f}{0:>16.1f}"
-                  f"{part(host) / GiB:>15.1f}")
+        for state in (full, sharded, host):
+            state["total"] = sum(state.values())
+        for key in full:
+            print(f"{key:<16}{full[key] / GiB:>12.1f}{sharded[key] / GiB:>12.1f}{0:>16.1f}"
+                  f"{host[key] / GiB:>15.1f}")
         # What the host side costs per step (--offload-model-state): each block's fp32 shard
         # comes to the GPU in forward and again in backward, each gradient shard goes back.
         shard = -(-num_params(args) // world)
         print(f"--offload-model-state: the GPU keeps none of it (only the gathered bf16 "
-              f"blocks). Costs per rank: {sum(host.values()) / GiB:.1f} GiB of host memory, "
+              f"blocks). Costs per rank: {host['total'] / GiB:.1f} GiB of host memory, "
               f"next to 03's offloaded checkpoints; per step {8 * shard / 1e9:.1f} GB to the GPU "
               f"and {4 * shard / 1e9:.1f} GB back (~{12 * shard / 25e9:.1f} s at 25 GB/s), and "
               f"AdamW on the CPU (~{1.7 * shard / 1e9:.1f} s on one core, fused; less on more)")

@@ -354,9 +354,9 @@ def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_m
     all GPUs, the row uses the largest sequence-parallel degree that works (the rest data
     parallel) and a note says what limits it and what a longer sequence would take."""
     args = llama.get_model_args(cfg.model)
-    lines = [f"longest sequence per GPU count: {cfg.model}, {train.techniques_text(replace(cfg, offload_model_state=False), 'P')}; "
-             f"GPUs of {gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), "
-             f"nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
+    techniques = train.techniques_text(replace(cfg, offload_model_state=False), "P")
+    lines = [f"longest sequence per GPU count: {cfg.model}, {techniques}; GPUs of "
+             f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
              f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
              f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
     notes = []

@@ -103,7 +103,7 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
         train.train_step(model, optimizer, tokens, rt, cfg)
         synchronize(rt.device)
         row.update(status="completed", step_time_s=time.perf_counter() - start,
-                   **{f"{'host' if on_host else 'gpu'}_ballast_gib": sum(t.numel() for t in ballast) / GiB})
+                   **{"host_ballast_gib" if on_host else "ballast_gib": sum(t.numel() for t in ballast) / GiB})
         if rt.device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
