@@ -2,6 +2,8 @@
 
     python plan.py --model llama3-8b --seq-len 3M --stack 5 --gpus 8 --gpu-mem 80GiB
     python plan.py --model llama3-8b --seq-len max --gpus 8      # longest length per --stack
+    python plan.py --model llama3-8b --seq-len max --stack 5 --scaling   # 8..64 GPUs, with and
+                                                                 # without --offload-model-state
     python train.py --plan ...                                   # the same
 
 Each numbered file states the bytes its technique leaves on the GPU in one function
@@ -41,6 +43,7 @@ PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
     "fsdp": ("FSDP gathered params / unsharded grads", None),
     "optimizer": ("optimizer step temporaries", None),
 }
+GPUS_PER_NODE = 8  # host memory (--host-mem) is per node, shared by its GPUs
 
 
 def parse_bytes(text: str) -> int:
@@ -81,8 +84,11 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
       optimizer step:             the whole model state and AdamW's temporaries.
     One block's backward peaks at its MLP, its post-attention RMSNorm or its attention.
     adam_allocated=False: the first step, whose optimizer step allocates Adam's moments.
+    With --offload-model-state (01) the model state and the optimizer step leave the GPU; it
+    keeps the shards in flight between host and GPU, and the host holds the state.
     Returns {"moments": {moment: {component: bytes}}, "peak_moment", "peak", "block_moment",
-    "host" (pinned bytes per GPU), "model_state", "local_tokens", "sp", "dp", "head_chunk"}.
+    "host" (host bytes per GPU), "host_parts" ({"checkpoints", "model state"}), "model_state"
+    (on the GPU), "local_tokens", "sp", "dp", "head_chunk"}.
     """
     args = args or train.model_args(cfg)
     sp, head_chunk = train.check_layout(cfg, world_size, args)
@@ -103,6 +109,12 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
         buffers = dict.fromkeys(("after_forward", "during_backward", "end_of_backward"), 0)
         optimizer_temporaries = 2 * b * largest
     # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
+    host_state = 0
+    if cfg.offload_model_state:  # 01: the same shards in host memory; AdamW steps there (fused)
+        host_state = sum(fsdp.offloaded_model_state_bytes(args, world_size).values())
+        transfers = fsdp.offload_transfer_bytes(args, world_size, b)
+        buffers = {moment: n + transfers[moment] for moment, n in buffers.items()}
+        state, optimizer_temporaries = dict.fromkeys(state, 0), 0
 
     if cfg.untied:
         attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b,
@@ -175,7 +187,9 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()), "block_moment": block_moment,
-            "host": host, "model_state": sum(state.values()), "local_tokens": local_tokens,
+            "host": host + host_state,
+            "host_parts": {"checkpoints": host, "model state": host_state},
+            "model_state": sum(state.values()), "local_tokens": local_tokens,
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
 
 
@@ -197,32 +211,45 @@ def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> 
     return least_memory
 
 
-def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int) -> tuple:
+def gpus_sharing_a_node(world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> int:
+    return min(world_size, gpus_per_node)
+
+
+def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int,
+              gpus_per_node: int = GPUS_PER_NODE) -> tuple:
     """(fits on each GPU, fits in host memory): the peak within the GPU less PLAN_GPU_RESERVE;
-    the offloaded checkpoints of all `world_size` GPUs within the node's host memory."""
-    return plan["peak"] <= gpu_mem - PLAN_GPU_RESERVE, plan["host"] * world_size <= host_mem
+    what each GPU keeps on the host (offloaded checkpoints, model state), times the GPUs of one
+    node, within the node's host memory `host_mem`."""
+    return (plan["peak"] <= gpu_mem - PLAN_GPU_RESERVE,
+            plan["host"] * gpus_sharing_a_node(world_size, gpus_per_node) <= host_mem)
 
 
 def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
-                         limit: int = 2**28):
+                         limit: int = 2**28, gpus_per_node: int = GPUS_PER_NODE):
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
     (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
-    host; (0, None) when none does. Raises training's ValueError for an impossible setup."""
+    host; (0, None) when none does. The plan's "limit" names what one more step of sp x 1,024
+    tokens would not fit: "GPU", "host" or both. Raises training's ValueError for an impossible
+    setup."""
     sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, train.model_args(cfg))
     step = sp * 1024
 
-    def plan_at(multiple):
+    def fits_at(multiple):
         plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size)
-        return plan if all(plan_fits(plan, world_size, gpu_mem, host_mem)) else None
+        return plan, plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
 
     low, high, best = 0, limit // step, None  # memory grows with the length: bisect
     while low < high:
         middle = (low + high + 1) // 2
-        plan = plan_at(middle)
-        if plan is None:
+        plan, fits = fits_at(middle)
+        if not all(fits):
             high = middle - 1
         else:
             low, best = middle, plan
+    if best is not None:
+        gpu_fits, host_fits = fits_at(low + 1)[1] if low < limit // step else (False, False)
+        best["limit"] = " and ".join(name for name, fits in (("GPU", gpu_fits), ("host", host_fits))
+                                     if not fits) or "--seq-len limit"
     return low * step, best
 
 
@@ -238,13 +265,15 @@ def plan_peak_text(plan: dict) -> str:
     return moment + (f" (at {plan['block_moment']})" if moment.startswith("backward of") else "")
 
 
-def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
+def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+               gpus_per_node: int = GPUS_PER_NODE) -> str:
     """The per-GPU table of `train.py --plan` for cfg.seq_len."""
     args = train.model_args(cfg)
     if cfg.untied and cfg.head_chunk is None:  # what training on such GPUs would choose
         cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem))
     plan = plan_memory(cfg, world_size)
-    gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem)
+    gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
+    node = gpus_sharing_a_node(world_size, gpus_per_node)
     peak = plan["moments"][plan["peak_moment"]]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
@@ -259,7 +288,8 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) 
         f"techniques: {train.techniques_text(cfg, plan['head_chunk'])}",
         f"{'per GPU':<48}{'GiB':>9}",
         row("model state (params, grads, Adam) at the peak", peak["model_state"])
-        + f"   (all of it: {plan['model_state'] / GiB:.1f})",
+        + (f"   (all of it on the host: {plan['host_parts']['model state'] / GiB:.1f})"
+           if cfg.offload_model_state else f"   (all of it: {plan['model_state'] / GiB:.1f})"),
         row("attention activations", peak.get("attention", 0)),
         row("other", sum(other.values())),
         "    " + "; ".join(f"{label} {n / GiB:.1f}" for label, n in other.items()),
@@ -267,9 +297,11 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) 
         + f"   {'fits' if gpu_fits else 'does NOT fit'} in {usable / GiB:.1f} usable of "
         f"{gpu_mem / GiB:.1f}",
         f"    peak: {plan_peak_text(plan)}",
-        row("host RAM per GPU (offloaded checkpoints)", plan["host"])
-        + f"   {'fits' if host_fits else 'does NOT fit'} in {host_mem / world_size / GiB:.1f} "
-        f"({host_mem / GiB:.1f} per node / {gpus})",
+        row("host RAM per GPU", plan["host"])
+        + f"   {'fits' if host_fits else 'does NOT fit'} in {host_mem / node / GiB:.1f} "
+        f"({host_mem / GiB:.1f} per node / {node} GPU{'s' if node > 1 else ''} per node)",
+        "    " + "; ".join(f"{'offloaded checkpoints' if part == 'checkpoints' else part} "
+                           f"{n / GiB:.1f}" for part, n in plan["host_parts"].items()),
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
@@ -293,17 +325,23 @@ def plan_levels(cfg: train.Config):
     return rows
 
 
-def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
-    """The table of `train.py --plan --seq-len max`: the longest length per stack level."""
+def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+                       gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The table of `train.py --plan --seq-len max`: the longest length per stack level, and
+    what stops it (the GPU's memory or the host's)."""
+    node = gpus_sharing_a_node(world_size, gpus_per_node)
+    offloaded = " --offload-model-state" if cfg.offload_model_state else ""
     lines = [f"longest sequence that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
              f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
-             f"node, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of sp x 1,024 tokens",
+             f"node of {node} GPUs, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of "
+             f"sp x 1,024 tokens" + (f"; every row{offloaded}" if offloaded else ""),
              f"{'flags':<44}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
-             f"{'host GiB/GPU':>13}  peak at"]
+             f"{'host GiB/GPU':>13}  {'limit':<6} peak at"]
     for label, level_cfg in plan_levels(cfg):
         try:
             level_cfg = train.resolve_techniques(level_cfg)
-            length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem)
+            length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
+                                                gpus_per_node=gpus_per_node)
         except ValueError as error:
             lines.append(f"{label:<44}  -  impossible: {error}")
             continue
@@ -312,8 +350,60 @@ def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_me
             continue
         label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
         lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
-                     f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  {plan_peak_text(plan)}")
+                     f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  {plan['limit']:<6} "
+                     f"{plan_peak_text(plan)}")
     return "\n".join(lines)
+
+
+def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_mem: int,
+                       gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The table of `--seq-len max --scaling`: the longest length of cfg's techniques on each
+    GPU count, with the model state on the GPUs and on the host (--offload-model-state). Nodes
+    of `gpus_per_node` GPUs, each with `host_mem`. Where Ulysses cannot split the heads over
+    all GPUs, the row uses the largest sequence-parallel degree that works (the rest data
+    parallel) and a note says what limits it and what a longer sequence would take."""
+    args = train.model_args(cfg)
+    techniques = train.techniques_text(replace(cfg, offload_model_state=False), "P")
+    lines = [f"longest sequence per GPU count: {cfg.model}, {techniques}; GPUs of "
+             f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
+             f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
+             f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
+    notes = []
+    for gpus in gpu_counts:
+        nodes = -(-gpus // gpus_per_node)
+        for on_host in (False, True):
+            row_cfg = replace(cfg, offload_model_state=on_host)
+            where = "host" if on_host else "GPU"
+            start = f"{gpus:>5}{nodes:>6}  {where:<12}"
+            try:
+                train.check_layout(replace(row_cfg, seq_len=None), gpus, args)
+            except ValueError as error:
+                sp = max((d for d in range(1, args.n_heads + 1) if gpus % d == 0
+                          and args.n_heads % d == 0), default=None)
+                if (row_cfg.sp is not None or not (row_cfg.ulysses or row_cfg.untied)
+                        or sp is None or sp == gpus):
+                    lines.append(f"{start}impossible: {error}")
+                    continue
+                if not on_host:
+                    notes.append(
+                        f"{gpus} GPUs: Ulysses splits the {args.n_heads} query heads over the "
+                        f"sequence-parallel ranks, so sp <= {args.n_heads}. The row runs sp {sp} x "
+                        f"data {gpus // sp} (--sp {sp}): each sequence still lives on {sp} GPUs, so "
+                        f"its longest length is that of {sp} GPUs (a little longer with the model "
+                        f"state on the GPUs, sharded over {gpus}), with {gpus // sp} sequences per "
+                        f"step. A longer sequence needs the {gpus // sp} groups to share it: ring "
+                        f"attention between them around Ulysses within each (Ulysses x ring, as in "
+                        f"USP / LoongTrain), which this repository does not implement.")
+                row_cfg = replace(row_cfg, sp=sp)
+            length, plan = plan_longest_seq_len(row_cfg, gpus, gpu_mem, host_mem,
+                                                gpus_per_node=gpus_per_node)
+            if plan is None:
+                lines.append(f"{start}none fits")
+                continue
+            layout = f"{plan['sp']} x {plan['dp']}"
+            lines.append(f"{start}{layout:>8}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}"
+                         f"{plan['host'] / GiB:>13.1f}  {plan['limit']:<6}")
+    return "\n".join(lines + notes)
 
 
 def plan_main(argv) -> str:
@@ -325,17 +415,28 @@ def plan_main(argv) -> str:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu-mem", default="80GiB")
     parser.add_argument("--host-mem", default="2TiB")
+    parser.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE)
+    parser.add_argument("--scaling", type=int, nargs="*", default=None)
     parser.add_argument("--seq-len", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     opts, train_argv = parser.parse_known_args(argv)
     longest = str(opts.seq_len).strip().lower() == "max"
     if opts.seq_len is not None and not longest:
         train_argv += ["--seq-len", opts.seq_len]
+    if longest:  # each row sets its own techniques (plan_levels): the base needs none of them,
+        train_argv += ["--fsdp"]  # but --offload-model-state alone is refused without FSDP
     cfg = train.parse_args(train_argv + ["--dtype", opts.dtype])
     gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem)
+    if opts.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {opts.gpus_per_node}")
+    if opts.scaling is not None:
+        if not longest:
+            raise ValueError("--scaling compares the longest lengths: add --seq-len max")
+        return plan_scaling_table(cfg, opts.scaling or [8, 16, 32, 64], gpu_mem, host_mem,
+                                  opts.gpus_per_node)
     if longest:
-        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem)
-    return plan_table(cfg, opts.gpus, gpu_mem, host_mem)
+        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
+    return plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
 
 
 def main(argv=None):

@@ -481,7 +481,8 @@ def _swap_into_place(tmp: str, out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def build_from_hf(path: str, device: torch.device, mesh=None, compute_dtype=torch.float32,
-                  before_sharding=None, args: ModelArgs | None = None, use_dcp: bool = True):
+                  before_sharding=None, args: ModelArgs | None = None, use_dcp: bool = True,
+                  offload_model_state: bool = False):
     """(model, args): the model of the Hugging Face folder `path`, its techniques applied
     (`before_sharding`), sharded over `mesh` (01_fsdp.build_model) and filled from the files.
 
@@ -496,6 +497,6 @@ def build_from_hf(path: str, device: torch.device, mesh=None, compute_dtype=torc
 
         check_checkpoint(Transformer(args), path)
     model = fsdp.build_model(args, device, mesh, compute_dtype, exact_init=False,
-                             before_sharding=before_sharding)
+                             before_sharding=before_sharding, offload_model_state=offload_model_state)
     load_hf_weights(model, path, use_dcp=use_dcp)
     return model, args

@@ -71,6 +71,7 @@ class Config:
     loss_tile_tokens: int | None = None
     untied: bool = False
     head_chunk: int | None = None
+    offload_model_state: bool = False  # 01: params, grads and Adam on the host (any level >= 1)
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
@@ -117,6 +118,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--head-chunk", type=int, default=None,
                         help="05: query heads per stage (U); default: on a GPU the fewest stages "
                              "whose planned step fits, else the sp degree (least memory)")
+    parser.add_argument("--offload-model-state", action="store_true",
+                        help="01: keep the sharded parameters, gradients and optimizer in host "
+                             "memory and step the optimizer there (FSDP2's CPUOffloadPolicy)")
     parser.add_argument("--save-dir", default=None, help="write sharded checkpoints here")
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")
@@ -169,6 +173,9 @@ def resolve_techniques(cfg: Config) -> Config:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
     if cfg.head_chunk is not None and not cfg.untied:
         raise ValueError("--head-chunk is a setting of --untied (05)")
+    if cfg.offload_model_state and not cfg.fsdp:
+        raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
+                         "--stack 1 or higher")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
     if cfg.batch_size < 1 or cfg.steps < 0:
@@ -195,6 +202,7 @@ def model_args(cfg: Config) -> llama.ModelArgs:
 
 def techniques_text(cfg: Config, head_chunk) -> str:
     names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
+    names += ["offload_model_state"] if cfg.offload_model_state else []
     return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"
 
 
@@ -223,6 +231,10 @@ def setup_runtime(cfg: Config) -> Runtime:
         if cfg.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if cfg.device == "cuda" else "gloo"
+        if cfg.device == "cuda" and cfg.offload_model_state:
+            # Gradient clipping reduces the norms of the host-resident gradient shards: CPU
+            # tensors, which NCCL cannot reduce; gloo takes those.
+            backend = "cpu:gloo,cuda:nccl"
         if launched:
             dist.init_process_group(backend)
         else:  # `python train.py --stack 5`: a group of one, its store in memory (no port)
@@ -312,12 +324,14 @@ def build_model(cfg: Config, rt: Runtime):
     mesh = rt.fsdp_mesh if cfg.fsdp else None
     if cfg.init_from:
         return pretrained.build_from_hf(cfg.init_from, rt.device, mesh, dtype,
-                                        before_sharding=apply_techniques, args=args)[0]
+                                        before_sharding=apply_techniques, args=args,
+                                        offload_model_state=cfg.offload_model_state)[0]
     # Draw weights whole on the CPU (identical to the unsharded model) while that is cheap;
     # the big presets draw each rank's shard on its device.
     exact = llama.num_params(args) < 2e8
     return fsdp.build_model(args, rt.device, mesh, dtype, seed=cfg.seed, exact_init=exact,
-                            before_sharding=apply_techniques)
+                            before_sharding=apply_techniques,
+                            offload_model_state=cfg.offload_model_state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,8 +348,12 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None) -> t
 
 
 def make_optimizer(model, cfg: Config):
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             betas=(0.9, 0.95), foreach=False)
+    """AdamW. State on the GPU: foreach=False, one parameter at a time (bounded temporaries);
+    state on the host (--offload-model-state): 01's fused CPU AdamW, with the rank's cores."""
+    adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if cfg.offload_model_state:
+        return fsdp.host_optimizer(model.parameters(), **adamw)
+    return torch.optim.AdamW(model.parameters(), foreach=False, **adamw)
 
 
 def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0) -> dict:
@@ -390,6 +408,8 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
         return "--untied (05: one head chunk of Q/K/V resident at a time)"
     if cfg.head_chunk and cfg.head_chunk > sp:
         return f"a smaller --head-chunk (down to {sp})"
+    if not cfg.offload_model_state:
+        return "--offload-model-state (01: parameters, gradients and Adam in host memory)"
     return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
 
 
