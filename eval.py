@@ -451,9 +451,10 @@ def main(argv=None):
         opts, cfg = parse_eval_args(argv)
         if opts.compare:
             results = [json.loads(Path(p).read_text()) for p in opts.compare]
-            for path, result in zip(opts.compare, results):
-                result.setdefault("label", None)
-                result["label"] = result["label"] or Path(path).stem
+            labels = [r.get("label") or Path(p).stem for p, r in zip(opts.compare, results)]
+            for path, result, label in zip(opts.compare, results, labels):
+                # two runs of the same name (two random inits, one checkpoint dir): add the file
+                result["label"] = label if labels.count(label) == 1 else f"{label} ({Path(path).name})"
             out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
             if plot_losses(results, out):
                 print(f"wrote {out}")

@@ -282,3 +282,23 @@ def test_planner_forward_only_needs_less_and_reaches_further():
     assert "evaluation forward" in table and "parameters (no gradients" in table
     longest = plan.plan_main(["--eval", "--model", "llama3-8b", "--seq-len", "max"])
     assert "training (tokens)" in longest
+
+
+def test_passkey_vocabulary_from_a_tokenizer(tmp_path):
+    """--tokenizer: filler, marker and digits are the tokenizer's ids (a word-level tokenizer
+    made here: no hub)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = sorted(set(evaluate.FILLER_TEXT.replace(".", " . ").split()) | {"pass", "key"})
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", *words, *map(str, range(10))])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         unk_token="[UNK]").save_pretrained(tmp_path)
+    opts = evaluate.parse_eval_args(["--task", "passkey", "--tokenizer", str(tmp_path)])[0]
+    vocabulary = evaluate.passkey_vocabulary(opts, 256)
+    assert vocabulary["alphabet"] == [vocab[str(d)] for d in range(10)]
+    assert vocabulary["marker"] == [vocab[w] for w in ("The", "pass", "key", "is")]
+    assert vocabulary["prefix"] == [1] and 0 not in vocabulary["filler"]
+    with pytest.raises(ValueError, match="must lie in"):
+        evaluate.passkey_vocabulary(opts, 8)
