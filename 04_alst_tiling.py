@@ -57,7 +57,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from model import IGNORE_INDEX, rms_norm
+from model import IGNORE_INDEX, rms_norm, token_scores
 
 offload = importlib.import_module("03_checkpoint_offload")  # is_recomputing
 
@@ -254,11 +254,23 @@ def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: in
     return tiled_over_tokens(loss_fn, tokens, (flat_labels,), weights, tile, sum_tiles=True)
 
 
+def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: int | None = None):
+    """model.Transformer.token_scores (evaluation: each token's loss and greedy prediction),
+    `tile_tokens` tokens at a time: the same tiles as the loss, one output row of 2 per token.
+    Under torch.no_grad (eval.py) the Function only runs its forward loop: no recompute."""
+    tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
+    tile = loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
+    scores = tiled_over_tokens(partial(token_scores, eps=model.norm.eps), tokens, (flat_labels,),
+                               weights, tile, sum_tiles=False)
+    return scores.view(*labels.shape, 2)
+
+
 def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
                  mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None,
                  tile_norm: bool = False) -> None:
     """Replace every block's MLP forward, its two RMSNorms' forwards and/or the model's
-    loss_sum with their tiled versions (norm tiles are as long as MLP tiles).
+    loss_sum (and token_scores, evaluation's per-token sibling) with their tiled versions (norm tiles are as long as MLP tiles).
 
     Only forward functions are replaced (on the instances; parameter names are unchanged) and
     no parameter is captured, so this works on the meta device before checkpointing and FSDP.
@@ -271,6 +283,7 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
             block.mlp.forward = partial(tiled_mlp_forward, block.mlp, tile_tokens=mlp_tile_tokens)
     if tile_loss:
         model.loss_sum = partial(tiled_loss_sum, model, tile_tokens=loss_tile_tokens)
+        model.token_scores = partial(tiled_token_scores, model, tile_tokens=loss_tile_tokens)
     if tile_norm:
         for block in model.layers:
             for norm in (block.input_layernorm, block.post_attention_layernorm):

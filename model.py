@@ -13,6 +13,8 @@ without editing this file:
                                            whose fp32 copies would span the whole sequence.
   5. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
                                            04_alst_tiling.py tiles it so seq x vocab logits never exist.
+     `Transformer.token_scores(h, labels)` its per-token sibling for evaluation (eval.py): each
+                                           token's loss and greedy prediction; 04 tiles it too.
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather.
@@ -272,11 +274,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         return self
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None,
+                per_token: bool = False):
         """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
 
         With labels: the summed cross-entropy over non-ignored labels (divide by the global
-        token count to get the mean). Without: the logits (B, S, vocab).
+        token count to get the mean); with per_token=True instead `token_scores` (B, S, 2).
+        Without labels: the logits (B, S, vocab).
         """
         h = self.embed_tokens(input_ids)
         rope = rope_cos_sin(position_ids, self.args, h.dtype)
@@ -284,6 +288,8 @@ class Transformer(nn.Module):
             h = layer(h, rope)
         if labels is None:
             return self.lm_head(self.norm(h))
+        if per_token:
+            return self.token_scores(h, labels)
         return self.loss_sum(h, labels)
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -291,6 +297,20 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(h)).float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def token_scores(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Seam 5, per token (evaluation): (B, S, 2) fp32, [..., 0] each token's cross-entropy
+        (0 where the label is ignored) and [..., 1] its greedy prediction, the argmax token id
+        (exact in fp32 below 2^24 ids). Untiled, like loss_sum: 04 tiles both."""
+        return token_scores(h, labels, self.norm.weight, self.lm_head.weight, eps=self.norm.eps)
+
+
+def token_scores(h, labels, norm_weight, lm_head_weight, *, eps: float) -> torch.Tensor:
+    """Transformer.token_scores with its weights as arguments, for any leading shape of h."""
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()
+    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none").view(labels.shape)
+    return torch.stack((losses, logits.argmax(-1).float()), dim=-1)
 
 
 @torch.no_grad()

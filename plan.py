@@ -5,6 +5,7 @@
     python plan.py --model llama3-8b --seq-len max --stack 5 --scaling   # 8..64 GPUs, with and
                                                                  # without --offload-model-state
     python train.py --plan ...                                   # the same
+    python plan.py --eval --model llama3-8b --seq-len max --gpus 8  # eval.py's forward only
 
 Each numbered file states the bytes its technique leaves on the GPU in one function
 (`model_state_bytes` in 01, `attention_activation_bytes` in 02, `checkpoint_memory_bytes` in 03,
@@ -72,7 +73,8 @@ def planned_kernel(cfg: train.Config) -> str:
     return "fa4" if cfg.attn_kernel == "auto" and kernels.fa4_installed() else "cudnn"
 
 
-def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True) -> dict:
+def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True,
+                forward_only: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from a numbered file's byte function.
 
@@ -89,7 +91,10 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     Returns {"moments": {moment: {component: bytes}}, "peak_moment", "peak", "block_moment",
     "host" (host bytes per GPU), "host_parts" ({"checkpoints", "model state"}), "model_state"
     (on the GPU), "local_tokens", "sp", "dp", "head_chunk"}.
+    forward_only=True: evaluation's forward instead (`plan_forward_memory`).
     """
+    if forward_only:
+        return plan_forward_memory(cfg, world_size, args)
     args = args or train.model_args(cfg)
     sp, head_chunk = train.check_layout(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
@@ -193,7 +198,73 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
 
 
-def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> int:
+def plan_forward_memory(cfg: train.Config, world_size: int, args=None) -> dict:
+    """Per-GPU bytes of one evaluation forward (eval.py: torch.no_grad, nothing kept for a
+    backward), in plan_memory's form. Not yet calibrated on a GPU; counted as follows, with N
+    local tokens, hidden = N x dim, Q = N x heads x D, K = N x max(KV heads, sp) x D values:
+      model state: the parameters only (FSDP: the fp32 shards; one process: compute dtype);
+      FSDP: the root's parameters gathered in the compute dtype (kept after forward) and two
+        blocks' (the running one and the next, prefetched);
+      activations: no block keeps anything for later; the running block holds its input x, and
+        at its attention the normed input (2 hidden), at its post-attention norm x and h
+        (2 hidden), at its MLP x, h and the normed h (3 hidden), besides their temporaries:
+        Ulysses (sp > 1) q, k, v in the token and the head layout, the output in the head layout
+        and the two buffers of the exchange back (5Q + 4K) with the kernel's fp32 log-sum-exp;
+        one process q, k, v and the output (2Q + 2K); Untied Ulysses its output buffer (Q), the
+        stages' log-sum-exps, and at one stage its KV group's k, v and the stage's q, output and
+        exchange buffers (2 kv_s + 4 q_s); the MLP silu(gate), up and their product (3 x N x
+        ffn), tiled: its output buffer and one tile's; an RMSNorm two fp32 copies (8 bytes x
+        hidden values), tiled: its output and one tile's; the loss seam (per-token scores) the
+        final norm's output, the logits in the compute dtype, in fp32 and their log-softmax,
+        tiled: one tile's (the scores themselves: 8 bytes per token). Rotary tables are left out.
+    """
+    args = args or train.model_args(cfg)
+    sp, head_chunk = train.check_layout(cfg, world_size, args)
+    b = getattr(torch, cfg.dtype).itemsize
+    tokens = cfg.batch_size * cfg.seq_len
+    n = tokens // sp  # local tokens
+    hidden = n * args.dim * b
+    root = llama.num_params(replace(args, n_layers=0))
+    block = (llama.num_params(args) - root) // max(args.n_layers, 1)
+    if cfg.fsdp:
+        params = fsdp.model_state_bytes(args, world_size)["parameters"]
+        gathered = b * (root + min(args.n_layers, 2) * block)
+    else:
+        params, gathered = b * llama.num_params(args), 0
+    q = n * args.n_heads * args.head_dim * b
+    lse = n * args.n_heads * 4
+    if cfg.untied:
+        u = head_chunk // sp  # query heads per rank and stage
+        kv_heads = max(1, u // (args.n_heads // args.n_kv_heads)) if args.n_kv_heads >= sp else 1
+        q_stage, kv_stage = n * head_chunk * args.head_dim * b, n * sp * kv_heads * args.head_dim * b
+        attention = q + lse + 2 * kv_stage + 4 * q_stage
+    elif sp > 1:
+        attention = 5 * q + 4 * n * max(args.n_kv_heads, sp) * args.head_dim * b + lse
+    else:
+        attention = 2 * q + 2 * n * args.n_kv_heads * args.head_dim * b + lse
+    mlp_tile = min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n)
+    mlp = (hidden + 3 * mlp_tile * args.ffn_dim * b) if cfg.tile_mlp else 3 * n * args.ffn_dim * b
+    norm = (hidden + 8 * mlp_tile * args.dim) if cfg.tile_norm else 8 * n * args.dim
+    logit_bytes = b + (4 if b < 4 else 0) + 4  # lm_head's output, its fp32 copy, log-softmax
+    loss_tokens = (min(tiling.loss_tile_size(args.vocab_size, n, cfg.loss_tile_tokens), n)
+                   if cfg.tile_loss else n)
+    loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + 8 * args.dim)
+    state = {"model_state": params, "fsdp": gathered}
+    moments = {
+        "a block's attention": {**state, "saved": 2 * hidden, "attention": attention},
+        "a block's post-attention RMSNorm": {**state, "saved": 2 * hidden, "block": norm},
+        "a block's MLP": {**state, "saved": 3 * hidden, "block": mlp},
+        "the loss (per-token scores)": {**state, "saved": hidden, "loss": loss},
+    }
+    peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
+    return {"moments": moments, "peak_moment": peak_moment,
+            "peak": sum(moments[peak_moment].values()), "block_moment": peak_moment, "host": 0,
+            "model_state": params, "local_tokens": n, "sp": sp, "dp": world_size // sp,
+            "head_chunk": head_chunk, "forward_only": True}
+
+
+def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int,
+                           forward_only: bool = False) -> int:
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
     U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
     Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges; README,
@@ -205,7 +276,8 @@ def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> 
     args = train.model_args(cfg)
     sp, least_memory = train.check_layout(replace(cfg, head_chunk=None), world_size, args)
     for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
-        plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args)
+        plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
+                           forward_only=forward_only)
         if plan["peak"] <= 0.9 * (gpu_mem - PLAN_GPU_RESERVE):
             return chunk
     return least_memory
@@ -225,7 +297,8 @@ def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int,
 
 
 def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
-                         limit: int = 2**28, gpus_per_node: int = GPUS_PER_NODE):
+                         limit: int = 2**28, gpus_per_node: int = GPUS_PER_NODE,
+                         forward_only: bool = False):
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
     (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
     host; (0, None) when none does. The plan's "limit" names what one more step of sp x 1,024
@@ -235,7 +308,8 @@ def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_
     step = sp * 1024
 
     def fits_at(multiple):
-        plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size)
+        plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size,
+                           forward_only=forward_only)
         return plan, plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
 
     low, high, best = 0, limit // step, None  # memory grows with the length: bisect
@@ -308,6 +382,35 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
     return "\n".join(lines)
 
 
+def plan_forward_table(cfg: train.Config, world_size: int, gpu_mem: int) -> str:
+    """The per-GPU table of `plan.py --eval`: one evaluation forward at cfg.seq_len."""
+    args = train.model_args(cfg)
+    if cfg.untied and cfg.head_chunk is None:  # what eval.py on such GPUs would choose
+        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem, True))
+    plan = plan_forward_memory(cfg, world_size)
+    peak = plan["moments"][plan["peak_moment"]]
+    usable = gpu_mem - PLAN_GPU_RESERVE
+    row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
+    return "\n".join([
+        f"{cfg.model} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
+        f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
+        f"{cfg.dtype}; {world_size} GPUs (data {plan['dp']} x sequence {plan['sp']}), "
+        f"{plan['local_tokens']:,} tokens per GPU",
+        f"techniques: {train.techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'])}",
+        f"{'per GPU':<48}{'GiB':>9}",
+        row("parameters (no gradients, no optimizer state)", peak["model_state"]),
+        row("FSDP gathered params (root + 2 blocks)", peak["fsdp"]),
+        row("residual stream of the running block", peak["saved"]),
+        row("attention temporaries", peak.get("attention", 0)),
+        row("MLP / norm / loss temporaries", peak.get("block", 0) + peak.get("loss", 0)),
+        row("total at the peak", plan["peak"]) + f"   {'fits' if plan['peak'] <= usable else 'does NOT fit'}"
+        f" in {usable / GiB:.1f} usable of {gpu_mem / GiB:.1f}",
+        f"    peak: {plan['peak_moment']}",
+        "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
+                                      in plan["moments"].items() if m != plan["peak_moment"]),
+    ])
+
+
 def plan_levels(cfg: train.Config):
     """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
     and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
@@ -326,22 +429,34 @@ def plan_levels(cfg: train.Config):
 
 
 def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
-                       gpus_per_node: int = GPUS_PER_NODE) -> str:
+                       gpus_per_node: int = GPUS_PER_NODE, forward_only: bool = False) -> str:
     """The table of `train.py --plan --seq-len max`: the longest length per stack level, and
-    what stops it (the GPU's memory or the host's)."""
+    what stops it (the GPU's memory or the host's). forward_only: the longest evaluation
+    forward (eval.py), next to the longest training step."""
     node = gpus_sharing_a_node(world_size, gpus_per_node)
     offloaded = " --offload-model-state" if cfg.offload_model_state else ""
-    lines = [f"longest sequence that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
+    what = "evaluation forward" if forward_only else "sequence"
+    lines = [f"longest {what} that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
              f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
              f"node of {node} GPUs, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of "
              f"sp x 1,024 tokens" + (f"; every row{offloaded}" if offloaded else ""),
              f"{'flags':<44}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
-             f"{'host GiB/GPU':>13}  {'limit':<6} peak at"]
+             + (f"  {'training (tokens)':<22}" if forward_only
+                else f"{'host GiB/GPU':>13}  {'limit':<6}") + " peak at"]
     for label, level_cfg in plan_levels(cfg):
         try:
             level_cfg = train.resolve_techniques(level_cfg)
             length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
-                                                gpus_per_node=gpus_per_node)
+                                                gpus_per_node=gpus_per_node,
+                                                forward_only=forward_only)
+            if forward_only and plan is not None:
+                trained = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
+                                               gpus_per_node=gpus_per_node)[0]
+                label = label.replace("--stack 3", "--stack 3 (no 03 in eval)")
+                lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
+                             f"{plan['peak'] / GiB:>9.1f}  {plan_tokens_text(trained):<22}  "
+                             f"{plan['peak_moment']}")
+                continue
         except ValueError as error:
             lines.append(f"{label:<44}  -  impossible: {error}")
             continue
@@ -419,6 +534,7 @@ def plan_main(argv) -> str:
     parser.add_argument("--scaling", type=int, nargs="*", default=None)
     parser.add_argument("--seq-len", default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--eval", action="store_true", help="eval.py's forward only")
     opts, train_argv = parser.parse_known_args(argv)
     longest = str(opts.seq_len).strip().lower() == "max"
     if opts.seq_len is not None and not longest:
@@ -435,7 +551,10 @@ def plan_main(argv) -> str:
         return plan_scaling_table(cfg, opts.scaling or [8, 16, 32, 64], gpu_mem, host_mem,
                                   opts.gpus_per_node)
     if longest:
-        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
+        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node,
+                                  forward_only=opts.eval)
+    if opts.eval:
+        return plan_forward_table(cfg, opts.gpus, gpu_mem)
     return plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
 
 

@@ -84,14 +84,7 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
     if not found:
         raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r}")
     path = found[-1]
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    model_args = asdict(model.args)
-    if meta["model_args"] != model_args:
-        changed = {k: (meta["model_args"].get(k), v) for k, v in model_args.items()
-                   if meta["model_args"].get(k) != v}
-        raise ValueError(f"--resume: {path} holds a model of another shape "
-                         f"({meta['model']}; differs in {changed} as (checkpoint, now))")
+    meta = checked_meta(path, model.args, "--resume")
     if meta["world_size"] != rt.world or meta["sp"] != rt.sp:
         raise ValueError(f"--resume: {path} was saved by {meta['world_size']} ranks with sp "
                          f"{meta['sp']}; this run has {rt.world} ranks with sp {rt.sp}")
@@ -106,6 +99,40 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state(rng["cuda"], rt.device)
     return meta["step"]
+
+
+def checked_meta(path: str, args, flag: str) -> dict:
+    """The checkpoint's meta.json, or a ValueError if it holds a model of another shape."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    model_args = asdict(args)
+    if meta["model_args"] != model_args:
+        changed = {k: (meta["model_args"].get(k), v) for k, v in model_args.items()
+                   if meta["model_args"].get(k) != v}
+        raise ValueError(f"{flag}: {path} holds a model of another shape "
+                         f"({meta['model']}; differs in {changed} as (checkpoint, now))")
+    return meta
+
+
+def load_model_state(path: str, model, flag: str = "--save-dir") -> dict:
+    """Only the model weights of a training checkpoint, for evaluation: `path` is a save dir
+    (its newest complete checkpoint) or one step_N folder. No optimizer, RNG or step; any
+    number of ranks and any sharding (torch.distributed.checkpoint reshards on load, unlike
+    --resume, which needs the saving layout for the RNG states). Returns the meta, with "path"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        found = complete_checkpoints(path)
+        if not found:
+            raise ValueError(f"{flag}: no complete checkpoint in {path!r}")
+        path = found[-1]
+    meta = checked_meta(path, model.args, flag)
+    state = {"model": get_model_state_dict(model)}
+    with quiet_single_process_checkpoint():
+        dcp.load(state, checkpoint_id=path)  # the optimizer's entries stay on disk
+    set_model_state_dict(model, state["model"])
+    return {**meta, "path": path}
 
 
 @contextlib.contextmanager
