@@ -190,7 +190,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
     head order, before o_proj. Weights are inputs (read at call time) and get gradients."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, wq, wk, wv, q_norm, k_norm, group, sp, head_chunk, head_dim, eps):
+    def forward(ctx, x, cos, sin, wq, wk, wv, q_norm, k_norm, group, sp, head_chunk, head_dim, eps,
+                cu_seqlens=None):
         batch, local_seq_len, _ = x.shape
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
         to_heads = partial(_exchange, group=group, sp=sp, scatter_dim=2, gather_dim=1)
@@ -210,7 +211,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
                 v = to_heads(project(x, rows(wv, n_kv_heads, heads=kv_heads), head_dim))
             q = to_heads(projected_heads(x, rows(wq, n_heads, heads=heads), head_dim, q_norm,
                                          eps, rope))  # (B, S, u, D): all tokens, u heads
-            stage_out, lse = kernels.attention_forward_lse(q, k, v)
+            # Packed documents: boundaries are global offsets, and each stage holds all tokens.
+            stage_out, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=cu_seqlens)
             del q
             lses.append(lse)
             # back to this rank's tokens, into this stage's heads of every rank's block
@@ -219,6 +221,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
 
         ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
         ctx.group, ctx.sp, ctx.head_chunk, ctx.head_dim, ctx.eps = group, sp, head_chunk, head_dim, eps
+        ctx.cu_seqlens = cu_seqlens
         return out
 
     @staticmethod
@@ -256,7 +259,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             stage_out = to_heads(out_blocks[:, :, :, heads].flatten(2, 3))
             grad_stage_out = to_heads(grad_blocks[:, :, :, heads].flatten(2, 3))
             grad_q, grad_k_stage, grad_v_stage = kernels.attention_backward_lse(
-                grad_stage_out, q, k, v, stage_out, lses[stage])
+                grad_stage_out, q, k, v, stage_out, lses[stage], cu_seqlens=ctx.cu_seqlens)
             del q, stage_out, grad_stage_out
             group_ends = stage == len(plan) - 1 or plan[stage + 1][1] != kv_heads
             if group_ends:
@@ -279,7 +282,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
                 del grad_k, grad_v
 
         return (grad_x, None, None, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _exchange(x, group, sp, scatter_dim, gather_dim):
@@ -289,8 +292,9 @@ def _exchange(x, group, sp, scatter_dim, gather_dim):
     return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
 
 
-def untied_attend(x, rope, attn, group, head_chunk):
-    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time."""
+def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None):
+    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time.
+    cu_seqlens: packed documents' global boundaries, applied unchanged in every stage."""
     cos, sin = rope
     sp = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
@@ -298,7 +302,7 @@ def untied_attend(x, rope, attn, group, head_chunk):
     eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
     return UntiedUlyssesAttention.apply(x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
                                         attn.v_proj.weight, q_norm, k_norm, group, sp,
-                                        head_chunk, attn.head_dim, eps)
+                                        head_chunk, attn.head_dim, eps, cu_seqlens)
 
 
 def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:

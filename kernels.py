@@ -10,6 +10,17 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
                                                    needs the forward and the backward kernel
                                                    separately; no attention forward is re-run.
 
+Packed documents (data.py): every entry point takes `cu_seqlens`, the document boundaries of the
+batch as global token offsets: the B*S tokens of q taken as one stream (row b starts at b*S),
+a tuple of ints (0, start of the 2nd document, ..., B*S) - FlashAttention's `cu_seqlens`, with
+every row start among them. Attention is then causal *within* each document and never crosses a
+boundary. This is the one place documents are masked; `document_spans` reads the tuple.
+On a GPU FlashAttention-4's `flash_attn.cute.flash_attn_varlen_func` is the kernel for this
+(q, k, v as (B*S, heads, D), int32 cu_seqlens on the device, causal=True, return_lse for 05;
+see `document_attention`); without it, and on a CPU, a loop runs the dense causal kernel once per
+document (exact, slower for many short documents: one kernel launch each). The log-sum-exp of
+that loop is the per-document log-sum-exps concatenated along the sequence.
+
 Which kernel runs: flash-attn when installed, else PyTorch's SDPA (cuDNN first on GPUs), math
 on CPU; for the log-sum-exp pair, private ATen ops (what SDPA calls inside), each checked once
 against the plain math below. `backward_workspace_bytes` is what the backward kernel allocates
@@ -68,13 +79,16 @@ def _sdpa_backends():
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     allow_flash_attn: bool = True) -> torch.Tensor:
+                     allow_flash_attn: bool = True, cu_seqlens=None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v. q: (B, S, H, D); k, v: (B, S, Hkv, D), H % Hkv == 0.
 
     Query head h attends with KV head h // (H // Hkv) (grouped-query attention).
     allow_flash_attn=False stays on F.scaled_dot_product_attention (what torch's own context
-    parallelism intercepts; bench/ring.py).
+    parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
+    each attending only to itself.
     """
+    if cu_seqlens is not None:
+        return document_attention(q, k, v, cu_seqlens, allow_flash_attn)
     if (allow_flash_attn and flash_attn_func is not None and q.is_cuda
             and q.dtype in (torch.float16, torch.bfloat16)):
         return flash_attn_func(q, k, v, causal=True)
@@ -88,6 +102,47 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed documents: attention that never crosses a document boundary.
+# ---------------------------------------------------------------------------------------------
+
+def document_spans(cu_seqlens, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document, positions within the row, from the global offsets
+    `cu_seqlens` over batch * seq_len tokens (module docstring). ValueError when they do not
+    describe this batch (a document would otherwise silently attend across rows)."""
+    bounds = [int(b) for b in cu_seqlens]
+    total = batch * seq_len
+    if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to batch x sequence = {total}, "
+                         f"got {bounds[:4]}...{bounds[-2:]} ({len(bounds)} entries)")
+    missing = set(range(0, total, seq_len)) - set(bounds)
+    if missing:
+        raise ValueError(f"cu_seqlens must hold every row start (multiples of {seq_len}); "
+                         f"missing {sorted(missing)[:4]}")
+    return [(a // seq_len, a % seq_len, a % seq_len + (b - a)) for a, b in zip(bounds, bounds[1:])]
+
+
+def document_attention(q, k, v, cu_seqlens, allow_flash_attn: bool = True):
+    """`causal_attention` within each document of `cu_seqlens`: one dense causal call per
+    document, outputs concatenated along the sequence (autograd does the backward).
+
+    FlashAttention-4 slots in here (and in the two `_lse` functions) on CUDA with 16-bit
+    inputs: `flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)` with q, k, v
+    flattened to (B*S, heads, D), `cu = torch.tensor(cu_seqlens, dtype=torch.int32,
+    device=q.device)` and `max_len` the longest document; one launch for all documents."""
+    batch, seq_len = q.shape[:2]
+    spans = document_spans(cu_seqlens, batch, seq_len)
+    if len(spans) == batch:  # one document per row: the dense kernel as it is
+        return causal_attention(q, k, v, allow_flash_attn)
+    rows = [[] for _ in range(batch)]
+    for row, start, end in spans:
+        part = slice(start, end)
+        rows[row].append(causal_attention(q[row:row + 1, part], k[row:row + 1, part],
+                                          v[row:row + 1, part], allow_flash_attn))
+    return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +231,22 @@ def _to_kernel_layout(t):
     return t.transpose(1, 2)
 
 
-def attention_forward_lse(q, k, v, kernel: str | None = None):
-    """Causal attention (layout above) -> (out (B, S, H, D), lse)."""
+def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
+    """Causal attention (layout above) -> (out (B, S, H, D), lse). cu_seqlens: within each
+    packed document only; lse is then the documents' log-sum-exps along the sequence."""
+    if cu_seqlens is not None:
+        batch, seq_len = q.shape[:2]
+        spans = document_spans(cu_seqlens, batch, seq_len)
+        if len(spans) > batch:
+            outs, lses = [[] for _ in range(batch)], [[] for _ in range(batch)]
+            for row, start, end in spans:
+                part = (slice(row, row + 1), slice(start, end))
+                out, lse = attention_forward_lse(q[part], k[part], v[part], kernel)
+                outs[row].append(out)
+                lses[row].append(lse)
+            # lse is (1, H, s) or (1, H, s, 1): the sequence is dim 2 either way
+            return (torch.cat([torch.cat(o, dim=1) for o in outs], dim=0),
+                    torch.cat([torch.cat(l, dim=2) for l in lses], dim=0))
     kernel, native_gqa = lse_kernel(q, kernel)
     if kernel == "math":
         return math_attention_forward(q, k, v)
@@ -188,9 +257,22 @@ def attention_forward_lse(q, k, v, kernel: str | None = None):
     return out.transpose(1, 2), lse
 
 
-def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None):
+def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None,
+                           cu_seqlens=None):
     """(dq, dk, dv) of `attention_forward_lse` from its out and lse: the attention backward
-    kernel alone, no forward recomputation."""
+    kernel alone, no forward recomputation. cu_seqlens: as given to the forward."""
+    if cu_seqlens is not None:
+        batch, seq_len = q.shape[:2]
+        spans = document_spans(cu_seqlens, batch, seq_len)
+        if len(spans) > batch:
+            grads = [[[] for _ in range(batch)] for _ in range(3)]
+            for row, start, end in spans:
+                part = (slice(row, row + 1), slice(start, end))
+                lse_part = lse[row:row + 1, :, start:end]
+                for collected, grad in zip(grads, attention_backward_lse(
+                        grad_out[part], q[part], k[part], v[part], out[part], lse_part, kernel)):
+                    collected[row].append(grad)
+            return tuple(torch.cat([torch.cat(g, dim=1) for g in rows], dim=0) for rows in grads)
     kernel, native_gqa = lse_kernel(q, kernel)
     if kernel == "math":
         return math_attention_backward(grad_out, q, k, v, out, lse)

@@ -3,9 +3,9 @@
 The numbered files plug into five seams, each an attribute that can be replaced from outside
 without editing this file:
 
-  1. `Attention.core(q, k, v) -> out`      the attention kernel over local tensors (B, S, heads, D).
+  1. `Attention.core(q, k, v, cu_seqlens)` the attention kernel over local tensors (B, S, heads, D).
                                            02_ulysses.py wraps it in two all-to-alls.
-  2. `Attention.attend(x, rope) -> out`    the whole sub-layer from normed input to pre-`o_proj`
+  2. `Attention.attend(x, rope, cu_seqlens)` the whole sub-layer from normed input to pre-`o_proj`
                                            output (B, S, heads * D). 05_untied_ulysses.py replaces
                                            it, because it projects Q/K/V one head chunk at a time.
   3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
@@ -16,6 +16,12 @@ without editing this file:
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather.
+
+Packed documents (data.py builds them): position_ids restart at 0 at each document start, labels
+are IGNORE_INDEX at each document's last token, and `cu_seqlens`, the document boundaries of the
+WHOLE batch as global token offsets (kernels.py), goes from `forward` through every block to the
+two attention seams, where kernels.py masks. Nothing else in the model sees documents: norms,
+MLP and loss are per token. cu_seqlens=None: one document per row, plain causal attention.
 
 Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints with the leading
 "model." dropped (`embed_tokens.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`,
@@ -50,6 +56,7 @@ class ModelArgs:
     rope_theta: float = 500000.0
     rope_scaling: bool = True  # Llama-3.1 long-context frequency scaling
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
+    eos_id: int | None = None  # end-of-document token: the default separator of packed documents
 
 
 PRESETS = {
@@ -59,12 +66,12 @@ PRESETS = {
     # A small demo model that trains in seconds on a CPU.
     "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768,
                        vocab_size=4096),
-    "llama3-8b": ModelArgs(),
+    "llama3-8b": ModelArgs(eos_id=128001),  # <|end_of_text|> of the base models
     "qwen3-32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
                            ffn_dim=25600, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
-                           rope_scaling=False, qk_norm=True),
+                           rope_scaling=False, qk_norm=True, eos_id=151643),  # <|endoftext|>
     "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
-                            ffn_dim=28672),
+                            ffn_dim=28672, eos_id=128001),
 }
 
 
@@ -147,13 +154,14 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.core = causal_attention  # seam 1: (q, k, v) -> out over local tensors
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        return self.o_proj(self.attend(x, rope))
+    def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
+        return self.o_proj(self.attend(x, rope, cu_seqlens=cu_seqlens))
 
-    def attend(self, x: torch.Tensor, rope) -> torch.Tensor:
-        """Seam 2: normed input (B, S, dim) -> attention output (B, S, heads * D), before o_proj."""
+    def attend(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
+        """Seam 2: normed input (B, S, dim) -> attention output (B, S, heads * D), before o_proj.
+        cu_seqlens: packed documents' global boundaries (None: one document per row)."""
         q, k, v = self.project_qkv(x, rope)
-        return self.core(q, k, v).flatten(2)
+        return self.core(q, k, v, cu_seqlens=cu_seqlens).flatten(2)
 
     def project_qkv(self, x: torch.Tensor, rope):
         batch, seq_len, _ = x.shape
@@ -187,8 +195,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope)
+    def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cu_seqlens)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -201,8 +209,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None):
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None,
+                cu_seqlens=None):
         """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
+        cu_seqlens: packed documents' boundaries over the whole (unsharded) batch, global token
+        offsets (kernels.py); None: one document per row.
 
         With labels: the summed cross-entropy over non-ignored labels (divide by the global
         token count to get the mean). Without: the logits (B, S, vocab).
@@ -210,7 +221,7 @@ class Transformer(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = rope_cos_sin(position_ids, self.args, h.dtype)
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope, cu_seqlens)
         if labels is None:
             return self.lm_head(self.norm(h))
         return self.loss_sum(h, labels)
