@@ -137,12 +137,14 @@ def document_attention(q, k, v, cu_seqlens, allow_flash_attn: bool = True):
     spans = document_spans(cu_seqlens, batch, seq_len)
     if len(spans) == batch:  # one document per row: the dense kernel as it is
         return causal_attention(q, k, v, allow_flash_attn)
-    rows = [[] for _ in range(batch)]
-    for row, start, end in spans:
-        part = slice(start, end)
-        rows[row].append(causal_attention(q[row:row + 1, part], k[row:row + 1, part],
-                                          v[row:row + 1, part], allow_flash_attn))
-    return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
+    # torch.split, not slicing: its backward writes all the documents' gradients into one
+    # tensor, where each slice's backward would allocate (and zero) a q-sized gradient.
+    lengths = [[end - start for r, start, end in spans if r == row] for row in range(batch)]
+    rows = []
+    for row, (q_row, k_row, v_row) in enumerate(zip(q.split(1), k.split(1), v.split(1))):
+        documents = zip(*(t.split(lengths[row], dim=1) for t in (q_row, k_row, v_row)))
+        rows.append(torch.cat([causal_attention(*doc, allow_flash_attn) for doc in documents], dim=1))
+    return torch.cat(rows, dim=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ input ends a document.
 """
 
 import importlib
+import json
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,8 +60,6 @@ def write_token_file(path, stream: torch.Tensor, index: bool = False, sidecar: d
                             (stream[:-1] == SEP).nonzero().flatten() + 1])
         starts.numpy().astype("<i8").tofile(data_module.boundary_path(str(path)))
     if sidecar is not None:
-        import json
-
         with open(data_module.sidecar_path(str(path)), "w") as f:
             json.dump(sidecar, f)
 
@@ -386,3 +386,54 @@ def test_presets_name_their_eos():
     assert llama.get_model_args("llama3-8b").eos_id == 128001
     assert llama.get_model_args("qwen3-32b").eos_id == 151643
     assert llama.get_model_args("tiny").eos_id is None
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare_data.py: documents -> token file + boundary index + sidecar, read back by data.py
+# ---------------------------------------------------------------------------------------------
+
+def _local_tokenizer(folder) -> str:
+    """A word-level tokenizer trained on a few strings, saved as folder/tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"])
+    tokenizer.train_from_iterator(["the cat sat on the mat", "a dog ran far away", "hello world"],
+                                  trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer = _local_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"text": "the cat sat on the mat"}\n{"text": ""}\n'
+                                      '{"text": "hello"}\n')
+    (tmp_path / "b.txt").write_text("a dog ran far away\n\nhello world the end\n")
+    out = str(tmp_path / "data" / "train.bin")
+    prepare_data.main(["--tokenizer", tokenizer, "--input", str(tmp_path / "a.jsonl"),
+                       str(tmp_path / "b.txt"), "--output", out, "--txt-lines"])
+    printed = capsys.readouterr().out
+    assert "4 documents" in printed and "1 empty skipped" in printed and "p50" in printed
+    info = json.loads(open(out + ".json").read())
+    sep = info["separator_id"]
+    assert info["dtype"] == "uint16" and info["documents"] == 4 and sep == 1
+    ids = torch.from_numpy(np.fromfile(out, dtype="<u2").astype("int64"))
+    assert info["tokens"] == len(ids) and int(ids[-1]) == sep
+    # 6 + 1, 1 + 1, 5 + 1, 4 + 1 tokens ("end" is unknown: <unk>)
+    starts = np.fromfile(out + ".docs", dtype="<i8").tolist()
+    assert starts == [0, 7, 9, 15]
+    # data.py reads it back: the separator from the sidecar, the boundaries from the index.
+    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=19, data=out, documents=True))
+    data = TokenData(cfg, 256, 0, 1)
+    tokens = data.batch(0)
+    docs = data.documents(0, tokens)
+    assert data.separator == sep and docs.cu_seqlens == (0, 7, 9, 15, 19)
+    assert docs.position_ids.tolist() == [list(range(7)) + [0, 1] + list(range(6)) + list(range(4))]
+    # a separator the tokenizer does not have, or outside it: clear errors
+    with pytest.raises(ValueError, match="not a token"):
+        prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator="<eos>")
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator_id=10**6)
