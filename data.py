@@ -112,6 +112,9 @@ class TokenData:
             raise ValueError(f"{sidecar_path(cfg.data)} says {info['tokens']} tokens, but "
                              f"{cfg.data} holds {self.tokens.numel()}: the files do not match")
         self.packed = bool(getattr(cfg, "documents", False))
+        # The file says where its documents are, but training was not asked to keep them apart.
+        self.documents_ignored = not self.packed and not synthetic and (
+            info.get("separator_id") is not None or os.path.isfile(boundary_path(cfg.data)))
         self.separator = self.starts = None
         if self.packed:
             index = None if synthetic else boundary_path(cfg.data)

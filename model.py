@@ -152,7 +152,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.core = causal_attention  # seam 1: (q, k, v) -> out over local tensors
+        self.core = causal_attention  # seam 1: (q, k, v, cu_seqlens=None) -> out, local tensors
 
     def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
         return self.o_proj(self.attend(x, rope, cu_seqlens=cu_seqlens))

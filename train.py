@@ -422,6 +422,9 @@ def train(cfg: Config) -> Run:
               f"{techniques_text(cfg, cfg.head_chunk or rt.sp)}"
               + (f", packed documents (separator {data.separator})" if cfg.documents else "")
               + (f", resumed at step {first_step}" if cfg.resume else ""))
+        if data.documents_ignored:
+            print(f"note: {cfg.data} lists its documents (sidecar or .docs index), but without "
+                  f"--documents each window trains as one sequence: documents attend to each other")
     if log_file:
         log_file.write(json.dumps(header) + "\n")
     history = []

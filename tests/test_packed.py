@@ -445,6 +445,11 @@ def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
     docs = data.documents(0, tokens)
     assert data.separator == sep and docs.cu_seqlens == (0, 7, 9, 15, 19)
     assert docs.position_ids.tolist() == [list(range(7)) + [0, 1] + list(range(6)) + list(range(4))]
+    # and train.py trains on it
+    run = train.train(train.parse_args(["--data", out, "--documents", "--seq-len", "8",
+                                        "--steps", "2", "--device", "cpu"]))
+    assert [r["documents"] for r in run.history] == [2, 2]  # windows [0, 9) and [9, 18)
+    assert all(np.isfinite(r["loss"]) for r in run.history)
     # a separator the tokenizer does not have, or outside it: clear errors
     with pytest.raises(ValueError, match="not a token"):
         prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator="<eos>")
