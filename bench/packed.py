@@ -150,6 +150,9 @@ def main():
     parser.add_argument("--long-share", type=float, default=0.5, help="share of tokens in long documents")
     parser.add_argument("--short-median", default="3K", help="median short document")
     parser.add_argument("--kernel-repeats", type=int, default=3)
+    parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default="auto",
+                        help="fa4: FlashAttention-4's varlen kernel for documents; cudnn: the "
+                             "per-document loop over cuDNN")
     parser.add_argument("--budget-s", type=float, default=540, help="skip what starts after this")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out", default=None)
@@ -162,7 +165,8 @@ def main():
     model_name = with_layers(opts.model, opts.layers or None)
     args = llama.get_model_args(model_name)
     base = train.Config(model=model_name, device=opts.device, dtype=dtype, steps=0, fsdp=True,
-                        checkpoint=True, offload=True, tile_mlp=True, tile_loss=True, tile_norm=True)
+                        checkpoint=True, offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
+                        attn_kernel=opts.attn_kernel)
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     long_doc, short_median = parse_tokens(opts.long_doc), parse_tokens(opts.short_median)
     result = {"what": "packed documents (document-masked attention) vs dense causal, same window",
@@ -170,7 +174,12 @@ def main():
               "stack": "fsdp, checkpoint, offload, tile_mlp, tile_loss, tile_norm + the method",
               "mix": {"long_doc": long_doc, "long_share": opts.long_share,
                       "short_median": short_median},
-              "kernel": "per-document loop over causal_attention (kernels.document_attention)",
+              "kernel": ("FlashAttention-4 varlen (one launch for all documents)"
+                         if kernels.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=rt.device,
+                                                           dtype=getattr(torch, dtype)))[0] == "fa4"
+                         else "per-document loop over the dense kernel (kernels.document_attention)"),
+              "attention_kernel": kernels.attention_kernel_name(rt.device, getattr(torch, dtype),
+                                                                args.head_dim),
               "rows": []}
     name = opts.name or f"packed_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
     out_dir = Path(opts.out or default_out_dir())
