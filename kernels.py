@@ -25,10 +25,11 @@ Packed documents (data.py): every entry point takes `cu_seqlens`, the document b
 batch as global token offsets: the B*S tokens of q taken as one stream (row b starts at b*S), a
 tuple of ints (0, start of the 2nd document, ..., B*S) - FlashAttention's `cu_seqlens`, with
 every row start among them. Attention is then causal *within* each document and never crosses a
-boundary. This is the one place documents are masked; `document_spans` reads the tuple. With
-FA4 one varlen launch covers all documents (q, k, v as (B*S, heads, D), int32 cu_seqlens);
-otherwise a loop runs the dense causal kernel once per document (exact, slower for many short
-documents: one launch each), and the log-sum-exp is the documents' concatenated along the sequence.
+boundary. This is the one place documents are masked; `document_spans` reads the tuple. A loop
+runs the dense causal kernel (whichever is chosen) once per document: exact, slower for many
+short documents (one launch each); the log-sum-exp is the documents' concatenated along the
+sequence. (FlashAttention-4's varlen kernel would do all documents in one launch; its gradients
+failed our GPU equivalence test as we called it, so it is not used yet: docs/gpu_tests.json.)
 """
 
 import logging
@@ -74,14 +75,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
     each attending only to itself.
     """
-    kernel = "sdpa" if sdpa_only else lse_kernel(q)[0]
     if cu_seqlens is not None:
-        if kernel == "fa4":
-            from flash_attn.cute import flash_attn_varlen_func
-
-            return flash_attn_varlen_func(**varlen_args(q, k, v, cu_seqlens),
-                                          causal=True)[0].view_as(q)
         return document_attention(q, k, v, cu_seqlens, sdpa_only)
+    kernel = "sdpa" if sdpa_only else lse_kernel(q)[0]
     if kernel == "fa4":
         from flash_attn.cute import flash_attn_func
 
@@ -140,20 +136,9 @@ def document_spans(cu_seqlens, batch: int, seq_len: int) -> list[tuple[int, int,
     return [(a // seq_len, a % seq_len, a % seq_len + (b - a)) for a, b in zip(bounds, bounds[1:])]
 
 
-def varlen_args(q, k, v, cu_seqlens) -> dict:
-    """FlashAttention-4's varlen arguments for packed documents: q, k, v as one stream of
-    (B*S, heads, D), the boundaries as int32 on the device, the longest document."""
-    document_spans(cu_seqlens, *q.shape[:2])  # the same check as the loop's
-    bounds = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
-    longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
-    return dict(q=q.flatten(0, 1), k=k.flatten(0, 1), v=v.flatten(0, 1), cu_seqlens_q=bounds,
-                cu_seqlens_k=bounds, max_seqlen_q=longest, max_seqlen_k=longest)
-
-
 def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
-    """`causal_attention` within each document of `cu_seqlens` for kernels without varlen: one
-    dense causal call per document, outputs concatenated along the sequence (autograd does the
-    backward)."""
+    """`causal_attention` within each document of `cu_seqlens`: one dense causal call per
+    document, outputs concatenated along the sequence (autograd does the backward)."""
     batch, seq_len = q.shape[:2]
     spans = document_spans(cu_seqlens, batch, seq_len)
     if len(spans) == batch:  # one document per row: the dense kernel as it is
@@ -212,17 +197,13 @@ def math_attention_backward(grad_out, q, k, v, out, lse):
     return back(grad_q, q), back(grad_k[:, :, None], k), back(grad_v[:, :, None], v)
 
 
-def _forward(kernel, q, k, v, cu_seqlens=None):
-    """(out, lse) of one kernel, q/k/v and out in the layout above (cu_seqlens: FA4 only)."""
+def _forward(kernel, q, k, v):
+    """(out, lse) of one kernel, q/k/v and out in the layout above."""
     if kernel == "fa4":
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+        from flash_attn.cute import flash_attn_func
 
         with torch.no_grad():  # its autograd Function: only the forward here
-            if cu_seqlens is None:
-                return flash_attn_func(q, k, v, causal=True, return_lse=True)
-            out, lse = flash_attn_varlen_func(**varlen_args(q, k, v, cu_seqlens), causal=True,
-                                              return_lse=True)
-            return out.view_as(q), lse
+            return flash_attn_func(q, k, v, causal=True, return_lse=True)
     # (B, S, heads, D) -> (B, heads, S, D) as views, no copy: the ATen kernels read strided
     # tensors (a contiguous copy of each costs ~1% of a 128K step, measured: docs/calibration.md).
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -238,17 +219,12 @@ def _forward(kernel, q, k, v, cu_seqlens=None):
     return out.transpose(1, 2), lse
 
 
-def _backward(kernel, grad_out, q, k, v, out, lse, cu_seqlens=None):
-    """(dq, dk, dv) of one kernel from its out and lse (layout above; cu_seqlens: FA4 only)."""
+def _backward(kernel, grad_out, q, k, v, out, lse):
+    """(dq, dk, dv) of one kernel from its out and lse (layout above)."""
     if kernel == "fa4":
         from flash_attn.cute.interface import _flash_attn_bwd  # its backward entry point
 
-        if cu_seqlens is None:
-            return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True)[:3]
-        varlen = varlen_args(q, k, v, cu_seqlens)
-        grads = _flash_attn_bwd(varlen.pop("q"), varlen.pop("k"), varlen.pop("v"),
-                                out.flatten(0, 1), grad_out.flatten(0, 1), lse, causal=True, **varlen)
-        return tuple(g.view_as(t) for g, t in zip(grads[:3], (q, k, v)))
+        return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True)[:3]
     # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
     grad_out, q, k, v, out = (t.contiguous().transpose(1, 2) for t in (grad_out, q, k, v, out))
     seq_q, seq_k = q.shape[2], k.shape[2]
@@ -271,8 +247,6 @@ def _backward(kernel, grad_out, q, k, v, out, lse, cu_seqlens=None):
 def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
     """Causal attention (layout above) -> (out (B, S, H, D), lse). cu_seqlens: within each
     packed document only; lse is then the documents' log-sum-exps along the sequence."""
-    if cu_seqlens is not None and lse_kernel(q, kernel)[0] == "fa4":
-        return _forward("fa4", q, k, v, cu_seqlens)  # one varlen launch for all documents
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
@@ -299,8 +273,6 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
                            cu_seqlens=None):
     """(dq, dk, dv) of `attention_forward_lse` from its out and lse: the attention backward
     kernel alone, no forward recomputation. cu_seqlens: as given to the forward."""
-    if cu_seqlens is not None and lse_kernel(q, kernel)[0] == "fa4":
-        return _backward("fa4", grad_out, q, k, v, out, lse, cu_seqlens)
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
