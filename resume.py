@@ -21,6 +21,7 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 import model as llama
 
@@ -157,8 +158,8 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
         if error is None:
             try:
                 restore_state(rt, path, model, optimizer)
-            except Exception as caught:  # damage of any kind: try the previous checkpoint
-                error = f"{type(caught).__name__}: {str(caught).strip().splitlines()[0] if str(caught).strip() else ''}"
+            except (Exception, CheckpointException) as caught:  # damage: try the one before
+                error = last_line(caught)
         if not any_rank(error is not None, rt):
             break
         if rt.rank == 0:
@@ -177,6 +178,13 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
     if cfg.steps == meta["step"] and rt.rank == 0:
         print(f"resume: {path} is already at step {meta['step']} = --steps; nothing to train")
     return meta["step"]
+
+
+def last_line(error: BaseException) -> str:
+    """The informative line of an error: dcp's CheckpointException carries each rank's whole
+    traceback, whose last line is the cause (e.g. EOFError of a truncated shard)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
 
 
 def read_meta(path: str) -> dict | None:
