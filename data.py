@@ -35,8 +35,9 @@ class TokenData:
 
     'synthetic': each sequence is an arithmetic progression modulo the vocabulary with a random
     start and stride, so a model that learns to attend to the previous two tokens can predict it
-    (the loss goes down within a few steps). A file: flat little-endian uint16 or uint32 ids,
-    read through a memory map; consecutive windows of seq_len + 1 tokens.
+    (the loss goes down within a few steps). A file: flat little-endian uint16 or uint32 ids
+    (its sidecar <file>.json says which), read through a memory map and scanned once at start;
+    consecutive windows of seq_len + 1 tokens.
     """
 
     def __init__(self, cfg, vocab_size: int, dp_rank: int, dp: int):
