@@ -211,7 +211,7 @@ def data_sequence_mesh(device_type: str, sp: int):
 # ---------------------------------------------------------------------------------------------
 
 def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
-                               saved_only: bool = False) -> int:
+                               saved_only: bool = False, kernel: str = "cudnn") -> int:
     """Bytes one attention layer (normed input -> output before o_proj) holds per rank, beyond
     its input and its output gradient: the most at once during forward and backward (default;
     the peak is in backward), or what it keeps from forward for backward (saved_only).
@@ -226,8 +226,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
         (Q + 2K); the kernel's workspace (`kernels.backward_workspace_bytes`: 2Q for the fp32
         dq, 2Q for grouped dk/dv, an lse-sized row sum).
     In all 10Q + 2 lse for Llama-3-8B (32 query, 8 KV heads) with sp > 1: 30 GiB per GPU at 3M
-    tokens on 8 GPUs. Measured on 2 H200s: 5.02, 20.06 and 40.13 GiB at 128K, 512K and 1M
-    tokens, as this counts (docs/calibration.md).
+    tokens on 8 GPUs (checked against GPU runs: docs/calibration.md).
     """
     local_tokens = seq_len // sp
     kv_heads = max(args.n_kv_heads, sp) if sp > 1 else args.n_kv_heads  # replicated up to sp
@@ -239,7 +238,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
     if saved_only:
         return saved
     workspace = kernels.backward_workspace_bytes(seq_len, args.n_heads // sp, kv_heads // sp,
-                                                 args.head_dim, bytes_per_value)
+                                                 args.head_dim, bytes_per_value, kernel)
     return saved + exchanged + q + 2 * kv + workspace
 
 

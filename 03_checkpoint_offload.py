@@ -33,8 +33,8 @@ the block's inputs through the saved-tensors mechanism, outside the region it re
 exactly the block's inputs and nothing inside the block. `pack` moves the hidden state to the
 host and returns a small handle; `unpack` returns it on the GPU. The GPU copy is freed only when
 nothing references it any more: autograd keeps the hooks alive with the graph, so `pack` may
-hold the input weakly only (a strong reference once kept every offloaded input on the GPU). Under FSDP2 (applied after
-this, one `fully_shard` per block) FSDP's hooks gather the block's parameters around the
+hold the input weakly only (a strong reference would keep every offloaded input on the GPU).
+Under FSDP2 (applied after this, one `fully_shard` per block) FSDP's hooks gather the block's parameters around the
 replaced forward, and the recompute in backward runs while they are gathered for backward.
 
 Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offload):
@@ -367,35 +367,6 @@ class BlockInputOffloader:
 
 
 # ---------------------------------------------------------------------------------------------
-# Measuring: on a GPU the allocator's peak; on a CPU the bytes autograd keeps for backward.
-# ---------------------------------------------------------------------------------------------
-
-def gradient_bytes(model) -> int:
-    """Bytes of this rank's gradients once backward has run (FSDP2: of its parameter shards)."""
-    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
-
-
-def bytes_saved_for_backward(run_step, offloader=None) -> int:
-    """CPU stand-in for the GPU allocator's peak: run_step() (forward and backward) and return
-    the bytes of distinct storages autograd kept from forward to backward, parameters excluded.
-
-    The offloader's hooks sit inside ours (only the innermost saved-tensors hooks run), so the
-    one block input it keeps on the device is added from its own count.
-    """
-    saved = {}
-
-    def pack(t):
-        base = t if t._base is None else t._base
-        if not (base.is_leaf and base.requires_grad):  # parameters (also FSDP's gathered ones)
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_step()
-    return sum(saved.values()) + (offloader.stats["kept_bytes"] if offloader else 0)
-
-
-# ---------------------------------------------------------------------------------------------
 # Demo: memory vs number of layers, without checkpointing, with it, with offload.
 # ---------------------------------------------------------------------------------------------
 
@@ -405,6 +376,8 @@ MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, 
 def measure_mode(ranks, mesh, args, tokens, checkpointing: bool, offload: bool) -> dict:
     """Build the model (Ulysses and FSDP when launched with torchrun), run one forward+backward
     and return {"device": bytes, "host": bytes} for this rank."""
+    from demos import bytes_saved_for_backward, gradient_bytes
+
     fsdp = importlib.import_module("01_fsdp")
     ulysses = importlib.import_module("02_ulysses")
     group = dist.group.WORLD if ranks.launched else None

@@ -38,10 +38,9 @@ per MLP tile, as ALST does, and at most 1 GiB of fp32 logits per loss tile.
 What else spans the sequence (found with PyTorch's memory snapshot, bench/step.py --snapshot):
 the RMSNorms compute in fp32, and their backward holds 12 x the bf16 hidden state at once, so
 `--tile-norm` runs them through the same Function. The rotary tables are already half-width in
-the compute dtype (two tables of 32 MiB per GPU at 512K). After that, a 512K step on 2 GPUs
-(docs/results/snap_512k_stack4.json) allocates no activation larger than 2 GiB, the size of the
-local bf16 hidden state, except the attention kernel's backward buffer: fp32 dK and dV for every query
-head, 8 GiB, four times the queries. That one belongs to attention, and 05 cuts it by heads.
+the compute dtype. After that no activation is larger than the local hidden state except the
+attention kernel's backward buffer (with cuDNN: fp32 dK and dV for every query head, four times
+the queries; README's memory snapshot). That one belongs to attention, and 05 cuts it by heads.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -51,14 +50,14 @@ Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
 import argparse
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import IGNORE_INDEX, rms_norm
+from model import IGNORE_INDEX, rms_norm, token_scores
 
 offload = importlib.import_module("03_checkpoint_offload")  # is_recomputing
 
@@ -108,31 +107,40 @@ def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
 # The technique: one autograd.Function that computes fn tile by tile and recomputes in backward.
 # ---------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Tiling:
+    """How SequenceTiledRecompute cuts and runs `fn` (its non-tensor arguments, named)."""
+    fn: Callable              # fn(x_tile, *token_arg_tiles, *weights)
+    tile_tokens: int
+    sum_tiles: bool           # False: fn returns one row per token; True: a scalar per tile
+    skip_in_recompute: bool   # see forward
+    n_token_args: int         # how many of the tensors after x are cut into tiles (labels)
+
+
 class SequenceTiledRecompute(torch.autograd.Function):
     """fn(x, *token_args, *weights) over tokens (dim 0), `tile_tokens` tokens at a time.
 
     x: (tokens, ...) differentiable input; token_args: tensors cut into the same tiles but not
     differentiated (labels); weights: used whole by every tile, read by the caller at call time
-    (under FSDP2 they are the block's gathered parameters). sum_tiles=False: fn returns one row
-    per token and the rows are written into one output buffer; sum_tiles=True: fn returns a
-    scalar per tile and the scalars are added.
+    (under FSDP2 they are the block's gathered parameters). sum_tiles=False: the tiles' rows are
+    written into one output buffer; sum_tiles=True: the tiles' scalars are added.
     """
 
     @staticmethod
-    def forward(ctx, fn, tile_tokens, sum_tiles, skip_in_recompute, n_token_args, x, *tensors):
-        token_args, weights = tensors[:n_token_args], tensors[n_token_args:]
-        ctx.fn, ctx.tile_tokens, ctx.sum_tiles, ctx.n_token_args = fn, tile_tokens, sum_tiles, n_token_args
+    def forward(ctx, tiling: Tiling, x, *tensors):
+        token_args, weights = tensors[:tiling.n_token_args], tensors[tiling.n_token_args:]
+        ctx.tiling = tiling
         # Only the input, labels and weights: nothing per tile survives the forward.
         ctx.save_for_backward(x, *tensors)
-        if skip_in_recompute and offload.is_recomputing():
+        if tiling.skip_in_recompute and offload.is_recomputing():
             # In 03's recompute the block is rerun only to rebuild what its ops save; this output
             # (same shape as x) feeds nothing but the residual add that ends the block, and our
             # backward recomputes every tile anyway: computing it here would be a third forward.
             return torch.empty_like(x)
         out = None
-        for tile in token_tiles(x.shape[0], tile_tokens):  # autograd is off inside forward
-            piece = fn(x[tile], *(t[tile] for t in token_args), *weights)
-            if sum_tiles:
+        for tile in token_tiles(x.shape[0], tiling.tile_tokens):  # autograd is off in forward
+            piece = tiling.fn(x[tile], *(t[tile] for t in token_args), *weights)
+            if tiling.sum_tiles:
                 out = piece if out is None else out + piece
             else:
                 if out is None:
@@ -142,11 +150,11 @@ class SequenceTiledRecompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        tiling = ctx.tiling
         x, *tensors = ctx.saved_tensors
-        n_token_args = ctx.n_token_args
-        token_args, weights = tensors[:n_token_args], tensors[n_token_args:]
-        x_needs_grad = ctx.needs_input_grad[5]
-        weight_needs_grad = ctx.needs_input_grad[6 + n_token_args:]
+        token_args, weights = tensors[:tiling.n_token_args], tensors[tiling.n_token_args:]
+        _, x_needs_grad, *tensors_need_grad = ctx.needs_input_grad
+        weight_needs_grad = tensors_need_grad[tiling.n_token_args:]
         # Fresh leaves, so each tile's graph ends here and autograd.grad returns the pieces.
         weight_leaves = [w.detach().requires_grad_(need) for w, need in zip(weights, weight_needs_grad)]
         wanted_weights = [w for w in weight_leaves if w.requires_grad]
@@ -155,14 +163,14 @@ class SequenceTiledRecompute(torch.autograd.Function):
         # would round again. Each tile's gradient is rounded once, the sum once at the end.
         # This costs a transient fp32 copy of each weight (2 GiB for Llama-3-8B's lm_head).
         weight_grad_sums = [None] * len(wanted_weights)
-        for tile in token_tiles(x.shape[0], ctx.tile_tokens):
+        for tile in token_tiles(x.shape[0], tiling.tile_tokens):
             if grad_x is None and not wanted_weights:
                 break
             x_tile = x[tile].detach().requires_grad_(x_needs_grad)
             with torch.enable_grad():
-                piece = ctx.fn(x_tile, *(t[tile] for t in token_args), *weight_leaves)
+                piece = tiling.fn(x_tile, *(t[tile] for t in token_args), *weight_leaves)
             wanted = ([x_tile] if x_needs_grad else []) + wanted_weights
-            grads = list(torch.autograd.grad(piece, wanted, grad_out if ctx.sum_tiles else grad_out[tile]))
+            grads = list(torch.autograd.grad(piece, wanted, grad_out if tiling.sum_tiles else grad_out[tile]))
             if x_needs_grad:
                 grad_x[tile] = grads.pop(0)
             for i, grad in enumerate(grads):
@@ -172,14 +180,14 @@ class SequenceTiledRecompute(torch.autograd.Function):
                     weight_grad_sums[i] += grad
         sums = iter(weight_grad_sums)
         weight_grads = [next(sums).to(w.dtype) if w.requires_grad else None for w in weight_leaves]
-        return (None, None, None, None, None, grad_x, *([None] * n_token_args), *weight_grads)
+        return (None, grad_x, *([None] * tiling.n_token_args), *weight_grads)
 
 
 def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool,
                       skip_in_recompute: bool = False):
     """SequenceTiledRecompute with its arguments named (autograd's apply takes positions only)."""
-    return SequenceTiledRecompute.apply(fn, tile_tokens, sum_tiles, skip_in_recompute,
-                                        len(token_args), x, *token_args, *weights)
+    tiling = Tiling(fn, tile_tokens, sum_tiles, skip_in_recompute, len(token_args))
+    return SequenceTiledRecompute.apply(tiling, x, *token_args, *weights)
 
 
 # --- Seam 3: the MLP ---------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> t
                              skip_in_recompute=True).view(x.shape)
 
 
-# --- The blocks' RMSNorms: per token as well ------------------------------------------------------
+# --- Seam 4: the blocks' RMSNorms, per token as well ------------------------------------------
 
 def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
     """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32: untiled,
@@ -227,7 +235,7 @@ def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None
             "block_input": hidden, "norm_backward": 24 * args.dim * tile}
 
 
-# --- Seam 4: final norm + lm_head + cross-entropy ----------------------------------------------
+# --- Seam 5: final norm + lm_head + cross-entropy ----------------------------------------------
 
 def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
     """model.Transformer.loss_sum's formula with its weights as arguments: fp32 logits, the
@@ -246,11 +254,23 @@ def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: in
     return tiled_over_tokens(loss_fn, tokens, (flat_labels,), weights, tile, sum_tiles=True)
 
 
+def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: int | None = None):
+    """model.Transformer.token_scores (evaluation: each token's loss and greedy prediction),
+    `tile_tokens` tokens at a time: the same tiles as the loss, one output row of 2 per token.
+    Under torch.no_grad (eval.py) the Function only runs its forward loop: no recompute."""
+    tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
+    tile = loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
+    scores = tiled_over_tokens(partial(token_scores, eps=model.norm.eps), tokens, (flat_labels,),
+                               weights, tile, sum_tiles=False)
+    return scores.view(*labels.shape, 2)
+
+
 def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
                  mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None,
                  tile_norm: bool = False) -> None:
     """Replace every block's MLP forward, its two RMSNorms' forwards and/or the model's
-    loss_sum with their tiled versions (norm tiles are as long as MLP tiles).
+    loss_sum (and token_scores, evaluation's per-token sibling) with their tiled versions (norm tiles are as long as MLP tiles).
 
     Only forward functions are replaced (on the instances; parameter names are unchanged) and
     no parameter is captured, so this works on the meta device before checkpointing and FSDP.
@@ -263,6 +283,7 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
             block.mlp.forward = partial(tiled_mlp_forward, block.mlp, tile_tokens=mlp_tile_tokens)
     if tile_loss:
         model.loss_sum = partial(tiled_loss_sum, model, tile_tokens=loss_tile_tokens)
+        model.token_scores = partial(tiled_token_scores, model, tile_tokens=loss_tile_tokens)
     if tile_norm:
         for block in model.layers:
             for norm in (block.input_layernorm, block.post_attention_layernorm):
@@ -280,8 +301,7 @@ def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int |
 
     Untiled: autograd keeps gate, silu(gate), up and their product, ffn_dim values per token
     each (4 x tokens x ffn_dim); when the product's gradient splits into the gradients of
-    silu(gate) and up, six such tensors exist at once (GPU-measured: 42.2 GiB at 262,144
-    tokens, 6 x 7 GiB). Tiled: nothing is kept but the input; backward holds the input-gradient
+    silu(gate) and up, six such tensors exist at once. Tiled: nothing is kept but the input; backward holds the input-gradient
     buffer (tokens x dim), one tile's six intermediates, and the weight gradients added up in
     fp32 plus one tile's in the compute dtype (3 x dim x ffn_dim x (4 + bytes)).
     Llama-3-8B, 393,216 tokens per GPU: 63 GiB untiled, 4.6 GiB tiled (4,096-token tiles).
@@ -305,8 +325,7 @@ def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int 
     gradient exist at once, 3 x 4 bytes per logit. Tiled: the input kept for backward and the
     input-gradient buffer (2 x tokens x dim), one tile's three fp32 logits-sized tensors, and
     lm_head's weight gradient added up in fp32 plus one tile's in the compute dtype
-    (vocab x dim x (4 + bytes)). GPU-measured above the input: 8.0 GiB at 262,144 tokens and
-    10.0 at 524,288 (this count less the input: 7.9 and 9.9).
+    (vocab x dim x (4 + bytes)). Both counts are checked against GPU runs: docs/calibration.md.
     Llama-3-8B, 393,216 tokens per GPU: 576 GiB untiled, 11.9 GiB tiled.
     """
     vocab, dim, b = args.vocab_size, args.dim, bytes_per_value
@@ -314,43 +333,6 @@ def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int 
         return local_tokens * (3 * vocab * 4 + dim * (4 + 2 * b))
     tile = min(loss_tile_size(vocab, local_tokens, tile_tokens), local_tokens)
     return 2 * local_tokens * dim * b + 3 * tile * vocab * 4 + vocab * dim * (4 + b)
-
-
-# ---------------------------------------------------------------------------------------------
-# Other buffers that span the whole local sequence (model.py, not changed here; to be confirmed
-# with a GPU memory snapshot). Bytes per GPU for Llama-3-8B at 393,216 local tokens.
-#   - rms_norm upcasts its whole input to fp32 (x.float(), its square, the normalized fp32
-#     tensor): ~6 GiB each where the bf16 input is 3 GiB, twice per layer and once before the
-#     loss. A fused RMSNorm (torch.nn.functional.rms_norm computes in fp32 inside the kernel) or
-#     computing the post-attention norm inside the MLP tile (it is per token too) removes them.
-#   - apply_rope builds x1*cos, x2*sin, ... and a torch.cat for q and k: about three q-sized
-#     (3 GiB in bf16) temporaries per layer; an in-place or fused rotary removes them.
-#   - the residual adds (x + attn, h + mlp) allocate a new (tokens, dim) tensor each (3 GiB):
-#     needed, but two are alive at once inside a block.
-#   - rotary tables: fp32 angles (tokens x 64 x 4 bytes = 96 MiB) cast to bf16 cos and sin
-#     (48 MiB each): small, kept once for all layers; not worth tiling.
-#   - the embedding output (3 GiB bf16) is the first block's input: needed.
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring: the largest tensor any op produces (shows a buffer never exists).
-# ---------------------------------------------------------------------------------------------
-
-class LargestTensor(TorchDispatchMode):
-    """While active, record the largest tensor (elements and shape) produced by any operation,
-    forward and backward. Views count too: a view of seq x vocab means seq x vocab exists."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel, self.shape, self.nbytes = 0, None, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.shape, self.nbytes = t.numel(), tuple(t.shape), t.numel() * t.element_size()
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +352,7 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
         "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
         "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile),
     }
-    from demos import measure_stage_memory
+    from demos import LargestTensor, measure_stage_memory
 
     results = {}
     for name, run in phases.items():

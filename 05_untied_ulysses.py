@@ -27,12 +27,10 @@ query heads [r*H/P, (r+1)*H/P), exactly as in Ulysses): this file computes the s
 02_ulysses.py and as unsharded attention, only in a different memory schedule.
 
 In training: `python train.py --untied [--head-chunk U]` (or `--stack 5`) replaces 02 at the same
-seam. Larger U runs fewer, bigger stages, which is faster; U = P needs the least memory (2 H200s,
-128K tokens, full depth, tokens/s vs Ulysses: U = 2 0.954x, U = 8 0.971x, one stage 0.985x; at
-256K U = 8 0.984x: a stage's fixed costs grow with S, attention with S^2; README). Without
---head-chunk a GPU run takes the fewest stages whose planned step fits (train.py's
-`fewest_stages_that_fit`: one stage at 128K-1M on 2 H200s, U = P near the longest length);
-`apply_untied_ulysses` and this demo default to U = P.
+seam. Larger U runs fewer, bigger stages, which is faster (a stage's fixed costs grow with S,
+attention with S^2; the README measures each U against Ulysses); U = P needs the least memory.
+Without --head-chunk a GPU run takes the fewest stages whose planned step fits (train.py's
+`choose_head_chunk`); `apply_untied_ulysses` and this demo default to U = P.
 
 Run the demo (attention-stage memory per rank for every chunk size, next to Ulysses):
 
@@ -41,6 +39,7 @@ Run the demo (attention-stage memory per rank for every chunk size, next to Ulys
 """
 
 import importlib
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -185,101 +184,125 @@ def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, g
     return grad_y.t() @ x.reshape(-1, dim)
 
 
+@dataclass(frozen=True)
+class StageLayout:
+    """What the staged sub-layer needs besides tensors: the ranks and how heads are staged."""
+    group: object     # the sequence-parallel process group
+    sp: int           # its size P
+    head_chunk: int   # U: query heads per stage, over all ranks
+    head_dim: int
+    eps: float        # QK-norm's epsilon (unused without QK-norm)
+
+    def to_heads(self, t):  # (B, s, P * u, D) -> (B, S, u, D): all tokens, this rank's heads
+        return _exchange(t, self.group, self.sp, scatter_dim=2, gather_dim=1)
+
+    def to_tokens(self, t):  # the inverse
+        return _exchange(t, self.group, self.sp, scatter_dim=1, gather_dim=2)
+
+    def rows(self, weight, n_heads, heads: slice):
+        return stage_rows(weight, n_heads, self.sp, self.head_dim, heads)
+
+    def head_blocks(self, t):  # (B, s, H * D) -> (B, s, P, H / P, D): rank r's heads in block r
+        return t.unflatten(-1, (self.sp, -1, self.head_dim))
+
+
+def kv_groups(plan) -> list:
+    """[(KV-head slice, [query-head slice of each stage])]: consecutive stages that use the same
+    K/V heads, so K/V are projected and exchanged once for all of them."""
+    groups = []
+    for heads, kv_heads in plan:
+        if groups and groups[-1][0] == kv_heads:
+            groups[-1][1].append(heads)
+        else:
+            groups.append((kv_heads, [heads]))
+    return groups
+
+
 class UntiedUlyssesAttention(torch.autograd.Function):
     """normed x (B, s, dim) of the local tokens -> attention output (B, s, H * D), standard
     head order, before o_proj. Weights are inputs (read at call time) and get gradients."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, wq, wk, wv, q_norm, k_norm, group, sp, head_chunk, head_dim, eps):
-        batch, local_seq_len, _ = x.shape
+    def forward(ctx, layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
+        head_dim, eps, rope = layout.head_dim, layout.eps, (cos, sin)
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
-        to_heads = partial(_exchange, group=group, sp=sp, scatter_dim=2, gather_dim=1)
-        to_tokens = partial(_exchange, group=group, sp=sp, scatter_dim=1, gather_dim=2)
-        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
-        rope = (cos, sin)
-        plan = stage_plan(n_heads, n_kv_heads, sp, head_chunk)
-
-        out = x.new_empty(batch, local_seq_len, n_heads * head_dim)  # the one output buffer
-        out_blocks = out.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
+        out = x.new_empty(*x.shape[:2], n_heads * head_dim)  # the one output buffer
+        out_blocks = layout.head_blocks(out)
         lses = []
-        for stage, (heads, kv_heads) in enumerate(plan):
-            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
-                k = v = None  # free the previous group's K/V before making the next
-                k = to_heads(projected_heads(x, rows(wk, n_kv_heads, heads=kv_heads), head_dim,
-                                             k_norm, eps, rope))
-                v = to_heads(project(x, rows(wv, n_kv_heads, heads=kv_heads), head_dim))
-            q = to_heads(projected_heads(x, rows(wq, n_heads, heads=heads), head_dim, q_norm,
-                                         eps, rope))  # (B, S, u, D): all tokens, u heads
-            stage_out, lse = kernels.attention_forward_lse(q, k, v)
-            del q
-            lses.append(lse)
-            # back to this rank's tokens, into this stage's heads of every rank's block
-            out_blocks[:, :, :, heads] = to_tokens(stage_out).unflatten(2, (sp, -1))
-            del stage_out
-
+        for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, layout.sp, layout.head_chunk)):
+            k = v = None  # free the previous group's K/V before making the next
+            k = layout.to_heads(projected_heads(x, layout.rows(wk, n_kv_heads, kv_heads), head_dim,
+                                                k_norm, eps, rope))
+            v = layout.to_heads(project(x, layout.rows(wv, n_kv_heads, kv_heads), head_dim))
+            for heads in stages:
+                q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
+                                                    q_norm, eps, rope))  # (B, S, u, D)
+                stage_out, lse = kernels.attention_forward_lse(q, k, v)
+                del q
+                lses.append(lse)
+                # back to this rank's tokens, into this stage's heads of every rank's block
+                out_blocks[:, :, :, heads] = layout.to_tokens(stage_out).unflatten(2, (layout.sp, -1))
+                del stage_out
         ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
-        ctx.group, ctx.sp, ctx.head_chunk, ctx.head_dim, ctx.eps = group, sp, head_chunk, head_dim, eps
+        ctx.layout = layout
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses = ctx.saved_tensors
-        sp, head_dim, eps = ctx.sp, ctx.head_dim, ctx.eps
-        batch, local_seq_len, _ = x.shape
+        layout, rope = ctx.layout, (cos, sin)
+        head_dim, eps, sp = layout.head_dim, layout.eps, layout.sp
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
-        to_heads = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=2, gather_dim=1)
-        to_tokens = partial(_exchange, group=ctx.group, sp=sp, scatter_dim=1, gather_dim=2)
-        rows = partial(stage_rows, sp=sp, head_dim=head_dim)
-        add_rows = partial(add_stage_rows, sp=sp, head_dim=head_dim)
-        rope = (cos, sin)
-        plan = stage_plan(n_heads, n_kv_heads, sp, ctx.head_chunk)
-        blocks = lambda t: t.view(batch, local_seq_len, sp, n_heads // sp, head_dim)
-        out_blocks, grad_blocks = blocks(out), blocks(grad_out)
-
+        out_blocks, grad_blocks = layout.head_blocks(out), layout.head_blocks(grad_out)
         # Gradient buffers allocated once; every stage adds its share in place.
         grad_x = torch.zeros_like(x)
         grad_wq, grad_wk, grad_wv = (torch.zeros_like(w) for w in (wq, wk, wv))
         grad_q_norm = None if q_norm is None else torch.zeros_like(q_norm)
         grad_k_norm = None if k_norm is None else torch.zeros_like(k_norm)
+        lses = iter(lses)
 
-        for stage, (heads, kv_heads) in enumerate(plan):
-            if stage == 0 or kv_heads != plan[stage - 1][1]:  # a new KV group: K/V once
-                wk_rows = rows(wk, n_kv_heads, heads=kv_heads)
-                wv_rows = rows(wv, n_kv_heads, heads=kv_heads)
-                k = to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
-                v = to_heads(project(x, wv_rows, head_dim))
-                grad_k = grad_v = None
-            # The stage's q, output and output gradient in the head layout, then the attention
-            # backward kernel with the saved log-sum-exp: no attention forward here.
-            wq_rows = rows(wq, n_heads, heads=heads)
-            q = to_heads(projected_heads(x, wq_rows, head_dim, q_norm, eps, rope))
-            stage_out = to_heads(out_blocks[:, :, :, heads].flatten(2, 3))
-            grad_stage_out = to_heads(grad_blocks[:, :, :, heads].flatten(2, 3))
-            grad_q, grad_k_stage, grad_v_stage = kernels.attention_backward_lse(
-                grad_stage_out, q, k, v, stage_out, lses[stage])
-            del q, stage_out, grad_stage_out
-            group_ends = stage == len(plan) - 1 or plan[stage + 1][1] != kv_heads
-            if group_ends:
-                del k, v
-            grad_k = grad_k_stage if grad_k is None else grad_k.add_(grad_k_stage)
-            grad_v = grad_v_stage if grad_v is None else grad_v.add_(grad_v_stage)
-            del grad_k_stage, grad_v_stage
-            grad_rows = projection_backward(x, wq_rows, head_dim, q_norm, eps, rope,
-                                            to_tokens(grad_q), grad_x, grad_q_norm)
-            del grad_q
-            add_rows(grad_wq, grad_rows, n_heads, heads=heads)
+        for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, sp, layout.head_chunk)):
+            # The KV group's K and V, recomputed once for all its stages.
+            wk_rows, wv_rows = layout.rows(wk, n_kv_heads, kv_heads), layout.rows(wv, n_kv_heads, kv_heads)
+            k = layout.to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
+            v = layout.to_heads(project(x, wv_rows, head_dim))
+            grad_k = grad_v = None
+            for i, heads in enumerate(stages):
+                wq_rows = layout.rows(wq, n_heads, heads)
+                grad_q, grad_k_stage, grad_v_stage = stage_attention_backward(
+                    layout, x, wq_rows, q_norm, rope, k, v, out_blocks[:, :, :, heads],
+                    grad_blocks[:, :, :, heads], next(lses))
+                if i == len(stages) - 1:
+                    del k, v  # the group's last stage: K/V go before the projections' backward
+                grad_k = grad_k_stage if grad_k is None else grad_k.add_(grad_k_stage)
+                grad_v = grad_v_stage if grad_v is None else grad_v.add_(grad_v_stage)
+                del grad_k_stage, grad_v_stage
+                grad_rows = projection_backward(x, wq_rows, head_dim, q_norm, eps, rope,
+                                                layout.to_tokens(grad_q), grad_x, grad_q_norm)
+                del grad_q
+                add_stage_rows(grad_wq, grad_rows, n_heads, sp, head_dim, heads)
+            # The group's K/V gradients are complete: back through their projections.
+            grad_rows = projection_backward(x, wk_rows, head_dim, k_norm, eps, rope,
+                                            layout.to_tokens(grad_k), grad_x, grad_k_norm)
+            add_stage_rows(grad_wk, grad_rows, n_kv_heads, sp, head_dim, kv_heads)
+            grad_rows = projection_backward(x, wv_rows, head_dim, None, eps, None,
+                                            layout.to_tokens(grad_v), grad_x, None)
+            add_stage_rows(grad_wv, grad_rows, n_kv_heads, sp, head_dim, kv_heads)
+            del grad_k, grad_v
 
-            if group_ends:  # K/V gradients are complete: back through their projections
-                grad_rows = projection_backward(x, wk_rows, head_dim, k_norm, eps, rope,
-                                                to_tokens(grad_k), grad_x, grad_k_norm)
-                add_rows(grad_wk, grad_rows, n_kv_heads, heads=kv_heads)
-                grad_rows = projection_backward(x, wv_rows, head_dim, None, eps, None,
-                                                to_tokens(grad_v), grad_x, None)
-                add_rows(grad_wv, grad_rows, n_kv_heads, heads=kv_heads)
-                del grad_k, grad_v
+        return None, grad_x, None, None, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm
 
-        return (grad_x, None, None, grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm,
-                None, None, None, None, None)
+
+def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, grad_stage_out,
+                             lse):
+    """One stage's attention backward, (dq, dk, dv) in the head layout: the stage's q
+    recomputed, its output and output gradient (this rank's tokens, the stage's heads of every
+    rank's block) exchanged to the head layout, and the kernel's backward with the saved
+    log-sum-exp: no attention forward here."""
+    q = layout.to_heads(projected_heads(x, wq_rows, layout.head_dim, q_norm, layout.eps, rope))
+    stage_out = layout.to_heads(stage_out.flatten(2, 3))
+    grad_stage_out = layout.to_heads(grad_stage_out.flatten(2, 3))
+    return kernels.attention_backward_lse(grad_stage_out, q, k, v, stage_out, lse)
 
 
 def _exchange(x, group, sp, scatter_dim, gather_dim):
@@ -296,9 +319,9 @@ def untied_attend(x, rope, attn, group, head_chunk):
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
     eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-    return UntiedUlyssesAttention.apply(x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
-                                        attn.v_proj.weight, q_norm, k_norm, group, sp,
-                                        head_chunk, attn.head_dim, eps)
+    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps)
+    return UntiedUlyssesAttention.apply(layout, x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
+                                        attn.v_proj.weight, q_norm, k_norm)
 
 
 def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
@@ -318,7 +341,8 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
-                           bytes_per_value: int = 2, saved_only: bool = False) -> int:
+                           bytes_per_value: int = 2, saved_only: bool = False,
+                           kernel: str = "cudnn") -> int:
     """Bytes one Untied Ulysses attention layer holds per rank beyond its input and its output
     gradient, counted like 02's `attention_activation_bytes`: the peak (in backward), or what
     it keeps for backward (saved_only: the output buffer, local tokens x all heads, and every
@@ -328,8 +352,8 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
       its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
         layout (3 q_s); dq, dk, dv (q_s + 2 kv_s); the kernel's workspace (02); and when a
         KV group spans several stages, its K/V gradients summed over them (2 kv_s).
-    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1). Measured on 2 H200s at
-    512K tokens within 0.3% for U = 2, 4, 8, 16 (docs/calibration.md).
+    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1); checked against GPU
+    runs for U = 2, 4, 8, 16 (docs/calibration.md).
     """
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
     local_tokens = seq_len // sp
@@ -352,7 +376,7 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     if stages_per_kv > 1:
         stage += 2 * kv_stage
     stage += kernels.backward_workspace_bytes(seq_len, heads_per_stage, kv_heads,
-                                                      args.head_dim, b)
+                                              args.head_dim, b, kernel)
     return saved + gradients + stage
 
 

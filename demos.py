@@ -1,5 +1,7 @@
-"""demos.py - what the numbered files' demos share: starting and ending their processes, one
-attention layer to measure, and the measurement itself. Plumbing only; each lesson is in its file.
+"""demos.py - what the numbered files' demos (and their tests and benchmarks) share: starting
+and ending their processes, one attention layer to measure, and the measurements themselves
+(allocator peak on a GPU; on a CPU the bytes autograd keeps; the largest tensor any op makes).
+Plumbing only; each lesson is in its numbered file.
 """
 
 import argparse
@@ -8,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from data import parse_tokens
 from model import Attention, get_model_args
@@ -75,3 +79,52 @@ def measure_stage_memory(attend, x, extra) -> int:
     total = sum(saved.values()) + out.untyped_storage().nbytes()
     out.sum().backward()
     return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring: on a GPU the allocator's peak; on a CPU the bytes autograd keeps for backward.
+# ---------------------------------------------------------------------------------------------
+
+def gradient_bytes(model) -> int:
+    """Bytes of this rank's gradients once backward has run (FSDP2: of its parameter shards)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+
+
+def bytes_saved_for_backward(run_step, offloader=None) -> int:
+    """CPU stand-in for the GPU allocator's peak: run_step() (forward and backward) and return
+    the bytes of distinct storages autograd kept from forward to backward, parameters excluded.
+
+    The offloader's hooks sit inside ours (only the innermost saved-tensors hooks run), so the
+    one block input it keeps on the device is added from its own count.
+    """
+    saved = {}
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        if not (base.is_leaf and base.requires_grad):  # parameters (also FSDP's gathered ones)
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_step()
+    return sum(saved.values()) + (offloader.stats["kept_bytes"] if offloader else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring: the largest tensor any op produces (shows a buffer never exists).
+# ---------------------------------------------------------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """While active, record the largest tensor (elements and shape) produced by any operation,
+    forward and backward. Views count too: a view of seq x vocab means seq x vocab exists."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.shape, self.nbytes = 0, None, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape, self.nbytes = t.numel(), tuple(t.shape), t.numel() * t.element_size()
+        return out

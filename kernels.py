@@ -10,14 +10,19 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
                                                    needs the forward and the backward kernel
                                                    separately; no attention forward is re-run.
 
-Which kernel runs: flash-attn when installed, else PyTorch's SDPA (cuDNN first on GPUs), math
-on CPU; for the log-sum-exp pair, private ATen ops (what SDPA calls inside), each checked once
-against the plain math below. `backward_workspace_bytes` is what the backward kernel allocates
-for itself, for the planner.
+Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
+  fa4     FlashAttention-4 (`pip install flash-attn-4`, Hopper and Blackwell GPUs): the fastest
+          on H100/H200 (1.1-1.2x cuDNN at 128K-1M); its forward returns the log-sum-exp and its
+          backward takes it, and it reads grouped-query K/V natively.
+  cudnn   SDPA's cuDNN kernel; for 05 its private ATen forward/backward ops.
+  flash   SDPA's flash kernel (FlashAttention-2 inside torch; Ampere GPUs).
+  math    the plain formula (tests, debugging).
+  auto    on a GPU in 16-bit the first of fa4 > cudnn > flash that passes a small check against
+          the math kernel (once per dtype and head size); on the CPU torch's CPU kernel.
+`backward_workspace_bytes` is what the chosen backward allocates for itself, for the planner.
 """
 
 import logging
-import os
 import warnings
 
 import torch
@@ -25,80 +30,85 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kernels")
 
-
-# ---------------------------------------------------------------------------------------------
-# Attention kernel: flash-attn if installed, else PyTorch SDPA (cuDNN first on GPUs), math on CPU.
-# ---------------------------------------------------------------------------------------------
-
-try:
-    from flash_attn import flash_attn_func  # optional, never required
-except ImportError:
-    flash_attn_func = None
+KERNELS = ("auto", "fa4", "cudnn", "flash", "math")
+_requested = {"kernel": "auto"}  # this process's --attn-kernel
 
 
-def attention_kernel_name(device: torch.device, dtype: torch.dtype, n_heads: int = 32,
-                          n_kv_heads: int = 8, head_dim: int = 128) -> str:
-    """The kernel `causal_attention` runs for these shapes (for the run log): flash-attn, or the
-    first SDPA backend, in our priority order, that accepts them."""
-    if device.type != "cuda":
-        return "sdpa (cpu)"
-    if flash_attn_func is not None and dtype in (torch.float16, torch.bfloat16):
-        return "flash-attn"
+def fa4_installed() -> bool:
     try:
-        from torch.backends import cuda as backends
-
-        q = torch.empty(1, n_heads, 128, head_dim, device=device, dtype=dtype)
-        kv = torch.empty(1, n_kv_heads, 128, head_dim, device=device, dtype=dtype)
-        params = backends.SDPAParams(q, kv, kv, None, 0.0, True, n_kv_heads != n_heads)
-        for name, usable in (("cudnn", backends.can_use_cudnn_attention),
-                             ("flash", backends.can_use_flash_attention),
-                             ("efficient", backends.can_use_efficient_attention)):
-            if usable(params, False):
-                return f"sdpa {name}"
-        return "sdpa math"
-    except (ImportError, AttributeError, TypeError, RuntimeError):  # older torch: no probe
-        return "sdpa (cudnn > flash > efficient > math)"
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # not installed, or its CUDA libraries missing
+        return False
+    return True
 
 
-def _sdpa_backends():
-    from torch.nn.attention import SDPBackend
+def use_kernel(name: str) -> None:
+    """Make `name` (one of KERNELS) the attention kernel of this process, or refuse clearly."""
+    if name not in KERNELS:
+        raise ValueError(f"--attn-kernel must be one of {', '.join(KERNELS)}, got {name!r}")
+    if name == "fa4" and not fa4_installed():
+        raise ValueError("--attn-kernel fa4: FlashAttention-4 is not installed "
+                         "(pip install flash-attn-4, on a Hopper or Blackwell GPU)")
+    _requested["kernel"] = name
+    _KERNEL_CHOICE.clear()
 
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+# ---------------------------------------------------------------------------------------------
+# Dense causal attention (seam 1; Ulysses' kernel over the full sequence of its heads).
+# ---------------------------------------------------------------------------------------------
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     allow_flash_attn: bool = True) -> torch.Tensor:
+                     sdpa_only: bool = False) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v. q: (B, S, H, D); k, v: (B, S, Hkv, D), H % Hkv == 0.
 
-    Query head h attends with KV head h // (H // Hkv) (grouped-query attention).
-    allow_flash_attn=False stays on F.scaled_dot_product_attention (what torch's own context
+    sdpa_only=True stays on F.scaled_dot_product_attention (what torch's own context
     parallelism intercepts; bench/ring.py).
     """
-    if (allow_flash_attn and flash_attn_func is not None and q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16)):
-        return flash_attn_func(q, k, v, causal=True)
+    kernel = "sdpa" if sdpa_only else lse_kernel(q)[0]
+    if kernel == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func(q, k, v, causal=True)[0]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, heads, S, D)
     gqa = k.shape[1] != q.shape[1]
-    if q.is_cuda:
+    if not q.is_cuda:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
         from torch.nn.attention import sdpa_kernel
 
-        with sdpa_kernel(_sdpa_backends(), set_priority=True):
+        with sdpa_kernel(_sdpa_backends(kernel), set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+def _sdpa_backends(kernel: str):
+    """SDPA's backends for `kernel`, the chosen one first (cuDNN first when not forced)."""
+    from torch.nn.attention import SDPBackend
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    forced = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+              "math": SDPBackend.MATH}
+    if _requested["kernel"] == kernel and kernel in forced:
+        return [forced[kernel]]  # asked for by name: that one, or SDPA's error
+    return order
+
+
+def attention_kernel_name(device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> str:
+    """The kernel attention runs on this device and dtype (for the run log)."""
+    q = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype)
+    name = lse_kernel(q)[0]
+    return {"fa4": "FlashAttention-4", "cudnn": "cuDNN (SDPA)", "flash": "SDPA flash (FA2)",
+            "cpu": "CPU (SDPA)", "math": "math"}[name]
 
 
 # ---------------------------------------------------------------------------------------------
 # Attention that returns its log-sum-exp, and a backward that takes it (05).
 # ---------------------------------------------------------------------------------------------
-# Layout: q (B, S, H, D), k and v (B, S, Hkv, D) with H % Hkv == 0 (query head h uses KV head
-# h // (H // Hkv)), causal, scale 1/sqrt(D); out (B, S, H, D). lse: fp32, (B, H, S) or
-# (B, H, S, 1) depending on the kernel - only ever handed back to `attention_backward_lse`.
-# The kernels are private ATen ops (what SDPA calls inside); each one is checked once per
-# device/dtype/head size against the plain math below, and the first that works is used.
-# UNTIED_ATTENTION_KERNEL=cudnn|flash|cpu|math forces one (to debug a GPU).
+# lse: fp32, (B, H, S) or (B, H, S, 1) depending on the kernel - only ever handed back to
+# `attention_backward_lse`. The kernels are FlashAttention-4's forward and backward functions,
+# or private ATen ops (what SDPA calls inside); each one is checked once per device/dtype/head
+# size against the plain math below, and the first that works is used.
 
 def math_attention_forward(q, k, v):
     """Reference kernel in fp32 with explicit scores (B, Hkv, G, S, S): small inputs only."""
@@ -136,10 +146,17 @@ def math_attention_backward(grad_out, q, k, v, out, lse):
     return back(grad_q, q), back(grad_k[:, :, None], k), back(grad_v[:, :, None], v)
 
 
-def _aten_forward(kernel, q, k, v):
-    """(B, heads, S, D) in, (B, H, S, D) out and lse, from one private ATen op."""
-    if kernel == "cudnn":
-        # compute_log_sumexp=True, dropout 0, causal, no debug mask
+def _forward(kernel, q, k, v):
+    """(out, lse) of one kernel, q/k/v and out in the layout above."""
+    if kernel == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        with torch.no_grad():  # its autograd Function: only the forward here
+            return flash_attn_func(q, k, v, causal=True, return_lse=True)
+    # (B, S, heads, D) -> (B, heads, S, D) as views, no copy: the ATen kernels read strided
+    # tensors (a contiguous copy of each costs ~1% of a 128K step, measured: docs/calibration.md).
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if kernel == "cudnn":  # compute_log_sumexp=True, dropout 0, causal, no debug mask
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False)[:2]
     elif kernel == "flash":
@@ -148,32 +165,32 @@ def _aten_forward(kernel, q, k, v):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
     else:
         raise ValueError(f"unknown attention kernel {kernel!r}")
-    return out, lse
+    return out.transpose(1, 2), lse
 
 
-def _aten_backward(kernel, grad_out, q, k, v, out, lse):
+def _backward(kernel, grad_out, q, k, v, out, lse):
+    """(dq, dk, dv) of one kernel from its out and lse (layout above)."""
+    if kernel == "fa4":
+        from flash_attn.cute.interface import _flash_attn_bwd  # its backward entry point
+
+        return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True)[:3]
+    # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
+    grad_out, q, k, v, out = (t.contiguous().transpose(1, 2) for t in (grad_out, q, k, v, out))
     seq_q, seq_k = q.shape[2], k.shape[2]
     # Dropout is off, so the random-state arguments are never read; pass defined placeholders.
     unused = torch.zeros((), dtype=torch.int64, device=q.device)
-    if kernel == "cudnn":
-        # attn_bias, cum_seq_q, cum_seq_k = None (undefined: dense, unmasked beyond causal)
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+    if kernel == "cudnn":  # attn_bias, cum_seq_q, cum_seq_k = None: dense, unmasked beyond causal
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, True)
-    if kernel == "flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    elif kernel == "flash":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, seq_q, seq_k, 0.0, True, unused, unused)
-    if kernel == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    elif kernel == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, True)
-    raise ValueError(f"unknown attention kernel {kernel!r}")
-
-
-def _to_kernel_layout(t):
-    """(B, S, heads, D) -> (B, heads, S, D) as a view, no copy: the kernels read strided
-    tensors, as they do when SDPA hands them Ulysses' transposed q, k, v. A contiguous copy of
-    each would cost time and memory (~1% of a 128K step and 3 q-sized tensors at 16 heads a
-    stage, measured)."""
-    return t.transpose(1, 2)
+    else:
+        raise ValueError(f"unknown attention kernel {kernel!r}")
+    return tuple(t.transpose(1, 2) for t in grads[:3])
 
 
 def attention_forward_lse(q, k, v, kernel: str | None = None):
@@ -184,8 +201,7 @@ def attention_forward_lse(q, k, v, kernel: str | None = None):
     if not native_gqa and k.shape[2] != q.shape[2]:
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    out, lse = _aten_forward(kernel, *(_to_kernel_layout(t) for t in (q, k, v)))
-    return out.transpose(1, 2), lse
+    return _forward(kernel, q, k, v)
 
 
 def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None):
@@ -197,29 +213,27 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
     n_kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
     if not native_gqa and group > 1:
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
-    args = (_to_kernel_layout(t.contiguous()) for t in (grad_out, q, k, v, out))
-    dq, dk, dv = (t.transpose(1, 2) for t in _aten_backward(kernel, *args, lse))
+    dq, dk, dv = _backward(kernel, grad_out, q, k, v, out, lse)
     if not native_gqa and group > 1:  # the copies of a KV head add up
         dk, dv = (t.unflatten(2, (n_kv_heads, group)).sum(3) for t in (dk, dv))
     return dq, dk, dv
 
 
-_KERNEL_CHOICE = {}  # (device type, dtype, head_dim, forced name) -> (kernel, handles fewer KV heads)
+_KERNEL_CHOICE = {}  # (device type, dtype, head_dim, requested) -> (kernel, handles fewer KV heads)
 
 
 def lse_kernel(q, kernel: str | None = None):
-    """(kernel name, supports GQA natively) for tensors like q: the first of cuDNN > flash (CUDA,
-    16-bit) or the CPU flash kernel that passes a small check against the math kernel; or the
-    given `kernel`, checked only for GQA support. Logged once per choice."""
+    """(kernel name, supports GQA natively) for tensors like q: `kernel`, else this process's
+    --attn-kernel, else (auto) the first of fa4 > cudnn > flash (CUDA, 16-bit) or the CPU
+    kernel that passes a small check against the math kernel. Logged once per choice."""
     device, dtype, head_dim = q.device.type, q.dtype, q.shape[-1]
-    forced = kernel or os.environ.get("UNTIED_ATTENTION_KERNEL")
-    key = (device, dtype, head_dim, forced)
+    requested = kernel or _requested["kernel"]
+    key = (device, dtype, head_dim, requested)
     if key not in _KERNEL_CHOICE:
-        if forced:
-            candidates = [forced]
+        if requested != "auto":
+            candidates = [requested]
         elif device == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            candidates = ["cudnn", "flash"]
+            candidates = (["fa4"] if fa4_installed() else []) + ["cudnn", "flash"]
         elif device == "cpu":
             candidates = ["cpu"]
         else:
@@ -232,10 +246,10 @@ def lse_kernel(q, kernel: str | None = None):
             if works is not None:
                 choice = (name, works)
                 break
-            if forced:
-                raise RuntimeError(f"UNTIED_ATTENTION_KERNEL={forced} failed its check on "
+            if requested != "auto":
+                raise RuntimeError(f"attention kernel {requested} failed its check on "
                                    f"{device}/{dtype}/head_dim {head_dim}; see the warning above")
-        log.info("attention kernel with log-sum-exp on %s %s head_dim %d: %s (native GQA: %s)",
+        log.info("attention kernel on %s %s head_dim %d: %s (native GQA: %s)",
                  device, dtype, head_dim, *choice)
         _KERNEL_CHOICE[key] = choice
     return _KERNEL_CHOICE[key]
@@ -257,11 +271,9 @@ def _check_kernel(kernel, device, dtype, head_dim):
         try:
             kk, vv = (k, v) if gqa else (k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
             args = [t.to(device, dtype) for t in (q, kk, vv)]
-            out, lse = _aten_forward(kernel, *(_to_kernel_layout(t) for t in args))
-            out = out.transpose(1, 2)
-            grads = _aten_backward(kernel, *(_to_kernel_layout(t.contiguous()) for t in
-                                             (grad_out.to(device, dtype), *args, out)), lse)
-            dq, dk, dv = (t.transpose(1, 2).float().cpu() for t in grads)
+            out, lse = _forward(kernel, *args)
+            dq, dk, dv = (t.float().cpu() for t in _backward(kernel, grad_out.to(device, dtype),
+                                                             *args, out, lse))
             if not gqa:
                 dk, dv = (t.unflatten(2, (2, 2)).sum(3) for t in (dk, dv))
             for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.float().cpu(), dq, dk, dv), want):
@@ -283,12 +295,18 @@ def _check_kernel(kernel, device, dtype, head_dim):
 # ---------------------------------------------------------------------------------------------
 
 def backward_workspace_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                                     bytes_per_value: int = 2) -> int:
-    """What a flash-style attention backward kernel allocates for itself, beyond its inputs and
-    its dq, dk, dv, over `n_tokens` tokens with `n_heads` query and `n_kv_heads` KV heads: dq
-    accumulated in fp32, with grouped-query attention dk and dv per query head before they are
-    summed over the group (FlashAttention-2 does both), and an fp32 row sum of dO * O. Inferred
-    from the peaks measured with cuDNN on H200s (docs/calibration.md); a CPU kernel differs."""
-    q_values = n_tokens * n_heads * head_dim
+                             bytes_per_value: int = 2, kernel: str = "cudnn") -> int:
+    """What the attention backward kernel allocates for itself, beyond its inputs and its dq,
+    dk, dv, over `n_tokens` tokens with `n_heads` query and `n_kv_heads` KV heads.
+
+    cuDNN (and FlashAttention-2): dq accumulated in fp32; with grouped-query attention dk and
+    dv per query head before they are summed over the group; an fp32 row sum of dO * O
+    (inferred from the peaks measured on H200s, docs/calibration.md).
+    FlashAttention-4 (read from its backward's allocations): dq accumulated in fp32; with
+    grouped-query attention dk and dv accumulated in fp32 per KV head (not per query head);
+    two fp32 rows (dO * O and the log-sum-exp in base 2). A CPU kernel differs."""
+    q_values, kv_values = n_tokens * n_heads * head_dim, n_tokens * n_kv_heads * head_dim
     grouped = n_heads > n_kv_heads
+    if kernel == "fa4":
+        return 4 * q_values + (2 * 4 * kv_values if grouped else 0) + 2 * 4 * n_tokens * n_heads
     return 4 * q_values + (2 * q_values * bytes_per_value if grouped else 0) + 4 * n_tokens * n_heads

@@ -13,6 +13,8 @@ without editing this file:
                                            whose fp32 copies would span the whole sequence.
   5. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
                                            04_alst_tiling.py tiles it so seq x vocab logits never exist.
+     `Transformer.token_scores(h, labels)` its per-token sibling for evaluation (eval.py): each
+                                           token's loss and greedy prediction; 04 tiles it too.
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather.
@@ -47,8 +49,18 @@ class ModelArgs:
     ffn_dim: int = 14336
     vocab_size: int = 128256
     norm_eps: float = 1e-5
+    # Rotary, with Hugging Face's meaning of each field (rope_parameters in a config.json):
     rope_theta: float = 500000.0
-    rope_scaling: bool = True  # Llama-3.1 long-context frequency scaling
+    rope_scaling: str = "llama3"  # "none", "llama3" (Llama-3.1 long context) or "yarn"
+    rope_factor: float = 8.0  # llama3, yarn: how much the long wavelengths are stretched
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are stretched
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
+    rope_original_context: int = 8192  # llama3, yarn: the context length of pretraining
+    rope_beta_fast: float = 32.0  # yarn: rotations per original context above which a
+    rope_beta_slow: float = 1.0  # yarn:   frequency is kept, and below which it is stretched
+    rope_attention_factor: float | None = None  # yarn: multiplies cos and sin; None: 0.1 ln(factor) + 1
+    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight (one Parameter)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
 
 
@@ -59,10 +71,18 @@ PRESETS = {
     # A small demo model that trains in seconds on a CPU.
     "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, ffn_dim=768,
                        vocab_size=4096),
+    # The published configs (Hugging Face config.json) of each model.
+    "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                             ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True),
+    "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
+                             ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True),
     "llama3-8b": ModelArgs(),
+    "qwen3-0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                            ffn_dim=3072, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
+                            rope_scaling="none", tie_word_embeddings=True, qk_norm=True),
     "qwen3-32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
                            ffn_dim=25600, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
-                           rope_scaling=False, qk_norm=True),
+                           rope_scaling="none", qk_norm=True),
     "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                             ffn_dim=28672),
 }
@@ -75,22 +95,59 @@ def get_model_args(name: str) -> ModelArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rotary embeddings with Llama-3 frequency scaling, indexed by global position.
+# Rotary embeddings (Hugging Face's default, llama3 and yarn types), indexed by global position.
 # ---------------------------------------------------------------------------------------------
 
+ROPE_SCALINGS = ("none", "llama3", "yarn")
+
+
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
-    """Inverse frequencies (head_dim // 2,) in fp32, with Llama-3.1's long-context scaling."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device,
-                                                       dtype=torch.float32) / args.head_dim))
-    if not args.rope_scaling:
+    """Inverse frequencies (head_dim // 2,) in fp32, with the long-context scaling of `args`.
+
+    Both scalings slow down (divide by `rope_factor`) the low frequencies, whose wavelengths are
+    longer than the pretraining context, keep the high ones, and blend the band in between.
+    """
+    base_freq = args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device,
+                                                 dtype=torch.float32) / args.head_dim)
+    inv_freq = 1.0 / base_freq
+    if args.rope_scaling == "none":
         return inv_freq
-    factor, low_freq_factor, high_freq_factor, original_context = 8.0, 1.0, 4.0, 8192
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept, and the
-    # band in between interpolated smoothly.
-    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smooth = smooth.clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if args.rope_scaling == "llama3":  # the band is chosen by wavelength
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((args.rope_original_context / wavelen - args.rope_low_freq_factor)
+                  / (args.rope_high_freq_factor - args.rope_low_freq_factor)).clamp(0.0, 1.0)
+        return (1 - smooth) * inv_freq / args.rope_factor + smooth * inv_freq
+    if args.rope_scaling == "yarn":  # the band is chosen by dimension index, a linear ramp
+        low, high = yarn_ramp_ends(args)
+        if low == high:
+            high += 0.001  # as transformers does: no division by zero
+        ramp = ((torch.arange(args.head_dim // 2, dtype=torch.float32, device=device) - low)
+                / (high - low)).clamp(0.0, 1.0)
+        keep = 1 - ramp  # 1 for the fast dimensions (below `low`), 0 above `high`
+        return 1.0 / (args.rope_factor * base_freq) * (1 - keep) + inv_freq * keep
+    raise ValueError(f"rope_scaling={args.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
+
+
+def yarn_ramp_ends(args: ModelArgs) -> tuple[float, float]:
+    """The dimensions where a frequency turns beta_fast and beta_slow rotations over the original
+    context: below the first it is kept, above the second stretched (transformers' formula)."""
+    def dim_of(rotations):
+        return (args.head_dim * math.log(args.rope_original_context / (rotations * 2 * math.pi))
+                / (2 * math.log(args.rope_theta)))
+
+    low, high = dim_of(args.rope_beta_fast), dim_of(args.rope_beta_slow)
+    if args.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, args.head_dim - 1)
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What cos and sin are multiplied by: yarn sharpens attention a little as it stretches."""
+    if args.rope_scaling != "yarn":
+        return 1.0
+    if args.rope_attention_factor is not None:
+        return args.rope_attention_factor
+    return 1.0 if args.rope_factor <= 1 else 0.1 * math.log(args.rope_factor) + 1.0
 
 
 def rope_cos_sin(position_ids: torch.Tensor, args: ModelArgs, dtype: torch.dtype):
@@ -101,7 +158,11 @@ def rope_cos_sin(position_ids: torch.Tensor, args: ModelArgs, dtype: torch.dtype
     """
     inv_freq = rope_frequencies(args, position_ids.device)
     angles = position_ids[..., None].float() * inv_freq
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    scale = rope_attention_factor(args)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -200,12 +261,26 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            # One Parameter in both places: its gradient sums both uses, FSDP2 shards it once
+            # (both are on the root module) and named_parameters() lists it once.
+            self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None):
+    def _apply(self, fn, recurse=True):
+        # `to_empty` (meta -> device, as 01_fsdp.build_model does) and some `.to` calls give each
+        # module a new Parameter: tie again, or lm_head would silently become a second matrix.
+        super()._apply(fn, recurse)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        return self
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None,
+                per_token: bool = False):
         """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
 
         With labels: the summed cross-entropy over non-ignored labels (divide by the global
-        token count to get the mean). Without: the logits (B, S, vocab).
+        token count to get the mean); with per_token=True instead `token_scores` (B, S, 2).
+        Without labels: the logits (B, S, vocab).
         """
         h = self.embed_tokens(input_ids)
         rope = rope_cos_sin(position_ids, self.args, h.dtype)
@@ -213,13 +288,29 @@ class Transformer(nn.Module):
             h = layer(h, rope)
         if labels is None:
             return self.lm_head(self.norm(h))
+        if per_token:
+            return self.token_scores(h, labels)
         return self.loss_sum(h, labels)
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Seam 4: final norm + lm_head + cross-entropy summed over tokens (fp32 logits)."""
+        """Seam 5: final norm + lm_head + cross-entropy summed over tokens (fp32 logits)."""
         logits = self.lm_head(self.norm(h)).float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def token_scores(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Seam 5, per token (evaluation): (B, S, 2) fp32, [..., 0] each token's cross-entropy
+        (0 where the label is ignored) and [..., 1] its greedy prediction, the argmax token id
+        (exact in fp32 below 2^24 ids). Untiled, like loss_sum: 04 tiles both."""
+        return token_scores(h, labels, self.norm.weight, self.lm_head.weight, eps=self.norm.eps)
+
+
+def token_scores(h, labels, norm_weight, lm_head_weight, *, eps: float) -> torch.Tensor:
+    """Transformer.token_scores with its weights as arguments, for any leading shape of h."""
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()
+    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none").view(labels.shape)
+    return torch.stack((losses, logits.argmax(-1).float()), dim=-1)
 
 
 @torch.no_grad()
@@ -263,4 +354,5 @@ def num_params(args: ModelArgs) -> int:
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
     mlp = 3 * args.dim * args.ffn_dim
     norms = 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
-    return args.n_layers * (attn + mlp + norms) + 2 * args.vocab_size * args.dim + args.dim
+    embeddings = (1 if args.tie_word_embeddings else 2) * args.vocab_size * args.dim
+    return args.n_layers * (attn + mlp + norms) + embeddings + args.dim

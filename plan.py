@@ -2,7 +2,10 @@
 
     python plan.py --model llama3-8b --seq-len 3M --stack 5 --gpus 8 --gpu-mem 80GiB
     python plan.py --model llama3-8b --seq-len max --gpus 8      # longest length per --stack
+    python plan.py --model llama3-8b --seq-len max --stack 5 --scaling   # 8..64 GPUs, with and
+                                                                 # without --offload-model-state
     python train.py --plan ...                                   # the same
+    python plan.py --eval --model llama3-8b --seq-len max --gpus 8  # eval.py's forward only
 
 Each numbered file states the bytes its technique leaves on the GPU in one function
 (`model_state_bytes` in 01, `attention_activation_bytes` in 02, `checkpoint_memory_bytes` in 03,
@@ -19,6 +22,7 @@ from functools import partial
 
 import torch
 
+import kernels
 import model as llama
 import train
 
@@ -40,6 +44,7 @@ PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
     "fsdp": ("FSDP gathered params / unsharded grads", None),
     "optimizer": ("optimizer step temporaries", None),
 }
+GPUS_PER_NODE = 8  # host memory (--host-mem) is per node, shared by its GPUs
 
 
 def parse_bytes(text: str) -> int:
@@ -60,7 +65,16 @@ def parse_bytes(text: str) -> int:
     return int(number * units[unit])
 
 
-def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True) -> dict:
+def planned_kernel(cfg: train.Config) -> str:
+    """The attention kernel whose backward workspace the plan counts: --attn-kernel, or for
+    auto FlashAttention-4 where it is installed, else cuDNN (plan for FA4 with --attn-kernel fa4)."""
+    if cfg.attn_kernel in ("fa4", "flash"):
+        return cfg.attn_kernel
+    return "fa4" if cfg.attn_kernel == "auto" and kernels.fa4_installed() else "cudnn"
+
+
+def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True,
+                forward_only: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from a numbered file's byte function.
 
@@ -72,10 +86,16 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
       optimizer step:             the whole model state and AdamW's temporaries.
     One block's backward peaks at its MLP, its post-attention RMSNorm or its attention.
     adam_allocated=False: the first step, whose optimizer step allocates Adam's moments.
+    With --offload-model-state (01) the model state and the optimizer step leave the GPU; it
+    keeps the shards in flight between host and GPU, and the host holds the state.
     Returns {"moments": {moment: {component: bytes}}, "peak_moment", "peak", "block_moment",
-    "host" (pinned bytes per GPU), "model_state", "local_tokens", "sp", "dp", "head_chunk"}.
+    "host" (host bytes per GPU), "host_parts" ({"checkpoints", "model state"}), "model_state"
+    (on the GPU), "local_tokens", "sp", "dp", "head_chunk"}.
+    forward_only=True: evaluation's forward instead (`plan_forward_memory`).
     """
-    args = args or llama.get_model_args(cfg.model)
+    if forward_only:
+        return plan_forward_memory(cfg, world_size, args)
+    args = args or train.model_args(cfg)
     sp, head_chunk = train.check_layout(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
@@ -94,11 +114,19 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
         buffers = dict.fromkeys(("after_forward", "during_backward", "end_of_backward"), 0)
         optimizer_temporaries = 2 * b * largest
     # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
+    host_state = 0
+    if cfg.offload_model_state:  # 01: the same shards in host memory; AdamW steps there (fused)
+        host_state = sum(fsdp.offloaded_model_state_bytes(args, world_size).values())
+        transfers = fsdp.offload_transfer_bytes(args, world_size, b)
+        buffers = {moment: n + transfers[moment] for moment, n in buffers.items()}
+        state, optimizer_temporaries = dict.fromkeys(state, 0), 0
 
     if cfg.untied:
-        attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b)
+        attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b,
+                            kernel=planned_kernel(cfg))
     else:
-        attention = partial(ulysses.attention_activation_bytes, args, tokens, sp, b)
+        attention = partial(ulysses.attention_activation_bytes, args, tokens, sp, b,
+                            kernel=planned_kernel(cfg))
     mlp = partial(tiling.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
@@ -164,56 +192,138 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()), "block_moment": block_moment,
-            "host": host, "model_state": sum(state.values()), "local_tokens": local_tokens,
+            "host": host + host_state,
+            "host_parts": {"checkpoints": host, "model state": host_state},
+            "model_state": sum(state.values()), "local_tokens": local_tokens,
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
 
 
-def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int) -> int:
+def plan_forward_memory(cfg: train.Config, world_size: int, args=None) -> dict:
+    """Per-GPU bytes of one evaluation forward (eval.py: torch.no_grad, nothing kept for a
+    backward), in plan_memory's form. Not yet calibrated on a GPU; counted as follows, with N
+    local tokens, hidden = N x dim, Q = N x heads x D, K = N x max(KV heads, sp) x D values:
+      model state: the parameters only (FSDP: the fp32 shards; one process: compute dtype);
+      FSDP: the root's parameters gathered in the compute dtype (kept after forward) and two
+        blocks' (the running one and the next, prefetched);
+      activations: no block keeps anything for later; the running block holds its input x, and
+        at its attention the normed input (2 hidden), at its post-attention norm x and h
+        (2 hidden), at its MLP x, h and the normed h (3 hidden), besides their temporaries:
+        Ulysses (sp > 1) q, k, v in the token and the head layout, the output in the head layout
+        and the two buffers of the exchange back (5Q + 4K) with the kernel's fp32 log-sum-exp;
+        one process q, k, v and the output (2Q + 2K); Untied Ulysses its output buffer (Q), the
+        stages' log-sum-exps, and at one stage its KV group's k, v and the stage's q, output and
+        exchange buffers (2 kv_s + 4 q_s); the MLP silu(gate), up and their product (3 x N x
+        ffn), tiled: its output buffer and one tile's; an RMSNorm two fp32 copies (8 bytes x
+        hidden values), tiled: its output and one tile's; the loss seam (per-token scores) the
+        final norm's output, the logits in the compute dtype, in fp32 and their log-softmax,
+        tiled: one tile's (the scores themselves: 8 bytes per token). Rotary tables are left out.
+    """
+    args = args or train.model_args(cfg)
+    sp, head_chunk = train.check_layout(cfg, world_size, args)
+    b = getattr(torch, cfg.dtype).itemsize
+    tokens = cfg.batch_size * cfg.seq_len
+    n = tokens // sp  # local tokens
+    hidden = n * args.dim * b
+    root = llama.num_params(replace(args, n_layers=0))
+    block = (llama.num_params(args) - root) // max(args.n_layers, 1)
+    if cfg.fsdp:
+        params = fsdp.model_state_bytes(args, world_size)["parameters"]
+        gathered = b * (root + min(args.n_layers, 2) * block)
+    else:
+        params, gathered = b * llama.num_params(args), 0
+    q = n * args.n_heads * args.head_dim * b
+    lse = n * args.n_heads * 4
+    if cfg.untied:
+        u = head_chunk // sp  # query heads per rank and stage
+        kv_heads = max(1, u // (args.n_heads // args.n_kv_heads)) if args.n_kv_heads >= sp else 1
+        q_stage, kv_stage = n * head_chunk * args.head_dim * b, n * sp * kv_heads * args.head_dim * b
+        attention = q + lse + 2 * kv_stage + 4 * q_stage
+    elif sp > 1:
+        attention = 5 * q + 4 * n * max(args.n_kv_heads, sp) * args.head_dim * b + lse
+    else:
+        attention = 2 * q + 2 * n * args.n_kv_heads * args.head_dim * b + lse
+    mlp_tile = min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n)
+    mlp = (hidden + 3 * mlp_tile * args.ffn_dim * b) if cfg.tile_mlp else 3 * n * args.ffn_dim * b
+    norm = (hidden + 8 * mlp_tile * args.dim) if cfg.tile_norm else 8 * n * args.dim
+    logit_bytes = b + (4 if b < 4 else 0) + 4  # lm_head's output, its fp32 copy, log-softmax
+    loss_tokens = (min(tiling.loss_tile_size(args.vocab_size, n, cfg.loss_tile_tokens), n)
+                   if cfg.tile_loss else n)
+    loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + 8 * args.dim)
+    state = {"model_state": params, "fsdp": gathered}
+    moments = {
+        "a block's attention": {**state, "saved": 2 * hidden, "attention": attention},
+        "a block's post-attention RMSNorm": {**state, "saved": 2 * hidden, "block": norm},
+        "a block's MLP": {**state, "saved": 3 * hidden, "block": mlp},
+        "the loss (per-token scores)": {**state, "saved": hidden, "loss": loss},
+    }
+    peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
+    return {"moments": moments, "peak_moment": peak_moment,
+            "peak": sum(moments[peak_moment].values()), "block_moment": peak_moment, "host": 0,
+            "model_state": params, "local_tokens": n, "sp": sp, "dp": world_size // sp,
+            "head_chunk": head_chunk, "forward_only": True}
+
+
+def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int,
+                           forward_only: bool = False) -> int:
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
     U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
-    Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges: at 128K on
-    2 H200s one stage ran 2310 tokens/s per GPU, U = P 2206, side by side in one run,
-    docs/results/throughput_llama3-8b_2gpu_chunks.json);
-    the memory that U = P saves matters only near the longest length that fits, and there
+    Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges; README,
+    throughput); the memory that U = P saves matters only near the longest length that fits, and there
     only U = P fits. The tenth kept spare covers the planner's error (within 4%, calibration).
     One stage holds more memory than Ulysses (its backward keeps the output and the input-
     gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
     passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
-    args = llama.get_model_args(cfg.model)
+    args = train.model_args(cfg)
     sp, least_memory = train.check_layout(replace(cfg, head_chunk=None), world_size, args)
     for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
-        plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args)
+        plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
+                           forward_only=forward_only)
         if plan["peak"] <= 0.9 * (gpu_mem - PLAN_GPU_RESERVE):
             return chunk
     return least_memory
 
 
-def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int) -> tuple:
+def gpus_sharing_a_node(world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> int:
+    return min(world_size, gpus_per_node)
+
+
+def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int,
+              gpus_per_node: int = GPUS_PER_NODE) -> tuple:
     """(fits on each GPU, fits in host memory): the peak within the GPU less PLAN_GPU_RESERVE;
-    the offloaded checkpoints of all `world_size` GPUs within the node's host memory."""
-    return plan["peak"] <= gpu_mem - PLAN_GPU_RESERVE, plan["host"] * world_size <= host_mem
+    what each GPU keeps on the host (offloaded checkpoints, model state), times the GPUs of one
+    node, within the node's host memory `host_mem`."""
+    return (plan["peak"] <= gpu_mem - PLAN_GPU_RESERVE,
+            plan["host"] * gpus_sharing_a_node(world_size, gpus_per_node) <= host_mem)
 
 
 def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
-                         limit: int = 2**28):
+                         limit: int = 2**28, gpus_per_node: int = GPUS_PER_NODE,
+                         forward_only: bool = False):
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
     (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
-    host; (0, None) when none does. Raises training's ValueError for an impossible setup."""
-    sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, llama.get_model_args(cfg.model))
+    host; (0, None) when none does. The plan's "limit" names what one more step of sp x 1,024
+    tokens would not fit: "GPU", "host" or both. Raises training's ValueError for an impossible
+    setup."""
+    sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, train.model_args(cfg))
     step = sp * 1024
 
-    def plan_at(multiple):
-        plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size)
-        return plan if all(plan_fits(plan, world_size, gpu_mem, host_mem)) else None
+    def fits_at(multiple):
+        plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size,
+                           forward_only=forward_only)
+        return plan, plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
 
     low, high, best = 0, limit // step, None  # memory grows with the length: bisect
     while low < high:
         middle = (low + high + 1) // 2
-        plan = plan_at(middle)
-        if plan is None:
+        plan, fits = fits_at(middle)
+        if not all(fits):
             high = middle - 1
         else:
             low, best = middle, plan
+    if best is not None:
+        gpu_fits, host_fits = fits_at(low + 1)[1] if low < limit // step else (False, False)
+        best["limit"] = " and ".join(name for name, fits in (("GPU", gpu_fits), ("host", host_fits))
+                                     if not fits) or "--seq-len limit"
     return low * step, best
 
 
@@ -229,13 +339,15 @@ def plan_peak_text(plan: dict) -> str:
     return moment + (f" (at {plan['block_moment']})" if moment.startswith("backward of") else "")
 
 
-def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
+def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+               gpus_per_node: int = GPUS_PER_NODE) -> str:
     """The per-GPU table of `train.py --plan` for cfg.seq_len."""
-    args = llama.get_model_args(cfg.model)
+    args = train.model_args(cfg)
     if cfg.untied and cfg.head_chunk is None:  # what training on such GPUs would choose
         cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem))
     plan = plan_memory(cfg, world_size)
-    gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem)
+    gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
+    node = gpus_sharing_a_node(world_size, gpus_per_node)
     peak = plan["moments"][plan["peak_moment"]]
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
@@ -250,7 +362,8 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) 
         f"techniques: {train.techniques_text(cfg, plan['head_chunk'])}",
         f"{'per GPU':<48}{'GiB':>9}",
         row("model state (params, grads, Adam) at the peak", peak["model_state"])
-        + f"   (all of it: {plan['model_state'] / GiB:.1f})",
+        + (f"   (all of it on the host: {plan['host_parts']['model state'] / GiB:.1f})"
+           if cfg.offload_model_state else f"   (all of it: {plan['model_state'] / GiB:.1f})"),
         row("attention activations", peak.get("attention", 0)),
         row("other", sum(other.values())),
         "    " + "; ".join(f"{label} {n / GiB:.1f}" for label, n in other.items()),
@@ -258,13 +371,44 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) 
         + f"   {'fits' if gpu_fits else 'does NOT fit'} in {usable / GiB:.1f} usable of "
         f"{gpu_mem / GiB:.1f}",
         f"    peak: {plan_peak_text(plan)}",
-        row("host RAM per GPU (offloaded checkpoints)", plan["host"])
-        + f"   {'fits' if host_fits else 'does NOT fit'} in {host_mem / world_size / GiB:.1f} "
-        f"({host_mem / GiB:.1f} per node / {gpus})",
+        row("host RAM per GPU", plan["host"])
+        + f"   {'fits' if host_fits else 'does NOT fit'} in {host_mem / node / GiB:.1f} "
+        f"({host_mem / GiB:.1f} per node / {node} GPU{'s' if node > 1 else ''} per node)",
+        "    " + "; ".join(f"{'offloaded checkpoints' if part == 'checkpoints' else part} "
+                           f"{n / GiB:.1f}" for part, n in plan["host_parts"].items()),
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
     return "\n".join(lines)
+
+
+def plan_forward_table(cfg: train.Config, world_size: int, gpu_mem: int) -> str:
+    """The per-GPU table of `plan.py --eval`: one evaluation forward at cfg.seq_len."""
+    args = train.model_args(cfg)
+    if cfg.untied and cfg.head_chunk is None:  # what eval.py on such GPUs would choose
+        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem, True))
+    plan = plan_forward_memory(cfg, world_size)
+    peak = plan["moments"][plan["peak_moment"]]
+    usable = gpu_mem - PLAN_GPU_RESERVE
+    row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
+    return "\n".join([
+        f"{cfg.model} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
+        f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
+        f"{cfg.dtype}; {world_size} GPUs (data {plan['dp']} x sequence {plan['sp']}), "
+        f"{plan['local_tokens']:,} tokens per GPU",
+        f"techniques: {train.techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'])}",
+        f"{'per GPU':<48}{'GiB':>9}",
+        row("parameters (no gradients, no optimizer state)", peak["model_state"]),
+        row("FSDP gathered params (root + 2 blocks)", peak["fsdp"]),
+        row("residual stream of the running block", peak["saved"]),
+        row("attention temporaries", peak.get("attention", 0)),
+        row("MLP / norm / loss temporaries", peak.get("block", 0) + peak.get("loss", 0)),
+        row("total at the peak", plan["peak"]) + f"   {'fits' if plan['peak'] <= usable else 'does NOT fit'}"
+        f" in {usable / GiB:.1f} usable of {gpu_mem / GiB:.1f}",
+        f"    peak: {plan['peak_moment']}",
+        "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
+                                      in plan["moments"].items() if m != plan["peak_moment"]),
+    ])
 
 
 def plan_levels(cfg: train.Config):
@@ -284,17 +428,35 @@ def plan_levels(cfg: train.Config):
     return rows
 
 
-def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int) -> str:
-    """The table of `train.py --plan --seq-len max`: the longest length per stack level."""
-    lines = [f"longest sequence that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
+def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+                       gpus_per_node: int = GPUS_PER_NODE, forward_only: bool = False) -> str:
+    """The table of `train.py --plan --seq-len max`: the longest length per stack level, and
+    what stops it (the GPU's memory or the host's). forward_only: the longest evaluation
+    forward (eval.py), next to the longest training step."""
+    node = gpus_sharing_a_node(world_size, gpus_per_node)
+    offloaded = " --offload-model-state" if cfg.offload_model_state else ""
+    what = "evaluation forward" if forward_only else "sequence"
+    lines = [f"longest {what} that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
              f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
-             f"node, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of sp x 1,024 tokens",
+             f"node of {node} GPUs, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of "
+             f"sp x 1,024 tokens" + (f"; every row{offloaded}" if offloaded else ""),
              f"{'flags':<44}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
-             f"{'host GiB/GPU':>13}  peak at"]
+             + (f"  {'training (tokens)':<22}" if forward_only
+                else f"{'host GiB/GPU':>13}  {'limit':<6}") + " peak at"]
     for label, level_cfg in plan_levels(cfg):
         try:
             level_cfg = train.resolve_techniques(level_cfg)
-            length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem)
+            length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
+                                                gpus_per_node=gpus_per_node,
+                                                forward_only=forward_only)
+            if forward_only and plan is not None:
+                trained = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
+                                               gpus_per_node=gpus_per_node)[0]
+                label = label.replace("--stack 3", "--stack 3 (no 03 in eval)")
+                lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
+                             f"{plan['peak'] / GiB:>9.1f}  {plan_tokens_text(trained):<22}  "
+                             f"{plan['peak_moment']}")
+                continue
         except ValueError as error:
             lines.append(f"{label:<44}  -  impossible: {error}")
             continue
@@ -303,8 +465,60 @@ def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_me
             continue
         label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
         lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
-                     f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  {plan_peak_text(plan)}")
+                     f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  {plan['limit']:<6} "
+                     f"{plan_peak_text(plan)}")
     return "\n".join(lines)
+
+
+def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_mem: int,
+                       gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The table of `--seq-len max --scaling`: the longest length of cfg's techniques on each
+    GPU count, with the model state on the GPUs and on the host (--offload-model-state). Nodes
+    of `gpus_per_node` GPUs, each with `host_mem`. Where Ulysses cannot split the heads over
+    all GPUs, the row uses the largest sequence-parallel degree that works (the rest data
+    parallel) and a note says what limits it and what a longer sequence would take."""
+    args = train.model_args(cfg)
+    techniques = train.techniques_text(replace(cfg, offload_model_state=False), "P")
+    lines = [f"longest sequence per GPU count: {cfg.model}, {techniques}; GPUs of "
+             f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
+             f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
+             f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
+    notes = []
+    for gpus in gpu_counts:
+        nodes = -(-gpus // gpus_per_node)
+        for on_host in (False, True):
+            row_cfg = replace(cfg, offload_model_state=on_host)
+            where = "host" if on_host else "GPU"
+            start = f"{gpus:>5}{nodes:>6}  {where:<12}"
+            try:
+                train.check_layout(replace(row_cfg, seq_len=None), gpus, args)
+            except ValueError as error:
+                sp = max((d for d in range(1, args.n_heads + 1) if gpus % d == 0
+                          and args.n_heads % d == 0), default=None)
+                if (row_cfg.sp is not None or not (row_cfg.ulysses or row_cfg.untied)
+                        or sp is None or sp == gpus):
+                    lines.append(f"{start}impossible: {error}")
+                    continue
+                if not on_host:
+                    notes.append(
+                        f"{gpus} GPUs: Ulysses splits the {args.n_heads} query heads over the "
+                        f"sequence-parallel ranks, so sp <= {args.n_heads}. The row runs sp {sp} x "
+                        f"data {gpus // sp} (--sp {sp}): each sequence still lives on {sp} GPUs, so "
+                        f"its longest length is that of {sp} GPUs (a little longer with the model "
+                        f"state on the GPUs, sharded over {gpus}), with {gpus // sp} sequences per "
+                        f"step. A longer sequence needs the {gpus // sp} groups to share it: ring "
+                        f"attention between them around Ulysses within each (Ulysses x ring, as in "
+                        f"USP / LoongTrain), which this repository does not implement.")
+                row_cfg = replace(row_cfg, sp=sp)
+            length, plan = plan_longest_seq_len(row_cfg, gpus, gpu_mem, host_mem,
+                                                gpus_per_node=gpus_per_node)
+            if plan is None:
+                lines.append(f"{start}none fits")
+                continue
+            layout = f"{plan['sp']} x {plan['dp']}"
+            lines.append(f"{start}{layout:>8}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}"
+                         f"{plan['host'] / GiB:>13.1f}  {plan['limit']:<6}")
+    return "\n".join(lines + notes)
 
 
 def plan_main(argv) -> str:
@@ -316,17 +530,32 @@ def plan_main(argv) -> str:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu-mem", default="80GiB")
     parser.add_argument("--host-mem", default="2TiB")
+    parser.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE)
+    parser.add_argument("--scaling", type=int, nargs="*", default=None)
     parser.add_argument("--seq-len", default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--eval", action="store_true", help="eval.py's forward only")
     opts, train_argv = parser.parse_known_args(argv)
     longest = str(opts.seq_len).strip().lower() == "max"
     if opts.seq_len is not None and not longest:
         train_argv += ["--seq-len", opts.seq_len]
+    if longest:  # each row sets its own techniques (plan_levels): the base needs none of them,
+        train_argv += ["--fsdp"]  # but --offload-model-state alone is refused without FSDP
     cfg = train.parse_args(train_argv + ["--dtype", opts.dtype])
     gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem)
+    if opts.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {opts.gpus_per_node}")
+    if opts.scaling is not None:
+        if not longest:
+            raise ValueError("--scaling compares the longest lengths: add --seq-len max")
+        return plan_scaling_table(cfg, opts.scaling or [8, 16, 32, 64], gpu_mem, host_mem,
+                                  opts.gpus_per_node)
     if longest:
-        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem)
-    return plan_table(cfg, opts.gpus, gpu_mem, host_mem)
+        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node,
+                                  forward_only=opts.eval)
+    if opts.eval:
+        return plan_forward_table(cfg, opts.gpus, gpu_mem)
+    return plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
 
 
 def main(argv=None):

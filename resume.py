@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-import model as llama
 
 # ---------------------------------------------------------------------------------------------
 # Saved training state: sharded (torch.distributed.checkpoint), atomic, resumable.
 # ---------------------------------------------------------------------------------------------
 
-def checkpoint_meta(cfg, rt, step: int) -> dict:
-    return {"step": step, "model": cfg.model, "model_args": asdict(llama.get_model_args(cfg.model)),
+def checkpoint_meta(cfg, rt, args, step: int) -> dict:
+    return {"step": step, "model": cfg.model, "model_args": asdict(args),
             "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "data": cfg.data, "lr": cfg.lr,
             "weight_decay": cfg.weight_decay}
@@ -78,7 +77,7 @@ def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
         torch.save(rng, os.path.join(tmp, f"rng_rank{rt.rank}.pt"))
         if rt.rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(checkpoint_meta(cfg, rt, step), f, indent=1)
+                json.dump(checkpoint_meta(cfg, rt, model.args, step), f, indent=1)
     except (OSError, RuntimeError) as caught:  # a full disk: "enforce fail at inline_container.cc"
         error = caught
     if any_rank(error is not None, rt):
@@ -153,7 +152,7 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
     for path in reversed(found):
         meta = read_meta(path)
         if meta is not None:
-            check_resumable(cfg, rt, path, meta)
+            check_resumable(cfg, rt, model, path, meta)
         error = None if meta is not None else f"{os.path.join(path, 'meta.json')} is not valid"
         if error is None:
             try:
@@ -196,13 +195,27 @@ def read_meta(path: str) -> dict | None:
         return None
 
 
-def check_resumable(cfg, rt, path: str, meta: dict) -> None:
-    model_args = asdict(llama.get_model_args(cfg.model))
+def check_model_shape(path: str, meta: dict, args, flag: str) -> None:
+    model_args = asdict(args)
     if meta.get("model_args") != model_args:
         saved = meta.get("model_args") or {}
         changed = {k: (saved.get(k), v) for k, v in model_args.items() if saved.get(k) != v}
-        raise ValueError(f"--resume: {path} holds a model of another shape "
+        raise ValueError(f"{flag}: {path} holds a model of another shape "
                          f"({meta.get('model')}; differs in {changed} as (checkpoint, now))")
+
+
+def checked_meta(path: str, args, flag: str) -> dict:
+    """The checkpoint's meta.json, or a ValueError naming it if it is unreadable or holds a
+    model of another shape."""
+    meta = read_meta(path)
+    if meta is None:
+        raise ValueError(f"{flag}: {os.path.join(path, 'meta.json')} is missing or not valid JSON")
+    check_model_shape(path, meta, args, flag)
+    return meta
+
+
+def check_resumable(cfg, rt, model, path: str, meta: dict) -> None:
+    check_model_shape(path, meta, model.args, "--resume")
     if meta.get("world_size") != rt.world or meta.get("sp") != rt.sp:
         raise ValueError(f"--resume: {path} was saved by {meta.get('world_size')} ranks with sp "
                          f"{meta.get('sp')}; this run has {rt.world} ranks with sp {rt.sp}")
@@ -233,6 +246,27 @@ def restore_state(rt, path: str, model, optimizer) -> None:
         torch.cuda.set_rng_state(rng["cuda"], rt.device)
 
 
+def load_model_state(path: str, model, flag: str = "--save-dir") -> dict:
+    """Only the model weights of a training checkpoint, for evaluation: `path` is a save dir
+    (its newest complete checkpoint) or one step_N folder. No optimizer, RNG or step; any
+    number of ranks and any sharding (torch.distributed.checkpoint reshards on load, unlike
+    --resume, which needs the saving layout for the RNG states). Returns the meta, with "path"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        found = complete_checkpoints(path)
+        if not found:
+            raise ValueError(f"{flag}: no complete checkpoint in {path!r}")
+        path = found[-1]
+    meta = checked_meta(path, model.args, flag)
+    state = {"model": get_model_state_dict(model)}
+    with quiet_single_process_checkpoint():
+        dcp.load(state, checkpoint_id=path)  # the optimizer's entries stay on disk
+    set_model_state_dict(model, state["model"])
+    return {**meta, "path": path}
+
+
 @contextlib.contextmanager
 def quiet_single_process_checkpoint():
     """torch.distributed.checkpoint warns when used without a process group; that is intended."""
@@ -253,10 +287,13 @@ def check_outputs(cfg) -> None:
     --data file (opening it for the log truncates it), an earlier run's checkpoints or log
     (unless --resume continues them or --overwrite says so), or a place that cannot be written
     (which would otherwise fail only when the first save comes, after the training)."""
-    inputs = [cfg.data] if cfg.data != "synthetic" else []
-    for flag, path in (("--log-file", cfg.log), ("--save-dir", cfg.save_dir)):
-        if path and any(same_path(path, i) for i in inputs):
-            raise ValueError(f"{flag} {path!r} is the --data file: an output may not be an input")
+    inputs = {"--data": cfg.data if cfg.data != "synthetic" else None, "--init-from": cfg.init_from}
+    for flag, path in (("--log-file", cfg.log), ("--save-dir", cfg.save_dir),
+                       ("--export-hf", cfg.export_hf)):
+        for input_flag, input_path in inputs.items():
+            if path and input_path and same_path(path, input_path):
+                raise ValueError(f"{flag} {path!r} is the {input_flag} input: an output may not "
+                                 f"be an input")
     if cfg.log and cfg.save_dir and same_path(cfg.log, cfg.save_dir):
         raise ValueError(f"--log-file and --save-dir are both {cfg.log!r}; name a file for the log")
     if cfg.log:

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import kernels
 import model as llama
+import pretrained
 import resume
 from data import TokenData, parse_tokens
 
@@ -71,10 +72,19 @@ class Config:
     loss_tile_tokens: int | None = None
     untied: bool = False
     head_chunk: int | None = None
+    offload_model_state: bool = False  # 01: params, grads and Adam on the host (any level >= 1)
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
     overwrite: bool = False  # replace an earlier run's checkpoints and log
+    attn_kernel: str = "auto"  # kernels.py: auto, fa4, cudnn, flash, math
+    init_from: str | None = None  # a Hugging Face model folder: its shape and weights
+    export_hf: str | None = None  # write a Hugging Face folder here at the end
+    overwrite_export: bool = False
+    rope_theta: float | None = None  # rotary settings to train with (default: the model's)
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_original_context: int | None = None
 
 
 def parse_args(argv=None) -> Config:
@@ -112,6 +122,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--head-chunk", type=int, default=None,
                         help="05: query heads per stage (U); default: on a GPU the fewest stages "
                              "whose planned step fits, else the sp degree (least memory)")
+    parser.add_argument("--offload-model-state", action="store_true",
+                        help="01: keep the sharded parameters, gradients and optimizer in host "
+                             "memory and step the optimizer there (FSDP2's CPUOffloadPolicy)")
     parser.add_argument("--save-dir", default=None, help="write sharded checkpoints here")
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")
@@ -119,6 +132,21 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--overwrite", action="store_true",
                         help="delete the checkpoints in --save-dir and replace --log-file, from an "
                              "earlier run (without it such a run is refused)")
+    parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default=d.attn_kernel,
+                        help="attention kernel (default: FlashAttention-4 when installed on the "
+                             "GPU, else cuDNN; the run log names it)")
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="start from a Hugging Face Llama/Qwen3 folder (config.json + safetensors)")
+    parser.add_argument("--export-hf", default=None, metavar="DIR",
+                        help="at the end, write a Hugging Face folder that transformers loads")
+    parser.add_argument("--overwrite-export", action="store_true",
+                        help="let --export-hf replace a folder that is not empty")
+    parser.add_argument("--rope-theta", type=float, default=None, help="rotary base (context extension)")
+    parser.add_argument("--rope-scaling", choices=llama.ROPE_SCALINGS, default=None,
+                        help="rotary scaling, with Hugging Face's meaning (default: the model's)")
+    parser.add_argument("--rope-factor", type=float, default=None, help="llama3/yarn: stretch factor")
+    parser.add_argument("--rope-original-context", type=int, default=None,
+                        help="llama3/yarn: the context length the model was pretrained at")
     parser.add_argument("--plan", action="store_true",
                         help="print the per-GPU memory plan instead of training (no GPU needed); "
                              "--seq-len max: the longest length per stack level")
@@ -152,6 +180,9 @@ def resolve_techniques(cfg: Config) -> Config:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
     if cfg.head_chunk is not None and not cfg.untied:
         raise ValueError("--head-chunk is a setting of --untied (05)")
+    if cfg.offload_model_state and not cfg.fsdp:
+        raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
+                         "--stack 1 or higher")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
     if cfg.batch_size < 1 or cfg.steps < 0:
@@ -173,12 +204,25 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--resume continues the checkpoints that --overwrite deletes; pick one")
     if cfg.save_every < 0:
         raise ValueError("--save-every must be >= 0")
-    llama.get_model_args(cfg.model)  # unknown preset: a clear error now
+    if cfg.export_hf:
+        pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
+    model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
     return cfg
+
+
+def model_args(cfg: Config) -> llama.ModelArgs:
+    """The model's shape: --init-from's config.json, else the --model preset; with the rotary
+    settings of the --rope-* flags (context extension changes these, not the weights)."""
+    args = (pretrained.model_args_from_hf(cfg.init_from) if cfg.init_from
+            else llama.get_model_args(cfg.model))
+    rope = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+            "rope_factor": cfg.rope_factor, "rope_original_context": cfg.rope_original_context}
+    return replace(args, **{k: v for k, v in rope.items() if v is not None})
 
 
 def techniques_text(cfg: Config, head_chunk) -> str:
     names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
+    names += ["offload_model_state"] if cfg.offload_model_state else []
     return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"
 
 
@@ -207,16 +251,21 @@ def setup_runtime(cfg: Config) -> Runtime:
         if cfg.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if cfg.device == "cuda" else "gloo"
+        if cfg.device == "cuda" and cfg.offload_model_state:
+            # Gradient clipping reduces the norms of the host-resident gradient shards: CPU
+            # tensors, which NCCL cannot reduce; gloo takes those.
+            backend = "cpu:gloo,cuda:nccl"
         if launched:
             dist.init_process_group(backend)
         else:  # `python train.py --stack 5`: a group of one, its store in memory (no port)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    kernels.use_kernel(cfg.attn_kernel)
     rt = Runtime()
     if dist.is_initialized():
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
     if cfg.device == "cuda":
         rt.device = torch.device("cuda", torch.cuda.current_device())
-    rt.sp, _ = check_layout(cfg, rt.world, llama.get_model_args(cfg.model))
+    rt.sp, _ = check_layout(cfg, rt.world, model_args(cfg))
     if dist.is_initialized():
         mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -275,8 +324,9 @@ def smallest_gpu_memory(rt: Runtime) -> int:
 
 
 def build_model(cfg: Config, rt: Runtime):
-    """The model of `cfg` with its techniques applied, sharded and on the device."""
-    args = llama.get_model_args(cfg.model)
+    """The model of `cfg` with its techniques applied, sharded and on the device; with
+    --init-from its weights are read from the folder, each rank only its shard."""
+    args = model_args(cfg)
     dtype = getattr(torch, cfg.dtype)
 
     def apply_techniques(model):  # the composition order: seam (02/05) -> 04 -> 03; then 01
@@ -291,11 +341,17 @@ def build_model(cfg: Config, rt: Runtime):
         if cfg.checkpoint:
             offload.apply_checkpointing(model, offload=cfg.offload)
 
+    mesh = rt.fsdp_mesh if cfg.fsdp else None
+    if cfg.init_from:
+        return pretrained.build_from_hf(cfg.init_from, rt.device, mesh, dtype,
+                                        before_sharding=apply_techniques, args=args,
+                                        offload_model_state=cfg.offload_model_state)[0]
     # Draw weights whole on the CPU (identical to the unsharded model) while that is cheap;
     # the big presets draw each rank's shard on its device.
     exact = llama.num_params(args) < 2e8
-    return fsdp.build_model(args, rt.device, rt.fsdp_mesh if cfg.fsdp else None, dtype,
-                            seed=cfg.seed, exact_init=exact, before_sharding=apply_techniques)
+    return fsdp.build_model(args, rt.device, mesh, dtype, seed=cfg.seed, exact_init=exact,
+                            before_sharding=apply_techniques,
+                            offload_model_state=cfg.offload_model_state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,8 +368,12 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None) -> t
 
 
 def make_optimizer(model, cfg: Config):
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             betas=(0.9, 0.95), foreach=False)
+    """AdamW. State on the GPU: foreach=False, one parameter at a time (bounded temporaries);
+    state on the host (--offload-model-state): 01's fused CPU AdamW, with the rank's cores."""
+    adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if cfg.offload_model_state:
+        return fsdp.host_optimizer(model.parameters(), **adamw)
+    return torch.optim.AdamW(model.parameters(), foreach=False, **adamw)
 
 
 def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0) -> dict:
@@ -368,6 +428,8 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
         return "--untied (05: one head chunk of Q/K/V resident at a time)"
     if cfg.head_chunk and cfg.head_chunk > sp:
         return f"a smaller --head-chunk (down to {sp})"
+    if not cfg.offload_model_state:
+        return "--offload-model-state (01: parameters, gradients and Adam in host memory)"
     return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
 
 
@@ -385,14 +447,9 @@ def out_of_memory_report(error: Exception, cfg: Config, rt: "Runtime") -> str:
 # ---------------------------------------------------------------------------------------------
 
 def attention_kernel(cfg: Config, rt: Runtime, args) -> str:
-    """The kernel each rank's attention runs, for the log: 05's kernel with log-sum-exp, or the
-    one causal_attention picks for the heads a rank holds after the exchange."""
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.untied:
-        q = torch.empty(1, 1, 1, args.head_dim, device=rt.device, dtype=dtype)
-        return f"{kernels.lse_kernel(q)[0]} (with log-sum-exp, 05)"
-    return kernels.attention_kernel_name(rt.device, dtype, args.n_heads // rt.sp,
-                                       max(args.n_kv_heads // rt.sp, 1), args.head_dim)
+    """The kernel attention runs (for the log); 05 calls its forward and backward separately."""
+    name = kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype), args.head_dim)
+    return name + (" (forward and backward with log-sum-exp, 05)" if cfg.untied else "")
 
 
 @dataclass
@@ -405,13 +462,13 @@ class Run:
 def train(cfg: Config) -> Run:
     rt = setup_runtime(cfg)
     resume.check_outputs(cfg)  # every output path, before anything is written
-    data = TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
+    args = model_args(cfg)
+    data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp)
     with resume.claim_outputs(cfg, rt) as log_file, resume.stop_signals(rt.rank) as stop:
-        return train_loop(cfg, rt, data, log_file, stop)
+        return train_loop(cfg, rt, args, data, log_file, stop)
 
 
-def train_loop(cfg: Config, rt: Runtime, data: TokenData, log_file, stop: dict) -> Run:
-    args = llama.get_model_args(cfg.model)
+def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: dict) -> Run:
     cfg.head_chunk = choose_head_chunk(cfg, rt)
     if cfg.untied and rt.rank == 0:
         print(f"Untied Ulysses: {args.n_heads // (cfg.head_chunk or rt.sp)} stages of "
@@ -475,7 +532,14 @@ def train_loop(cfg: Config, rt: Runtime, data: TokenData, log_file, stop: dict) 
             if is_main:
                 print(f"{why}: checkpoint {path}; resume with:\n  "
                       f"{resume.resume_command(sys.argv)}", flush=True)
-            break
+            return Run(history, model, optimizer)  # no export: the run is not finished
+    if cfg.export_hf:  # every rank: the export gathers each tensor from its shards
+        # fp32 runs export fp32 (exact); GPU runs bf16, as published checkpoints are.
+        pretrained.export_hf(model, args, cfg.export_hf, overwrite=cfg.overwrite_export,
+                             dtype=getattr(torch, cfg.dtype), source_dir=cfg.init_from,  # the context it was trained for:
+                             max_position_embeddings=max(cfg.seq_len, args.rope_original_context))
+        if is_main:
+            print(f"exported {cfg.export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")
     return Run(history, model, optimizer)
 
 

@@ -1,6 +1,7 @@
 """The longest sequence whose training step completes, per method, found by search on the GPUs.
 
     torchrun --nproc-per-node 2 -m bench.max_length --methods ulysses untied
+    torchrun --nproc-per-node 2 -m bench.max_length --methods untied --offload-model-state
     python -m bench.max_length --device cpu --model tiny --methods ulysses --first-length 1K --granularity 256 --max-trials 2
 
 Both methods run the whole ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms);
@@ -16,6 +17,10 @@ and a ballast tensor holds what the missing layers would: their parameters, grad
 moments, sharded (16 bytes x parameters / GPUs); the shallow model's own Adam moments are
 created before the measured step, as in any later step. What this leaves out is stated in the JSON:
 host memory (reported as what full depth would need) and the missing layers' step time.
+With --offload-model-state (01) the model state lives in host memory: the ballast for the
+missing layers does too (their parameter and gradient shards pinned, Adam's moments pageable and
+written, as FSDP2 and AdamW hold them), and the GPU holds none; the step time then leaves out
+the missing layers' host-to-GPU copies and their share of the CPU optimizer step.
 
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
 calibrated against these benchmarks), then steps of --step up or down until the status changes,
@@ -36,14 +41,8 @@ import torch.distributed as dist
 import model as llama
 import plan as planner
 from bench.offload import allocate_adam_state
-from bench.report import (
-    end_distributed,
-    refuse_without_gpu,
-    release,
-    synchronize,
-    within_budget,
-    write_result,
-)
+from bench.report import (end_distributed, refuse_without_gpu, release, synchronize, within_budget,
+                          write_result)
 from bench.step import with_layers
 from bench.throughput import method_config
 from data import parse_tokens
@@ -55,11 +54,24 @@ ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
 
 
-def ballast_bytes(args, layers: int, world: int) -> int:
-    """Per-GPU model state of the layers a `layers`-deep model leaves out."""
-    full = sum(fsdp.model_state_bytes(args, world).values())
-    shallow = sum(fsdp.model_state_bytes(dataclasses.replace(args, n_layers=layers), world).values())
-    return full - shallow
+def ballast_bytes(args, layers: int, world: int, on_host: bool = False) -> dict:
+    """Per-GPU model state of the layers a `layers`-deep model leaves out, by part: on the GPU
+    (FSDP's shards), or with on_host as 01 keeps it in host memory (pinned shards rounded up)."""
+    count = fsdp.offloaded_model_state_bytes if on_host else fsdp.model_state_bytes
+    full = count(args, world)
+    shallow = count(dataclasses.replace(args, n_layers=layers), world)
+    return {part: full[part] - shallow[part] for part in full}
+
+
+def allocate_ballast(nbytes: dict, device: torch.device, on_host: bool) -> list:
+    """The ballast tensors: one GPU tensor, or on the host the pinned parameter and gradient
+    shards and the written (so resident) pageable Adam moments. Nothing on a CPU smoke run."""
+    if device.type != "cuda":
+        return []
+    if not on_host:
+        return [torch.empty(sum(nbytes.values()), dtype=torch.uint8, device=device)]
+    return [torch.empty(nbytes["parameters"] + nbytes["gradients"], dtype=torch.uint8, pin_memory=True),
+            torch.zeros(nbytes["optimizer"], dtype=torch.uint8)]
 
 
 def trial(base, method: str, seq_len: int, layers: int) -> dict:
@@ -73,9 +85,8 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
     row = {"method": method, "seq_len": seq_len, "head_chunk": cfg.head_chunk}
     model = optimizer = ballast = None
     try:
-        nbytes = ballast_bytes(args, layers, rt.world)
-        ballast = torch.empty(nbytes if rt.device.type == "cuda" else 0, dtype=torch.uint8,
-                              device=rt.device)
+        on_host = cfg.offload_model_state
+        ballast = allocate_ballast(ballast_bytes(args, layers, rt.world, on_host), rt.device, on_host)
         model = train.build_model(cfg, rt)
         optimizer = train.make_optimizer(model, cfg)
         allocate_adam_state(model, optimizer)  # a later step's state, as the ballast holds
@@ -86,13 +97,15 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
         train.train_step(model, optimizer, tokens, rt, cfg)
         synchronize(rt.device)
         row.update(status="completed", step_time_s=time.perf_counter() - start,
-                   ballast_gib=ballast.numel() / GiB)
+                   **{"host_ballast_gib" if on_host else "ballast_gib": sum(t.numel() for t in ballast) / GiB})
         if rt.device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row.update(status="OOM", error=str(error).split("\n")[0])
     # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU.
     host = offload.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"]
+    if cfg.offload_model_state:  # and its model state
+        host += sum(fsdp.offloaded_model_state_bytes(args, rt.world).values())
     row["full_depth_host_gib_per_gpu"] = host / GiB
     del model, optimizer, ballast
     release(rt.device)
@@ -153,6 +166,8 @@ def main():
     parser.add_argument("--step", type=float, default=0.1, help="relative step before bisecting")
     parser.add_argument("--max-trials", type=int, default=4, help="per method")
     parser.add_argument("--budget-s", type=float, default=540)
+    parser.add_argument("--offload-model-state", action="store_true",
+                        help="01: the model state (and the missing layers' ballast) in host memory")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     refuse_without_gpu("max_length.py", opts.model, opts.device,
@@ -162,6 +177,7 @@ def main():
     parse = parse_tokens
     base = train.Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,
                         offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
+                        offload_model_state=opts.offload_model_state,
                         dtype="bfloat16" if opts.device == "cuda" else "float32")
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     gpu_bytes = torch.cuda.get_device_properties(rt.device).total_memory if opts.device == "cuda" else 0
@@ -174,13 +190,16 @@ def main():
 
     result = {"what": "longest completed training step per method (search)", "model": opts.model,
               "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
-              "gpu_memory_gib": gpu_bytes / GiB, "methods": {},
+              "gpu_memory_gib": gpu_bytes / GiB, "offload_model_state": opts.offload_model_state,
+              "methods": {},
               "attention_kernel": {}}
     for method in opts.methods:  # the kernel each method's ranks run, for the record
         cfg = method_config(base, method, opts.model, 1024)
         result["attention_kernel"][method] = train.attention_kernel(
             cfg, train.setup_runtime(cfg), llama.get_model_args(opts.model))
-    name = f"max_length_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
+    name = (f"max_length_{opts.model}_{rt.world}gpu"
+            + ("_offload_model_state" if opts.offload_model_state else "")
+            + ("" if opts.device == "cuda" else "_cpu"))
 
     def save(method, planned, fits, fails, trials):
         result["methods"][method] = {"planner_longest": planned, "longest_completed": fits,

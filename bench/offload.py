@@ -65,6 +65,7 @@ from bench.report import (
 )
 from bench.step import with_layers
 from data import parse_tokens
+from demos import gradient_bytes
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
@@ -114,7 +115,7 @@ def run_config(base_cfg, rt, part: str, seq_len: int, layers: int, mode: str, st
                 torch.cuda.reset_peak_memory_stats()
                 # Parameters and Adam's moments now; gradients (as large as the parameter
                 # shards) come during backward. All grow with the layers.
-                model_state = torch.cuda.memory_allocated() + offload.gradient_bytes(model)
+                model_state = torch.cuda.memory_allocated() + gradient_bytes(model)
             start = time.perf_counter()
             train.train_step(model, optimizer, tokens, rt, cfg, step=step)
             synchronize(rt.device)

@@ -44,7 +44,7 @@ def sdpa_attention(q, k, v, repeat_kv: bool = False):
     if repeat_kv:
         groups = q.shape[2] // k.shape[2]
         k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))
-    return kernels.causal_attention(q, k, v, allow_flash_attn=False)
+    return kernels.causal_attention(q, k, v, sdpa_only=True)
 
 
 def use_ring_attention(model, gqa: str = "native") -> None:

@@ -60,16 +60,8 @@ import kernels
 import model as llama
 import plan as planner
 from bench import ring
-from bench.report import (
-    cuda_time_ms,
-    default_out_dir,
-    end_distributed,
-    refuse_without_gpu,
-    release,
-    synchronize,
-    within_budget,
-    write_result,
-)
+from bench.report import (cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu,
+                          release, synchronize, within_budget, write_result)
 from bench.step import with_layers
 from data import parse_tokens
 
@@ -84,11 +76,18 @@ H200_BF16_PEAK = 989e12
 # One row: a method at a length and a depth.
 # ---------------------------------------------------------------------------------------------
 
-def method_config(base: train.Config, method: str, model_name: str, seq_len: int) -> train.Config:
+def parse_method(method: str) -> tuple:
+    """'untied:8@fa4' -> ('untied', 8, 'fa4'): the method, Untied's head chunk (None: train.py's
+    choice), the attention kernel (--attn-kernel; 'auto' when not given)."""
+    method, _, kernel = method.partition("@")
     name, _, chunk = method.partition(":")
-    cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len,
-                              ulysses=name == "ulysses", untied=name == "untied",
-                              head_chunk=int(chunk) if chunk else None)
+    return name, int(chunk) if chunk else None, kernel or "auto"
+
+
+def method_config(base: train.Config, method: str, model_name: str, seq_len: int) -> train.Config:
+    name, chunk, kernel = parse_method(method)
+    cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len, attn_kernel=kernel,
+                              ulysses=name == "ulysses", untied=name == "untied", head_chunk=chunk)
     return train.resolve_techniques(cfg)
 
 
@@ -218,7 +217,7 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
         entry.update(status="ok", step_time_s=step, how=how,
                      tokens_per_s_per_gpu=tokens_per_gpu / step,
                      mfu=(flops["attention"] + flops["linear"]) / (step * world * H200_BF16_PEAK))
-        rate = rates.get(seq_len)
+        rate = rates.get(f"{seq_len}@{parse_method(method)[2]}")
         if rate:
             bound = (flops["attention"] / world / rate["attention_flops_per_s"]
                      + flops["linear"] / world / rate["matmul_flops_per_s"])
@@ -230,10 +229,11 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
 def method_label(entry: dict) -> str:
     """A table entry's method, with Untied's head chunk (from `untied:U`, else the one train.py
     chose, recorded in the entry)."""
-    name, _, chunk = entry["method"].partition(":")
+    name, chunk, kernel = parse_method(entry["method"])
+    at = "" if kernel == "auto" else f" {kernel}"
     if name != "untied":
-        return entry["method"]
-    return f"untied U={chunk or entry.get('head_chunk') or 'P'}"
+        return name + at
+    return f"untied U={chunk or entry.get('head_chunk') or 'P'}{at}"
 
 
 PAPER_8XH100 = {  # tokens/s per GPU, Llama3-8B, 8 x H100 (Untied Ulysses paper's table)
@@ -282,7 +282,8 @@ def main():
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-lens", nargs="*", default=["128K", "256K", "512K", "1M"])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied", "ring", "none"],
-                        help="none, ring, ulysses, untied or untied:U")
+                        help="none, ring, ulysses, untied or untied:U, each optionally @KERNEL "
+                             "(--attn-kernel: ulysses@fa4 ulysses@cudnn)")
     parser.add_argument("--no-cp-up-to", default="256K", help="skip 'none' above this length")
     parser.add_argument("--steps", type=int, default=2, help="steps per row; those after the first are timed")
     parser.add_argument("--single-step-above", default="512K")
@@ -319,8 +320,7 @@ def main():
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
               "tile_mlp, tile_loss, tile_norm + the method", "ring_gqa": opts.ring_gqa,
               "peak_flops_per_gpu": H200_BF16_PEAK, "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
-              "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.n_heads // rt.world,
-                                                              max(args.n_kv_heads // rt.world, 1), args.head_dim),
+              "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
               "rows": [], "kernel_rates": {}, "table": []}
     name = opts.name or f"throughput_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
     out_dir = Path(opts.out or default_out_dir())
@@ -337,11 +337,14 @@ def main():
             if not (m == "none" and parse(s) > parse(opts.no_cp_up_to))]
     plan += [(m, parse(s), args.n_layers) for m, _, s in (v.rpartition(":") for v in opts.validate)]
     for method, seq_len, layers in plan:
-        if opts.device == "cuda" and seq_len not in result["kernel_rates"] and in_budget():
+        rate_key = f"{seq_len}@{parse_method(method)[2]}"  # each kernel its own rate
+        if opts.device == "cuda" and rate_key not in result["kernel_rates"] and in_budget():
+            kernels.use_kernel(parse_method(method)[2])
             rate_len = min(seq_len, parse("256K"))  # longer: minutes per measurement (docstring)
-            result["kernel_rates"][seq_len] = kernel_rates(
+            result["kernel_rates"][rate_key] = {**kernel_rates(
                 args, args.n_heads // rt.world, max(args.n_kv_heads // rt.world, 1), rate_len,
-                seq_len // rt.world, rt.device, dtype)
+                seq_len // rt.world, rt.device, dtype),
+                "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
         row = {"method": method, "seq_len": seq_len, "layers": layers}
         if not in_budget():
             result["rows"].append({**row, "status": "skipped (time budget)"})
@@ -352,7 +355,8 @@ def main():
             cfg.head_chunk = planner.fewest_stages_that_fit(dataclasses.replace(cfg, model=opts.model),
                                                           rt.world, train.smallest_gpu_memory(rt))
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
-        row.update(time_steps(method.partition(":")[0], cfg, steps, opts.ring_gqa), steps=steps)
+        row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,
+                   attention_kernel=kernels.attention_kernel_name(rt.device, dtype, args.head_dim))
         if cfg.untied:
             row["head_chunk"] = cfg.head_chunk
         result["rows"].append(row)

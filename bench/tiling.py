@@ -30,15 +30,8 @@ import torch.distributed as dist
 
 import kernels
 import model as llama
-from bench.report import (
-    default_out_dir,
-    end_distributed,
-    peak_and_times,
-    refuse_without_gpu,
-    release,
-    within_budget,
-    write_result,
-)
+from bench.report import (default_out_dir, end_distributed, peak_and_times, refuse_without_gpu,
+                          release, within_budget, write_result)
 from bench.step import with_layers
 from data import parse_tokens
 

@@ -30,7 +30,7 @@ def _entry(rank, world_size, port, backend, body, args, errors):
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (host-resident model state)
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))

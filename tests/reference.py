@@ -15,8 +15,10 @@ its slice, through the same code train.py uses.
 
 import importlib
 
+import pytest
 import torch
 
+import kernels
 import model as llama
 
 train = importlib.import_module("train")
@@ -86,3 +88,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| over the whole tensor, in float64 on the CPU."""
     got, want = got.double().cpu(), want.double().cpu()
     return ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+
+
+# The GPU kernels the GPU tests run with (tests/test_02, test_05): each forced in turn.
+GPU_KERNELS = [pytest.param("cudnn"),
+               pytest.param("fa4", marks=pytest.mark.skipif(not kernels.fa4_installed(),
+                                                            reason="flash-attn-4 not installed"))]
+
+
+def with_kernel(kernel, body, *args):
+    """In each rank: the attention kernel `kernel` (--attn-kernel), then the test body."""
+    kernels.use_kernel(kernel)
+    body(*args)

@@ -78,3 +78,131 @@ def test_llama3_8b_model_state_per_gpu():
 def test_fsdp_nccl_bf16_matches_fp32_reference():
     run_ranks(2, _fsdp_steps_match_single_process, 3, "cuda", "bfloat16", 3e-2, 3e-2,
               backend="nccl")
+
+
+# ---------------------------------------------------------------------------------------------
+# --offload-model-state: the same training, the state in host memory.
+# ---------------------------------------------------------------------------------------------
+
+def _train_recording_grads(cfg, steps):
+    """(model, optimizer, per step: loss, grad norm and every full gradient as the optimizer
+    sees it) for `steps` steps of train.train_step on the same batches."""
+    rt = train.setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    optimizer = train.make_optimizer(model, cfg)
+    grads = []
+    optimizer.register_step_pre_hook(lambda *_: grads.append(
+        {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}))
+    metrics = []
+    for step in range(steps):
+        tokens, labels = make_batch(256, rt.dp * cfg.batch_size, SEQ_LEN, seed=step, ignore_frac=0.2)
+        rows = slice(rt.dp_rank * cfg.batch_size, (rt.dp_rank + 1) * cfg.batch_size)
+        metrics.append(train.train_step(model, optimizer, tokens[rows], rt, cfg, labels[rows]))
+    return model, optimizer, metrics, grads
+
+
+def _offload_steps_equal_resident(steps):
+    runs = {}
+    for offload in (False, True):
+        cfg = train.resolve_techniques(train.Config(model="tiny", stack=5, seq_len=SEQ_LEN,
+                                                    offload_model_state=offload))
+        runs[offload] = _train_recording_grads(cfg, steps)
+    (model, optimizer, metrics, grads), (ref_model, ref_optimizer, ref_metrics, ref_grads) = (
+        runs[True], runs[False])
+    assert optimizer.defaults.get("fused") or optimizer.defaults.get("foreach")  # the host path
+    tight = dict(rtol=1e-6, atol=1e-7)
+    for step in range(steps):
+        for key in ("loss", "grad_norm"):
+            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-6), (step, key)
+        for name, ref in ref_grads[step].items():
+            torch.testing.assert_close(grads[step][name], ref, **tight,
+                                       msg=lambda m: f"grad {name} at step {step}: {m}")
+    for (name, param), ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(full(param), full(ref), **tight,
+                                   msg=lambda m: f"{name} after {steps} steps: {m}")
+        state, ref_state = optimizer.state[param], ref_optimizer.state[ref]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(full(state[key]), full(ref_state[key]), **tight)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_offloaded_model_state_trains_like_the_resident_one(world_size):
+    """--stack 5 with and without --offload-model-state, fp32: the same loss, every gradient,
+    and the parameters and Adam moments after three steps (fused CPU AdamW against foreach=False)."""
+    run_ranks(world_size, _offload_steps_equal_resident, 3)
+
+
+def _state_lives_on_the_host():
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    cfg = train.resolve_techniques(train.Config(model="tiny", stack=5, seq_len=SEQ_LEN,
+                                                offload_model_state=True))
+    model, optimizer, _, _ = _train_recording_grads(cfg, 1)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules()
+              if isinstance(m, FSDPModule)]
+    assert len(groups) == llama.get_model_args("tiny").n_layers + 1  # every block and the root
+    assert all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+    fsdp_params = [fp for g in groups for fp in g.fsdp_params]
+    assert len(fsdp_params) == len(list(model.parameters()))
+    pinned = torch.cuda.is_available()  # pinning needs a GPU driver
+    for fp in fsdp_params:
+        assert fp.offload_to_cpu and fp.pin_memory == pinned
+        local = fp.sharded_param.to_local()
+        assert local.device.type == "cpu" and local.is_pinned() == pinned
+    for param in model.parameters():  # Adam's moments were created next to their parameters
+        assert all(t.device.type == "cpu" for t in optimizer.state[param].values())
+    if torch.cuda.is_available():  # and the device holds none of it between steps
+        assert torch.cuda.memory_allocated() < sum(fsdp.model_state_bytes(
+            llama.get_model_args("tiny"), dist.get_world_size()).values())
+
+
+def test_offloaded_model_state_is_on_the_host():
+    """What a CPU can show: every FSDP module carries the offload policy, every shard (and each
+    Adam moment) is a host tensor, pinned exactly when a GPU driver exists. On a CPU machine the
+    resident run's 'device' is the CPU too; that the GPU then holds nothing is the GPU test's."""
+    run_ranks(2, _state_lives_on_the_host)
+
+
+def test_offload_needs_fsdp():
+    with pytest.raises(ValueError, match="--offload-model-state is a setting of --fsdp"):
+        train.resolve_techniques(train.Config(offload_model_state=True))
+    for level in range(1, train.MAX_STACK + 1):  # composable with every level that shards
+        assert train.resolve_techniques(train.Config(stack=level, offload_model_state=True)).fsdp
+
+
+def test_host_bytes_of_offloaded_llama3_8b():
+    """16 bytes per parameter / GPUs, the pinned parameter and gradient shards rounded up to
+    powers of two (w1: 28 MiB -> 32 MiB per rank on 8)."""
+    args = llama.get_model_args("llama3-8b")
+    host = fsdp.offloaded_model_state_bytes(args, 8)
+    exact = fsdp.offloaded_model_state_bytes(args, 8, pinned=False)
+    assert sum(exact.values()) == pytest.approx(sum(fsdp.model_state_bytes(args, 8).values()), rel=1e-3)
+    assert host["optimizer"] == exact["optimizer"]
+    assert sum(host.values()) / 2**30 == pytest.approx(15.7, abs=0.05)
+
+
+def _gpu_holds_no_model_state():
+    """On GPUs: after a step the resident run holds its model state on the device, the
+    offloaded one none of it; their losses agree (bf16)."""
+    peaks, losses = {}, {}
+    args = llama.get_model_args("small")
+    for offload in (False, True):
+        cfg = train.resolve_techniques(train.Config(model="small", stack=5, seq_len=1024,
+                                                    device="cuda", dtype="bfloat16",
+                                                    offload_model_state=offload))
+        model, optimizer, metrics, _ = _train_recording_grads(cfg, 2)
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.memory_allocated()
+        losses[offload] = [m["loss"] for m in metrics]
+        del model, optimizer
+        torch.cuda.empty_cache()
+    state = sum(fsdp.model_state_bytes(args, dist.get_world_size()).values())
+    assert peaks[False] >= state, peaks
+    assert peaks[True] < 0.25 * state, peaks
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_offloaded_model_state_leaves_the_gpu():
+    run_ranks(2, _gpu_holds_no_model_state, backend="cpu:gloo,cuda:nccl")

@@ -6,12 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (
-    assert_matches,
-    make_batch,
-    reference_loss_and_grads,
-    train_loss_and_grads,
-)
+from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
+                       train_loss_and_grads, with_kernel)
 
 import kernels
 import model as llama
@@ -60,7 +56,7 @@ def test_attention_output_and_grads_equal_unsharded(world_size):
 
 def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", norm_rtol=None):
     cfg = train.Config(model="tiny", fsdp=True, ulysses=True, sp=sp, seq_len=32, device=device,
-                       dtype=dtype)
+                       dtype=dtype, attn_kernel=kernels._requested["kernel"])
     dp = dist.get_world_size() // sp
     tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp, ignore_frac=0.3 if ignore else 0)
     if ignore:
@@ -114,11 +110,15 @@ def test_token_counts_parse():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fsdp_ulysses_model_nccl_bf16_matches_fp32_reference():
-    run_ranks(2, _model_matches_unsharded, 2, True, "cuda", "bfloat16", 3e-2, backend="nccl")
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_fsdp_ulysses_model_nccl_bf16_matches_fp32_reference(kernel):
+    run_ranks(2, with_kernel, kernel, _model_matches_unsharded, 2, True, "cuda", "bfloat16", 3e-2,
+              backend="nccl")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_attention_nccl_bf16_matches_fp32_reference():
-    run_ranks(2, _attention_matches_unsharded, "cuda", torch.bfloat16, 2e-2, 2e-2, backend="nccl")
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_attention_nccl_bf16_matches_fp32_reference(kernel):
+    run_ranks(2, with_kernel, kernel, _attention_matches_unsharded, "cuda", torch.bfloat16, 2e-2,
+              2e-2, backend="nccl")

@@ -14,15 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (
-    assert_matches,
-    make_batch,
-    reference_loss_and_grads,
-    train_loss_and_grads,
-)
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
 
 import model as llama
 from data import TokenData
+from demos import bytes_saved_for_backward
 
 offload = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
@@ -140,7 +136,7 @@ def test_offload_acts_on_memory_kept_for_backward():
         model, rt, _ = _build(train.Config(model=MODEL, checkpoint=checkpointing,
                                            offload=offloading, seq_len=SEQ, batch_size=ROWS))
         offloader = model.checkpoint_offload if checkpointing else None
-        kept[mode] = offload.bytes_saved_for_backward(
+        kept[mode] = bytes_saved_for_backward(
             lambda: train.forward_backward(model, tokens, rt, labels), offloader)
         host[mode] = offloader.host_bytes if offloader else 0
     block_input = ROWS * SEQ * ARGS.dim * 4

@@ -11,16 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (
-    assert_matches,
-    make_batch,
-    reference_loss_and_grads,
-    train_loss_and_grads,
-)
+from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
+from demos import LargestTensor
 
 tiling = importlib.import_module("04_alst_tiling")
 train = importlib.import_module("train")
@@ -162,7 +158,7 @@ def test_composes_with_activation_checkpointing():
 
 def _largest(run, x):
     x = x.clone().requires_grad_()
-    with tiling.LargestTensor() as largest:
+    with LargestTensor() as largest:
         run(x).sum().backward()
     return largest
 

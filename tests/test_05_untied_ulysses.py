@@ -15,13 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
-from reference import (
-    assert_matches,
-    make_batch,
-    reference_loss_and_grads,
-    relative_error,
-    train_loss_and_grads,
-)
+from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
+                       relative_error, train_loss_and_grads, with_kernel)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -351,7 +346,7 @@ def test_backward_runs_attention_backward_only(monkeypatch):
 # The kernel wrapper, and the byte count for the planner.
 # ---------------------------------------------------------------------------------------------
 
-def check_kernel_wrapper(device, dtype, rtol, atol):
+def check_kernel_wrapper(device, dtype, rtol, atol, kernels_to_check=None):
     for n_heads, n_kv_heads in [(4, 4), (4, 2), (4, 1)]:
         g = torch.Generator().manual_seed(n_heads * 10 + n_kv_heads)
         shape = (2, 48, n_heads, 64)
@@ -361,7 +356,7 @@ def check_kernel_wrapper(device, dtype, rtol, atol):
         ref_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), is_causal=True,
                                                  enable_gqa=True).transpose(1, 2)
         ref_out.backward(grad_out)
-        for kernel in [None, "math"] + (["flash"] if device == "cuda" else []):
+        for kernel in kernels_to_check or [None, "math"] + (["flash"] if device == "cuda" else []):
             args = [t.to(device, dtype) for t in (q, k, v)]
             out, lse = kernels.attention_forward_lse(*args, kernel=kernel)
             grads = kernels.attention_backward_lse(grad_out.to(device, dtype), *args, out, lse,
@@ -381,12 +376,11 @@ def test_private_op_calls_fit_this_torch(kernel):
     GPU needed): output and lse shapes, and gradients shaped like q, k, v with fewer KV heads."""
     q = torch.empty(1, 64, 4, 128, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 64, 2, 128, device="meta", dtype=torch.bfloat16)
-    args = [kernels._to_kernel_layout(t) for t in (q, k, k)]
-    out, lse = kernels._aten_forward(kernel, *args)
-    assert out.shape == (1, 4, 64, 128) and lse.dtype == torch.float32
+    out, lse = kernels._forward(kernel, q, k, k)
+    assert out.shape == (1, 64, 4, 128) and lse.dtype == torch.float32
     assert lse.shape[:3] == (1, 4, 64) and lse.numel() == 4 * 64
-    grads = kernels._aten_backward(kernel, out, *args, out, lse)
-    assert [tuple(g.shape) for g in grads] == [(1, 4, 64, 128), (1, 2, 64, 128), (1, 2, 64, 128)]
+    grads = kernels._backward(kernel, out, q, k, k, out, lse)
+    assert [tuple(g.shape) for g in grads] == [(1, 64, 4, 128), (1, 64, 2, 128), (1, 64, 2, 128)]
 
 
 def test_kernel_wrapper_matches_sdpa():
@@ -395,8 +389,7 @@ def test_kernel_wrapper_matches_sdpa():
 
 def test_kernel_wrapper_repeats_kv_heads_for_kernels_without_gqa(monkeypatch):
     """The fallback for a kernel that needs as many KV heads as query heads (older torch)."""
-    monkeypatch.setitem(kernels._KERNEL_CHOICE, ("cpu", torch.float32, 64, None), ("cpu", False))
-    monkeypatch.delenv("UNTIED_ATTENTION_KERNEL", raising=False)
+    monkeypatch.setitem(kernels._KERNEL_CHOICE, ("cpu", torch.float32, 64, "auto"), ("cpu", False))
     check_kernel_wrapper("cpu", torch.float32, 1e-5, 1e-5)
 
 
@@ -426,11 +419,31 @@ def test_planner_bytes():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_kernel_wrapper_matches_sdpa_cuda():
-    check_kernel_wrapper("cuda", torch.bfloat16, 3e-2, 3e-2)
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_kernel_wrapper_matches_sdpa_cuda(kernel):
+    """The forced kernel's log-sum-exp pair, and the dense causal_attention, against SDPA fp32."""
+    check_kernel_wrapper("cuda", torch.bfloat16, 3e-2, 3e-2, kernels_to_check=[kernel])
+    kernels.use_kernel(kernel)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, grad_out = (torch.randn(2, 256, 8, 128, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, 256, 2, 128, generator=g) for _ in range(2))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref), is_causal=True,
+                                       enable_gqa=True).transpose(1, 2).backward(grad_out)
+        mine = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+        out = kernels.causal_attention(*mine)
+        out.backward(grad_out.cuda().bfloat16())
+        assert kernels.lse_kernel(mine[0])[0] == kernel
+        for name, got, want in zip("qkv", mine, ref):
+            assert relative_error(got.grad, want.grad) < 2e-2, f"{kernel} d{name}"
+    finally:
+        kernels.use_kernel("auto")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_attention_layer_nccl_bf16_matches_fp32_reference():
-    run_ranks(2, _layer_matches, "cuda", torch.bfloat16, 2e-2, 2e-2, backend="nccl")
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_attention_layer_nccl_bf16_matches_fp32_reference(kernel):
+    run_ranks(2, with_kernel, kernel, _layer_matches, "cuda", torch.bfloat16, 2e-2, 2e-2,
+              backend="nccl")

@@ -23,6 +23,9 @@ SMOKE_RUNS = {
                 "256", "--layers-seq-len", "256", "--steps", "2"],
     "max_length": ["--device", "cpu", "--model", "tiny", "--methods", "ulysses", "untied",
                    "--first-length", "1K", "--granularity", "256", "--max-trials", "2"],
+    "max_length:offload_model_state": ["--device", "cpu", "--model", "tiny", "--methods", "untied",
+                                       "--first-length", "1K", "--granularity", "256",
+                                       "--max-trials", "2", "--offload-model-state"],
     "untied": ["--model", "tiny", "--seq-lens", "256", "--chunks", "2", "8", "--repeats", "1",
                "--profile"],
 }
@@ -32,7 +35,7 @@ SMOKE_RUNS = {
 def test_benchmark_runs_on_cpu(script, tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--standalone", "-m", f"bench.{script}", *SMOKE_RUNS[script],
+               "--standalone", "-m", f"bench.{script.split(':')[0]}", *SMOKE_RUNS[script],
                "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{script}.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -44,7 +44,7 @@ def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
 def test_llama3_frequency_scaling():
     args = llama.get_model_args("llama3-8b")
     scaled, plain = llama.rope_frequencies(args), llama.rope_frequencies(
-        llama.ModelArgs(rope_scaling=False))
+        llama.ModelArgs(rope_scaling="none"))
     wavelen = 2 * math.pi / plain
     high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
     torch.testing.assert_close(scaled[high], plain[high])  # short wavelengths kept
@@ -65,6 +65,27 @@ def test_published_sizes():
     assert round(llama.num_params(llama.get_model_args("llama3-8b")) / 1e9, 2) == 8.03
     assert round(llama.num_params(llama.get_model_args("llama3-70b")) / 1e9, 1) == 70.6
     assert round(llama.num_params(llama.get_model_args("qwen3-32b")) / 1e9, 1) == 32.8
+    # tied input/output embeddings: counted once
+    assert round(llama.num_params(llama.get_model_args("llama3.2-1b")) / 1e9, 2) == 1.24
+    assert round(llama.num_params(llama.get_model_args("llama3.2-3b")) / 1e9, 2) == 3.21
+    assert round(llama.num_params(llama.get_model_args("qwen3-0.6b")) / 1e9, 3) == 0.596
+
+
+def test_tied_embeddings_are_one_parameter_even_after_to_empty():
+    """01_fsdp.build_model builds on the meta device then calls to_empty, which gives each
+    module a new Parameter: the tie must survive it."""
+    from dataclasses import replace
+
+    args = replace(llama.get_model_args("tiny"), tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = llama.Transformer(args)
+    model.to_empty(device="cpu")
+    llama.init_weights(model)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == llama.num_params(args)
+    ids, pos = torch.randint(0, args.vocab_size, (1, 8)), torch.arange(8)[None]
+    model(ids, pos, ids).backward()  # both uses add into one gradient
+    assert model.embed_tokens.weight.grad is model.lm_head.weight.grad
 
 
 def test_weight_names_are_the_hugging_face_layout():
@@ -121,7 +142,7 @@ def test_unknown_preset_is_refused():
 
 
 def test_kernel_name_is_reported():
-    assert kernels.attention_kernel_name(torch.device("cpu"), torch.float32) == "sdpa (cpu)"
+    assert kernels.attention_kernel_name(torch.device("cpu"), torch.float32) == "CPU (SDPA)"
 
 
 def test_fast_init_gives_every_shard_its_own_values():

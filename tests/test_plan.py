@@ -414,6 +414,46 @@ def test_host_memory_limits_offload():
     assert not planner.plan_fits(plan, 8, 80 * GiB, 512 * 10**9)[1]
 
 
+def test_offloaded_model_state_leaves_the_gpu_for_the_host():
+    """--offload-model-state: no moment of the step holds model state or optimizer temporaries
+    on the GPU; the host holds 01's offloaded bytes next to the checkpoints; what is freed goes
+    to activations: --stack 5 on 8 x 80 GiB (2 TiB host) reaches 6.6M tokens (6.14M without)."""
+    for stack in range(1, train.MAX_STACK + 1):
+        resident = planner.plan_memory(_cfg(stack, 2**20), 8)
+        offloaded = planner.plan_memory(_cfg(stack, 2**20, offload_model_state=True), 8)
+        assert offloaded["model_state"] == 0
+        assert all(c.get("model_state", 0) == 0 for c in offloaded["moments"].values())
+        assert offloaded["moments"]["optimizer step"] == {"model_state": 0, "optimizer": 0}
+        assert offloaded["peak"] < resident["peak"] - 10 * GiB, stack
+        host_state = sum(fsdp.offloaded_model_state_bytes(LLAMA8B, 8).values())
+        assert offloaded["host"] == resident["host"] + host_state
+        assert offloaded["host_parts"] == {"checkpoints": resident["host"], "model state": host_state}
+    longest = {}
+    for on_host in (False, True):
+        longest[on_host], plan = planner.plan_longest_seq_len(
+            _cfg(5, 1024, offload_model_state=on_host), 8, 80 * GiB, 2 * 2**40)
+        assert plan["limit"] == "GPU"
+    assert 6.1 * 2**20 < longest[False] < 6.2 * 2**20
+    assert longest[True] >= 6.6 * 2**20, longest
+
+
+def test_host_memory_is_per_node():
+    """--host-mem is one node's: 32 GPUs on four nodes of 8 each get host_mem / 8 per GPU, not
+    host_mem / 32 (which stopped --stack 5 host-bound at 8.25M); where host memory binds first
+    the planner says so, and there offloading the model state costs length."""
+    plan = planner.plan_memory(_cfg(5, 9 * 2**20, sp=32), 32)
+    assert planner.plan_fits(plan, 32, 80 * GiB, 2 * 2**40)[1]
+    assert not planner.plan_fits(plan, 32, 80 * GiB, 2 * 2**40, gpus_per_node=32)[1]
+    length, plan = planner.plan_longest_seq_len(_cfg(5, 1024), 32, 80 * GiB, 2 * 2**40)
+    assert length > 16 * 2**20 and plan["limit"] == "GPU"
+    bound = {}
+    for on_host in (False, True):
+        bound[on_host], plan = planner.plan_longest_seq_len(
+            _cfg(5, 1024, offload_model_state=on_host), 8, 80 * GiB, 2**40)
+        assert plan["limit"] == "host" and plan["host"] * 8 <= 2**40
+    assert bound[True] < bound[False]
+
+
 def _run_plan(*flags):
     return subprocess.run([sys.executable, "train.py", "--plan", *flags], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -440,6 +480,27 @@ def test_command_line_longest_per_stack_level():
     for label in ("--stack 1", "--stack 2", "--stack 2 --untied", "--stack 3", "--stack 4",
                   "--stack 5 (U=8)", "--stack 4 --sp 1"):
         assert any(line.startswith(label) for line in lines), (label, result.stdout)
+
+
+def test_command_line_offload_and_scaling():
+    result = _run_plan("--model", "llama3-8b", "--stack", "5", "--offload-model-state",
+                       "--seq-len", "7M")
+    assert result.returncode == 0, result.stderr
+    for text in ("(all of it on the host: 15.7)", "offloaded checkpoints 217.0; model state 15.7",
+                 "offload_model_state", "(2048.0 per node / 8 GPUs per node)"):
+        assert text in result.stdout, (text, result.stdout)
+    result = _run_plan("--model", "llama3-8b", "--seq-len", "max", "--offload-model-state")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^--stack 5 \(U=8\) +8  7,\d+,\d+ \(7\.\d\dM\).* GPU ", result.stdout, re.M), result.stdout
+    result = _run_plan("--model", "llama3-8b", "--stack", "5", "--seq-len", "max", "--scaling")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line[:5].strip().isdigit()]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(g, str(-(-int(g) // 8)), where) for g in
+                                                   ("8", "16", "32", "64") for where in ("GPU", "host")]
+    assert all(r[-1] == "GPU" for r in rows)  # 2 TiB per node: the GPUs limit every row
+    assert "64 GPUs: Ulysses splits the 32 query heads" in result.stdout
+    assert "Ulysses x ring" in result.stdout and "sp 32 x data 2" in result.stdout
+    assert _run_plan("--stack", "5", "--seq-len", "1M", "--scaling").returncode == 1
 
 
 def test_command_line_refuses_like_training():

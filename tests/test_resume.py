@@ -44,6 +44,41 @@ def test_six_steps_equal_three_plus_resume_three(tmp_path):
     run_ranks(2, _resume_equals_straight, str(tmp_path), train.MAX_STACK)
 
 
+def _resume_across_model_state_offload(tmp):
+    """Written with --offload-model-state, resumed without it, and the other way: the run goes
+    on as an uninterrupted one (the fused host AdamW and the GPU's one-at-a-time AdamW agree
+    to rounding, so equal within fp32 rounding, not bit for bit), and an exported full state
+    dict is the same either way."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    stack = train.MAX_STACK
+    straight = train.train(config(f"{tmp}/a", 6, stack=stack))
+    for first, then in ((True, False), (False, True)):
+        folder = f"{tmp}/{'host-then-gpu' if first else 'gpu-then-host'}"
+        train.train(config(folder, 3, stack=stack, offload_model_state=first))
+        resumed = train.train(config(folder, 6, stack=stack, resume=True, offload_model_state=then))
+        assert [h["step"] for h in resumed.history] == [3, 4, 5]
+        assert [h["loss"] for h in resumed.history] == pytest.approx(
+            [h["loss"] for h in straight.history[3:]], rel=1e-6)
+        # Adam divides by sqrt(v): where a gradient is near eps, a rounding-level difference
+        # moves a parameter by ~lr * 1e-4 (3e-7 here, once in 16K elements): atol 1e-6.
+        for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+            torch.testing.assert_close(full(b), full(a), rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
+            assert float(b["step"]) == float(a["step"]) == 6
+            torch.testing.assert_close(full(b["exp_avg_sq"]), full(a["exp_avg_sq"]), rtol=1e-4, atol=1e-9)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        exported = get_model_state_dict(resumed.model, options=options)
+        reference = get_model_state_dict(straight.model, options=options)
+        assert exported.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(exported[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_resume_across_model_state_offload(tmp_path):
+    run_ranks(2, _resume_across_model_state_offload, str(tmp_path))
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     train.train(config(tmp_path, 2, save_every=1))
     import torch.distributed.checkpoint as dcp
@@ -162,6 +197,8 @@ def test_next_technique_follows_the_files():
     cfg = train.resolve_techniques(train.Config(stack=5, head_chunk=16))
     assert train.next_memory_technique(cfg, 8) == "a smaller --head-chunk (down to 8)"
     cfg = train.resolve_techniques(train.Config(stack=5))
+    assert train.next_memory_technique(cfg, 8).startswith("--offload-model-state")
+    cfg = train.resolve_techniques(train.Config(stack=5, offload_model_state=True))
     assert train.next_memory_technique(cfg, 8).startswith("fewer tokens per GPU")
 
 
@@ -206,7 +243,7 @@ def test_an_output_that_is_the_data_file_is_refused_before_writing(tmp_path, cap
     for flag in ("--log-file", "--save-dir"):
         with pytest.raises(SystemExit):
             train.main(["--data", str(data), "--seq-len", "32", "--steps", "1", flag, str(data)])
-        assert f"{flag} {str(data)!r} is the --data file" in capsys.readouterr().err
+        assert f"{flag} {str(data)!r} is the --data input" in capsys.readouterr().err
         assert data.read_bytes() == before
 
 

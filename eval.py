@@ -1,0 +1,474 @@
+"""eval.py - does the model use its context? Loss by position and passkey retrieval, sharded.
+
+The forward that trains at 3M tokens evaluates at 3M tokens: this file builds the model exactly
+as train.py does (same flags, `setup_runtime`, `build_model`: FSDP, Ulysses or Untied Ulysses,
+tiling) and runs it forward only, under torch.no_grad, with far less memory than a training
+step (no gradients, no optimizer state, no activations kept for backward; the planner's
+`--eval` mode counts it). Activation checkpointing and offload (03) only serve backward, so
+they are switched off here. 04's tiled functions and 05's autograd Function run their forward
+loops unchanged under no_grad (tests/test_eval.py runs every stack level).
+
+    python eval.py --save-dir runs/tiny                      # loss by position, tiny model, CPU
+    torchrun --nproc-per-node 2 eval.py --stack 5 --seq-len 1K --windows 4 --bucket-start 64
+    python eval.py --compare before.json after.json          # both curves on one chart
+    python eval.py --task passkey --lengths 256,1K --depths 0,0.5,1 --trials 8
+
+Loss by position (--task loss): held-out windows of a token file (--data, --windows,
+--first-window: windows are consecutive seq_len + 1 token slices, as in training), each token's
+cross-entropy summed into buckets of its position on a log scale: [0, 1K), [1K, 2K), [2K, 4K),
+..., up to the length (--bucket-start sets the first edge). Every rank knows the global positions
+of its shard (02's shard_sequence), so it adds its tokens' losses into the buckets and one
+all_reduce gives the totals. Per-token losses come from the model's `token_scores` seam (model.py;
+04 tiles it with the loss under --tile-loss, so seq x vocab logits never exist). Buckets follow
+`position_ids`: with packed documents, whose positions restart at every document, the same code
+gives the loss by position within the document (pass the batch's own position_ids where
+`loss_by_position` takes them from shard_sequence). Writes JSON and a PNG curve.
+
+Passkey retrieval (--task passkey), at the token level: a random key (--key-len ids from
+--alphabet) follows a marker (--marker-ids) at a chosen depth inside filler (--filler-ids,
+repeated); the sequence ends with the marker again and the model must continue with the key.
+With --tokenizer DIR (a Hugging Face tokenizer) the filler, marker and digits are that
+tokenizer's ids of an English filler sentence, " The pass key is" and "0".."9".
+Greedy decoding of the key after a long prefix needs no KV cache and no second long forward:
+one sharded forward of prefix + key, teacher-forced, checks at every key position that the
+argmax equals the key token. That is exactly greedy decoding: greedy's first token is the argmax
+after the prefix, and as long as every earlier token matched the key, greedy's input is the
+teacher-forced input, so its next token is the same argmax. The key comes out exactly iff every
+key position's argmax is right (the first mismatch is where greedy would go wrong; positions
+after it differ from greedy's, so only the all-correct count is the retrieval accuracy; the JSON
+also gives the first token's). Accuracy over lengths x depths (--trials keys each), as a heatmap.
+
+Weights: random init, or the model state of a training checkpoint (--save-dir: its newest
+complete checkpoint, or a step_N folder), on any number of ranks whatever the saving layout
+(resume.load_model_state). After the merge of `--init-from` (Hugging Face directories) that
+flag comes through train.parse_args and build_model like every other.
+
+On GPUs (commands for the GPU machine; the planner gives the longest length per level):
+
+    python plan.py --eval --model llama3-8b --seq-len max --gpus 8 --gpu-mem 80GiB
+    torchrun --nproc-per-node 8 eval.py --model llama3-8b --stack 5 --seq-len 3M \\
+        --data val.bin --data-dtype uint32 --windows 2 --save-dir runs/8b --out eval_3m.json
+    torchrun --nproc-per-node 8 eval.py --task passkey --model llama3-8b --stack 5 \\
+        --lengths 128K,512K,1M,2M,3M --depths 0,0.25,0.5,0.75,1 --trials 2 --save-dir runs/8b
+The JSON records seconds per million tokens (median forward) and the peak GPU memory. The
+planner's forward-only counts (not yet measured on a GPU: compare its --eval table with the
+JSON's peak) put Llama-3-8B's longest evaluation at --stack 5 at 15.6M tokens on 8 x 80 GiB
+(training: 6.1M) and 7.4M on 2 H200s (training: 1.0M, bound by host memory for the offload).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import model as llama
+import resume
+import train
+from data import TokenData, parse_tokens
+
+ulysses = train.ulysses
+
+FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+               "There and back again. ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building: train.py's runtime and model, forward only, weights from a checkpoint.
+# ---------------------------------------------------------------------------------------------
+
+def eval_config(cfg: train.Config) -> train.Config:
+    """cfg without 03: checkpointing and offload keep activations for a backward that never comes."""
+    return replace(cfg, checkpoint=False, offload=False, resume=False)
+
+
+def build(cfg: train.Config):
+    """(runtime, model, checkpoint meta or None) for evaluation."""
+    rt = train.setup_runtime(cfg)
+    if cfg.untied and cfg.head_chunk is None and rt.device.type == "cuda":
+        import plan  # the fewest stages whose forward fits (forward needs less than a step)
+
+        cfg.head_chunk = plan.fewest_stages_that_fit(cfg, rt.world, train.smallest_gpu_memory(rt),
+                                                     forward_only=True)
+    model = train.build_model(cfg, rt)
+    meta = resume.load_model_state(cfg.save_dir, model) if cfg.save_dir else None
+    model.eval()
+    return rt, model, meta
+
+
+@torch.no_grad()
+def token_scores(model, tokens: torch.Tensor, rt, labels=None):
+    """One forward of this rank's shard of `tokens` (B, S + 1): (scores (B, S/P, 2) with each
+    token's loss and greedy prediction, its labels, its global positions)."""
+    tokens = tokens.to(rt.device)
+    input_ids, labels, positions = ulysses.shard_sequence(
+        tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device))
+    with train.out_of_memory_names("forward"):
+        scores = model(input_ids, positions, labels, per_token=True)
+    return scores.float(), labels, positions
+
+
+def all_reduce(t: torch.Tensor, rt) -> torch.Tensor:
+    if rt.world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def synchronize(rt):
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def seconds_per_million(times: list[float], tokens_per_forward: int) -> float:
+    """Median forward time (the first left out when there are more: compile, warm-up) per 2^20
+    tokens of the whole sequence (all ranks' shards together; the batch of every data rank)."""
+    kept = sorted(times[1:] if len(times) > 1 else times)
+    return kept[len(kept) // 2] / (tokens_per_forward / 2**20)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss by position
+# ---------------------------------------------------------------------------------------------
+
+def bucket_edges(seq_len: int, first: int = 1024) -> list[int]:
+    """[0, first, 2 first, 4 first, ..., seq_len]: log-scale position buckets up to the length."""
+    edges = [0]
+    edge = first
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    return edges + [seq_len]
+
+
+def bucket_sums(losses, positions, labels, edges) -> torch.Tensor:
+    """(2, buckets) fp64: summed loss and token count per bucket of `positions` (non-ignored
+    labels only). Positions are whatever position_ids say: global, or per document."""
+    boundaries = torch.tensor(edges[1:-1], device=positions.device)
+    index = torch.bucketize(positions.flatten(), boundaries, right=True)
+    keep = (labels.flatten() != llama.IGNORE_INDEX).double()
+    sums = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=positions.device)
+    sums[0].index_add_(0, index, losses.flatten().double() * keep)
+    sums[1].index_add_(0, index, keep)
+    return sums
+
+
+def window_source(cfg, vocab_size: int):
+    """window(i) -> (1, seq_len + 1) ids of window i (data.py's windows; 'synthetic' too)."""
+    data = TokenData(replace(cfg, batch_size=1), vocab_size, 0, 1)
+    return data, data.batch
+
+
+def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
+                     bucket_start: int = 1024) -> dict:
+    """Mean loss per position bucket over `windows` windows from `first_window` on. Each data-
+    parallel rank takes every dp-th batch of windows; ranks run the same number of forwards
+    (a rank without a window left runs one with every label ignored)."""
+    args = train.model_args(cfg)
+    data, window = window_source(cfg, args.vocab_size)
+    if data.tokens is not None:
+        available = data.tokens.numel() // (cfg.seq_len + 1)
+        if first_window + windows > available:
+            raise ValueError(f"{cfg.data} holds {available} windows of {cfg.seq_len + 1:,} tokens; "
+                             f"--first-window {first_window} + --windows {windows} is more")
+    edges = bucket_edges(cfg.seq_len, bucket_start)
+    totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=rt.device)
+    per_forward = rt.dp * cfg.batch_size
+    times = []
+    for step in range(math.ceil(windows / per_forward)):
+        indices = [(step * rt.dp + rt.dp_rank) * cfg.batch_size + j for j in range(cfg.batch_size)]
+        tokens = torch.cat([window(first_window + min(i, windows - 1)) for i in indices])
+        labels = tokens[:, 1:].clone()
+        labels[torch.tensor(indices) >= windows] = llama.IGNORE_INDEX  # padding rows
+        synchronize(rt)
+        start = time.perf_counter()
+        scores, local_labels, positions = token_scores(model, tokens, rt, labels)
+        # Positions from shard_sequence: global. With packed documents pass the batch's own
+        # position_ids here (they restart per document): the buckets become document positions.
+        totals += bucket_sums(scores[..., 0], positions, local_labels, edges)
+        synchronize(rt)
+        times.append(time.perf_counter() - start)
+    all_reduce(totals, rt)
+    sums, counts = totals.cpu().tolist()
+    return {"task": "loss", "seq_len": cfg.seq_len, "windows": windows,
+            "first_window": first_window, "data": cfg.data, "edges": edges,
+            "buckets": [{"start": a, "end": b, "tokens": int(n), "mean_loss": s / n if n else None}
+                        for a, b, s, n in zip(edges[:-1], edges[1:], sums, counts)],
+            "mean_loss": sum(sums) / max(sum(counts), 1), "forward_seconds": times,
+            "s_per_million_tokens": seconds_per_million(times, per_forward * cfg.seq_len)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Passkey retrieval
+# ---------------------------------------------------------------------------------------------
+
+def passkey_tokens(length: int, depth: float, key, filler, marker, prefix=()):
+    """(ids (length + 1,), labels (length,), needle_key_start): prefix, filler with marker + key
+    inserted at `depth` (0 = right after the prefix, 1 = right before the end), then marker +
+    key as the last tokens. Labels are ignored except the key's last len(key) positions: the
+    inputs of a forward are ids[:-1], so the model predicts each key token from everything
+    before it (teacher forcing: see the module docstring)."""
+    key, filler, marker, prefix = list(key), list(filler), list(marker), list(prefix)
+    needle = marker + key
+    haystack = length + 1 - len(prefix) - len(marker) - len(key)
+    if haystack < len(needle):
+        raise ValueError(f"a passkey sequence of {length} tokens cannot hold the prefix, the "
+                         f"needle and the question ({len(prefix) + 2 * len(needle)} tokens)")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depths are fractions between 0 and 1, got {depth}")
+    start = round(depth * (haystack - len(needle)))
+    body = [filler[i % len(filler)] for i in range(haystack)]
+    body[start:start + len(needle)] = needle
+    ids = torch.tensor(prefix + body + marker + key)
+    labels = torch.full((length,), llama.IGNORE_INDEX)
+    labels[-len(key):] = ids[-len(key):]
+    return ids, labels, len(prefix) + start + len(marker)
+
+
+def passkey_vocabulary(opts, vocab_size: int) -> dict:
+    """filler, marker, alphabet (ids a key is drawn from) and prefix: from the flags, or from a
+    Hugging Face tokenizer (--tokenizer)."""
+    if opts.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(opts.tokenizer)
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        digits = [encode(str(d)) for d in range(10)]
+        if any(len(d) != 1 for d in digits):
+            raise ValueError("--tokenizer: the digits 0-9 must be one token each")
+        vocabulary = {"filler": encode(FILLER_TEXT), "marker": encode(" The pass key is"),
+                      "alphabet": [d[0] for d in digits],
+                      "prefix": [] if tok.bos_token_id is None else [tok.bos_token_id]}
+    else:
+        low, high = (int(x) for x in opts.alphabet.split(":"))
+        vocabulary = {"filler": [int(x) for x in opts.filler_ids.split(",")],
+                      "marker": [int(x) for x in opts.marker_ids.split(",")],
+                      "alphabet": list(range(low, high)), "prefix": []}
+    used = [i for ids in vocabulary.values() for i in ids]
+    if max(used) >= vocab_size or min(used) < 0:
+        raise ValueError(f"passkey token ids must lie in [0, {vocab_size}) for this model")
+    return vocabulary
+
+
+def random_key(key_len: int, alphabet, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return [alphabet[i] for i in torch.randint(len(alphabet), (key_len,), generator=generator)]
+
+
+def passkey_grid(model, cfg, rt, lengths, depths, trials: int, key_len: int, vocabulary: dict,
+                 seed: int = 0) -> dict:
+    """Exact-match (greedy) and first-token accuracy for every length x depth, `trials` keys
+    each (trial t uses the same key in every cell). Trials are spread over data-parallel ranks,
+    each sequence over the sequence-parallel ranks; one all_reduce per cell."""
+    exact, first, speed = [], [], {}
+    per_forward = rt.dp * cfg.batch_size
+    for length in lengths:
+        exact.append([])
+        first.append([])
+        times = []
+        for depth in depths:
+            counts = torch.zeros(trials, 2, dtype=torch.float64, device=rt.device)
+            for step in range(math.ceil(trials / per_forward)):
+                rows = [(step * rt.dp + rt.dp_rank) * cfg.batch_size + j for j in range(cfg.batch_size)]
+                made = [passkey_tokens(length, depth, random_key(key_len, vocabulary["alphabet"],
+                                                                 seed * 1_000_003 + min(t, trials - 1)),
+                                       vocabulary["filler"], vocabulary["marker"], vocabulary["prefix"])
+                        for t in rows]
+                tokens = torch.stack([m[0] for m in made])
+                labels = torch.stack([m[1] for m in made])
+                synchronize(rt)
+                start = time.perf_counter()
+                scores, local_labels, positions = token_scores(model, tokens, rt, labels)
+                synchronize(rt)
+                times.append(time.perf_counter() - start)
+                correct = ((scores[..., 1] == local_labels) & (local_labels != llama.IGNORE_INDEX)).double()
+                first_key_position = (positions == length - key_len).double()
+                for j, t in enumerate(rows):
+                    if t < trials:
+                        counts[t, 0] += correct[j].sum()
+                        counts[t, 1] += (correct[j] * first_key_position[j]).sum()
+            all_reduce(counts, rt)
+            exact[-1].append(float((counts[:, 0] == key_len).double().mean()))
+            first[-1].append(float(counts[:, 1].mean()))
+        speed[length] = seconds_per_million(times, per_forward * length)
+    return {"task": "passkey", "lengths": list(lengths), "depths": list(depths), "trials": trials,
+            "key_len": key_len, "alphabet_size": len(vocabulary["alphabet"]),
+            "chance": len(vocabulary["alphabet"]) ** -key_len, "accuracy": exact,
+            "first_token_accuracy": first, "s_per_million_tokens": speed}
+
+
+# ---------------------------------------------------------------------------------------------
+# Charts (optional: without matplotlib the JSON is still written)
+# ---------------------------------------------------------------------------------------------
+
+def pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return None
+    return plt
+
+
+def tokens_text(n: int) -> str:
+    if n == 0:
+        return "0"
+    return f"{n // 2**20}M" if n >= 2**20 and n % 2**20 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def plot_losses(results: list[dict], path) -> bool:
+    """Mean loss per position bucket, one line per result (two runs or checkpoints)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for result in results:
+        kept = [b for b in result["buckets"] if b["tokens"]]
+        ax.plot([b["end"] for b in kept], [b["mean_loss"] for b in kept], "-o",
+                label=result.get("label") or "run")
+    ends = sorted({b["end"] for r in results for b in r["buckets"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ends, [tokens_text(n) for n in ends])
+    ax.set_xlabel("token position (bucket end; buckets double from the first)")
+    ax.set_ylabel("mean cross-entropy (nats)")
+    ax.set_title("loss by position")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_passkey(result: dict, path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(1.2 * len(result["depths"]) + 3, 0.6 * len(result["lengths"]) + 2))
+    image = ax.imshow(result["accuracy"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(result["depths"])), [f"{d:g}" for d in result["depths"]])
+    ax.set_yticks(range(len(result["lengths"])), [tokens_text(n) for n in result["lengths"]])
+    for i, row in enumerate(result["accuracy"]):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w" if value < 0.6 else "k")
+    ax.set_xlabel("depth of the key in the context")
+    ax.set_ylabel("length (tokens)")
+    ax.set_title(f"passkey retrieval, greedy exact match ({result.get('label') or 'run'})")
+    fig.colorbar(image)
+    plt.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def parse_eval_args(argv):
+    """(eval options, train.Config): eval's own flags here, every other flag is train.py's."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--task", choices=["loss", "passkey"], default="loss")
+    parser.add_argument("--windows", type=int, default=4, help="loss: windows of --seq-len + 1 tokens")
+    parser.add_argument("--first-window", type=int, default=0, help="loss: skip the windows before it")
+    parser.add_argument("--bucket-start", default="1K", help="loss: the first bucket edge")
+    parser.add_argument("--lengths", default=None, help="passkey: e.g. 4K,128K,1M (default --seq-len)")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey: fractions of the context")
+    parser.add_argument("--trials", type=int, default=4, help="passkey: keys per length x depth")
+    parser.add_argument("--key-len", type=int, default=4, help="passkey: key tokens")
+    parser.add_argument("--alphabet", default="16:26", help="passkey: key ids LOW:HIGH (no tokenizer)")
+    parser.add_argument("--filler-ids", default="4,5,6,7,8,9,10,11", help="passkey: repeated filler ids")
+    parser.add_argument("--marker-ids", default="1,2,3", help="passkey: ids before the key (twice)")
+    parser.add_argument("--tokenizer", default=None, help="passkey: a Hugging Face tokenizer directory")
+    parser.add_argument("--label", default=None, help="the run's name on charts")
+    parser.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                        help="no run: draw these loss results on one chart (--out: the PNG)")
+    opts, train_argv = parser.parse_known_args(argv)
+    if opts.compare:
+        return opts, None
+    cfg = eval_config(train.parse_args(train_argv))
+    if opts.task == "passkey":
+        opts.lengths = [parse_tokens(n) for n in (opts.lengths or str(cfg.seq_len)).split(",")]
+        opts.depths = [float(d) for d in opts.depths.split(",")]
+        cfg.seq_len = max(opts.lengths)
+    if min(opts.windows, opts.trials, opts.key_len) < 1 or opts.first_window < 0:
+        raise ValueError("--windows, --trials and --key-len must be >= 1, --first-window >= 0")
+    opts.bucket_start = parse_tokens(opts.bucket_start)
+    return opts, cfg
+
+
+def run(opts, cfg) -> dict:
+    rt, model, meta = build(cfg)
+    if opts.task == "passkey":
+        for length in opts.lengths:  # every length splits evenly over the sequence ranks
+            if length % rt.sp:
+                raise ValueError(f"passkey length {length} is not divisible by --sp {rt.sp}")
+        vocabulary = passkey_vocabulary(opts, model.args.vocab_size)
+        result = passkey_grid(model, cfg, rt, opts.lengths, opts.depths, opts.trials, opts.key_len,
+                              vocabulary, cfg.seed)
+    else:
+        result = loss_by_position(model, cfg, rt, opts.windows, opts.first_window, opts.bucket_start)
+    result.update(label=opts.label or (meta["path"] if meta else "random init"),
+                  checkpoint=meta and {"path": meta["path"], "step": meta["step"]},
+                  config=asdict(cfg), world_size=rt.world, sp=rt.sp, dp=rt.dp,
+                  head_chunk=cfg.head_chunk, torch=torch.__version__,
+                  peak_gpu_mem_gib=(round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                                    if rt.device.type == "cuda" else None))
+    if rt.rank == 0:
+        out = Path(opts.out or f"eval_{opts.task}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        drawn = (plot_passkey if opts.task == "passkey" else plot_losses)(
+            *([result] if opts.task == "passkey" else [[result]]), out.with_suffix(".png"))
+        print(summary(result) + f"\nwrote {out}" + (f" and {out.with_suffix('.png')}" if drawn else ""))
+    return result
+
+
+def summary(result: dict) -> str:
+    if result["task"] == "loss":
+        lines = [f"{result['label']}: mean loss {result['mean_loss']:.4f} over {result['windows']} "
+                 f"windows of {result['seq_len']:,} tokens ({result['s_per_million_tokens']:.2f} s "
+                 f"per million tokens)"]
+        lines += [f"  [{tokens_text(b['start']):>5}, {tokens_text(b['end']):>5})  "
+                  + (f"{b['mean_loss']:.4f}" if b["tokens"] else "-") for b in result["buckets"]]
+        return "\n".join(lines)
+    lines = [f"{result['label']}: passkey exact match ({result['trials']} keys of {result['key_len']} "
+             f"tokens, chance {result['chance']:.2g}); rows: length, columns: depth "
+             + " ".join(f"{d:g}" for d in result["depths"])]
+    lines += [f"  {tokens_text(n):>6}  " + " ".join(f"{a:.2f}" for a in row)
+              for n, row in zip(result["lengths"], result["accuracy"])]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        opts, cfg = parse_eval_args(argv)
+        if opts.compare:
+            results = [json.loads(Path(p).read_text()) for p in opts.compare]
+            labels = [r.get("label") or Path(p).stem for p, r in zip(opts.compare, results)]
+            for path, result, label in zip(opts.compare, results, labels):
+                # two runs of the same name (two random inits, one checkpoint dir): add the file
+                result["label"] = label if labels.count(label) == 1 else f"{label} ({Path(path).name})"
+            out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
+            if plot_losses(results, out):
+                print(f"wrote {out}")
+            return
+        run(opts, cfg)
+    except (ValueError, train.StepOutOfMemory) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""eval.py: loss by position sharded like training equals one process; passkey sequences hold
+the key where asked and a trained tiny model retrieves it; our per-token loss equals
+transformers' on a Hugging Face model; the planner's forward-only mode."""
+
+import importlib
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from ranks import run_ranks
+
+import model as llama
+import resume
+
+train = importlib.import_module("train")
+evaluate = importlib.import_module("eval")
+plan = importlib.import_module("plan")
+tiling = importlib.import_module("04_alst_tiling")
+
+SEQ_LEN, WINDOWS, BUCKET_START = 64, 3, 8
+
+
+def eval_cfg(save_dir, **flags):
+    return evaluate.eval_config(train.resolve_techniques(
+        train.Config(model="tiny", seq_len=SEQ_LEN, save_dir=save_dir, **flags)))
+
+
+def loss_buckets(cfg, rt=None):
+    rt = rt or train.setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    resume.load_model_state(cfg.save_dir, model)
+    return evaluate.loss_by_position(model, cfg, rt, WINDOWS, first_window=5,
+                                     bucket_start=BUCKET_START)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on shared cores: one thread is several times faster than two competing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained a little (single process), saved; its single-process evaluation."""
+    save_dir = str(tmp_path_factory.mktemp("trained"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.train(train.resolve_techniques(train.Config(model="tiny", seq_len=SEQ_LEN,
+                                                          steps=10, save_dir=save_dir)))
+        return save_dir, loss_buckets(eval_cfg(save_dir))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same_buckets(result, expected, where):
+    assert [b["tokens"] for b in result["buckets"]] == [b["tokens"] for b in expected["buckets"]], where
+    for got, want in zip(result["buckets"], expected["buckets"]):
+        assert got["mean_loss"] == pytest.approx(want["mean_loss"], rel=1e-5, abs=1e-6), (where, got, want)
+
+
+def test_single_process_result_has_log_buckets_from_the_checkpoint(trained):
+    save_dir, expected = trained
+    assert expected["edges"] == [0, 8, 16, 32, 64]
+    assert [b["tokens"] for b in expected["buckets"]] == [8 * WINDOWS, 8 * WINDOWS, 16 * WINDOWS,
+                                                           32 * WINDOWS]
+    total = sum(b["mean_loss"] * b["tokens"] for b in expected["buckets"]) / (64 * WINDOWS)
+    assert expected["mean_loss"] == pytest.approx(total)
+    cfg = eval_cfg(None)
+    rt = train.Runtime()
+    untrained = evaluate.loss_by_position(train.build_model(cfg, rt), cfg, rt, WINDOWS, 5, BUCKET_START)
+    assert untrained["mean_loss"] != pytest.approx(expected["mean_loss"], rel=1e-4)  # it loaded
+
+
+def _sharded_levels_equal_single_process(save_dir, expected, runs):
+    for flags in runs:
+        cfg = eval_cfg(save_dir, **flags)
+        assert not cfg.checkpoint and not cfg.offload
+        assert_same_buckets(loss_buckets(cfg), expected, flags)
+
+
+def test_every_stack_level_at_p2_equals_one_process(trained):
+    """FSDP, Ulysses, tiling (04's Function under no_grad) and Untied Ulysses (05's Function
+    under no_grad), the weights loaded from a one-process checkpoint (resharded on load)."""
+    save_dir, expected = trained
+    runs = [dict(stack=1), dict(stack=2), dict(stack=2, untied=True), dict(stack=3),
+            dict(stack=4, loss_tile_tokens=5, mlp_tile_tokens=7), dict(stack=5)]
+    run_ranks(2, _sharded_levels_equal_single_process, save_dir, expected, runs)
+
+
+def test_p4_and_data_parallel_equal_one_process(trained):
+    """sp = 4 (fewer KV heads than ranks) and dp 2 x sp 2, where 3 windows leave one rank a
+    padding window whose labels count nothing."""
+    save_dir, expected = trained
+    runs = [dict(stack=5), dict(stack=4, sp=2), dict(stack=1)]
+    run_ranks(4, _sharded_levels_equal_single_process, save_dir, expected, runs)
+
+
+def test_tiled_scores_equal_untiled_and_keep_no_graph():
+    torch.manual_seed(0)
+    model = llama.Transformer(llama.get_model_args("tiny"))
+    llama.init_weights(model)
+    tokens = torch.randint(0, 256, (2, 41))
+    labels = tokens[:, 1:].clone()
+    labels[:, :9] = llama.IGNORE_INDEX  # a tile of ignored labels gives zeros, not NaN
+    positions = torch.arange(40).expand(2, -1)
+    with torch.no_grad():
+        untiled = model(tokens[:, :-1], positions, labels, per_token=True)
+        tiling.apply_tiling(model, tile_mlp=True, tile_loss=True, mlp_tile_tokens=6,
+                            loss_tile_tokens=9, tile_norm=True)
+        tiled = model(tokens[:, :-1], positions, labels, per_token=True)
+    assert tiled.shape == (2, 40, 2) and not tiled.requires_grad
+    torch.testing.assert_close(tiled, untiled, rtol=1e-5, atol=1e-5)
+    assert (tiled[:, :9, 0] == 0).all() and torch.isfinite(tiled).all()
+    # the summed loss of training is the sum of the per-token losses
+    with torch.no_grad():
+        total = model(tokens[:, :-1], positions, labels)
+    torch.testing.assert_close(total, tiled[..., 0].sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_bucket_edges_and_positions():
+    assert evaluate.bucket_edges(3 * 2**20) == [0] + [2**k for k in range(10, 22)] + [3 * 2**20]
+    assert evaluate.bucket_edges(1000) == [0, 1000]
+    positions = torch.tensor([[0, 7, 8, 15, 16, 63]])
+    sums = evaluate.bucket_sums(torch.ones(1, 6), positions, torch.zeros(1, 6, dtype=torch.long),
+                                [0, 8, 16, 32, 64])
+    assert sums[1].tolist() == [2, 2, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Passkey
+# ---------------------------------------------------------------------------------------------
+
+VOCABULARY = {"filler": [4, 5, 6, 7], "marker": [1], "alphabet": list(range(16, 24)), "prefix": []}
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_passkey_generator_places_the_key_where_asked(depth):
+    key, marker, filler, prefix = [30, 31, 32], [1, 2], [4, 5, 6], [9]
+    length = 100
+    ids, labels, at = evaluate.passkey_tokens(length, depth, key, filler, marker, prefix)
+    assert ids.shape == (length + 1,) and labels.shape == (length,)
+    assert ids[0] == 9
+    haystack = length + 1 - len(prefix) - len(marker) - len(key)  # tokens before the question
+    needle_start = len(prefix) + round(depth * (haystack - len(marker) - len(key)))
+    assert at == needle_start + len(marker)
+    assert ids[needle_start:at].tolist() == marker and ids[at:at + 3].tolist() == key
+    assert ids[-5:].tolist() == marker + key  # the question, then the answer
+    # only the key's positions are scored, each predicting the next token
+    assert (labels[:-3] == llama.IGNORE_INDEX).all() and labels[-3:].tolist() == key
+    others = [i for i in range(len(prefix), length + 1 - 5) if not needle_start <= i < at + 3]
+    assert set(ids[others].tolist()) <= set(filler)
+    if depth == 0.0:
+        assert needle_start == len(prefix)
+    if depth == 1.0:
+        assert at + len(key) == length + 1 - len(marker) - len(key)  # just before the question
+    with pytest.raises(ValueError, match="cannot hold"):
+        evaluate.passkey_tokens(8, depth, key, filler, marker, prefix)
+
+
+def test_a_tiny_model_trained_on_recall_retrieves_the_key(one_thread):
+    """Trains the tiny preset on CPU (~25 s): the key (2 tokens from 8 ids: chance 1/64) after
+    a marker at a random depth in 64 tokens, asked for at the end. Greedy exact match must be
+    far above chance at depths it was not told about."""
+    torch.manual_seed(0)
+    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=64, lr=3e-3))
+    rt = train.Runtime()
+    model = train.build_model(cfg, rt)
+    optimizer = train.make_optimizer(model, cfg)
+    before = evaluate.passkey_grid(model, cfg, rt, [64], [0.0, 0.5, 1.0], 16, 2, VOCABULARY, seed=1)
+    rng = random.Random(0)
+    for step in range(280):
+        made = [evaluate.passkey_tokens(64, rng.random(), rng.choices(VOCABULARY["alphabet"], k=2),
+                                        VOCABULARY["filler"], VOCABULARY["marker"]) for _ in range(16)]
+        train.train_step(model, optimizer, torch.stack([m[0] for m in made]), rt, cfg,
+                         labels=torch.stack([m[1] for m in made]), step=step)
+    after = evaluate.passkey_grid(model, cfg, rt, [48, 64], [0.0, 0.25, 0.5, 0.75, 1.0], 16, 2,
+                                  VOCABULARY, seed=1)
+    assert after["chance"] == pytest.approx(1 / 64)
+    mean = lambda grid: sum(map(sum, grid)) / sum(map(len, grid))  # noqa: E731
+    assert mean(before["accuracy"]) < 0.2
+    assert mean(after["accuracy"]) > 0.8, after["accuracy"]
+    assert mean(after["first_token_accuracy"]) >= mean(after["accuracy"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Against transformers
+# ---------------------------------------------------------------------------------------------
+
+def test_per_token_loss_equals_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+        max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    hf.save_pretrained(tmp_path)
+    state = {k.removeprefix("model."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    args = llama.ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, ffn_dim=128,
+                           vocab_size=256, norm_eps=1e-5, rope_theta=10000.0, rope_scaling=False)
+    ours = llama.Transformer(args)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 97), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = hf(input_ids=tokens[:, :-1]).logits.float()
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(),
+                                                 reduction="none").view(2, 96)
+    for tiled in (False, True):
+        if tiled:
+            tiling.apply_tiling(ours, loss_tile_tokens=10, mlp_tile_tokens=16, tile_norm=True)
+        scores, labels, positions = evaluate.token_scores(ours, tokens, train.Runtime())
+        torch.testing.assert_close(scores[..., 0], expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(scores[..., 1].long(), logits.argmax(-1))
+    edges = evaluate.bucket_edges(96, 16)
+    sums = evaluate.bucket_sums(scores[..., 0], positions, labels, edges)
+    for i, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
+        assert float(sums[0, i]) == pytest.approx(float(expected[:, start:end].sum()), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line, charts, planner
+# ---------------------------------------------------------------------------------------------
+
+def test_command_line_writes_json_png_and_compares(trained, tmp_path, capsys):
+    save_dir, expected = trained
+    common = ["--seq-len", str(SEQ_LEN), "--windows", str(WINDOWS), "--first-window", "5",
+              "--bucket-start", str(BUCKET_START)]
+    evaluate.main(common + ["--out", str(tmp_path / "before.json"), "--label", "before"])
+    evaluate.main(common + ["--save-dir", save_dir, "--out", str(tmp_path / "after.json")])
+    after = json.loads((tmp_path / "after.json").read_text())
+    assert_same_buckets(after, expected, "command line")
+    assert after["checkpoint"]["step"] == 10 and after["s_per_million_tokens"] > 0
+    evaluate.main(["--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json"),
+                   "--out", str(tmp_path / "both.png")])
+    evaluate.main(["--task", "passkey", "--lengths", "32,48", "--depths", "0,1", "--trials", "2",
+                   "--key-len", "2", "--out", str(tmp_path / "passkey.json")])
+    passkey = json.loads((tmp_path / "passkey.json").read_text())
+    assert passkey["lengths"] == [32, 48] and len(passkey["accuracy"][0]) == 2
+    out = capsys.readouterr().out
+    assert "mean loss" in out and "passkey exact match" in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    for png in ("before.png", "after.png", "both.png", "passkey.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_command_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--save-dir", str(tmp_path)])
+    assert "no complete checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.main(["--task", "passkey", "--lengths", "8", "--key-len", "4"])
+    assert "cannot hold" in capsys.readouterr().err
+
+
+def test_planner_forward_only_needs_less_and_reaches_further():
+    for stack in range(1, 6):
+        cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=stack,
+                                                    dtype="bfloat16", device="cpu"))
+        step, forward = plan.plan_memory(cfg, 8), plan.plan_memory(cfg, 8, forward_only=True)
+        assert forward["peak"] < step["peak"], stack
+        gpu = 80 * 2**30
+        longest_eval = plan.plan_longest_seq_len(cfg, 8, gpu, 2**41, forward_only=True)[0]
+        assert longest_eval >= plan.plan_longest_seq_len(cfg, 8, gpu, 2**41)[0], stack
+    # tiling the loss removes the seq x vocab logits from the forward too
+    untiled = plan.plan_memory(replace(cfg, tile_loss=False), 8, forward_only=True)
+    tiled = plan.plan_memory(cfg, 8, forward_only=True)
+    loss = "the loss (per-token scores)"
+    assert sum(untiled["moments"][loss].values()) > 10 * sum(tiled["moments"][loss].values())
+    table = plan.plan_main(["--eval", "--model", "llama3-8b", "--seq-len", "3M", "--stack", "5"])
+    assert "evaluation forward" in table and "parameters (no gradients" in table
+    longest = plan.plan_main(["--eval", "--model", "llama3-8b", "--seq-len", "max"])
+    assert "training (tokens)" in longest
+
+
+def test_passkey_vocabulary_from_a_tokenizer(tmp_path):
+    """--tokenizer: filler, marker and digits are the tokenizer's ids (a word-level tokenizer
+    made here: no hub)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = sorted(set(evaluate.FILLER_TEXT.replace(".", " . ").split()) | {"pass", "key"})
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", *words, *map(str, range(10))])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                         unk_token="[UNK]").save_pretrained(tmp_path)
+    opts = evaluate.parse_eval_args(["--task", "passkey", "--tokenizer", str(tmp_path)])[0]
+    vocabulary = evaluate.passkey_vocabulary(opts, 256)
+    assert vocabulary["alphabet"] == [vocab[str(d)] for d in range(10)]
+    assert vocabulary["marker"] == [vocab[w] for w in ("The", "pass", "key", "is")]
+    assert vocabulary["prefix"] == [1] and 0 not in vocabulary["filler"]
+    with pytest.raises(ValueError, match="must lie in"):
+        evaluate.passkey_vocabulary(opts, 8)
