@@ -20,6 +20,15 @@ What must be right:
   - labels are shifted *before* the sequence is split (else each shard loses its last label);
   - the loss is the mean over the tokens of all ranks, so gradients equal the unsharded ones.
 
+Packed documents (many documents in one window, data.py) need nothing new here. After the first
+all-to-all every rank holds ALL S tokens of the sequence, in their original order, for its H/P
+heads; so the document boundaries, written as global token offsets over the whole sequence
+(`cu_seqlens`, kernels.py), mean exactly what they mean in the unsharded model, and the kernel
+masks with them unchanged: no rank needs to know where the documents cut its own shard, and a
+document spanning several shards is whole again in the head layout. Everything outside attention
+is per token: positions restarting at each document and the ignored label at each document's
+last token are computed before the split (like the label shift) and sharded with the tokens.
+
 Run the demo (attention-stage bytes per rank, with and without Ulysses):
 
     torchrun --nproc-per-node 2 02_ulysses.py --seq-len 16K            # CPU/gloo or GPUs
@@ -117,16 +126,19 @@ def replicate_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
 # The attention core for the model's seam 1.
 # ---------------------------------------------------------------------------------------------
 
-def ulysses_attention(q, k, v, group, kernel=kernels.causal_attention):
+def ulysses_attention(q, k, v, group, kernel=kernels.causal_attention, cu_seqlens=None):
     """Local q (B, S/P, H, D), k/v (B, S/P, Hkv, D) -> local output (B, S/P, H, D).
 
     Rank r's query heads [r*H/P, (r+1)*H/P) use KV heads [r*Hkv/P, (r+1)*Hkv/P) when Hkv >= P
     (grouped-query order is preserved by the contiguous split), or the one replicated KV head.
+    cu_seqlens: packed documents' boundaries, global offsets: they hold as they are after the
+    exchange (module docstring).
     """
     sp = dist.get_world_size(group)
     k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)
     q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)
-    out = kernel(q, k, v)  # the full sequence, H/P heads: any kernel, unchanged
+    # the full sequence, H/P heads: any kernel, unchanged
+    out = kernel(q, k, v) if cu_seqlens is None else kernel(q, k, v, cu_seqlens=cu_seqlens)
     return heads_to_seq(out, group)
 
 
@@ -142,12 +154,13 @@ def apply_ulysses(model, group) -> None:
 # Data: shift, then shard; process groups for data x sequence parallelism.
 # ---------------------------------------------------------------------------------------------
 
-def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None):
+def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, positions=None):
     """tokens (B, S+1) -> this rank's (input_ids, labels, position_ids), each (B, S/P).
 
     The labels are the inputs shifted by one *before* the split: the last input of shard r is
     predicted from the first token of shard r+1, which only the unsplit tensor still has.
-    Labels given explicitly (B, S), e.g. with -100 where ignored, are split the same way.
+    Labels given explicitly (B, S), e.g. with -100 where ignored, are split the same way, and
+    so are positions (B, S) given explicitly (packed documents: restarting at each document).
     """
     seq_len = tokens.shape[1] - 1
     if seq_len % sp:
@@ -157,7 +170,8 @@ def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None):
     local = slice(sp_rank * local_seq_len, (sp_rank + 1) * local_seq_len)
     input_ids = tokens[:, :-1]
     labels = tokens[:, 1:] if labels is None else labels
-    positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+    if positions is None:
+        positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
     return input_ids[:, local], labels[:, local], positions[:, local]
 
 
@@ -174,16 +188,24 @@ def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, labels=None,
-                      phase=contextlib.nullcontext) -> torch.Tensor:
+                      phase=contextlib.nullcontext, documents=None) -> torch.Tensor:
     """One forward + backward on this rank's shard of `tokens` (B, S + 1); returns the loss,
     the mean over the non-ignored labels of every rank in `world_group` (detached, summed over
     ranks). Each rank divides its summed loss by the global count, so the ranks' gradients add
     up (FSDP sums them) to the unsharded model's. `phase(name)` wraps forward and backward (train.py
-    names the phase of an out-of-memory error)."""
-    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels)
+    names the phase of an out-of-memory error). documents: packed documents of `tokens`
+    (data.Documents: its labels and positions replace the plain ones, and its global boundaries
+    go to the model whole, unsharded)."""
+    positions = cu_seqlens = None
+    if documents is not None:
+        if labels is not None:
+            raise ValueError("pass labels or documents (which carry their labels), not both")
+        labels, positions = documents.labels.to(tokens.device), documents.position_ids.to(tokens.device)
+        cu_seqlens = documents.cu_seqlens
+    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels, positions)
     n_tokens = global_token_count(labels, world_group)
     with phase("forward"):
-        loss = model(input_ids, positions, labels) / n_tokens
+        loss = model(input_ids, positions, labels, cu_seqlens=cu_seqlens) / n_tokens
     with phase("backward"):
         loss.backward()
     loss = loss.detach()

@@ -148,18 +148,23 @@ def apply_checkpointing(model, offload: bool = False) -> None:
         block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
 
 
-def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope) -> torch.Tensor:
+def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
+                         cu_seqlens=None) -> torch.Tensor:
     if not torch.is_grad_enabled():  # no backward coming: nothing to save or recompute
-        return forward(x, rope)
+        return forward(x, rope, cu_seqlens)
     if offloader is None:
-        return checkpoint(forward, x, rope, use_reentrant=False, context_fn=mark_recompute)
+        return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False,
+                          context_fn=mark_recompute)
     # These hooks see what checkpoint saves outside its region: the block's inputs. The rotary
-    # cos/sin (a tuple, one for all layers) is held by checkpoint directly and never offloaded.
+    # cos/sin (a tuple, one for all layers) is held by checkpoint directly and never offloaded,
+    # and so are packed documents' boundaries (cu_seqlens, a tuple of ints); `pack` picks the
+    # block input out by identity, so any other tensor passes through untouched.
     # The pack hook may only hold a *weak* reference to x: autograd keeps the hooks alive with
     # the graph, and a strong one would pin x in GPU memory however well it was copied away.
     with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer, weakref.ref(x)),
                                                   offloader.unpack):
-        return checkpoint(forward, x, rope, use_reentrant=False, context_fn=mark_recompute)
+        return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False,
+                          context_fn=mark_recompute)
 
 
 # checkpoint runs the block's forward a second time in backward, only to rebuild what its ops

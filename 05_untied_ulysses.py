@@ -192,6 +192,8 @@ class StageLayout:
     head_chunk: int   # U: query heads per stage, over all ranks
     head_dim: int
     eps: float        # QK-norm's epsilon (unused without QK-norm)
+    cu_seqlens: tuple | None = None  # packed documents' global boundaries: every stage holds
+                                     # all tokens of its heads, so they apply unchanged
 
     def to_heads(self, t):  # (B, s, P * u, D) -> (B, S, u, D): all tokens, this rank's heads
         return _exchange(t, self.group, self.sp, scatter_dim=2, gather_dim=1)
@@ -237,7 +239,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             for heads in stages:
                 q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
                                                     q_norm, eps, rope))  # (B, S, u, D)
-                stage_out, lse = kernels.attention_forward_lse(q, k, v)
+                stage_out, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=layout.cu_seqlens)
                 del q
                 lses.append(lse)
                 # back to this rank's tokens, into this stage's heads of every rank's block
@@ -302,7 +304,8 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
     q = layout.to_heads(projected_heads(x, wq_rows, layout.head_dim, q_norm, layout.eps, rope))
     stage_out = layout.to_heads(stage_out.flatten(2, 3))
     grad_stage_out = layout.to_heads(grad_stage_out.flatten(2, 3))
-    return kernels.attention_backward_lse(grad_stage_out, q, k, v, stage_out, lse)
+    return kernels.attention_backward_lse(grad_stage_out, q, k, v, stage_out, lse,
+                                          cu_seqlens=layout.cu_seqlens)
 
 
 def _exchange(x, group, sp, scatter_dim, gather_dim):
@@ -312,14 +315,15 @@ def _exchange(x, group, sp, scatter_dim, gather_dim):
     return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
 
 
-def untied_attend(x, rope, attn, group, head_chunk):
-    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time."""
+def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None):
+    """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time.
+    cu_seqlens: packed documents' global boundaries, applied unchanged in every stage."""
     cos, sin = rope
     sp = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
     eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps)
+    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps, cu_seqlens)
     return UntiedUlyssesAttention.apply(layout, x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
                                         attn.v_proj.weight, q_norm, k_norm)
 

@@ -20,6 +20,15 @@ Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   auto    on a GPU in 16-bit the first of fa4 > cudnn > flash that passes a small check against
           the math kernel (once per dtype and head size); on the CPU torch's CPU kernel.
 `backward_workspace_bytes` is what the chosen backward allocates for itself, for the planner.
+
+Packed documents (data.py): every entry point takes `cu_seqlens`, the document boundaries of the
+batch as global token offsets: the B*S tokens of q taken as one stream (row b starts at b*S), a
+tuple of ints (0, start of the 2nd document, ..., B*S) - FlashAttention's `cu_seqlens`, with
+every row start among them. Attention is then causal *within* each document and never crosses a
+boundary. This is the one place documents are masked; `document_spans` reads the tuple. With
+FA4 one varlen launch covers all documents (q, k, v as (B*S, heads, D), int32 cu_seqlens);
+otherwise a loop runs the dense causal kernel once per document (exact, slower for many short
+documents: one launch each), and the log-sum-exp is the documents' concatenated along the sequence.
 """
 
 import logging
@@ -58,13 +67,21 @@ def use_kernel(name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     sdpa_only: bool = False) -> torch.Tensor:
+                     sdpa_only: bool = False, cu_seqlens=None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v. q: (B, S, H, D); k, v: (B, S, Hkv, D), H % Hkv == 0.
 
     sdpa_only=True stays on F.scaled_dot_product_attention (what torch's own context
-    parallelism intercepts; bench/ring.py).
+    parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
+    each attending only to itself.
     """
     kernel = "sdpa" if sdpa_only else lse_kernel(q)[0]
+    if cu_seqlens is not None:
+        if kernel == "fa4":
+            from flash_attn.cute import flash_attn_varlen_func
+
+            return flash_attn_varlen_func(*varlen_args(q, k, v, cu_seqlens),
+                                          causal=True)[0].view_as(q)
+        return document_attention(q, k, v, cu_seqlens, sdpa_only)
     if kernel == "fa4":
         from flash_attn.cute import flash_attn_func
 
@@ -100,6 +117,55 @@ def attention_kernel_name(device: torch.device, dtype: torch.dtype, head_dim: in
     name = lse_kernel(q)[0]
     return {"fa4": "FlashAttention-4", "cudnn": "cuDNN (SDPA)", "flash": "SDPA flash (FA2)",
             "cpu": "CPU (SDPA)", "math": "math"}[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed documents: attention that never crosses a document boundary.
+# ---------------------------------------------------------------------------------------------
+
+def document_spans(cu_seqlens, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document, positions within the row, from the global offsets
+    `cu_seqlens` over batch * seq_len tokens (module docstring). ValueError when they do not
+    describe this batch (a document would otherwise silently attend across rows)."""
+    bounds = [int(b) for b in cu_seqlens]
+    total = batch * seq_len
+    if (len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to batch x sequence = {total}, "
+                         f"got {bounds[:4]}...{bounds[-2:]} ({len(bounds)} entries)")
+    missing = set(range(0, total, seq_len)) - set(bounds)
+    if missing:
+        raise ValueError(f"cu_seqlens must hold every row start (multiples of {seq_len}); "
+                         f"missing {sorted(missing)[:4]}")
+    return [(a // seq_len, a % seq_len, a % seq_len + (b - a)) for a, b in zip(bounds, bounds[1:])]
+
+
+def varlen_args(q, k, v, cu_seqlens) -> dict:
+    """FlashAttention-4's varlen arguments for packed documents: q, k, v as one stream of
+    (B*S, heads, D), the boundaries as int32 on the device, the longest document."""
+    document_spans(cu_seqlens, *q.shape[:2])  # the same check as the loop's
+    bounds = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+    longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    return dict(q=q.flatten(0, 1), k=k.flatten(0, 1), v=v.flatten(0, 1), cu_seqlens_q=bounds,
+                cu_seqlens_k=bounds, max_seqlen_q=longest, max_seqlen_k=longest)
+
+
+def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
+    """`causal_attention` within each document of `cu_seqlens` for kernels without varlen: one
+    dense causal call per document, outputs concatenated along the sequence (autograd does the
+    backward)."""
+    batch, seq_len = q.shape[:2]
+    spans = document_spans(cu_seqlens, batch, seq_len)
+    if len(spans) == batch:  # one document per row: the dense kernel as it is
+        return causal_attention(q, k, v, sdpa_only)
+    # torch.split, not slicing: its backward writes all the documents' gradients into one
+    # tensor, where each slice's backward would allocate (and zero) a q-sized gradient.
+    lengths = [[end - start for r, start, end in spans if r == row] for row in range(batch)]
+    rows = []
+    for row, (q_row, k_row, v_row) in enumerate(zip(q.split(1), k.split(1), v.split(1))):
+        documents = zip(*(t.split(lengths[row], dim=1) for t in (q_row, k_row, v_row)))
+        rows.append(torch.cat([causal_attention(*doc, sdpa_only) for doc in documents], dim=1))
+    return torch.cat(rows, dim=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,13 +212,17 @@ def math_attention_backward(grad_out, q, k, v, out, lse):
     return back(grad_q, q), back(grad_k[:, :, None], k), back(grad_v[:, :, None], v)
 
 
-def _forward(kernel, q, k, v):
-    """(out, lse) of one kernel, q/k/v and out in the layout above."""
+def _forward(kernel, q, k, v, cu_seqlens=None):
+    """(out, lse) of one kernel, q/k/v and out in the layout above (cu_seqlens: FA4 only)."""
     if kernel == "fa4":
-        from flash_attn.cute import flash_attn_func
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
         with torch.no_grad():  # its autograd Function: only the forward here
-            return flash_attn_func(q, k, v, causal=True, return_lse=True)
+            if cu_seqlens is None:
+                return flash_attn_func(q, k, v, causal=True, return_lse=True)
+            out, lse = flash_attn_varlen_func(**varlen_args(q, k, v, cu_seqlens), causal=True,
+                                              return_lse=True)
+            return out.view_as(q), lse
     # (B, S, heads, D) -> (B, heads, S, D) as views, no copy: the ATen kernels read strided
     # tensors (a contiguous copy of each costs ~1% of a 128K step, measured: docs/calibration.md).
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -168,12 +238,17 @@ def _forward(kernel, q, k, v):
     return out.transpose(1, 2), lse
 
 
-def _backward(kernel, grad_out, q, k, v, out, lse):
-    """(dq, dk, dv) of one kernel from its out and lse (layout above)."""
+def _backward(kernel, grad_out, q, k, v, out, lse, cu_seqlens=None):
+    """(dq, dk, dv) of one kernel from its out and lse (layout above; cu_seqlens: FA4 only)."""
     if kernel == "fa4":
         from flash_attn.cute.interface import _flash_attn_bwd  # its backward entry point
 
-        return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True)[:3]
+        if cu_seqlens is None:
+            return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True)[:3]
+        varlen = varlen_args(q, k, v, cu_seqlens)
+        grads = _flash_attn_bwd(varlen.pop("q"), varlen.pop("k"), varlen.pop("v"),
+                                out.flatten(0, 1), grad_out.flatten(0, 1), lse, causal=True, **varlen)
+        return tuple(g.view_as(t) for g, t in zip(grads[:3], (q, k, v)))
     # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
     grad_out, q, k, v, out = (t.contiguous().transpose(1, 2) for t in (grad_out, q, k, v, out))
     seq_q, seq_k = q.shape[2], k.shape[2]
@@ -193,8 +268,24 @@ def _backward(kernel, grad_out, q, k, v, out, lse):
     return tuple(t.transpose(1, 2) for t in grads[:3])
 
 
-def attention_forward_lse(q, k, v, kernel: str | None = None):
-    """Causal attention (layout above) -> (out (B, S, H, D), lse)."""
+def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
+    """Causal attention (layout above) -> (out (B, S, H, D), lse). cu_seqlens: within each
+    packed document only; lse is then the documents' log-sum-exps along the sequence."""
+    if cu_seqlens is not None and lse_kernel(q, kernel)[0] == "fa4":
+        return _forward("fa4", q, k, v, cu_seqlens)  # one varlen launch for all documents
+    if cu_seqlens is not None:
+        batch, seq_len = q.shape[:2]
+        spans = document_spans(cu_seqlens, batch, seq_len)
+        if len(spans) > batch:
+            outs, lses = [[] for _ in range(batch)], [[] for _ in range(batch)]
+            for row, start, end in spans:
+                part = (slice(row, row + 1), slice(start, end))
+                out, lse = attention_forward_lse(q[part], k[part], v[part], kernel)
+                outs[row].append(out)
+                lses[row].append(lse)
+            # lse is (1, H, s) or (1, H, s, 1): the sequence is dim 2 either way
+            return (torch.cat([torch.cat(o, dim=1) for o in outs], dim=0),
+                    torch.cat([torch.cat(l, dim=2) for l in lses], dim=0))
     kernel, native_gqa = lse_kernel(q, kernel)
     if kernel == "math":
         return math_attention_forward(q, k, v)
@@ -204,9 +295,24 @@ def attention_forward_lse(q, k, v, kernel: str | None = None):
     return _forward(kernel, q, k, v)
 
 
-def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None):
+def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None,
+                           cu_seqlens=None):
     """(dq, dk, dv) of `attention_forward_lse` from its out and lse: the attention backward
-    kernel alone, no forward recomputation."""
+    kernel alone, no forward recomputation. cu_seqlens: as given to the forward."""
+    if cu_seqlens is not None and lse_kernel(q, kernel)[0] == "fa4":
+        return _backward("fa4", grad_out, q, k, v, out, lse, cu_seqlens)
+    if cu_seqlens is not None:
+        batch, seq_len = q.shape[:2]
+        spans = document_spans(cu_seqlens, batch, seq_len)
+        if len(spans) > batch:
+            grads = [[[] for _ in range(batch)] for _ in range(3)]
+            for row, start, end in spans:
+                part = (slice(row, row + 1), slice(start, end))
+                lse_part = lse[row:row + 1, :, start:end]
+                for collected, grad in zip(grads, attention_backward_lse(
+                        grad_out[part], q[part], k[part], v[part], out[part], lse_part, kernel)):
+                    collected[row].append(grad)
+            return tuple(torch.cat([torch.cat(g, dim=1) for g in rows], dim=0) for rows in grads)
     kernel, native_gqa = lse_kernel(q, kernel)
     if kernel == "math":
         return math_attention_backward(grad_out, q, k, v, out, lse)

@@ -3,9 +3,9 @@
 The numbered files plug into five seams, each an attribute that can be replaced from outside
 without editing this file:
 
-  1. `Attention.core(q, k, v) -> out`      the attention kernel over local tensors (B, S, heads, D).
+  1. `Attention.core(q, k, v, cu_seqlens)` the attention kernel over local tensors (B, S, heads, D).
                                            02_ulysses.py wraps it in two all-to-alls.
-  2. `Attention.attend(x, rope) -> out`    the whole sub-layer from normed input to pre-`o_proj`
+  2. `Attention.attend(x, rope, cu_seqlens)` the whole sub-layer from normed input to pre-`o_proj`
                                            output (B, S, heads * D). 05_untied_ulysses.py replaces
                                            it, because it projects Q/K/V one head chunk at a time.
   3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
@@ -18,6 +18,12 @@ without editing this file:
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather.
+
+Packed documents (data.py builds them): position_ids restart at 0 at each document start, labels
+are IGNORE_INDEX at each document's last token, and `cu_seqlens`, the document boundaries of the
+WHOLE batch as global token offsets (kernels.py), goes from `forward` through every block to the
+two attention seams, where kernels.py masks. Nothing else in the model sees documents: norms,
+MLP and loss are per token. cu_seqlens=None: one document per row, plain causal attention.
 
 Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints with the leading
 "model." dropped (`embed_tokens.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`,
@@ -62,6 +68,7 @@ class ModelArgs:
     rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight (one Parameter)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
+    eos_id: int | None = None  # end-of-document token: the default separator of packed documents
 
 
 PRESETS = {
@@ -73,18 +80,21 @@ PRESETS = {
                        vocab_size=4096),
     # The published configs (Hugging Face config.json) of each model.
     "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
-                             ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True),
+                             ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True,
+                             eos_id=128001),
     "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
-                             ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True),
-    "llama3-8b": ModelArgs(),
+                             ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True,
+                             eos_id=128001),
+    "llama3-8b": ModelArgs(eos_id=128001),  # <|end_of_text|> of the base models
     "qwen3-0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
                             ffn_dim=3072, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
-                            rope_scaling="none", tie_word_embeddings=True, qk_norm=True),
+                            rope_scaling="none", tie_word_embeddings=True, qk_norm=True,
+                            eos_id=151643),
     "qwen3-32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
                            ffn_dim=25600, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,
-                           rope_scaling="none", qk_norm=True),
+                           rope_scaling="none", qk_norm=True, eos_id=151643),  # <|endoftext|>
     "llama3-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
-                            ffn_dim=28672),
+                            ffn_dim=28672, eos_id=128001),
 }
 
 
@@ -206,15 +216,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.core = causal_attention  # seam 1: (q, k, v) -> out over local tensors
+        self.core = causal_attention  # seam 1: (q, k, v, cu_seqlens=None) -> out, local tensors
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        return self.o_proj(self.attend(x, rope))
+    def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
+        return self.o_proj(self.attend(x, rope, cu_seqlens=cu_seqlens))
 
-    def attend(self, x: torch.Tensor, rope) -> torch.Tensor:
-        """Seam 2: normed input (B, S, dim) -> attention output (B, S, heads * D), before o_proj."""
+    def attend(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
+        """Seam 2: normed input (B, S, dim) -> attention output (B, S, heads * D), before o_proj.
+        cu_seqlens: packed documents' global boundaries (None: one document per row)."""
         q, k, v = self.project_qkv(x, rope)
-        return self.core(q, k, v).flatten(2)
+        return self.core(q, k, v, cu_seqlens=cu_seqlens).flatten(2)
 
     def project_qkv(self, x: torch.Tensor, rope):
         batch, seq_len, _ = x.shape
@@ -248,8 +259,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope)
+    def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cu_seqlens)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -275,8 +286,10 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None,
-                per_token: bool = False):
+                per_token: bool = False, cu_seqlens=None):
         """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
+        cu_seqlens: packed documents' boundaries over the whole (unsharded) batch, global token
+        offsets (kernels.py); None: one document per row.
 
         With labels: the summed cross-entropy over non-ignored labels (divide by the global
         token count to get the mean); with per_token=True instead `token_scores` (B, S, 2).
@@ -285,7 +298,7 @@ class Transformer(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = rope_cos_sin(position_ids, self.args, h.dtype)
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope, cu_seqlens)
         if labels is None:
             return self.lm_head(self.norm(h))
         if per_token:

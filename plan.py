@@ -12,6 +12,14 @@ Each numbered file states the bytes its technique leaves on the GPU in one funct
 `mlp_temporary_bytes` / `loss_temporary_bytes` in 04, `untied_attention_bytes` in 05); this file
 adds them up at the moments a step can peak. Training flags mean what they mean to train.py.
 The counts are calibrated against GPU runs (docs/calibration.md: within a few percent).
+
+Packed documents (--documents) change the plan very little, so it counts them as dense: the
+attention holds the same q, k, v, output and log-sum-exp whatever the mask, and positions,
+labels and boundaries are a few bytes per token. FlashAttention-4's varlen kernel allocates what
+its dense kernel does; kernels.py's per-document loop (the fallback) briefly holds one more
+output of the attention (or of a 05 stage) in forward and one more dq, dk, dv in backward while
+it concatenates the documents' pieces: up to ~15% of 02's attention peak for Llama-3-8B, not
+counted here (`DOCUMENTS_NOTE`).
 """
 
 import argparse
@@ -37,6 +45,9 @@ GiB = 2**30
 # allocator's slack. On a 139.8 GiB H200 a step failed to allocate 0.9 GiB with 136.85 GiB
 # allocated (docs/results/progression_llama3-8b_2gpu.json): 2.95 GiB was out of reach.
 PLAN_GPU_RESERVE = 3 * GiB
+DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
+                  "loop without FlashAttention-4 adds up to one attention output and one dq/dk/dv "
+                  "while concatenating")
 PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
     "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)"),
     "block": ("one block's recompute + temporaries", None),
@@ -379,6 +390,8 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
+    if cfg.documents:
+        lines.append(DOCUMENTS_NOTE)
     return "\n".join(lines)
 
 

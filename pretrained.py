@@ -95,7 +95,12 @@ def model_args_from_hf(path_or_config) -> ModelArgs:
         ffn_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6 if family == "qwen3" else 1e-5),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=family == "qwen3", **rope)
+        qk_norm=family == "qwen3", eos_id=first_id(config.get("eos_token_id")), **rope)
+
+
+def first_id(ids):
+    """eos_token_id is an int, a list of ints (several end tokens), or absent."""
+    return ids[0] if isinstance(ids, list) and ids else ids if isinstance(ids, int) else None
 
 
 def rope_fields_from_hf(config: dict) -> dict:
@@ -185,6 +190,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
                       layer_types=["full_attention"] * args.n_layers)
     else:
         config.update(mlp_bias=False, pretraining_tp=1)
+    if args.eos_id is not None:
+        config["eos_token_id"] = args.eos_id
     config.update(extra or {})
     return config
 

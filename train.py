@@ -57,7 +57,9 @@ class Config:
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     dtype: str = "float32"
     data: str = "synthetic"
-    data_dtype: str | None = None  # None: the data's sidecar <data>.json, else uint16
+    data_dtype: str | None = None  # default: the token file's sidecar, else uint16
+    documents: bool = False  # packed documents: positions, labels and attention per document
+    doc_sep: int | None = None  # the token that ends a document (default: sidecar, model EOS)
     log: str | None = None
     stack: int | None = None
     fsdp: bool = False
@@ -102,9 +104,15 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--data", default=d.data, help="'synthetic' or a flat binary file of token ids")
-    parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
-                        help="how the ids are stored (default: the dtype in <data>.json when that "
-                             "file exists, else uint16)")
+    parser.add_argument("--data-dtype", choices=["uint16", "uint32"], default=d.data_dtype,
+                        help="token id type of --data (default: its .json sidecar, else uint16)")
+    parser.add_argument("--documents", action="store_true",
+                        help="the data is packed documents: each one trained on its own (rotary "
+                             "positions restart, no attention or label across a boundary); "
+                             "boundaries from --data's .docs index or the separator token")
+    parser.add_argument("--doc-sep", type=int, default=None,
+                        help="token id that ends each document (implies --documents; default: "
+                             "the data's sidecar, else the model preset's EOS id)")
     # Not "--log": torchrun's own parser would take it for an abbreviation of its --log-dir.
     parser.add_argument("--log-file", dest="log", default=None, help="write JSON lines here")
     parser.add_argument("--stack", type=int, default=None, help="turn on every technique of files 1..N")
@@ -178,6 +186,8 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
+    if cfg.doc_sep is not None:
+        cfg.documents = True
     if cfg.head_chunk is not None and not cfg.untied:
         raise ValueError("--head-chunk is a setting of --untied (05)")
     if cfg.offload_model_state and not cfg.fsdp:
@@ -358,13 +368,15 @@ def build_model(cfg: Config, rt: Runtime):
 # One step
 # ---------------------------------------------------------------------------------------------
 
-def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None) -> torch.Tensor:
+def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None,
+                     documents=None) -> torch.Tensor:
     """Loss (global token mean, detached) after backward on this rank's part of `tokens`
-    (B, S + 1): 02's sharded step, with an out-of-memory error naming its phase."""
+    (B, S + 1): 02's sharded step, with an out-of-memory error naming its phase. documents:
+    the packed documents of `tokens` (data.Documents), None for one document per row."""
     world_group = dist.group.WORLD if rt.world > 1 else None
     return ulysses.loss_and_backward(model, tokens.to(rt.device), rt.sp_rank, rt.sp, world_group,
                                      None if labels is None else labels.to(rt.device),
-                                     phase=out_of_memory_names)
+                                     phase=out_of_memory_names, documents=documents)
 
 
 def make_optimizer(model, cfg: Config):
@@ -376,9 +388,10 @@ def make_optimizer(model, cfg: Config):
     return torch.optim.AdamW(model.parameters(), foreach=False, **adamw)
 
 
-def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0) -> dict:
+def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0,
+               documents=None) -> dict:
     """One optimizer step. A non-finite loss or gradient raises before the weights change."""
-    loss = float(forward_backward(model, tokens, rt, labels))
+    loss = float(forward_backward(model, tokens, rt, labels, documents))
     # The global gradient norm (clip_grad_norm_ reduces over FSDP shards); inf = measure only.
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -463,7 +476,7 @@ def train(cfg: Config) -> Run:
     rt = setup_runtime(cfg)
     resume.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
-    data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp)
+    data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp, eos_id=args.eos_id)
     with resume.claim_outputs(cfg, rt) as log_file, resume.stop_signals(rt.rank) as stop:
         return train_loop(cfg, rt, args, data, log_file, stop)
 
@@ -486,7 +499,11 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
               f"world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
               f"attention: {header['attention_kernel']}, techniques: "
               f"{techniques_text(cfg, cfg.head_chunk or rt.sp)}"
+              + (f", packed documents (separator {data.separator})" if cfg.documents else "")
               + (f", resumed at step {first_step}" if cfg.resume else ""))
+        if data.documents_ignored:
+            print(f"note: {cfg.data} lists its documents (sidecar or .docs index), but without "
+                  f"--documents each window trains as one sequence: documents attend to each other")
     if log_file:
         log_file.write(json.dumps(header) + "\n")
     history = []
@@ -496,18 +513,20 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
     per = "gpu" if rt.device.type == "cuda" else "rank"
     for step in tqdm(range(first_step, cfg.steps), disable=not show_bar, desc="train", leave=False):
         tokens = data.batch(step)  # the data position is the step: resuming needs nothing more
+        documents = data.documents(step, tokens)  # None unless --documents
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            metrics = train_step(model, optimizer, tokens, rt, cfg, step=step)
+            metrics = train_step(model, optimizer, tokens, rt, cfg, step=step, documents=documents)
         except StepOutOfMemory as error:
             raise StepOutOfMemory(out_of_memory_report(error, cfg, rt)) from error
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
         record = {"step": step, **metrics, "step_time_s": round(step_time, 4),
+                  **({"documents": documents.count} if documents is not None else {}),
                   "tokens_per_s_per_gpu": round(tokens_per_gpu / step_time, 1),
                   "peak_gpu_mem_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 3)
                                        if rt.device.type == "cuda" else None)}

@@ -37,10 +37,14 @@ def context_parallel_mesh(device_type: str):
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("cp",))
 
 
-def sdpa_attention(q, k, v, repeat_kv: bool = False):
+def sdpa_attention(q, k, v, repeat_kv: bool = False, cu_seqlens=None):
     """The model's attention core on SDPA only; repeat_kv repeats K/V heads to the query heads
     before the kernel (what torchtitan does for its ring), for kernels or ring versions without
-    grouped-query support."""
+    grouped-query support. Packed documents are refused: torch's ring shards the sequence
+    head-tail and sees only a causal SDPA call, with no way to mask at document boundaries."""
+    if cu_seqlens is not None:
+        raise ValueError("the ring-attention peer (torch's context_parallel) does not support "
+                         "packed documents (cu_seqlens); use Ulysses (02) or Untied Ulysses (05)")
     if repeat_kv:
         groups = q.shape[2] // k.shape[2]
         k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))

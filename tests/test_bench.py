@@ -28,6 +28,8 @@ SMOKE_RUNS = {
                                        "--max-trials", "2", "--offload-model-state"],
     "untied": ["--model", "tiny", "--seq-lens", "256", "--chunks", "2", "8", "--repeats", "1",
                "--profile"],
+    "packed": ["--device", "cpu", "--model", "tiny", "--seq-lens", "1K", "--long-doc", "256",
+               "--short-median", "32", "--layers", "1", "--kernel-repeats", "1"],
 }
 
 
@@ -47,6 +49,7 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("script,needle", [("throughput", "--device cpu --model tiny"),
+                                           ("packed", "--device cpu --model tiny"),
                                            ("ulysses", "no CPU form")])
 def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
     """Without a GPU a full-size benchmark would be killed for host memory minutes later (or fail

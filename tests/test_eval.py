@@ -206,7 +206,7 @@ def test_per_token_loss_equals_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     state = {k.removeprefix("model."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
     args = llama.ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, ffn_dim=128,
-                           vocab_size=256, norm_eps=1e-5, rope_theta=10000.0, rope_scaling=False)
+                           vocab_size=256, norm_eps=1e-5, rope_theta=10000.0, rope_scaling="none")
     ours = llama.Transformer(args)
     ours.load_state_dict(state)
     tokens = torch.randint(0, 256, (2, 97), generator=torch.Generator().manual_seed(1))

@@ -106,7 +106,7 @@ def test_the_data_sidecar_records_dtype_and_vocabulary(tmp_path, capsys):
     assert len(train.train(train.parse_args(argv)).history) == 1  # uint32 without --data-dtype
     assert "--data-dtype uint16, but" in error_of(argv + ["--data-dtype", "uint16"], capsys)
     sidecar.write_text(json.dumps({"dtype": "uint32", "vocab_size": 128256}))
-    assert "records a vocabulary of 128256 ids, but the model's has 256" in error_of(argv, capsys)
+    assert "was tokenized with a vocabulary of 128256 ids" in error_of(argv, capsys)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.int32])

@@ -1,0 +1,457 @@
+"""Packed documents: a window of many documents trains exactly as its documents would alone.
+
+The promise, for every technique (--stack 0..5) at P = 1, 2, 4 and dp x sp: the loss and every
+parameter gradient of packed windows equal the sum over their documents, each run separately
+through the plain single-process model with its own positions and labels. The reference is
+computed from the list of documents, not from data.py, so it checks data.py too. The windows
+hold every case that breaks peers: documents crossing shard boundaries, a 1-token document, a
+document longer than a rank's shard, windows starting inside a document, a window whose last
+input ends a document.
+"""
+
+import importlib
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ranks import run_ranks
+from reference import assert_matches, full
+
+import data as data_module
+import kernels
+import model as llama
+from data import Documents, TokenData, documents_in_windows
+
+train = importlib.import_module("train")
+ulysses = importlib.import_module("02_ulysses")
+
+SEP = 255  # the tiny preset's vocabulary is 256; other tokens are 0..254
+SEQ_LEN = 48  # windows of 49 tokens; 12 per rank at P = 4
+# Windows [0, 49), [49, 98), [98, 147), [147, 196): window 0 holds a 20-token document (longer
+# than a P=4 shard, crossing its boundary), a 1-token document, and its last input ends a
+# document; windows 1-3 start inside a document; then long-tailed random lengths.
+CRAFTED = [20, 1, 13, 14, 30, 1, 5, 40, 60, 3, 20]
+
+
+def document_lengths(total: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = list(CRAFTED)
+    while sum(lengths) < total:  # mostly short, some 4x longer
+        longer = 4 if torch.rand((), generator=generator) < 0.2 else 1
+        lengths.append(longer * int(torch.randint(1, 25, (), generator=generator)))
+    return lengths
+
+
+def make_stream(lengths, seed: int = 0) -> torch.Tensor:
+    """The documents concatenated, each ending with SEP (a 1-token document is SEP alone)."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.cat([torch.randint(0, SEP, (n - 1,), generator=generator), torch.tensor([SEP])])
+            for n in lengths]
+    return torch.cat(docs)
+
+
+def write_token_file(path, stream: torch.Tensor, index: bool = False, sidecar: dict | None = None):
+    stream.to(torch.int32).numpy().astype("<u2").tofile(path)
+    if index:
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64),
+                            (stream[:-1] == SEP).nonzero().flatten() + 1])
+        starts.numpy().astype("<i8").tofile(data_module.boundary_path(str(path)))
+    if sidecar is not None:
+        with open(data_module.sidecar_path(str(path)), "w") as f:
+            json.dump(sidecar, f)
+
+
+def document_bounds(lengths):
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def reference_fragments(stream, lengths, rows: int, seq_len: int = SEQ_LEN):
+    """For windows 0..rows-1: every document's fragment inside the window's inputs, as the plain
+    model would see that document alone: (input ids, positions within the document, labels:
+    the next token while it is in the same document, else ignored)."""
+    window = seq_len + 1
+    fragments = []
+    for row in range(rows):
+        w0 = row * window
+        for start, end in document_bounds(lengths):
+            a, b = max(start, w0), min(end, w0 + seq_len)
+            if a >= b:
+                continue
+            index = torch.arange(a, b)
+            labels = torch.where(index + 1 < end, stream[(index + 1).clamp(max=len(stream) - 1)],
+                                 llama.IGNORE_INDEX)
+            fragments.append((stream[a:b], index - start, labels))
+    return fragments
+
+
+def reference_loss_and_grads(fragments, seed: int = 0):
+    model = llama.Transformer(llama.get_model_args("tiny"))
+    llama.init_weights(model, seed)
+    count = sum(int((labels != llama.IGNORE_INDEX).sum()) for _, _, labels in fragments)
+    total = 0.0
+    for ids, positions, labels in fragments:  # each document alone, gradients summed
+        loss = model(ids[None], positions[None], labels[None]) / count
+        loss.backward()
+        total += loss.detach()
+    return torch.as_tensor(total), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------
+# data.py: where the documents are
+# ---------------------------------------------------------------------------------------------
+
+def test_documents_of_a_small_window():
+    """Two windows by hand: positions restart at each document (continuing one begun before the
+    window), the label of each document's last token is ignored, boundaries are global offsets
+    over both rows."""
+    tokens = torch.tensor([[5, 6, SEP, 7, SEP, 8, 9], [1, 2, 3, SEP, 4, 5, 6]])
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[0, [0, 3, 5]] = True  # row 0 starts with a document
+    starts[1, [4]] = True  # row 1 starts inside a document, at its position 10
+    docs = documents_in_windows(tokens, starts, torch.tensor([0, 10]))
+    I = llama.IGNORE_INDEX
+    assert docs.position_ids.tolist() == [[0, 1, 2, 0, 1, 0], [10, 11, 12, 13, 0, 1]]
+    assert docs.labels.tolist() == [[6, SEP, I, SEP, I, 9], [2, 3, SEP, I, 5, 6]]
+    assert docs.cu_seqlens == (0, 3, 5, 6, 10, 12)
+    assert data_module.IGNORE_INDEX == llama.IGNORE_INDEX
+
+
+def _token_data(path, rows, **overrides):
+    cfg = train.Config(model="tiny", seq_len=SEQ_LEN, batch_size=rows, data=str(path), **overrides)
+    return TokenData(train.resolve_techniques(cfg), 256, 0, 1)
+
+
+def test_separator_and_boundary_index_agree(tmp_path):
+    """The same stream read through its separators and through a .docs index gives the same
+    Documents for every window, and both match the reference fragments."""
+    lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
+    stream = make_stream(lengths)
+    write_token_file(tmp_path / "sep.bin", stream)
+    write_token_file(tmp_path / "idx.bin", stream, index=True, sidecar={"dtype": "uint16"})
+    by_sep = _token_data(tmp_path / "sep.bin", 8, doc_sep=SEP)
+    by_index = _token_data(tmp_path / "idx.bin", 8, documents=True)  # no separator: index only
+    tokens = by_sep.batch(0)
+    assert torch.equal(tokens, by_index.batch(0))
+    a, b = by_sep.documents(0, tokens), by_index.documents(0, tokens)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.position_ids, b.position_ids)
+    assert a.cu_seqlens == b.cu_seqlens
+    # Against the reference built from the document list.
+    fragments = reference_fragments(stream, lengths, 8)
+    assert torch.equal(a.labels.flatten(), torch.cat([f[2] for f in fragments]))
+    assert torch.equal(a.position_ids.flatten(), torch.cat([f[1] for f in fragments]))
+    assert list(a.cu_seqlens) == torch.tensor([0] + [len(f[0]) for f in fragments]).cumsum(0).tolist()
+
+
+def test_synthetic_documents_end_with_the_separator():
+    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=256, batch_size=2, doc_sep=7))
+    data = TokenData(cfg, 256, 0, 1)
+    tokens = data.batch(3)
+    docs = data.documents(3, tokens)
+    assert docs.count > 2
+    for row in range(2):
+        ends = (tokens[row, :-1] == 7).nonzero().flatten()
+        assert (docs.labels[row, ends] == llama.IGNORE_INDEX).all()
+        assert (docs.position_ids[row, ends[ends < 255] + 1] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: the per-document loop and its log-sum-exp pair
+# ---------------------------------------------------------------------------------------------
+
+def test_document_kernels_equal_attention_per_document():
+    generator = torch.Generator().manual_seed(0)
+    batch, seq_len = 2, 24
+    q = torch.randn(batch, seq_len, 4, 8, generator=generator)
+    k, v = (torch.randn(batch, seq_len, 2, 8, generator=generator) for _ in range(2))
+    cu = (0, 5, 6, 24, 30, 48)  # row 0: 5, 1, 18 tokens; row 1: 6, 18
+    out = kernels.causal_attention(q, k, v, cu_seqlens=cu)
+    out_lse, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=cu)
+    torch.testing.assert_close(out_lse, out, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.shape, generator=generator)
+    dq, dk, dv = kernels.attention_backward_lse(grad, q, k, v, out_lse, lse, cu_seqlens=cu)
+    for row, start, end in kernels.document_spans(cu, batch, seq_len):
+        part = (slice(row, row + 1), slice(start, end))
+        ref = [t[part].clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = kernels.math_attention_forward(*ref)
+        ref_out.backward(grad[part])
+        torch.testing.assert_close(out[part], ref_out.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[row:row + 1, :, start:end].reshape(ref_lse.shape), ref_lse,
+                                   rtol=1e-5, atol=1e-6)
+        for got, want in zip((dq, dk, dv), ref):
+            torch.testing.assert_close(got[part], want.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_document_spans_refuse_boundaries_of_another_batch():
+    with pytest.raises(ValueError, match="row start"):
+        kernels.document_spans((0, 10, 32), 2, 16)  # misses 16: a document across rows
+    with pytest.raises(ValueError, match="rise strictly"):
+        kernels.document_spans((0, 16, 16, 32), 2, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed training == every document on its own, through every technique
+# ---------------------------------------------------------------------------------------------
+
+def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", dtype="float32",
+                             norm_rtol=None):
+    stream = make_stream(lengths)
+    world = dist.get_world_size()
+    for stack, sp in cases:
+        cfg = train.Config(model="tiny", stack=stack, sp=sp, seq_len=SEQ_LEN,
+                           batch_size=batch_size, data=path, doc_sep=SEP, mlp_tile_tokens=8,
+                           loss_tile_tokens=8, device=device, dtype=dtype)
+        cfg = train.resolve_techniques(cfg)
+        rt = train.setup_runtime(cfg)
+        model = train.build_model(cfg, rt)
+        data = TokenData(cfg, 256, rt.dp_rank, rt.dp)
+        tokens = data.batch(0)
+        loss = train.forward_backward(model, tokens, rt, documents=data.documents(0, tokens))
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        ref_loss, ref_grads = reference_loss_and_grads(
+            reference_fragments(stream, lengths, rt.dp * batch_size))
+        what = f"stack {stack}, world {world}, dp {rt.dp} x sp {rt.sp}"
+        # 05 sums its attention in another order (see test_05): compare whole-tensor errors.
+        grads = {n: g.float().cpu() for n, g in grads.items()}
+        assert_matches(loss.float().cpu(), grads, ref_loss, ref_grads, what=what,
+                       norm_rtol=norm_rtol or (2e-6 if cfg.untied else None))
+        if rt.rank == 0:
+            print(f"{what}: packed == documents alone (loss {float(loss):.6f})")
+
+
+STACKS = {1: [(stack, None) for stack in range(0, 6)],
+          2: [(1, None)] + [(stack, 2) for stack in range(2, 6)],
+          4: [(1, None)] + [(stack, 4) for stack in range(2, 6)] + [(2, 2), (5, 2)]}
+
+
+@pytest.mark.parametrize("world_size", sorted(STACKS))
+def test_packed_training_equals_each_document_alone(world_size, tmp_path):
+    """--stack 0..5 at P = world; at 4 ranks also dp 2 x sp 2 (Ulysses and Untied) and FSDP
+    alone (dp 4). Windows of 2 rows per data-parallel rank, so 2-8 windows."""
+    lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
+    path = tmp_path / "packed.bin"
+    write_token_file(path, make_stream(lengths))
+    run_ranks(world_size, _packed_equals_documents, STACKS[world_size], str(path), lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_packed_training_nccl_bf16_matches_fp32_documents(tmp_path):
+    """02 and 05 (with the rest of --stack 5) on 2 GPUs in bf16 against the fp32 reference."""
+    lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
+    path = tmp_path / "packed.bin"
+    write_token_file(path, make_stream(lengths))
+    run_ranks(2, _packed_equals_documents, [(2, 2), (4, 2), (5, 2)], str(path), lengths, 2,
+              "cuda", "bfloat16", 3e-2, backend="nccl")
+
+
+# ---------------------------------------------------------------------------------------------
+# The leak test: change one document, nothing else may move by a single bit
+# ---------------------------------------------------------------------------------------------
+
+CHANGED = (21, 34)  # the 13-token document of window 0: crosses the shard boundary at P = 2, 4
+
+
+def _outputs(model, tokens, docs, rt, dense=False):
+    """Logits and per-token losses of the whole batch (gathered from the sequence shards)."""
+    input_ids, labels, positions = ulysses.shard_sequence(tokens, rt.sp_rank, rt.sp, docs.labels,
+                                                          docs.position_ids)
+    with torch.no_grad():
+        logits = model(input_ids, positions, None, cu_seqlens=None if dense else docs.cu_seqlens)
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none",
+                             ignore_index=llama.IGNORE_INDEX).view(labels.shape)
+    if rt.sp > 1:
+        logits, losses = (torch.cat(_gather(t, rt), dim=1) for t in (logits, losses))
+    return logits, losses
+
+
+def _gather(t, rt):
+    parts = [torch.empty_like(t) for _ in range(rt.sp)]
+    dist.all_gather(parts, t.contiguous(), group=rt.sp_group)
+    return parts
+
+
+def _one_document_changes_nothing_else(path, changed_path):
+    for stack in (0, 2, 5):
+        world = dist.get_world_size()
+        if stack == 0 and world > 1:
+            continue
+        cfg = train.resolve_techniques(train.Config(model="tiny", stack=stack, seq_len=SEQ_LEN,
+                                                    batch_size=2, doc_sep=SEP))
+        rt = train.setup_runtime(cfg)
+        model = train.build_model(cfg, rt)
+        results = []
+        for data_path in (path, changed_path):
+            cfg.data = data_path
+            data = TokenData(cfg, 256, 0, 1)
+            tokens = data.batch(0)
+            docs = data.documents(0, tokens)
+            results.append([*_outputs(model, tokens, docs, rt), *_outputs(model, tokens, docs, rt, True)])
+        (logits, losses, dense_logits, _), (logits2, losses2, dense_logits2, _) = results
+        inside = torch.zeros(2, SEQ_LEN, dtype=torch.bool)
+        inside[0, CHANGED[0]:CHANGED[1]] = True
+        what = f"stack {stack}, P = {rt.sp}"
+        assert not torch.equal(logits[inside], logits2[inside]), f"{what}: the change did nothing"
+        assert torch.equal(logits[~inside], logits2[~inside]), f"{what}: a document leaked"
+        assert torch.equal(losses[~inside], losses2[~inside]), f"{what}: a loss leaked"
+        # The same check catches the bug it is for: without document masking, later documents
+        # attend to the changed one.
+        assert not torch.equal(dense_logits[~inside], dense_logits2[~inside]), what
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_changing_one_document_leaves_every_other_bit_identical(world_size, tmp_path):
+    lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
+    stream = make_stream(lengths)
+    assert document_bounds(lengths)[2] == CHANGED and stream[CHANGED[1] - 1] == SEP
+    changed = stream.clone()
+    changed[CHANGED[0]:CHANGED[1] - 1] = (changed[CHANGED[0]:CHANGED[1] - 1] + 1) % SEP
+    write_token_file(tmp_path / "a.bin", stream)
+    write_token_file(tmp_path / "b.bin", changed)
+    run_ranks(world_size, _one_document_changes_nothing_else, str(tmp_path / "a.bin"),
+              str(tmp_path / "b.bin"))
+
+
+def test_a_document_computes_the_same_bits_wherever_it_lands():
+    """Rotary attention depends only on position differences, so within exact document masking
+    positions that fail to restart change a document's numbers by rounding alone (the equivalence
+    tests above, at 1e-5, cannot see it). Restarted positions make a document's outputs
+    bit-identical wherever it lands in a window; positions counted from the window start do not."""
+    model = llama.Transformer(llama.get_model_args("tiny"))
+    llama.init_weights(model, 0)
+    generator = torch.Generator().manual_seed(0)
+    doc = torch.cat([torch.randint(0, SEP, (9,), generator=generator), torch.tensor([SEP])])
+    tokens = torch.randint(0, SEP, (2, SEQ_LEN + 1), generator=generator)
+    tokens[0, 2], tokens[0, 3:13] = SEP, doc  # at 3 in row 0, at 17 in row 1
+    tokens[1, 16], tokens[1, 17:27] = SEP, doc
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 0], starts[:, 1:] = True, tokens[:, :-1] == SEP
+    docs = documents_in_windows(tokens, starts, torch.zeros(2, dtype=torch.int64))
+    with torch.no_grad():
+        logits = model(tokens[:, :-1], docs.position_ids, cu_seqlens=docs.cu_seqlens)
+        assert torch.equal(logits[0, 3:13], logits[1, 17:27])
+        unrestarted = torch.arange(SEQ_LEN).expand(2, -1)
+        logits = model(tokens[:, :-1], unrestarted, cu_seqlens=docs.cu_seqlens)
+        assert not torch.equal(logits[0, 3:13], logits[1, 17:27])
+
+
+def test_the_sharded_step_hands_the_model_document_positions_and_boundaries():
+    """02's loss_and_backward: each rank gets its slice of the documents' labels and positions
+    and the whole batch's boundaries, unsharded."""
+    tokens = torch.tensor([[5, 6, SEP, 7, SEP, 8, 9, 1, 2]])
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[0, [0, 3, 5]] = True
+    docs = documents_in_windows(tokens, starts, torch.zeros(1, dtype=torch.int64))
+    seen = []
+    weight = torch.ones((), requires_grad=True)
+
+    def fake_model(input_ids, positions, labels, cu_seqlens=None):
+        seen.append((positions.tolist(), labels.tolist(), cu_seqlens))
+        return weight * 0
+
+    for rank in range(2):
+        ulysses.loss_and_backward(fake_model, tokens, rank, 2, documents=docs)
+    I = llama.IGNORE_INDEX
+    assert seen == [([[0, 1, 2, 0]], [[6, SEP, I, SEP]], (0, 3, 5, 8)),
+                    ([[1, 0, 1, 2]], [[I, 9, 1, 2]], (0, 3, 5, 8))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear ValueError, nothing trained
+# ---------------------------------------------------------------------------------------------
+
+def _refused(monkeypatch, argv, match):
+    def no_model(*_):
+        raise AssertionError("a model was built for input that should have been refused")
+
+    monkeypatch.setattr(train, "build_model", no_model)
+    with pytest.raises(ValueError, match=match):
+        train.train(train.parse_args(argv))
+
+
+def test_bad_document_input_is_refused_before_training(tmp_path, monkeypatch):
+    lengths = document_lengths(4 * (SEQ_LEN + 1))
+    stream = make_stream(lengths)
+    path = tmp_path / "t.bin"
+    write_token_file(path, stream)
+    common = ["--data", str(path), "--seq-len", str(SEQ_LEN), "--steps", "1", "--device", "cpu"]
+    # a separator outside the vocabulary (tiny: 256 ids)
+    _refused(monkeypatch, [*common, "--doc-sep", "256"], "outside the model's vocabulary")
+    # documents, but the tiny preset has no EOS id and nothing else names a separator
+    _refused(monkeypatch, [*common, "--documents"], "has no EOS id")
+    # a boundary index that does not match the token file
+    bad = torch.tensor([0, 5, 21], dtype=torch.int64)  # 5 does not follow a separator
+    bad.numpy().astype("<i8").tofile(data_module.boundary_path(str(path)))
+    _refused(monkeypatch, [*common, "--doc-sep", str(SEP)], "does not match the token file")
+    torch.tensor([0, 20, 10**6]).numpy().astype("<i8").tofile(data_module.boundary_path(str(path)))
+    _refused(monkeypatch, [*common, "--documents"], "past the")
+    # a sidecar that contradicts the files or the model
+    write_token_file(path, stream, sidecar={"dtype": "uint16", "vocab_size": 1000})
+    _refused(monkeypatch, [*common, "--documents"], "vocabulary of 1000")
+    write_token_file(path, stream, sidecar={"dtype": "uint16", "separator_id": 3})
+    _refused(monkeypatch, [*common, "--doc-sep", str(SEP)], "separated with 3")
+
+
+def test_presets_name_their_eos():
+    assert llama.get_model_args("llama3-8b").eos_id == 128001
+    assert llama.get_model_args("qwen3-32b").eos_id == 151643
+    assert llama.get_model_args("tiny").eos_id is None
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare_data.py: documents -> token file + boundary index + sidecar, read back by data.py
+# ---------------------------------------------------------------------------------------------
+
+def _local_tokenizer(folder) -> str:
+    """A word-level tokenizer trained on a few strings, saved as folder/tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"])
+    tokenizer.train_from_iterator(["the cat sat on the mat", "a dog ran far away", "hello world"],
+                                  trainer)
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer = _local_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"text": "the cat sat on the mat"}\n{"text": ""}\n'
+                                      '{"text": "hello"}\n')
+    (tmp_path / "b.txt").write_text("a dog ran far away\n\nhello world the end\n")
+    out = str(tmp_path / "data" / "train.bin")
+    prepare_data.main(["--tokenizer", tokenizer, "--input", str(tmp_path / "a.jsonl"),
+                       str(tmp_path / "b.txt"), "--output", out, "--txt-lines"])
+    printed = capsys.readouterr().out
+    assert "4 documents" in printed and "1 empty skipped" in printed and "p50" in printed
+    info = json.loads(open(out + ".json").read())
+    sep = info["separator_id"]
+    assert info["dtype"] == "uint16" and info["documents"] == 4 and sep == 1
+    ids = torch.from_numpy(np.fromfile(out, dtype="<u2").astype("int64"))
+    assert info["tokens"] == len(ids) and int(ids[-1]) == sep
+    # 6 + 1, 1 + 1, 5 + 1, 4 + 1 tokens ("end" is unknown: <unk>)
+    starts = np.fromfile(out + ".docs", dtype="<i8").tolist()
+    assert starts == [0, 7, 9, 15]
+    # data.py reads it back: the separator from the sidecar, the boundaries from the index.
+    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=19, data=out, documents=True))
+    data = TokenData(cfg, 256, 0, 1)
+    tokens = data.batch(0)
+    docs = data.documents(0, tokens)
+    assert data.separator == sep and docs.cu_seqlens == (0, 7, 9, 15, 19)
+    assert docs.position_ids.tolist() == [list(range(7)) + [0, 1] + list(range(6)) + list(range(4))]
+    # and train.py trains on it
+    run = train.train(train.parse_args(["--data", out, "--documents", "--seq-len", "8",
+                                        "--steps", "2", "--device", "cpu"]))
+    assert [r["documents"] for r in run.history] == [2, 2]  # windows [0, 9) and [9, 18)
+    assert all(np.isfinite(r["loss"]) for r in run.history)
+    # a separator the tokenizer does not have, or outside it: clear errors
+    with pytest.raises(ValueError, match="not a token"):
+        prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator="<eos>")
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator_id=10**6)
