@@ -34,17 +34,20 @@ DTYPES = {"uint16": 2, "uint32": 4}
 
 
 def parse_tokens(text: str) -> int:
-    """'4096', '128K', '3M' -> tokens (K = 1024, M = 1024*1024)."""
+    """'4096', '128K', '3M' -> tokens (K = 1024, M = 1024*1024). A count that is not a whole
+    number of tokens ('100.7'), not finite ('inf') or not positive is refused, not rounded."""
     text = str(text).strip().upper()
     scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
     number = text[:-1] if scale > 1 else text
     try:
-        value = int(float(number) * scale)
+        value = float(number) * scale
     except ValueError:
         raise ValueError(f"cannot read a token count from {text!r} (try 4096, 128K or 3M)")
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"a token count must be a whole, finite number, got {text!r}")
     if value <= 0:
         raise ValueError(f"the token count must be positive, got {text!r}")
-    return value
+    return int(value)
 
 
 def sidecar_path(path: str) -> str:
@@ -108,6 +111,8 @@ class TokenData:
         info = {} if synthetic else read_sidecar(cfg.data, vocab_size)
         dtype = check_dtype(cfg, info)
         self.tokens = None if synthetic else open_token_file(cfg.data, dtype, cfg.seq_len + 1)
+        if not synthetic:  # every id once, now: not when its window comes, steps later
+            scan_token_file(cfg.data, dtype, vocab_size)
         if self.tokens is not None and info.get("tokens") not in (None, self.tokens.numel()):
             raise ValueError(f"{sidecar_path(cfg.data)} says {info['tokens']} tokens, but "
                              f"{cfg.data} holds {self.tokens.numel()}: the files do not match")
@@ -290,6 +295,9 @@ def open_boundary_file(path: str, tokens: torch.Tensor, separator: int | None, i
 
 def open_token_file(path: str, dtype_name: str, min_tokens: int) -> torch.Tensor:
     """Memory-map a flat binary token file, checking it can give at least one sequence."""
+    if os.path.isdir(path):
+        raise ValueError(f"data file {path!r} is a directory; --data takes one flat binary file "
+                         f"of {dtype_name} token ids (or synthetic)")
     if not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist (use --data synthetic or a path to "
                          f"a flat binary file of {dtype_name} token ids)")
@@ -308,3 +316,29 @@ def open_token_file(path: str, dtype_name: str, min_tokens: int) -> torch.Tensor
         return torch.from_file(path, shared=False, size=n_tokens, dtype=getattr(torch, dtype_name))
     except (OSError, RuntimeError) as error:
         raise ValueError(f"cannot read data file {path!r}: {error}") from error
+
+
+SCAN_CHUNK = 1 << 26  # tokens per read: 128 MiB of uint16; a GB file takes a few seconds
+
+
+def scan_token_file(path: str, dtype_name: str, vocab_size: int) -> None:
+    """Read every id once at start, so a bad file fails now and not at the step that reaches it:
+    an id outside the vocabulary, or uint32 ids read as uint16 (no sidecar says the dtype).
+    Small little-endian uint32 ids read as uint16 come out as (id, 0, id, 0, ...): almost every
+    odd position is 0 while the even ones are not, which real uint16 text almost never is."""
+    ids = np.memmap(path, dtype=np.dtype(dtype_name).newbyteorder("<"), mode="r")
+    zeros = [0, 0]  # zeros at even, odd positions
+    for start in range(0, len(ids), SCAN_CHUNK):  # SCAN_CHUNK is even: positions keep parity
+        chunk = ids[start:start + SCAN_CHUNK]
+        if int(chunk.max()) >= vocab_size:
+            where = start + int(np.argmax(chunk >= vocab_size))
+            raise ValueError(f"{path} holds token id {int(ids[where])} at position {where}, but "
+                             f"the model's vocabulary has {vocab_size} entries (is --data-dtype "
+                             f"{dtype_name} right? is the data tokenized for this model?)")
+        zeros[0] += int(np.count_nonzero(chunk[0::2] == 0))
+        zeros[1] += int(np.count_nonzero(chunk[1::2] == 0))
+    pairs = len(ids) // 2
+    if dtype_name == "uint16" and pairs >= 16 and zeros[1] > 0.9 * pairs and zeros[0] < 0.5 * pairs:
+        raise ValueError(f"{path} read as uint16 has 0 at {zeros[1] / pairs:.0%} of the odd "
+                         f"positions: it looks like uint32 ids; pass --data-dtype uint32 (or "
+                         f"record the dtype in {sidecar_path(path)!r})")

@@ -71,8 +71,8 @@ def parse_bytes(text: str) -> int:
         number = None
     if number is None:
         raise ValueError(f"cannot read a memory size from {text!r} (try 80GiB, 2TiB or 512GB)")
-    if not number > 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}")
+    if not 0 < number < float("inf"):
+        raise ValueError(f"a memory size must be positive and finite, got {text!r}")
     return int(number * units[unit])
 
 

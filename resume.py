@@ -11,14 +11,17 @@ exactly (tests/test_resume.py: the resumed loss log equals an uninterrupted one,
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
+import sys
 import threading
 import warnings
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,7 +31,12 @@ import torch.distributed as dist
 def checkpoint_meta(cfg, rt, args, step: int) -> dict:
     return {"step": step, "model": cfg.model, "model_args": asdict(args),
             "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size, "data": cfg.data}
+            "batch_size": cfg.batch_size, "data": cfg.data, "lr": cfg.lr,
+            "weight_decay": cfg.weight_decay}
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written; the message says why and which one is still intact."""
 
 
 def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
@@ -36,27 +44,49 @@ def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
 
     Everything goes into step_N.tmp first; only when every rank has written its part does rank 0
     rename it to step_N (a rename is atomic), so a crash mid-write leaves the previous checkpoint
-    as the latest complete one. The two newest checkpoints are kept.
+    as the latest complete one. The two newest checkpoints are kept. A state that is not finite
+    is never written (it would replace a good checkpoint with one that fails on resume), and a
+    write that fails (a full disk) removes its .tmp and says which checkpoint is still intact.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = os.path.join(cfg.save_dir, f"step_{step:08d}")
     tmp = final + ".tmp"
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if any_rank(not state_is_finite(state), rt):
+        raise FloatingPointError(f"the model or optimizer state is not finite after step {step}: "
+                                 f"not saved; {intact_text(cfg.save_dir)}")
+    need = state_bytes(state, rt)
+    free = shutil.disk_usage(cfg.save_dir).free
+    if free < need:
+        raise SaveFailed(f"no space left in {cfg.save_dir} for step {step}: it needs about "
+                         f"{need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; "
+                         f"{intact_text(cfg.save_dir)}")
+    error = None
     if rt.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier(rt)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    with quiet_single_process_checkpoint():
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
-    rng = {"cpu": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state(rt.device) if rt.device.type == "cuda" else None}
-    torch.save(rng, os.path.join(tmp, f"rng_rank{rt.rank}.pt"))
-    barrier(rt)
+    try:
+        with quiet_single_process_checkpoint():
+            dcp.save(state, checkpoint_id=tmp)
+        rng = {"cpu": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state(rt.device) if rt.device.type == "cuda" else None}
+        torch.save(rng, os.path.join(tmp, f"rng_rank{rt.rank}.pt"))
+        if rt.rank == 0:
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(checkpoint_meta(cfg, rt, model.args, step), f, indent=1)
+    except (OSError, RuntimeError) as caught:  # a full disk: "enforce fail at inline_container.cc"
+        error = caught
+    if any_rank(error is not None, rt):
+        if rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        first_line = str(error).strip().splitlines()[0] if error else "failed on another rank"
+        raise SaveFailed(f"saving step {step} into {cfg.save_dir} failed ({first_line}); "
+                         f"{intact_text(cfg.save_dir)}") from error
     if rt.rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(checkpoint_meta(cfg, rt, model.args, step), f, indent=1)
         if os.path.exists(final):  # the same step saved again (e.g. after a resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -64,6 +94,41 @@ def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
             shutil.rmtree(old)
     barrier(rt)
     return final
+
+
+def state_is_finite(state) -> bool:
+    """Every floating tensor of this rank's part of `state` (nested dicts/lists) is finite."""
+    if isinstance(state, dict):
+        return all(state_is_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(state_is_finite(v) for v in state)
+    if isinstance(state, torch.Tensor) and state.is_floating_point():
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return bool(torch.isfinite(local).all())
+    return True
+
+
+def state_bytes(state, rt) -> int:
+    """Bytes the checkpoint of `state` takes on disk, over all ranks (the shards' sizes)."""
+    def local(s):
+        if isinstance(s, dict):
+            return sum(local(v) for v in s.values())
+        if isinstance(s, (list, tuple)):
+            return sum(local(v) for v in s)
+        if isinstance(s, torch.Tensor):
+            t = s.to_local() if hasattr(s, "to_local") else s
+            return t.numel() * t.element_size()
+        return 0
+
+    total = torch.tensor([float(local(state))], device=rt.device)
+    if rt.world > 1:
+        dist.all_reduce(total)
+    return int(total.item())
+
+
+def intact_text(save_dir: str) -> str:
+    found = complete_checkpoints(save_dir)
+    return f"the previous checkpoint {found[-1]} is intact" if found else "no earlier checkpoint"
 
 
 def complete_checkpoints(save_dir: str) -> list[str]:
@@ -76,42 +141,109 @@ def complete_checkpoints(save_dir: str) -> list[str]:
 
 
 def load_checkpoint(cfg, rt, model, optimizer) -> int:
-    """Restore the latest complete checkpoint of save_dir; returns the step to continue from."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+    """Restore the newest readable complete checkpoint of save_dir; returns the step to continue
+    from. A checkpoint that cannot be read (truncated shard, bad meta.json) is named and the one
+    before it is tried; one written for another model, world, sequence length or batch is refused
+    (those are the command's mistakes, not damage). The command line's lr and weight decay win
+    over the checkpoint's."""
     found = complete_checkpoints(cfg.save_dir)
     if not found:
         raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r}")
-    path = found[-1]
-    meta = checked_meta(path, model.args, "--resume")
-    if meta["world_size"] != rt.world or meta["sp"] != rt.sp:
-        raise ValueError(f"--resume: {path} was saved by {meta['world_size']} ranks with sp "
-                         f"{meta['sp']}; this run has {rt.world} ranks with sp {rt.sp}")
+    for path in reversed(found):
+        meta = read_meta(path)
+        if meta is not None:
+            check_resumable(cfg, rt, model, path, meta)
+        error = None if meta is not None else f"{os.path.join(path, 'meta.json')} is not valid"
+        if error is None:
+            try:
+                restore_state(rt, path, model, optimizer)
+            except (Exception, CheckpointException) as caught:  # damage: try the one before
+                error = last_line(caught)
+        if not any_rank(error is not None, rt):
+            break
+        if rt.rank == 0:
+            print(f"warning: cannot read checkpoint {path} ({error or 'failed on another rank'}); "
+                  f"trying the one before it", file=sys.stderr)
+    else:
+        raise ValueError(f"--resume: none of the checkpoints in {cfg.save_dir!r} can be read "
+                         f"({', '.join(os.path.basename(p) for p in found)})")
+    for group in optimizer.param_groups:  # loading restored the saved values; the flags win
+        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    saved = {k: meta.get(k) for k in ("lr", "weight_decay")}
+    if rt.rank == 0 and saved != {"lr": cfg.lr, "weight_decay": cfg.weight_decay}:
+        print(f"resume: using --lr {cfg.lr} --weight-decay {cfg.weight_decay} from the command "
+              f"line (the checkpoint was saved with lr {saved['lr']}, weight decay "
+              f"{saved['weight_decay']})")
+    if cfg.steps == meta["step"] and rt.rank == 0:
+        print(f"resume: {path} is already at step {meta['step']} = --steps; nothing to train")
+    return meta["step"]
+
+
+def last_line(error: BaseException) -> str:
+    """The informative line of an error: dcp's CheckpointException carries each rank's whole
+    traceback, whose last line is the cause (e.g. EOFError of a truncated shard)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1]}" if lines else type(error).__name__
+
+
+def read_meta(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) and isinstance(meta.get("step"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def check_model_shape(path: str, meta: dict, args, flag: str) -> None:
+    model_args = asdict(args)
+    if meta.get("model_args") != model_args:
+        saved = meta.get("model_args") or {}
+        changed = {k: (saved.get(k), v) for k, v in model_args.items() if saved.get(k) != v}
+        raise ValueError(f"{flag}: {path} holds a model of another shape "
+                         f"({meta.get('model')}; differs in {changed} as (checkpoint, now))")
+
+
+def checked_meta(path: str, args, flag: str) -> dict:
+    """The checkpoint's meta.json, or a ValueError naming it if it is unreadable or holds a
+    model of another shape."""
+    meta = read_meta(path)
+    if meta is None:
+        raise ValueError(f"{flag}: {os.path.join(path, 'meta.json')} is missing or not valid JSON")
+    check_model_shape(path, meta, args, flag)
+    return meta
+
+
+def check_resumable(cfg, rt, model, path: str, meta: dict) -> None:
+    check_model_shape(path, meta, model.args, "--resume")
+    if meta.get("world_size") != rt.world or meta.get("sp") != rt.sp:
+        raise ValueError(f"--resume: {path} was saved by {meta.get('world_size')} ranks with sp "
+                         f"{meta.get('sp')}; this run has {rt.world} ranks with sp {rt.sp}")
+    # The data position is the step: another length or batch would continue on other tokens.
+    for key, flag in (("seq_len", "--seq-len"), ("batch_size", "--batch-size")):
+        if key in meta and meta[key] != getattr(cfg, key):
+            raise ValueError(f"--resume: {path} was trained with {flag} {meta[key]}, this run asks "
+                             f"for {getattr(cfg, key)}; resume with {flag} {meta[key]}, or start a "
+                             f"new run in another --save-dir")
+    if cfg.steps < meta["step"]:
+        raise ValueError(f"--resume: {path} is at step {meta['step']}, past --steps {cfg.steps}; "
+                         f"pass --steps larger than {meta['step']} to train further")
+
+
+def restore_state(rt, path: str, model, optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     with quiet_single_process_checkpoint():
         dcp.load(state, checkpoint_id=path)
+    rng = torch.load(os.path.join(path, f"rng_rank{rt.rank}.pt"), weights_only=False)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
-    rng = torch.load(os.path.join(path, f"rng_rank{rt.rank}.pt"), weights_only=False)
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state(rng["cuda"], rt.device)
-    return meta["step"]
-
-
-def checked_meta(path: str, args, flag: str) -> dict:
-    """The checkpoint's meta.json, or a ValueError if it holds a model of another shape."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    model_args = asdict(args)
-    if meta["model_args"] != model_args:
-        changed = {k: (meta["model_args"].get(k), v) for k, v in model_args.items()
-                   if meta["model_args"].get(k) != v}
-        raise ValueError(f"{flag}: {path} holds a model of another shape "
-                         f"({meta['model']}; differs in {changed} as (checkpoint, now))")
-    return meta
 
 
 def load_model_state(path: str, model, flag: str = "--save-dir") -> dict:
@@ -143,32 +275,198 @@ def quiet_single_process_checkpoint():
         yield
 
 
-def barrier(rt):
-    if rt.world > 1:
-        dist.barrier()
+# ---------------------------------------------------------------------------------------------
+# Outputs: checked before anything is written, never an input, never an earlier run's.
+# ---------------------------------------------------------------------------------------------
+
+LOCK_NAME = ".lock"
+
+
+def check_outputs(cfg) -> None:
+    """Refuse, before anything is written, an output path that would destroy something: the
+    --data file (opening it for the log truncates it), an earlier run's checkpoints or log
+    (unless --resume continues them or --overwrite says so), or a place that cannot be written
+    (which would otherwise fail only when the first save comes, after the training)."""
+    inputs = {"--data": cfg.data if cfg.data != "synthetic" else None, "--init-from": cfg.init_from}
+    for flag, path in (("--log-file", cfg.log), ("--save-dir", cfg.save_dir),
+                       ("--export-hf", cfg.export_hf)):
+        for input_flag, input_path in inputs.items():
+            if path and input_path and same_path(path, input_path):
+                raise ValueError(f"{flag} {path!r} is the {input_flag} input: an output may not "
+                                 f"be an input")
+    if cfg.log and cfg.save_dir and same_path(cfg.log, cfg.save_dir):
+        raise ValueError(f"--log-file and --save-dir are both {cfg.log!r}; name a file for the log")
+    if cfg.log:
+        if os.path.isdir(cfg.log):
+            raise ValueError(f"--log-file {cfg.log!r} is a directory; name a file")
+        check_writable("--log-file", cfg.log if os.path.exists(cfg.log) else parent_of(cfg.log))
+        if os.path.getsize(cfg.log) if os.path.isfile(cfg.log) else 0:
+            if not (cfg.resume or cfg.overwrite):
+                raise ValueError(f"--log-file {cfg.log!r} already holds an earlier run's log: add "
+                                 f"--resume to continue that run (the log is appended to), choose "
+                                 f"another file, or add --overwrite to replace it")
+    if cfg.save_dir:
+        if os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
+            raise ValueError(f"--save-dir {cfg.save_dir!r} is a file, not a directory")
+        check_writable("--save-dir", nearest_existing(cfg.save_dir))
+        found = complete_checkpoints(cfg.save_dir)
+        if found and not (cfg.resume or cfg.overwrite):
+            raise ValueError(f"--save-dir {cfg.save_dir!r} already holds checkpoints (newest: "
+                             f"{os.path.basename(found[-1])}): add --resume to continue from it, "
+                             f"choose another folder, or add --overwrite to delete them")
+
+
+def same_path(a: str, b: str) -> bool:
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def parent_of(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
+
+
+def nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_writable(flag: str, path: str) -> None:
+    if not os.path.exists(path):
+        raise ValueError(f"{flag}: the folder {path!r} does not exist")
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"{flag}: {path!r} is not writable")
+
+
+@contextlib.contextmanager
+def claim_outputs(cfg, rt):
+    """Hold --save-dir for this run (a lock file: a second run into it gets a clear error instead
+    of racing this one's saves) and open the log; yields the log file (rank 0) or None. With
+    --overwrite the earlier checkpoints are deleted now, so that they cannot outrank this run's
+    new ones in the keep-the-two-newest rule."""
+    lock = log_file = None
+    error = ""
+    if rt.rank == 0:
+        try:
+            if cfg.save_dir:
+                os.makedirs(cfg.save_dir, exist_ok=True)
+                lock = take_lock(cfg.save_dir)
+                if cfg.overwrite and not cfg.resume:
+                    for old in os.listdir(cfg.save_dir):
+                        if old.startswith("step_"):
+                            shutil.rmtree(os.path.join(cfg.save_dir, old))
+            if cfg.log:  # append when continuing; otherwise check_outputs found it empty or --overwrite
+                log_file = open(cfg.log, "a" if cfg.resume else "w")
+        except (OSError, ValueError) as caught:
+            error = str(caught)
+    if rt.world > 1:  # every rank fails together, or the others would wait in a collective
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    try:
+        if error:
+            raise ValueError(error)
+        yield log_file
+    finally:
+        for f in (log_file, lock):
+            if f is not None:
+                f.close()  # closing the lock file releases the lock
+
+
+def take_lock(save_dir: str):
+    import fcntl
+
+    path = os.path.join(save_dir, LOCK_NAME)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(f"--save-dir {save_dir!r} is in use by another run ({holder}); wait for "
+                         f"it to end or choose another folder")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    f.flush()
+    return f
 
 
 # ---------------------------------------------------------------------------------------------
-# SIGTERM / SIGINT: finish the step, save, exit non-zero.
+# SIGTERM / SIGINT: acknowledge at once, finish the step, save, exit 0 with the resume command.
 # ---------------------------------------------------------------------------------------------
 
 class StopRequested(Exception):
     pass
 
 
-def install_stop_handlers() -> dict:
-    """On SIGTERM or SIGINT remember the signal; the loop stops after the current step. A
-    second signal gets the default behaviour (stop at once)."""
+@contextlib.contextmanager
+def stop_signals(rank: int = 0):
+    """On SIGTERM or SIGINT remember the signal (yielded dict: {"signal": "SIGTERM"}); the loop
+    stops after the current step, which every rank agrees on (any_rank).
+
+    Schedulers signal every process (SLURM, Kubernetes), and torchrun forwards the signal it got
+    to its workers as well, so a worker often gets two: the later ones are acknowledged and
+    ignored, or a second SIGTERM would kill the rank in the middle of the save. (torchrun
+    SIGKILLs its workers --shutdown-timeout seconds after its own signal, 30 by default: the
+    step and the save must fit, or raise it.)
+
+    The acknowledgement is immediate: Python runs a signal handler only when the main thread
+    returns to the interpreter, which in a long backward or a GPU sync can be minutes. The C
+    level handler writes the signal number to a pipe (signal.set_wakeup_fd) at once; a thread
+    waiting on that pipe prints the line and sets the flag."""
     received = {}
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # signals go to the main thread only; nothing to install
+        return
 
-    def handler(signum, frame):
-        received["signal"] = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)
+    def note(signum):
+        name = signal.Signals(signum).name
+        if "signal" in received:
+            message = f"{name} again: already stopping after this step (kill -9 stops at once)"
+        else:
+            received["signal"] = name
+            message = f"{name} received: stopping after the current step, then saving"
+        os.write(2, f"[rank {rank}] {message}\n".encode())
 
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, handler)
-    return received
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch():
+        while data := os.read(read_fd, 64):
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    note(signum)
+        os.close(read_fd)
+
+    previous = {s: signal.signal(s, lambda signum, frame: None)  # the thread does the work
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="stop-signals", daemon=True)
+    watcher.start()
+    try:
+        yield received
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        os.close(write_fd)  # the watcher reads end-of-file and ends
+        watcher.join(timeout=5)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the launcher's (torchrun's, read from /proc) or
+    python's, with --resume added once."""
+    command = [os.path.basename(sys.executable), *argv]
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its parent is the launcher
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                command = [a.decode() for a in f.read().split(b"\0") if a]
+        except OSError:
+            command = ["torchrun", "...", *argv]
+    return shlex.join([a for a in command if a not in ("--resume", "--overwrite")] + ["--resume"])
 
 
 def any_rank(flag: bool, rt) -> bool:
@@ -179,3 +477,8 @@ def any_rank(flag: bool, rt) -> bool:
     value = torch.tensor([float(flag)], device=rt.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def barrier(rt):
+    if rt.world > 1:
+        dist.barrier()

@@ -41,6 +41,7 @@ untied = importlib.import_module("05_untied_ulysses")
 TECHNIQUES = [("fsdp", 1), ("ulysses", 2), ("checkpoint", 3), ("offload", 3), ("tile_mlp", 4),
               ("tile_loss", 4), ("tile_norm", 4), ("untied", 5)]
 MAX_STACK = 5
+MAX_TOKENS = 2**31  # per data-parallel rank and step
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Config:
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
+    overwrite: bool = False  # replace an earlier run's checkpoints and log
     attn_kernel: str = "auto"  # kernels.py: auto, fa4, cudnn, flash, math
     init_from: str | None = None  # a Hugging Face model folder: its shape and weights
     export_hf: str | None = None  # write a Hugging Face folder here at the end
@@ -135,6 +137,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--save-every", type=int, default=d.save_every,
                         help="checkpoint every N steps (default: only at the end and on SIGTERM)")
     parser.add_argument("--resume", action="store_true", help="continue from --save-dir's latest")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete the checkpoints in --save-dir and replace --log-file, from an "
+                             "earlier run (without it such a run is refused)")
     parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default=d.attn_kernel,
                         help="attention kernel (default: FlashAttention-4 when installed on the "
                              "GPU, else cuDNN; the run log names it)")
@@ -192,8 +197,21 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--device cuda, but CUDA is not available here")
     if cfg.batch_size < 1 or cfg.steps < 0:
         raise ValueError("--batch-size must be >= 1 and --steps >= 0")
+    if cfg.sp is not None and cfg.sp < 1:  # 0 would silently mean "all ranks"
+        raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
+    if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
+        raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} is more than "
+                         f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels); "
+                         f"python train.py --plan --seq-len ... shows what fits")
+    for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay),
+                        ("--grad-clip", cfg.grad_clip)):
+        if not (math.isfinite(value) and value >= 0):  # a negative clip would silently mean off
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}"
+                             + (" (0 turns clipping off)" if flag == "--grad-clip" else ""))
     if cfg.resume and not cfg.save_dir:
         raise ValueError("--resume needs --save-dir (where the checkpoints are)")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--resume continues the checkpoints that --overwrite deletes; pick one")
     if cfg.save_every < 0:
         raise ValueError("--save-every must be >= 0")
     if cfg.export_hf:
@@ -456,8 +474,14 @@ class Run:
 
 def train(cfg: Config) -> Run:
     rt = setup_runtime(cfg)
+    resume.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
     data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp, eos_id=args.eos_id)
+    with resume.claim_outputs(cfg, rt) as log_file, resume.stop_signals(rt.rank) as stop:
+        return train_loop(cfg, rt, args, data, log_file, stop)
+
+
+def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: dict) -> Run:
     cfg.head_chunk = choose_head_chunk(cfg, rt)
     if cfg.untied and rt.rank == 0:
         print(f"Untied Ulysses: {args.n_heads // (cfg.head_chunk or rt.sp)} stages of "
@@ -465,9 +489,7 @@ def train(cfg: Config) -> Run:
     model = build_model(cfg, rt)
     optimizer = make_optimizer(model, cfg)
     first_step = resume.load_checkpoint(cfg, rt, model, optimizer) if cfg.resume else 0
-    stop = resume.install_stop_handlers()
     is_main = rt.rank == 0
-    log_file = open(cfg.log, "a" if cfg.resume else "w") if (cfg.log and is_main) else None
     header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
               "torch": torch.__version__,
               "attention_kernel": attention_kernel(cfg, rt, args),
@@ -516,19 +538,20 @@ def train(cfg: Config) -> Run:
             if log_file:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
-        stopping = resume.any_rank("signal" in stop, rt)
+        stopping = resume.any_rank("signal" in stop, rt)  # every rank stops after the same step
         done = step + 1
         if cfg.save_dir and (stopping or done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
             path = resume.save_checkpoint(cfg, rt, model, optimizer, done)
             if is_main:
                 tqdm.write(f"saved {path}")
         if stopping:
-            where = (f"checkpoint {os.path.join(cfg.save_dir, f'step_{done:08d}')}; resume with "
-                     f"the same command plus --resume" if cfg.save_dir else
-                     "no checkpoint written (no --save-dir)")
-            raise resume.StopRequested(f"stopped by {stop.get('signal', 'another rank')} after step {step}: {where}")
-    if log_file:
-        log_file.close()
+            why = f"stopped by {stop.get('signal', 'a signal to another rank')} after step {step}"
+            if not cfg.save_dir:  # nothing to continue from: not a success
+                raise resume.StopRequested(f"{why}: no checkpoint written (no --save-dir)")
+            if is_main:
+                print(f"{why}: checkpoint {path}; resume with:\n  "
+                      f"{resume.resume_command(sys.argv)}", flush=True)
+            return Run(history, model, optimizer)  # no export: the run is not finished
     if cfg.export_hf:  # every rank: the export gathers each tensor from its shards
         # fp32 runs export fp32 (exact); GPU runs bf16, as published checkpoints are.
         pretrained.export_hf(model, args, cfg.export_hf, overwrite=cfg.overwrite_export,
@@ -547,7 +570,8 @@ def main(argv=None):
         return plan.main(argv)
     try:
         train(parse_args(argv))
-    except (ValueError, FloatingPointError, StepOutOfMemory, resume.StopRequested) as error:
+    except (ValueError, FloatingPointError, StepOutOfMemory, resume.StopRequested,
+            resume.SaveFailed) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     finally:

@@ -62,6 +62,14 @@ def error_of(argv, capsys) -> str:
     (["--ulysses", "--sp", "3"], "--sp (3) must divide the number of ranks (1)"),
     (["--sp", "2"], "--sp needs --ulysses or --untied"),
     (["--ulysses", "--untied"], "alternatives for the same seam"),
+    # issue 17: once read silently as something else, now refused
+    (["--seq-len", "100.7"], "a token count must be a whole, finite number, got '100.7'"),
+    (["--seq-len", "inf"], "a token count must be a whole, finite number, got 'INF'"),
+    (["--seq-len", "1e12"], "more than 2,147,483,648 tokens"),
+    (["--ulysses", "--sp", "0"], "--sp must be at least 1, got 0"),
+    (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0, got -1.0 (0 turns clipping off)"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--plan", "--gpu-mem", "infGiB"], "a memory size must be positive and finite, got 'infGiB'"),
 ])
 def test_bad_flags_give_clear_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
@@ -72,13 +80,33 @@ def test_bad_flags_give_clear_errors(argv, needle, capsys):
     (b"", "is empty"),
     (b"\x01\x00\x02", "not a whole number of uint16 tokens"),
     (b"\x01\x00" * 10, "holds 10 tokens, fewer than one sequence needs (65"),
-    (b"\xff\xff" * 100, "holds token id 65535, but the model's vocabulary has 256"),
+    (b"\xff\xff" * 100, "holds token id 65535 at position 0, but the model's vocabulary has 256"),
+    # uint32 ids read as uint16: (id, 0, id, 0, ...), all inside the vocabulary
+    ((torch.arange(200) % 255 + 1).to(torch.int32).numpy().tobytes(), "looks like uint32 ids"),
+    # an id out of the vocabulary in the fifth window: found at start, not at step 4
+    (b"\x01\x00" * 65 * 4 + b"\x00\x01" + b"\x01\x00" * 64, "holds token id 256 at position 260"),
 ])
 def test_bad_data_files_give_clear_errors(tmp_path, content, needle, capsys):
     path = tmp_path / "tokens.bin"
     if content is not None:
         path.write_bytes(content)
     assert needle in error_of(["--data", str(path), "--seq-len", "64", "--steps", "1"], capsys)
+
+
+def test_a_directory_as_data_is_named_a_directory(tmp_path, capsys):
+    assert f"data file {str(tmp_path)!r} is a directory" in error_of(["--data", str(tmp_path)], capsys)
+
+
+def test_the_data_sidecar_records_dtype_and_vocabulary(tmp_path, capsys):
+    path = tmp_path / "tokens.bin"
+    path.write_bytes((torch.arange(1000) % 255 + 1).to(torch.int32).numpy().tobytes())
+    sidecar = tmp_path / "tokens.bin.json"
+    sidecar.write_text(json.dumps({"dtype": "uint32", "vocab_size": 256}))
+    argv = ["--data", str(path), "--seq-len", "64", "--steps", "1"]
+    assert len(train.train(train.parse_args(argv)).history) == 1  # uint32 without --data-dtype
+    assert "--data-dtype uint16, but" in error_of(argv + ["--data-dtype", "uint16"], capsys)
+    sidecar.write_text(json.dumps({"dtype": "uint32", "vocab_size": 128256}))
+    assert "was tokenized with a vocabulary of 128256 ids" in error_of(argv, capsys)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.int32])
