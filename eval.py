@@ -449,25 +449,22 @@ def summary(result: dict) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        opts, cfg = parse_eval_args(argv)
-        if opts.compare:
-            results = [json.loads(Path(p).read_text()) for p in opts.compare]
-            labels = [r.get("label") or Path(p).stem for p, r in zip(opts.compare, results)]
-            for path, result, label in zip(opts.compare, results, labels):
-                # two runs of the same name (two random inits, one checkpoint dir): add the file
-                result["label"] = label if labels.count(label) == 1 else f"{label} ({Path(path).name})"
-            out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
-            if plot_losses(results, out):
-                print(f"wrote {out}")
-            return
-        run(opts, cfg)
-    except (ValueError, train.StepOutOfMemory) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    train.exit_on_error(lambda: evaluate(argv))
+
+
+def evaluate(argv):
+    opts, cfg = parse_eval_args(argv)
+    if opts.compare:
+        results = [json.loads(Path(p).read_text()) for p in opts.compare]
+        labels = [r.get("label") or Path(p).stem for p, r in zip(opts.compare, results)]
+        for path, result, label in zip(opts.compare, results, labels):
+            # two runs of the same name (two random inits, one checkpoint dir): add the file
+            result["label"] = label if labels.count(label) == 1 else f"{label} ({Path(path).name})"
+        out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
+        if plot_losses(results, out):
+            print(f"wrote {out}")
+        return
+    run(opts, cfg)
 
 
 if __name__ == "__main__":

@@ -534,6 +534,40 @@ def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_m
     return "\n".join(lines + notes)
 
 
+# ---------------------------------------------------------------------------------------------
+# A step that did not fit: what to turn on next (train.py adds this to its out-of-memory error).
+# ---------------------------------------------------------------------------------------------
+
+def next_memory_technique(cfg: train.Config, sp: int) -> str:
+    """What to turn on next when a step does not fit, in the order of the files."""
+    if not cfg.fsdp:
+        return "--fsdp (01: shard the model state)"
+    if not (cfg.ulysses or cfg.untied):
+        return "--ulysses (02: split the sequence over the GPUs)"
+    if not cfg.checkpoint:
+        return "--checkpoint (03: keep only each block's input for backward)"
+    if not cfg.offload:
+        return "--offload (03: move those inputs to CPU memory)"
+    if not (cfg.tile_mlp and cfg.tile_loss and cfg.tile_norm):
+        return "--tile-mlp --tile-loss --tile-norm (04: no sequence-wide MLP, logits or norm buffers)"
+    if not cfg.untied:
+        return "--untied (05: one head chunk of Q/K/V resident at a time)"
+    if cfg.head_chunk and cfg.head_chunk > sp:
+        return f"a smaller --head-chunk (down to {sp})"
+    if not cfg.offload_model_state:
+        return "--offload-model-state (01: parameters, gradients and Adam in host memory)"
+    return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
+
+
+def out_of_memory_report(error: Exception, cfg: train.Config, rt: train.Runtime) -> str:
+    summary = ""
+    if torch.cuda.is_available():
+        summary = (f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
+                   f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB; "
+                   f"allocator summary:\n{torch.cuda.memory_summary(rt.device, abbreviated=True)}")
+    return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.sp)}"
+
+
 def plan_main(argv) -> str:
     """`python train.py --plan ...`: the per-GPU table at --seq-len, or with --seq-len max the
     longest length per stack level. The other flags apply as in training; the compute dtype

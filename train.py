@@ -201,8 +201,7 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
     if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
         raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} is more than "
-                         f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels); "
-                         f"python train.py --plan --seq-len ... shows what fits")
+                         f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels)")
     for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay),
                         ("--grad-clip", cfg.grad_clip)):
         if not (math.isfinite(value) and value >= 0):  # a negative clip would silently mean off
@@ -425,36 +424,6 @@ def out_of_memory_names(phase: str):
         raise StepOutOfMemory(f"out of GPU memory in the {phase}: {str(error).splitlines()[0]}") from error
 
 
-def next_memory_technique(cfg: Config, sp: int) -> str:
-    """What to turn on next when a step does not fit, in the order of the files."""
-    if not cfg.fsdp:
-        return "--fsdp (01: shard the model state)"
-    if not (cfg.ulysses or cfg.untied):
-        return "--ulysses (02: split the sequence over the GPUs)"
-    if not cfg.checkpoint:
-        return "--checkpoint (03: keep only each block's input for backward)"
-    if not cfg.offload:
-        return "--offload (03: move those inputs to CPU memory)"
-    if not (cfg.tile_mlp and cfg.tile_loss and cfg.tile_norm):
-        return "--tile-mlp --tile-loss --tile-norm (04: no sequence-wide MLP, logits or norm buffers)"
-    if not cfg.untied:
-        return "--untied (05: one head chunk of Q/K/V resident at a time)"
-    if cfg.head_chunk and cfg.head_chunk > sp:
-        return f"a smaller --head-chunk (down to {sp})"
-    if not cfg.offload_model_state:
-        return "--offload-model-state (01: parameters, gradients and Adam in host memory)"
-    return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
-
-
-def out_of_memory_report(error: Exception, cfg: Config, rt: "Runtime") -> str:
-    summary = ""
-    if torch.cuda.is_available():
-        summary = (f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
-                   f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB; "
-                   f"allocator summary:\n{torch.cuda.memory_summary(rt.device, abbreviated=True)}")
-    return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.sp)}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Main loop
 # ---------------------------------------------------------------------------------------------
@@ -521,7 +490,9 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
         try:
             metrics = train_step(model, optimizer, tokens, rt, cfg, step=step, documents=documents)
         except StepOutOfMemory as error:
-            raise StepOutOfMemory(out_of_memory_report(error, cfg, rt)) from error
+            import plan  # here, not at the top: plan.py imports this file for Config
+
+            raise StepOutOfMemory(plan.out_of_memory_report(error, cfg, rt)) from error
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
@@ -568,8 +539,14 @@ def main(argv=None):
         import plan
 
         return plan.main(argv)
+    exit_on_error(lambda: train(parse_args(argv)))
+
+
+def exit_on_error(run) -> None:
+    """run(); a failure we explain (bad input, a non-finite step, out of memory, a stop) ends
+    the process with `error: ...` and exit code 1, no traceback. The process group goes either way."""
     try:
-        train(parse_args(argv))
+        run()
     except (ValueError, FloatingPointError, StepOutOfMemory, resume.StopRequested,
             resume.SaveFailed) as error:
         print(f"error: {error}", file=sys.stderr)

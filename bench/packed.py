@@ -34,8 +34,8 @@ import torch
 
 import kernels
 import model as llama
-from bench.report import (default_out_dir, end_distributed, refuse_without_gpu, release,
-                          synchronize, within_budget, write_result)
+from bench.report import (default_out_dir, end_distributed, peak_and_times, refuse_without_gpu,
+                          release, synchronize, within_budget, write_result)
 from bench.step import with_layers
 from data import documents_in_windows, parse_tokens
 
@@ -94,15 +94,7 @@ def time_kernel(args, sp, seq_len, cu_seqlens, device, dtype, repeats) -> dict:
     for name, cu in (("dense", None), ("documents", cu_seqlens)):
         def run():
             kernels.causal_attention(q, k, v, cu_seqlens=cu).backward(grad)
-        run()  # warm-up
-        times = []
-        for _ in range(repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            run()
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-        row[f"{name}_ms"] = 1e3 * sorted(times)[len(times) // 2]
+        row[f"{name}_ms"] = 1e3 * peak_and_times(run, device, repeats)["time_s"]
     row["documents_over_dense"] = row["documents_ms"] / row["dense_ms"]
     return row
 

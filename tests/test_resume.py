@@ -17,6 +17,7 @@ from reference import full
 from test_train import ROOT
 
 import model as llama
+import plan as planner
 import resume
 
 train = importlib.import_module("train")
@@ -191,15 +192,15 @@ def test_named_out_of_memory_is_still_torchs_and_named_once():
 
 def test_next_technique_follows_the_files():
     cfg = train.Config()
-    assert train.next_memory_technique(cfg, 8).startswith("--fsdp")
+    assert planner.next_memory_technique(cfg, 8).startswith("--fsdp")
     cfg = train.Config(fsdp=True, ulysses=True, checkpoint=True)
-    assert train.next_memory_technique(cfg, 8).startswith("--offload")
+    assert planner.next_memory_technique(cfg, 8).startswith("--offload")
     cfg = train.resolve_techniques(train.Config(stack=5, head_chunk=16))
-    assert train.next_memory_technique(cfg, 8) == "a smaller --head-chunk (down to 8)"
+    assert planner.next_memory_technique(cfg, 8) == "a smaller --head-chunk (down to 8)"
     cfg = train.resolve_techniques(train.Config(stack=5))
-    assert train.next_memory_technique(cfg, 8).startswith("--offload-model-state")
+    assert planner.next_memory_technique(cfg, 8).startswith("--offload-model-state")
     cfg = train.resolve_techniques(train.Config(stack=5, offload_model_state=True))
-    assert train.next_memory_technique(cfg, 8).startswith("fewer tokens per GPU")
+    assert planner.next_memory_technique(cfg, 8).startswith("fewer tokens per GPU")
 
 
 # ---------------------------------------------------------------------------------------------
