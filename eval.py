@@ -93,7 +93,7 @@ def build(cfg: train.Config):
     if cfg.untied and cfg.head_chunk is None and rt.device.type == "cuda":
         import plan  # the fewest stages whose forward fits (forward needs less than a step)
 
-        cfg.head_chunk = plan.fewest_stages_that_fit(cfg, rt.world, train.smallest_gpu_memory(rt),
+        cfg.head_chunk = plan.fewest_stages_that_fit(cfg, rt.world, plan.smallest_gpu_memory(rt),
                                                      forward_only=True)
     model = train.build_model(cfg, rt)
     meta = resume.load_model_state(cfg.save_dir, model) if cfg.save_dir else None

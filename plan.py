@@ -29,6 +29,7 @@ from dataclasses import replace
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 import kernels
 import model as llama
@@ -272,6 +273,15 @@ def plan_forward_memory(cfg: train.Config, world_size: int, args=None) -> dict:
             "peak": sum(moments[peak_moment].values()), "block_moment": peak_moment, "host": 0,
             "model_state": params, "local_tokens": n, "sp": sp, "dp": world_size // sp,
             "head_chunk": head_chunk, "forward_only": True}
+
+
+def smallest_gpu_memory(rt: train.Runtime) -> int:
+    """The smallest GPU's memory over all ranks: choices made from it are the same on every rank
+    (a head chunk that differed between ranks would mismatch the all-to-alls)."""
+    memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory], device=rt.device)
+    if dist.is_initialized():
+        dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    return int(memory.item())
 
 
 def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int,

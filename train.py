@@ -320,16 +320,7 @@ def choose_head_chunk(cfg: Config, rt: Runtime) -> int | None:
         return cfg.head_chunk
     import plan  # here, not at the top: plan.py imports this file for Config
 
-    return plan.fewest_stages_that_fit(cfg, rt.world, smallest_gpu_memory(rt))
-
-
-def smallest_gpu_memory(rt: Runtime) -> int:
-    """The smallest GPU's memory over all ranks: choices made from it are the same on every rank
-    (a head chunk that differed between ranks would mismatch the all-to-alls)."""
-    memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory], device=rt.device)
-    if dist.is_initialized():
-        dist.all_reduce(memory, op=dist.ReduceOp.MIN)
-    return int(memory.item())
+    return plan.fewest_stages_that_fit(cfg, rt.world, plan.smallest_gpu_memory(rt))
 
 
 def build_model(cfg: Config, rt: Runtime):

@@ -353,7 +353,7 @@ def main():
         if cfg.untied and cfg.head_chunk is None and opts.device == "cuda":
             # What train.py would choose for the full-depth model, not for the shallow one.
             cfg.head_chunk = planner.fewest_stages_that_fit(dataclasses.replace(cfg, model=opts.model),
-                                                          rt.world, train.smallest_gpu_memory(rt))
+                                                          rt.world, planner.smallest_gpu_memory(rt))
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,
                    attention_kernel=kernels.attention_kernel_name(rt.device, dtype, args.head_dim))
