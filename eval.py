@@ -390,7 +390,14 @@ def parse_eval_args(argv):
     parser.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
     parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                         help="no run: draw these loss results on one chart (--out: the PNG)")
+    parser.add_argument("--overwrite-out", action="store_true",
+                        help="replace an existing --out (and its PNG)")
     opts, train_argv = parser.parse_known_args(argv)
+    out = Path(opts.out or (Path(opts.compare[0]).with_name("compare.png") if opts.compare
+                            else f"eval_{opts.task}.json"))
+    for path in {out, out.with_suffix(".png")}:  # an earlier result: never replaced unasked
+        if path.exists() and not opts.overwrite_out:
+            raise ValueError(f"{path} exists: choose another --out, or --overwrite-out")
     if opts.compare:
         return opts, None
     cfg = eval_config(train.parse_args(train_argv))

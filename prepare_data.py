@@ -85,10 +85,19 @@ def read_documents(paths, text_key: str = "text", txt_lines: bool = False):
 
 
 def prepare(tokenizer_path, inputs, output, separator=None, separator_id=None, text_key="text",
-            txt_lines=False, batch_size=256, progress=True) -> dict:
-    """Write the token file, its boundary index and its sidecar; return the summary."""
+            txt_lines=False, batch_size=256, progress=True, overwrite=False) -> dict:
+    """Write the token file, its boundary index and its sidecar; return the summary. Refuses,
+    before reading anything, to write over an input or (unless overwrite) an earlier output."""
     tokenizer = load_tokenizer(tokenizer_path)
     sep = choose_separator(tokenizer, separator, separator_id)
+    outputs = [output, boundary_path(output), sidecar_path(output)]
+    inputs_real = {os.path.realpath(p) for p in inputs}
+    for path in outputs:
+        if os.path.realpath(path) in inputs_real:
+            raise ValueError(f"--output would write {path!r}, which is one of the --input files")
+        if os.path.exists(path) and not overwrite:
+            raise ValueError(f"{path!r} exists (an earlier run's output?): choose another "
+                             f"--output, or --overwrite to replace it")
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab_size <= 2**16 else "uint32"
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
@@ -144,11 +153,12 @@ def main(argv=None):
     parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
     parser.add_argument("--txt-lines", action="store_true",
                         help="text files: one document per non-empty line (default: per file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     opts = parser.parse_args(argv)
     try:
         summary = prepare(opts.tokenizer, opts.input, opts.output, opts.separator,
                           opts.separator_id, opts.text_key, opts.txt_lines,
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), overwrite=opts.overwrite)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)

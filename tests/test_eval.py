@@ -247,6 +247,10 @@ def test_command_line_writes_json_png_and_compares(trained, tmp_path, capsys):
     assert passkey["lengths"] == [32, 48] and len(passkey["accuracy"][0]) == 2
     out = capsys.readouterr().out
     assert "mean loss" in out and "passkey exact match" in out
+    with pytest.raises(SystemExit):  # an earlier result is not replaced unasked
+        evaluate.main(common + ["--out", str(tmp_path / "after.json")])
+    assert "exists" in capsys.readouterr().err
+    assert json.loads((tmp_path / "after.json").read_text()) == after
     try:
         import matplotlib  # noqa: F401
     except ImportError:

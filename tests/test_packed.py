@@ -455,3 +455,11 @@ def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
         prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator="<eos>")
     with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
         prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, separator_id=10**6)
+    # an earlier output is never replaced unasked, an input never written over
+    before = open(out, "rb").read()
+    with pytest.raises(ValueError, match="exists"):
+        prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out)
+    assert open(out, "rb").read() == before
+    with pytest.raises(ValueError, match="one of the --input files"):
+        prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], str(tmp_path / "b.txt"))
+    prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, overwrite=True)
