@@ -15,11 +15,10 @@ The counts are calibrated against GPU runs (docs/calibration.md: within a few pe
 
 Packed documents (--documents) change the plan very little, so it counts them as dense: the
 attention holds the same q, k, v, output and log-sum-exp whatever the mask, and positions,
-labels and boundaries are a few bytes per token. FlashAttention-4's varlen kernel allocates what
-its dense kernel does; kernels.py's per-document loop (the fallback) briefly holds one more
-output of the attention (or of a 05 stage) in forward and one more dq, dk, dv in backward while
-it concatenates the documents' pieces: up to ~15% of 02's attention peak for Llama-3-8B, not
-counted here (`DOCUMENTS_NOTE`).
+labels and boundaries are a few bytes per token. kernels.py's per-document loop briefly holds one
+more output of the attention (or of a 05 stage) in forward and one more dq, dk, dv in backward
+while it concatenates the documents' pieces: up to ~15% of 02's attention peak for Llama-3-8B,
+not counted here (`DOCUMENTS_NOTE`).
 """
 
 import argparse

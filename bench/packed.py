@@ -14,9 +14,9 @@ checkpointing + offload, tiling) with Ulysses (02) or Untied Ulysses (05):
   - dense: one causal document per window (what training without --documents does);
   - documents: the window's documents (data.Documents: positions, labels, boundaries).
 Recorded per row: step time (median of the steps after the first), tokens/s per GPU, the peak
-allocated, and the attention kernel (FlashAttention-4 varlen when kernels.py has it, else the
-per-document loop over the dense kernel: one launch per document and head chunk, launch-bound for
-short documents). Document masking does less attention work (sum of L_i^2 instead of S^2), so
+allocated, and the attention kernel (kernels.py's per-document loop over the chosen dense kernel:
+one launch per document and head chunk, launch-bound for short documents; --attn-kernel picks
+the kernel). Document masking does less attention work (sum of L_i^2 instead of S^2), so
 `attention_work` gives that fraction: a documents step at the same speed as dense is a kernel
 that stopped being efficient. A first `kernel` part times attention alone (forward + backward
 of one rank's heads after the exchange, all S tokens) dense vs documents, without the rest of
@@ -143,8 +143,7 @@ def main():
     parser.add_argument("--short-median", default="3K", help="median short document")
     parser.add_argument("--kernel-repeats", type=int, default=3)
     parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default="auto",
-                        help="fa4: FlashAttention-4's varlen kernel for documents; cudnn: the "
-                             "per-document loop over cuDNN")
+                        help="the dense kernel the per-document loop runs (fa4, cudnn, ...)")
     parser.add_argument("--budget-s", type=float, default=540, help="skip what starts after this")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out", default=None)
@@ -166,10 +165,7 @@ def main():
               "stack": "fsdp, checkpoint, offload, tile_mlp, tile_loss, tile_norm + the method",
               "mix": {"long_doc": long_doc, "long_share": opts.long_share,
                       "short_median": short_median},
-              "kernel": ("FlashAttention-4 varlen (one launch for all documents)"
-                         if kernels.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=rt.device,
-                                                           dtype=getattr(torch, dtype)))[0] == "fa4"
-                         else "per-document loop over the dense kernel (kernels.document_attention)"),
+              "kernel": "per-document loop over the dense kernel (kernels.document_attention)",
               "attention_kernel": kernels.attention_kernel_name(rt.device, getattr(torch, dtype),
                                                                 args.head_dim),
               "rows": []}
