@@ -48,7 +48,7 @@ GiB = 2**30
 
 
 # ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (the planner in train.py adds these up).
+# What this file removes, in bytes (plan.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
 def model_state_bytes(args, world_size: int) -> dict:

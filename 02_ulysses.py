@@ -229,7 +229,7 @@ def data_sequence_mesh(device_type: str, sp: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (the planner in train.py adds these up).
+# What this file removes, in bytes (plan.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
 def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,

@@ -62,7 +62,7 @@ GiB, MiB = 2**30, 2**20
 
 
 # ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (the planner in train.py adds these up).
+# What this file removes, in bytes (plan.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
 def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,

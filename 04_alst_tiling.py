@@ -291,7 +291,7 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
 
 
 # ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (the planner in train.py adds these up).
+# What this file removes, in bytes (plan.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
 def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,

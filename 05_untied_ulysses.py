@@ -341,7 +341,7 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (the planner in train.py adds these up).
+# What this file removes, in bytes (plan.py adds these up).
 # ---------------------------------------------------------------------------------------------
 
 def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,

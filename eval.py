@@ -21,8 +21,8 @@ of its shard (02's shard_sequence), so it adds its tokens' losses into the bucke
 all_reduce gives the totals. Per-token losses come from the model's `token_scores` seam (model.py;
 04 tiles it with the loss under --tile-loss, so seq x vocab logits never exist). Buckets follow
 `position_ids`: with packed documents, whose positions restart at every document, the same code
-gives the loss by position within the document (pass the batch's own position_ids where
-`loss_by_position` takes them from shard_sequence). Writes JSON and a PNG curve.
+would give the loss by position within the document once evaluation takes packed documents
+(not yet: --documents is refused). Writes JSON and a PNG curve.
 
 Passkey retrieval (--task passkey), at the token level: a random key (--key-len ids from
 --alphabet) follows a marker (--marker-ids) at a chosen depth inside filler (--filler-ids,
@@ -40,8 +40,8 @@ also gives the first token's). Accuracy over lengths x depths (--trials keys eac
 
 Weights: random init, or the model state of a training checkpoint (--save-dir: its newest
 complete checkpoint, or a step_N folder), on any number of ranks whatever the saving layout
-(resume.load_model_state). After the merge of `--init-from` (Hugging Face directories) that
-flag comes through train.parse_args and build_model like every other.
+(resume.load_model_state), or a Hugging Face folder (--init-from, through train.py's
+build_model like every other flag).
 
 On GPUs (commands for the GPU machine; the planner gives the longest length per level):
 
@@ -83,7 +83,12 @@ FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we 
 # ---------------------------------------------------------------------------------------------
 
 def eval_config(cfg: train.Config) -> train.Config:
-    """cfg without 03: checkpointing and offload keep activations for a backward that never comes."""
+    """cfg without 03: checkpointing and offload keep activations for a backward that never comes.
+    Packed documents are refused: the scores below run dense windows (documents would attend to
+    each other and keep global positions), so their numbers would silently be another model's."""
+    if cfg.documents:
+        raise ValueError("eval.py scores dense windows; --documents / --doc-sep are not supported "
+                         "by evaluation yet (they would be ignored)")
     return replace(cfg, checkpoint=False, offload=False, resume=False)
 
 
@@ -462,7 +467,14 @@ def main(argv=None):
 def evaluate(argv):
     opts, cfg = parse_eval_args(argv)
     if opts.compare:
-        results = [json.loads(Path(p).read_text()) for p in opts.compare]
+        results = []
+        for p in opts.compare:
+            try:
+                results.append(json.loads(Path(p).read_text()))
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"--compare: cannot read {p}: {error}") from error
+            if "buckets" not in results[-1]:
+                raise ValueError(f"--compare: {p} is not a loss-by-position result (--task loss)")
         labels = [r.get("label") or Path(p).stem for p, r in zip(opts.compare, results)]
         for path, result, label in zip(opts.compare, results, labels):
             # two runs of the same name (two random inits, one checkpoint dir): add the file

@@ -327,7 +327,7 @@ def lse_kernel(q, kernel: str | None = None):
                 choice = (name, works)
                 break
             if requested != "auto":
-                raise RuntimeError(f"attention kernel {requested} failed its check on "
+                raise ValueError(f"attention kernel {requested} failed its check on "
                                    f"{device}/{dtype}/head_dim {head_dim}; see the warning above")
         log.info("attention kernel on %s %s head_dim %d: %s (native GQA: %s)",
                  device, dtype, head_dim, *choice)

@@ -46,8 +46,7 @@ GiB = 2**30
 # allocated (docs/results/progression_llama3-8b_2gpu.json): 2.95 GiB was out of reach.
 PLAN_GPU_RESERVE = 3 * GiB
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
-                  "loop without FlashAttention-4 adds up to one attention output and one dq/dk/dv "
-                  "while concatenating")
+                  "loop adds up to one attention output and one dq/dk/dv while concatenating")
 PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
     "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)"),
     "block": ("one block's recompute + temporaries", None),

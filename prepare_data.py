@@ -75,6 +75,8 @@ def read_documents(paths, text_key: str = "text", txt_lines: bool = False):
                         raise ValueError(f"{path}:{number}: not JSON ({error})") from error
                     if not isinstance(record, dict) or text_key not in record:
                         raise ValueError(f"{path}:{number}: no {text_key!r} field (--text-key)")
+                    if not isinstance(record[text_key], str):
+                        raise ValueError(f"{path}:{number}: {text_key!r} is not text")
                     yield record[text_key]
         else:
             with open(path, encoding="utf-8") as f:

@@ -266,6 +266,12 @@ def test_command_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["--task", "passkey", "--lengths", "8", "--key-len", "4"])
     assert "cannot hold" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # evaluation runs dense windows: packed data is refused
+        evaluate.main(["--doc-sep", "0", "--seq-len", "64", "--out", str(tmp_path / "d.json")])
+    assert "--documents" in capsys.readouterr().err and not (tmp_path / "d.json").exists()
+    with pytest.raises(SystemExit):
+        evaluate.main(["--compare", str(tmp_path / "missing.json")])
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_planner_forward_only_needs_less_and_reaches_further():
