@@ -95,11 +95,8 @@ def eval_config(cfg: train.Config) -> train.Config:
 def build(cfg: train.Config):
     """(runtime, model, checkpoint meta or None) for evaluation."""
     rt = train.setup_runtime(cfg)
-    if cfg.untied and cfg.head_chunk is None and rt.device.type == "cuda":
-        import plan  # the fewest stages whose forward fits (forward needs less than a step)
-
-        cfg.head_chunk = plan.fewest_stages_that_fit(cfg, rt.world, plan.smallest_gpu_memory(rt),
-                                                     forward_only=True)
+    # the fewest stages whose forward fits (a forward needs less than a training step)
+    cfg.head_chunk = train.choose_head_chunk(cfg, rt, forward_only=True)
     model = train.build_model(cfg, rt)
     meta = resume.load_model_state(cfg.save_dir, model) if cfg.save_dir else None
     model.eval()

@@ -312,15 +312,16 @@ def check_layout(cfg: Config, world_size: int, args) -> tuple:
 # Model
 # ---------------------------------------------------------------------------------------------
 
-def choose_head_chunk(cfg: Config, rt: Runtime) -> int | None:
+def choose_head_chunk(cfg: Config, rt: Runtime, forward_only: bool = False) -> int | None:
     """Untied Ulysses' head chunk U for this run: --head-chunk, else on GPUs the fewest stages
-    whose planned step fits the smallest GPU (plan.fewest_stages_that_fit), else U = P (least
-    memory; 05's default). Every rank decides the same: the all-to-alls must match."""
+    whose planned step (forward_only: evaluation's forward) fits the smallest GPU
+    (plan.fewest_stages_that_fit), else U = P (least memory; 05's default). Every rank decides
+    the same: the all-to-alls must match."""
     if not cfg.untied or cfg.head_chunk is not None or rt.device.type != "cuda":
         return cfg.head_chunk
     import plan  # here, not at the top: plan.py imports this file for Config
 
-    return plan.fewest_stages_that_fit(cfg, rt.world, plan.smallest_gpu_memory(rt))
+    return plan.fewest_stages_that_fit(cfg, rt.world, plan.smallest_gpu_memory(rt), forward_only)
 
 
 def build_model(cfg: Config, rt: Runtime):
