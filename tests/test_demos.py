@@ -25,7 +25,15 @@ def test_demo_runs_on_cpu(script):
     torchrun, expected = DEMOS[script]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *launcher, str(ROOT / script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, *launcher, str(ROOT / script)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+        # gloo's worker threads can abort a process at interpreter exit after its work is done
+        # and printed (a torch teardown race, seen ~1 in 10 runs on a loaded 2-core machine):
+        # that one failure, after the demo's output is complete, is retried once.
+        teardown_race = ("terminate called without an active exception" in done.stdout + done.stderr
+                         and expected in done.stdout)
+        if done.returncode == 0 or not teardown_race:
+            break
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert expected in done.stdout, done.stdout[-3000:]
