@@ -25,11 +25,14 @@ Packed documents (data.py): every entry point takes `cu_seqlens`, the document b
 batch as global token offsets: the B*S tokens of q taken as one stream (row b starts at b*S), a
 tuple of ints (0, start of the 2nd document, ..., B*S) - FlashAttention's `cu_seqlens`, with
 every row start among them. Attention is then causal *within* each document and never crosses a
-boundary. This is the one place documents are masked; `document_spans` reads the tuple. A loop
-runs the dense causal kernel (whichever is chosen) once per document: exact, slower for many
-short documents (one launch each); the log-sum-exp is the documents' concatenated along the
-sequence. (FlashAttention-4's varlen kernel would do all documents in one launch; its gradients
-failed our GPU equivalence test as we called it, so it is not used yet: docs/gpu_tests.json.)
+boundary. This is the one place documents are masked; `document_spans` reads the tuple. With
+FlashAttention-4 one varlen launch covers all documents (q, k, v as one (B*S, heads, D) stream,
+int32 cu_seqlens), once its varlen forward and backward have passed their own check against the
+math kernel per document (`varlen_works`: a first version of this path passed the loss and failed
+the gradients on a GPU, so it is never trusted unchecked). Otherwise a loop runs the dense causal
+kernel once per document: exact, slower for many short documents (one launch each). Either way
+the log-sum-exp is only handed back to the backward of the same path. `use_varlen(False)` forces
+the loop (bench.packed compares the two).
 """
 
 import logging
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 log = logging.getLogger("kernels")
 
 KERNELS = ("auto", "fa4", "cudnn", "flash", "math")
-_requested = {"kernel": "auto"}  # this process's --attn-kernel
+_requested = {"kernel": "auto", "varlen": True}  # this process's --attn-kernel; FA4 varlen allowed
 
 
 def fa4_installed() -> bool:
@@ -61,6 +64,11 @@ def use_kernel(name: str) -> None:
                          "(pip install flash-attn-4, on a Hopper or Blackwell GPU)")
     _requested["kernel"] = name
     _KERNEL_CHOICE.clear()
+
+
+def use_varlen(enabled: bool) -> None:
+    """Allow (default) or forbid FlashAttention-4's varlen launch for packed documents."""
+    _requested["varlen"] = enabled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,13 +144,47 @@ def document_spans(cu_seqlens, batch: int, seq_len: int) -> list[tuple[int, int,
     return [(a // seq_len, a % seq_len, a % seq_len + (b - a)) for a, b in zip(bounds, bounds[1:])]
 
 
+def varlen_args(q, k, v, cu_seqlens) -> dict:
+    """FlashAttention-4's varlen arguments: q, k, v as one stream of (B*S, heads, D), the
+    boundaries as int32 on the device, the longest document."""
+    bounds = torch.tensor([int(b) for b in cu_seqlens], dtype=torch.int32, device=q.device)
+    longest = max(int(b) - int(a) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    return dict(q=q.flatten(0, 1), k=k.flatten(0, 1), v=v.flatten(0, 1), cu_seqlens_q=bounds,
+                cu_seqlens_k=bounds, max_seqlen_q=longest, max_seqlen_k=longest)
+
+
+def _varlen_forward(q, k, v, cu_seqlens):
+    """(out (B, S, H, D), lse (H, B*S)) of FA4's varlen forward."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    with torch.no_grad():  # its autograd Function: only the forward here
+        out, lse = flash_attn_varlen_func(**varlen_args(q, k, v, cu_seqlens), causal=True,
+                                          return_lse=True)
+    return out.view_as(q), lse
+
+
+def _varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens):
+    """(dq, dk, dv) of `_varlen_forward`: FA4's backward entry point with the boundaries."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    args = varlen_args(q, k, v, cu_seqlens)
+    grads = _flash_attn_bwd(args.pop("q"), args.pop("k"), args.pop("v"), out.flatten(0, 1),
+                            grad_out.flatten(0, 1), lse, causal=True, **args)[:3]
+    return tuple(g.view_as(t) for g, t in zip(grads, (q, k, v)))
+
+
 def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
-    """`causal_attention` within each document of `cu_seqlens`: one dense causal call per
-    document, outputs concatenated along the sequence (autograd does the backward)."""
+    """`causal_attention` within each document of `cu_seqlens`: FA4's varlen launch where it
+    passed its check, else one dense causal call per document, outputs concatenated along the
+    sequence (autograd does the backward either way)."""
     batch, seq_len = q.shape[:2]
     spans = document_spans(cu_seqlens, batch, seq_len)
     if len(spans) == batch:  # one document per row: the dense kernel as it is
         return causal_attention(q, k, v, sdpa_only)
+    if not sdpa_only and varlen_works(q):
+        from flash_attn.cute import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(**varlen_args(q, k, v, cu_seqlens), causal=True)[0].view_as(q)
     # torch.split, not slicing: its backward writes all the documents' gradients into one
     # tensor, where each slice's backward would allocate (and zero) a q-sized gradient.
     lengths = [[end - start for r, start, end in spans if r == row] for row in range(batch)]
@@ -250,6 +292,8 @@ def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
+        if len(spans) > batch and kernel is None and varlen_works(q):
+            return _varlen_forward(q, k, v, cu_seqlens)  # one launch; lse (H, B*S)
         if len(spans) > batch:
             outs, lses = [[] for _ in range(batch)], [[] for _ in range(batch)]
             for row, start, end in spans:
@@ -276,6 +320,8 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
+        if len(spans) > batch and kernel is None and varlen_works(q):
+            return _varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens)
         if len(spans) > batch:
             grads = [[[] for _ in range(batch)] for _ in range(3)]
             for row, start, end in spans:
@@ -368,6 +414,62 @@ def _check_kernel(kernel, device, dtype, head_dim):
             warnings.warn(f"attention kernel {kernel!r} on {device}/{dtype}/head_dim {head_dim} "
                           f"failed {what}: {type(error).__name__}: {error}")
     return None
+
+
+_VARLEN_CHECKED = {}  # (dtype, head_dim) -> FA4's varlen passed its check
+
+
+def varlen_works(q) -> bool:
+    """Whether packed documents like q's go through FA4's varlen launch: FA4 is this process's
+    kernel for q, varlen is allowed (`use_varlen`), and its forward and backward passed
+    `_check_varlen` for q's dtype and head size (once per process; a failure warns)."""
+    if not (_requested["varlen"] and q.is_cuda and lse_kernel(q)[0] == "fa4"):
+        return False
+    key = (q.dtype, q.shape[-1])
+    if key not in _VARLEN_CHECKED:
+        try:
+            _check_varlen(q.device, q.dtype, q.shape[-1])
+            _VARLEN_CHECKED[key] = True
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            warnings.warn(f"FlashAttention-4 varlen on {q.dtype}/head_dim {q.shape[-1]} failed its "
+                          f"check ({type(error).__name__}: {error}); packed documents use the "
+                          f"per-document loop")
+            _VARLEN_CHECKED[key] = False
+        log.info("FlashAttention-4 varlen for packed documents, %s head_dim %d: %s",
+                 q.dtype, q.shape[-1], "yes" if _VARLEN_CHECKED[key] else "no (per-document loop)")
+    return _VARLEN_CHECKED[key]
+
+
+def _check_varlen(device, dtype, head_dim, lengths=(37, 1, 90, 64, 64, 200, 56), batch=2):
+    """FA4's varlen forward and backward on packed documents (2 query heads per KV head, rows
+    of sum(lengths) / batch tokens, a 1-token document; no document crosses a row) against the
+    math kernel run on each document alone. Raises RuntimeError naming the first output that differs."""
+    generator = torch.Generator().manual_seed(0)
+    seq_len = sum(lengths) // batch
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    q, grad_out = (torch.randn(batch, seq_len, 4, head_dim, generator=generator).to(dtype).float()
+                   for _ in range(2))
+    k, v = (torch.randn(batch, seq_len, 2, head_dim, generator=generator).to(dtype).float()
+            for _ in range(2))
+    wants = {name: [] for name in ("out", "dq", "dk", "dv")}
+    for row, start, end in document_spans(bounds, batch, seq_len):
+        part = (slice(row, row + 1), slice(start, end))
+        out, lse = math_attention_forward(q[part], k[part], v[part])
+        grads = math_attention_backward(grad_out[part], q[part], k[part], v[part], out, lse)
+        for name, t in zip(wants, (out, *grads)):
+            wants[name].append(t.flatten(0, 1))
+    args = [t.to(device, dtype) for t in (q, k, v)]
+    out, lse = _varlen_forward(*args, bounds)
+    grads = _varlen_backward(grad_out.to(device, dtype), *args, out, lse, bounds)
+    for name, got in zip(wants, (out, *grads)):
+        want, got = torch.cat(wants[name]), got.float().cpu().flatten(0, 1)
+        error = (got - want).abs().max().item()
+        if not error <= 3e-2 * (1 + want.abs().max().item()):
+            raise RuntimeError(f"{name} differs from the math kernel per document by {error:.3g}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,18 +8,20 @@
 The window is a realistic long-tailed mix (`long_tailed_lengths`): about --long-share of its tokens
 in documents of --long-doc to 1.5 x --long-doc tokens (default >= 256K), the rest in documents
 whose lengths are log-normal around --short-median (default 3K tokens), in random order, the last
-one cut by the window's end. The same tokens are then trained twice per method, each a full
-training step through train.py's own functions at --stack 5's memory techniques (FSDP,
-checkpointing + offload, tiling) with Ulysses (02) or Untied Ulysses (05):
+one cut by the window's end. The same tokens are then trained per method, each a full training
+step through train.py's own functions at --stack 5's memory techniques (FSDP, checkpointing +
+offload, tiling) with Ulysses (02) or Untied Ulysses (05):
   - dense: one causal document per window (what training without --documents does);
-  - documents: the window's documents (data.Documents: positions, labels, boundaries).
+  - documents: the window's documents (data.Documents: positions, labels, boundaries), through
+    FlashAttention-4's varlen launch where it passed its check (kernels.varlen_works), else the
+    per-document loop over the dense kernel (--attn-kernel picks it);
+  - documents_loop (only when varlen runs): the same documents through the per-document loop
+    over FA4's dense kernel, one launch per document and head chunk.
 Recorded per row: step time (median of the steps after the first), tokens/s per GPU, the peak
-allocated, and the attention kernel (kernels.py's per-document loop over the chosen dense kernel:
-one launch per document and head chunk, launch-bound for short documents; --attn-kernel picks
-the kernel). Document masking does less attention work (sum of L_i^2 instead of S^2), so
-`attention_work` gives that fraction: a documents step at the same speed as dense is a kernel
-that stopped being efficient. A first `kernel` part times attention alone (forward + backward
-of one rank's heads after the exchange, all S tokens) dense vs documents, without the rest of
+allocated, the attention kernel. Document masking does less attention work (sum of L_i^2
+instead of S^2), so `attention_work` gives that fraction: a documents step at the same speed as
+dense is a kernel that stopped being efficient. A first `kernel` part times attention alone
+(forward + backward of one rank's heads after the exchange, all S tokens) per masking, without
 the step. Depth: --layers (default 2) like bench/throughput.py; say so next to the number.
 """
 
@@ -91,12 +93,21 @@ def time_kernel(args, sp, seq_len, cu_seqlens, device, dtype, repeats) -> dict:
                            generator=generator).requires_grad_() for h in (heads, kv_heads, kv_heads))
     grad = torch.randn(1, seq_len, heads, args.head_dim, device=device, dtype=dtype, generator=generator)
     row = {}
-    for name, cu in (("dense", None), ("documents", cu_seqlens)):
+    for masking in maskings(q):
         def run():
+            kernels.use_varlen(masking != "documents_loop")
+            cu = None if masking == "dense" else cu_seqlens
             kernels.causal_attention(q, k, v, cu_seqlens=cu).backward(grad)
-        row[f"{name}_ms"] = 1e3 * peak_and_times(run, device, repeats)["time_s"]
-    row["documents_over_dense"] = row["documents_ms"] / row["dense_ms"]
+        row[f"{masking}_ms"] = 1e3 * peak_and_times(run, device, repeats)["time_s"]
+        row[f"{masking}_over_dense"] = row[f"{masking}_ms"] / row["dense_ms"]
+    kernels.use_varlen(True)
     return row
+
+
+def maskings(q) -> list[str]:
+    """dense, documents (FA4's varlen launch where it passed its check, else the loop), and
+    with varlen also documents_loop (the per-document loop over the same dense kernel)."""
+    return ["dense", "documents"] + (["documents_loop"] if kernels.varlen_works(q) else [])
 
 
 def time_step(cfg, tokens, documents, steps) -> dict:
@@ -165,7 +176,9 @@ def main():
               "stack": "fsdp, checkpoint, offload, tile_mlp, tile_loss, tile_norm + the method",
               "mix": {"long_doc": long_doc, "long_share": opts.long_share,
                       "short_median": short_median},
-              "kernel": "per-document loop over the dense kernel (kernels.document_attention)",
+              "kernel": ("documents: FlashAttention-4's varlen launch where it passed its check "
+                         "(kernels.varlen_works), else the per-document loop over the dense kernel; "
+                         "documents_loop: that loop (kernels.document_attention)"),
               "attention_kernel": kernels.attention_kernel_name(rt.device, getattr(torch, dtype),
                                                                 args.head_dim),
               "rows": []}
@@ -185,16 +198,19 @@ def main():
             result["rows"].append(row)
             if rt.rank == 0:
                 print(row, flush=True)
+        probe = torch.empty(1, 1, 1, args.head_dim, device=rt.device, dtype=getattr(torch, dtype))
         for method in opts.methods:
-            for masking in ("dense", "documents"):
+            for masking in maskings(probe):
                 row = {**mix, "part": "step", "method": method, "masking": masking}
                 if not within_budget(started, opts.budget_s, rt.device):
                     result["rows"].append({**row, "status": "skipped (time budget)"})
                     continue
                 cfg = train.resolve_techniques(dataclasses.replace(
                     base, seq_len=seq_len, ulysses=method == "ulysses", untied=method == "untied"))
-                row.update(time_step(cfg, tokens, documents if masking == "documents" else None,
+                kernels.use_varlen(masking != "documents_loop")
+                row.update(time_step(cfg, tokens, None if masking == "dense" else documents,
                                      opts.steps))
+                kernels.use_varlen(True)
                 result["rows"].append(row)
                 if rt.rank == 0:
                     print({k: v for k, v in row.items() if k != "step_times_s"}, flush=True)
@@ -204,13 +220,13 @@ def main():
         write_result(name, result, out_dir)
         steps = {(r["seq_len"], r["method"], r["masking"]): r for r in result["rows"]
                  if r["part"] == "step" and r.get("status") == "ok"}
-        print(f"\n{'tokens':>8} {'docs':>6} {'work':>6} {'method':>8} {'dense s':>9} "
-              f"{'docs s':>9} {'docs/dense':>11}")
+        print(f"\n{'tokens':>8} {'docs':>6} {'work':>6} {'method':>8} {'masking':>15} "
+              f"{'dense s':>9} {'docs s':>9} {'docs/dense':>11}")
         for (seq_len, method, masking), r in steps.items():
             dense = steps.get((seq_len, method, "dense"))
-            if masking == "documents" and dense:
+            if masking != "dense" and dense:
                 print(f"{seq_len:>8} {r['documents']:>6} {r['attention_work']:>6.2f} {method:>8} "
-                      f"{dense['step_time_s']:>9.2f} {r['step_time_s']:>9.2f} "
+                      f"{masking:>15} {dense['step_time_s']:>9.2f} {r['step_time_s']:>9.2f} "
                       f"{r['step_time_s'] / dense['step_time_s']:>11.3f}")
     end_distributed()
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
-from reference import assert_matches, full
+from reference import GPU_KERNELS, assert_matches, full, with_kernel
 
 import data as data_module
 import kernels
@@ -239,13 +239,66 @@ def test_packed_training_equals_each_document_alone(world_size, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_packed_training_nccl_bf16_matches_fp32_documents(tmp_path):
-    """02 and 05 (with the rest of --stack 5) on 2 GPUs in bf16 against the fp32 reference."""
+@pytest.mark.parametrize("varlen", [False, True], ids=["loop", "varlen"])
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_path):
+    """02 and 05 (with the rest of --stack 5) on 2 GPUs in bf16 against the fp32 reference, with
+    each GPU kernel: the per-document loop, and FA4's varlen launch where it passes its check
+    for the tiny model's head size (else the loop again: test_fa4_varlen_* says why)."""
+    if varlen and kernel != "fa4":
+        pytest.skip("varlen is FlashAttention-4's")
     lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
     path = tmp_path / "packed.bin"
     write_token_file(path, make_stream(lengths))
-    run_ranks(2, _packed_equals_documents, [(2, 2), (4, 2), (5, 2)], str(path), lengths, 2,
-              "cuda", "bfloat16", 3e-2, backend="nccl")
+    run_ranks(2, with_kernel, kernel, _with_varlen, varlen, _packed_equals_documents,
+              [(2, 2), (4, 2), (5, 2)], str(path), lengths, 2, "cuda", "bfloat16", 3e-2,
+              backend="nccl")
+
+
+def _with_varlen(varlen, body, *args):
+    kernels.use_varlen(varlen)
+    body(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.fa4_installed()),
+                    reason="needs a GPU with flash-attn-4")
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_fa4_varlen_matches_each_document_alone(head_dim):
+    """FA4's varlen launch, both as 02 calls it (autograd) and as 05 does (forward with the
+    log-sum-exp, then its backward entry point), equals the math kernel on each document alone
+    (bf16 inputs, fp32 reference): documents of 1 to 1500 tokens in rows of 2048, 16 query
+    heads over 4 KV heads (the Ulysses-local Llama-3-8B layout at P = 2)."""
+    lengths = (1000, 1, 300, 747, 1500, 37, 511)  # rows of 2048: no document crosses one
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    kernels.use_kernel("fa4")
+    generator = torch.Generator().manual_seed(1)
+    q, grad_out = (torch.randn(2, 2048, 16, head_dim, generator=generator).bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 2048, 4, head_dim, generator=generator).bfloat16() for _ in range(2))
+    want = {name: [] for name in ("out", "dq", "dk", "dv")}
+    for row, start, end in kernels.document_spans(bounds, 2, 2048):
+        part = (slice(row, row + 1), slice(start, end))
+        out, lse = kernels.math_attention_forward(*(t[part].cuda().float() for t in (q, k, v)))
+        grads = kernels.math_attention_backward(*(t[part].cuda().float() for t in (grad_out, q, k, v)),
+                                                out, lse)
+        for name, t in zip(want, (out, *grads)):
+            want[name].append(t.flatten(0, 1))
+    want = {name: torch.cat(parts) for name, parts in want.items()}
+    q, k, v, grad_out = (t.cuda() for t in (q, k, v, grad_out))
+    assert kernels.varlen_works(q), "FA4 varlen failed its own check (see the warning)"
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kernels.causal_attention(*leaves, cu_seqlens=bounds)  # 02's path: autograd
+    out.backward(grad_out)
+    autograd = (out, *(t.grad for t in leaves))
+    out, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=bounds)  # 05's path
+    explicit = (out, *kernels.attention_backward_lse(grad_out, q, k, v, out, lse, cu_seqlens=bounds))
+    for path, got in (("autograd", autograd), ("forward_lse/backward_lse", explicit)):
+        for name, tensor in zip(want, got):
+            error = (tensor.float().flatten(0, 1) - want[name]).norm() / want[name].norm()
+            assert error < 1e-2, f"{path} {name}: relative error {error:.3g} (head_dim {head_dim})"
 
 
 # ---------------------------------------------------------------------------------------------
