@@ -23,6 +23,9 @@ its own sequence of S tokens):
   ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default: what
             train.py chooses for the full-depth model: the fewest stages whose planned
             step fits the GPU).
+  METHOD+host-state   the same with the model state on the host (01's --offload-model-state:
+            its extra step time is per layer, so the 1 + 2 layer extrapolation holds for it);
+  METHOD@KERNEL       with that attention kernel (--attn-kernel), e.g. ulysses+host-state@fa4.
 Step = forward + backward + AdamW step; time = the median of --steps after the first (which warms
 up kernels, the allocator and the offload buffers), single step above --single-step-above. A 1-
 and 2-layer pair measures a layer as their difference, so a step's run-to-run noise (~1%) counts
@@ -76,10 +79,15 @@ H200_BF16_PEAK = 989e12
 # One row: a method at a length and a depth.
 # ---------------------------------------------------------------------------------------------
 
+HOST_STATE = "+host-state"  # a method's suffix: the model state on the host (--offload-model-state)
+
+
 def parse_method(method: str) -> tuple:
-    """'untied:8@fa4' -> ('untied', 8, 'fa4'): the method, Untied's head chunk (None: train.py's
-    choice), the attention kernel (--attn-kernel; 'auto' when not given)."""
-    method, _, kernel = method.partition("@")
+    """'untied:8+host-state@fa4' -> ('untied', 8, 'fa4'): the method, Untied's head chunk (None:
+    train.py's choice), the attention kernel (--attn-kernel; 'auto' when not given). The
+    +host-state suffix (model state on the host, 01's --offload-model-state) is read by
+    `method_config`."""
+    method, _, kernel = method.replace(HOST_STATE, "").partition("@")
     name, _, chunk = method.partition(":")
     return name, int(chunk) if chunk else None, kernel or "auto"
 
@@ -87,7 +95,8 @@ def parse_method(method: str) -> tuple:
 def method_config(base: train.Config, method: str, model_name: str, seq_len: int) -> train.Config:
     name, chunk, kernel = parse_method(method)
     cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len, attn_kernel=kernel,
-                              ulysses=name == "ulysses", untied=name == "untied", head_chunk=chunk)
+                              ulysses=name == "ulysses", untied=name == "untied", head_chunk=chunk,
+                              offload_model_state=base.offload_model_state or HOST_STATE in method)
     return train.resolve_techniques(cfg)
 
 
@@ -230,7 +239,7 @@ def method_label(entry: dict) -> str:
     """A table entry's method, with Untied's head chunk (from `untied:U`, else the one train.py
     chose, recorded in the entry)."""
     name, chunk, kernel = parse_method(entry["method"])
-    at = "" if kernel == "auto" else f" {kernel}"
+    at = ("" if kernel == "auto" else f" {kernel}") + (" " + HOST_STATE if HOST_STATE in entry["method"] else "")
     if name != "untied":
         return name + at
     return f"untied U={chunk or entry.get('head_chunk') or 'P'}{at}"
@@ -282,8 +291,9 @@ def main():
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-lens", nargs="*", default=["128K", "256K", "512K", "1M"])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied", "ring", "none"],
-                        help="none, ring, ulysses, untied or untied:U, each optionally @KERNEL "
-                             "(--attn-kernel: ulysses@fa4 ulysses@cudnn)")
+                        help="none, ring, ulysses, untied or untied:U, each optionally +host-state "
+                             "(--offload-model-state) and @KERNEL (--attn-kernel): ulysses@fa4 "
+                             "ulysses+host-state@fa4")
     parser.add_argument("--no-cp-up-to", default="256K", help="skip 'none' above this length")
     parser.add_argument("--steps", type=int, default=2, help="steps per row; those after the first are timed")
     parser.add_argument("--single-step-above", default="512K")

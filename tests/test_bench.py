@@ -47,6 +47,26 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
         assert json.loads(path.read_text())  # a complete, parseable result
 
 
+def test_pretrained_benchmark_on_cpu_matches_transformers(tmp_path):
+    """bench/pretrained.py's three parts on the tiny shape: write an HF folder, --init-from it
+    under --stack 5 on 2 ranks (step, export), then transformers' loss on both folders equals
+    ours (fp32: only summation order differs)."""
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    folder, export = str(tmp_path / "hf"), str(tmp_path / "exported")
+    for command in (["-m", "bench.pretrained", "write", folder, "--model", "tiny"],
+                    ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m",
+                     "bench.pretrained", "run", folder, export, "--short", "64", "--out",
+                     str(tmp_path), "--", "--stack", "5", "--seq-len", "256"],
+                    ["-m", "bench.pretrained", "reference", folder, export, "--out", str(tmp_path)]):
+        done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    result = json.loads(next(tmp_path.glob("pretrained_*.json")).read_text())
+    assert result["sp"] == 2 and result["short_loss_after_step"] != result["short_loss_before_step"]
+    for key in ("reference_transformers", "export_transformers"):
+        assert result[key]["relative_difference"] < 1e-5, result[key]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("script,needle", [("throughput", "--device cpu --model tiny"),
                                            ("packed", "--device cpu --model tiny"),
