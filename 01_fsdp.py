@@ -104,18 +104,17 @@ def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> d
             "optimizer": model_state_bytes(args, world_size)["optimizer"]}
 
 
-def offload_transfer_bytes(args, world_size: int, bytes_per_value: int = 2) -> dict:
+def offload_transfer_bytes(args, world_size: int) -> dict:
     """Per-rank GPU bytes in flight with --offload-model-state, at fsdp_buffer_bytes' moments:
     a group's fp32 shard copied in (and cast) for its all-gather, and a gradient shard after
-    its reduce-scatter, before it is copied to the host. Nothing after forward; in backward
-    the prefetched block's copy and the running block's gradient shard; at its end the root's
-    gradient shard. (Estimated from FSDP2's code, not measured.)"""
+    its reduce-scatter, before it is copied to the host. Nothing after forward, and nothing at
+    a block's backward peak: the copy-in is freed once the prefetched all-gather has its input,
+    and the running block's gradient shard does not exist yet (measured on 2 x H200 at 512K-3.5M:
+    counting both put the planner 1 GiB high; docs/calibration.md). At the end of backward the
+    root's gradient shard."""
     root = num_params(replace(args, n_layers=0))
-    block = (num_params(args) - root) // max(args.n_layers, 1)
-    copy_in = 4 + (bytes_per_value if bytes_per_value < 4 else 0)
-    shard = lambda n: -(-n // world_size)  # noqa: E731
-    return {"after_forward": 0, "during_backward": (copy_in + 4) * shard(block),
-            "end_of_backward": 4 * shard(root)}
+    return {"after_forward": 0, "during_backward": 0,
+            "end_of_backward": 4 * -(-root // world_size)}
 
 
 # ---------------------------------------------------------------------------------------------

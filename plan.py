@@ -127,7 +127,7 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     host_state = 0
     if cfg.offload_model_state:  # 01: the same shards in host memory; AdamW steps there (fused)
         host_state = sum(fsdp.offloaded_model_state_bytes(args, world_size).values())
-        transfers = fsdp.offload_transfer_bytes(args, world_size, b)
+        transfers = fsdp.offload_transfer_bytes(args, world_size)
         buffers = {moment: n + transfers[moment] for moment, n in buffers.items()}
         state, optimizer_temporaries = dict.fromkeys(state, 0), 0
 
@@ -375,7 +375,7 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
              for c in PLAN_COMPONENTS if c in peak or c != "optimizer"}
     usable = gpu_mem - PLAN_GPU_RESERVE
     lines = [
-        f"{cfg.model} ({llama.num_params(args) / 1e9:.2f}B parameters): "
+        f"{train.model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): "
         f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "
         f"(data {plan['dp']} x sequence {plan['sp']}), {plan['local_tokens']:,} tokens per GPU",
         f"techniques: {train.techniques_text(cfg, plan['head_chunk'])}",
@@ -413,7 +413,7 @@ def plan_forward_table(cfg: train.Config, world_size: int, gpu_mem: int) -> str:
     usable = gpu_mem - PLAN_GPU_RESERVE
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     return "\n".join([
-        f"{cfg.model} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
+        f"{train.model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
         f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
         f"{cfg.dtype}; {world_size} GPUs (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
@@ -457,7 +457,7 @@ def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_me
     node = gpus_sharing_a_node(world_size, gpus_per_node)
     offloaded = " --offload-model-state" if cfg.offload_model_state else ""
     what = "evaluation forward" if forward_only else "sequence"
-    lines = [f"longest {what} that fits: {cfg.model}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
+    lines = [f"longest {what} that fits: {train.model_name(cfg)}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
              f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
              f"node of {node} GPUs, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of "
              f"sp x 1,024 tokens" + (f"; every row{offloaded}" if offloaded else ""),
@@ -500,7 +500,7 @@ def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_m
     parallel) and a note says what limits it and what a longer sequence would take."""
     args = train.model_args(cfg)
     techniques = train.techniques_text(replace(cfg, offload_model_state=False), "P")
-    lines = [f"longest sequence per GPU count: {cfg.model}, {techniques}; GPUs of "
+    lines = [f"longest sequence per GPU count: {train.model_name(cfg)}, {techniques}; GPUs of "
              f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
              f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
              f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]

@@ -229,6 +229,11 @@ def model_args(cfg: Config) -> llama.ModelArgs:
     return replace(args, **{k: v for k, v in rope.items() if v is not None})
 
 
+def model_name(cfg: Config) -> str:
+    """What the logs call the model: the --init-from folder, else the --model preset."""
+    return f"{cfg.init_from} (Hugging Face folder)" if cfg.init_from else cfg.model
+
+
 def techniques_text(cfg: Config, head_chunk) -> str:
     names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
     names += ["offload_model_state"] if cfg.offload_model_state else []
@@ -456,7 +461,7 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
               "attention_kernel": attention_kernel(cfg, rt, args),
               "parameters": llama.num_params(args), "first_step": first_step}
     if is_main:
-        print(f"{cfg.model}: {header['parameters'] / 1e6:.1f}M params, {cfg.seq_len:,} tokens, "
+        print(f"{model_name(cfg)}: {header['parameters'] / 1e6:.1f}M params, {cfg.seq_len:,} tokens, "
               f"world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
               f"attention: {header['attention_kernel']}, techniques: "
               f"{techniques_text(cfg, cfg.head_chunk or rt.sp)}"

@@ -20,7 +20,11 @@ host memory (reported as what full depth would need) and the missing layers' ste
 With --offload-model-state (01) the model state lives in host memory: the ballast for the
 missing layers does too (their parameter and gradient shards pinned, Adam's moments pageable and
 written, as FSDP2 and AdamW hold them), and the GPU holds none; the step time then leaves out
-the missing layers' host-to-GPU copies and their share of the CPU optimizer step.
+the missing layers' host-to-GPU copies and their share of the CPU optimizer step. The GPU peak
+then moves: no other layers' gradients wait on the GPU, so the larger moment is the last layer's
+backward, which also holds the input of the layer below (brought back from the host ahead of
+time). One layer has no layer below: with the state on the host the default depth is 2 layers
+(a 3.5M-token trial at 1 layer measured 14 GiB under the full-depth peak the planner gives).
 
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
 calibrated against these benchmarks), then steps of --step up or down until the status changes,
@@ -160,7 +164,8 @@ def main():
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied"])
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="model depth (default 1; 2 with --offload-model-state: see above)")
     parser.add_argument("--first-length", default=None, help="first length (default: the planner's longest)")
     parser.add_argument("--granularity", default="64K")
     parser.add_argument("--step", type=float, default=0.1, help="relative step before bisecting")
@@ -170,6 +175,8 @@ def main():
                         help="01: the model state (and the missing layers' ballast) in host memory")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
+    if opts.layers is None:
+        opts.layers = 2 if opts.offload_model_state else 1
     refuse_without_gpu("max_length.py", opts.model, opts.device,
                        "python -m bench.max_length --device cpu --model tiny --methods ulysses "
                        "--first-length 1K --granularity 256 --max-trials 2")

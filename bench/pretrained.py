@@ -146,7 +146,8 @@ def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir
     if rt.rank == 0:
         checkpoint_gib = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / GiB
         result = {"what": "--init-from an HF folder, one step, --export-hf (bench/pretrained.py)",
-                  "folder": folder, "checkpoint_gib": checkpoint_gib, "model": cfg.model,
+                  "folder": folder, "checkpoint_gib": checkpoint_gib,
+                  "parameters": llama.num_params(args),
                   "train_args": train_argv, "config": dataclasses.asdict(cfg), "dp": rt.dp,
                   "sp": rt.sp, "head_chunk": cfg.head_chunk,
                   "attention_kernel": train.attention_kernel(cfg, rt, args),
@@ -154,15 +155,17 @@ def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir
                   "first_step_loss": metrics["loss"], "seq_len": cfg.seq_len,
                   "short_tokens": short, "short_loss_before_step": before,
                   "short_loss_after_step": after, "ranks": gathered}
-        write_result(name(cfg, rt), result, out_dir)
+        write_result(name(args, rt), result, out_dir)
         print(json.dumps({k: v for k, v in result.items() if k not in ("config", "ranks")}, default=str))
         for r, row in enumerate(gathered):
             print(f"rank {r}: {row}")
     end_distributed()
 
 
-def name(cfg, rt) -> str:
-    return f"pretrained_{cfg.model}_{rt.world}gpu" + ("" if rt.device.type == "cuda" else "_cpu")
+def name(args, rt) -> str:
+    """pretrained_<billions of parameters>b_<GPUs>gpu: the folder's shape, not a preset's name."""
+    return (f"pretrained_{llama.num_params(args) / 1e9:.1f}b_{rt.world}gpu"
+            + ("" if rt.device.type == "cuda" else "_cpu"))
 
 
 def reference(folder: str, export_dir: str, result_path: str, device: str) -> None:

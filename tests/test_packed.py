@@ -265,10 +265,10 @@ def _with_varlen(varlen, body, *args):
                     reason="needs a GPU with flash-attn-4")
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 def test_fa4_varlen_matches_each_document_alone(head_dim):
-    """FA4's varlen launch, both as 02 calls it (autograd) and as 05 does (forward with the
-    log-sum-exp, then its backward entry point), equals the math kernel on each document alone
-    (bf16 inputs, fp32 reference): documents of 1 to 1500 tokens in rows of 2048, 16 query
-    heads over 4 KV heads (the Ulysses-local Llama-3-8B layout at P = 2)."""
+    """FA4's varlen launch where its check passes, both as 02 calls it (autograd) and as 05 does
+    (forward with the log-sum-exp, then its backward entry point), equals the math kernel on each
+    document alone (bf16 inputs, fp32 reference): documents of 1 to 1500 tokens in rows of 2048,
+    16 query heads over 4 KV heads (the Ulysses-local Llama-3-8B layout at P = 2)."""
     lengths = (1000, 1, 300, 747, 1500, 37, 511)  # rows of 2048: no document crosses one
     bounds = [0]
     for n in lengths:
@@ -287,7 +287,11 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
             want[name].append(t.flatten(0, 1))
     want = {name: torch.cat(parts) for name, parts in want.items()}
     q, k, v, grad_out = (t.cuda() for t in (q, k, v, grad_out))
-    assert kernels.varlen_works(q), "FA4 varlen failed its own check (see the warning)"
+    # The Llama head sizes must get the one-launch path; at head_dim 8 FA4 4.0.0b36's varlen
+    # backward is wrong (dq off by 2.7 on an H200, docs/gpu_tests.json), its check refuses it
+    # and the per-document loop runs: either way the result below must be right.
+    uses_varlen = kernels.varlen_works(q)
+    assert uses_varlen or head_dim < 64, "FA4 varlen failed its own check (see the warning)"
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = kernels.causal_attention(*leaves, cu_seqlens=bounds)  # 02's path: autograd
@@ -298,7 +302,8 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
     for path, got in (("autograd", autograd), ("forward_lse/backward_lse", explicit)):
         for name, tensor in zip(want, got):
             error = (tensor.float().flatten(0, 1) - want[name]).norm() / want[name].norm()
-            assert error < 1e-2, f"{path} {name}: relative error {error:.3g} (head_dim {head_dim})"
+            assert error < 1e-2, (f"{path} {name}: relative error {error:.3g} (head_dim {head_dim}, "
+                                  f"{'varlen' if uses_varlen else 'per-document loop'})")
 
 
 # ---------------------------------------------------------------------------------------------
