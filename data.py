@@ -93,6 +93,17 @@ def documents_in_windows(windows: torch.Tensor, starts: torch.Tensor,
     return Documents(labels, positions, tuple(bounds) + (batch * seq_len,))
 
 
+def stack_documents(parts: list[Documents]) -> Documents:
+    """One batch from the Documents of single windows (B = 1 each), in row order: row b's
+    boundaries shift by b x S (eval.py gathers its windows one by one)."""
+    seq_len = parts[0].labels.shape[1]
+    bounds = [0]
+    for row, part in enumerate(parts):
+        bounds += [row * seq_len + int(b) for b in part.cu_seqlens[1:]]
+    return Documents(torch.cat([p.labels for p in parts]), torch.cat([p.position_ids for p in parts]),
+                     tuple(bounds))
+
+
 class TokenData:
     """Batches of (batch_size, seq_len + 1) token ids for one data-parallel rank.
 

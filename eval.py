@@ -16,13 +16,14 @@ loops unchanged under no_grad (tests/test_eval.py runs every stack level).
 Loss by position (--task loss): held-out windows of a token file (--data, --windows,
 --first-window: windows are consecutive seq_len + 1 token slices, as in training), each token's
 cross-entropy summed into buckets of its position on a log scale: [0, 1K), [1K, 2K), [2K, 4K),
-..., up to the length (--bucket-start sets the first edge). Every rank knows the global positions
-of its shard (02's shard_sequence), so it adds its tokens' losses into the buckets and one
-all_reduce gives the totals. Per-token losses come from the model's `token_scores` seam (model.py;
-04 tiles it with the loss under --tile-loss, so seq x vocab logits never exist). Buckets follow
-`position_ids`: with packed documents, whose positions restart at every document, the same code
-would give the loss by position within the document once evaluation takes packed documents
-(not yet: --documents is refused). Writes JSON and a PNG curve.
+..., up to the length (--bucket-start sets the first edge). Every rank knows the positions of its
+shard (02's shard_sequence), so it adds its tokens' losses into the buckets and one all_reduce
+gives the totals. Per-token losses come from the model's `token_scores` seam (model.py; 04 tiles
+it with the loss under --tile-loss, so seq x vocab logits never exist). Buckets follow
+`position_ids`: with packed documents (--documents, --doc-sep, as in training) positions restart
+at every document and attention stays inside it, so the same code gives the loss by position
+within the document, each document scored as if alone (a document's last token has no target).
+Writes JSON and a PNG curve.
 
 Passkey retrieval (--task passkey), at the token level: a random key (--key-len ids from
 --alphabet) follows a marker (--marker-ids) at a chosen depth inside filler (--filler-ids,
@@ -70,7 +71,7 @@ import torch.distributed as dist
 import model as llama
 import resume
 import train
-from data import TokenData, parse_tokens
+from data import TokenData, parse_tokens, stack_documents
 
 ulysses = train.ulysses
 
@@ -83,12 +84,7 @@ FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we 
 # ---------------------------------------------------------------------------------------------
 
 def eval_config(cfg: train.Config) -> train.Config:
-    """cfg without 03: checkpointing and offload keep activations for a backward that never comes.
-    Packed documents are refused: the scores below run dense windows (documents would attend to
-    each other and keep global positions), so their numbers would silently be another model's."""
-    if cfg.documents:
-        raise ValueError("eval.py scores dense windows; --documents / --doc-sep are not supported "
-                         "by evaluation yet (they would be ignored)")
+    """cfg without 03: checkpointing and offload keep activations for a backward that never comes."""
     return replace(cfg, checkpoint=False, offload=False, resume=False)
 
 
@@ -104,14 +100,18 @@ def build(cfg: train.Config):
 
 
 @torch.no_grad()
-def token_scores(model, tokens: torch.Tensor, rt, labels=None):
+def token_scores(model, tokens: torch.Tensor, rt, labels=None, documents=None):
     """One forward of this rank's shard of `tokens` (B, S + 1): (scores (B, S/P, 2) with each
-    token's loss and greedy prediction, its labels, its global positions)."""
+    token's loss and greedy prediction, its labels, its positions: global, or within its
+    document when `documents` (data.Documents of tokens: positions and boundaries) is given)."""
     tokens = tokens.to(rt.device)
+    positions = cu_seqlens = None
+    if documents is not None:
+        positions, cu_seqlens = documents.position_ids.to(rt.device), documents.cu_seqlens
     input_ids, labels, positions = ulysses.shard_sequence(
-        tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device))
+        tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device), positions)
     with train.out_of_memory_names("forward"):
-        scores = model(input_ids, positions, labels, per_token=True)
+        scores = model(input_ids, positions, labels, per_token=True, cu_seqlens=cu_seqlens)
     return scores.float(), labels, positions
 
 
@@ -169,7 +169,8 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
                      bucket_start: int = 1024) -> dict:
     """Mean loss per position bucket over `windows` windows from `first_window` on. Each data-
     parallel rank takes every dp-th batch of windows; ranks run the same number of forwards
-    (a rank without a window left runs one with every label ignored)."""
+    (a rank without a window left runs one with every label ignored). With --documents the
+    positions are within each document (module docstring)."""
     args = train.model_args(cfg)
     data, window = window_source(cfg, args.vocab_size)
     if data.tokens is not None:
@@ -183,20 +184,23 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
     times = []
     for step in range(math.ceil(windows / per_forward)):
         indices = [(step * rt.dp + rt.dp_rank) * cfg.batch_size + j for j in range(cfg.batch_size)]
-        tokens = torch.cat([window(first_window + min(i, windows - 1)) for i in indices])
-        labels = tokens[:, 1:].clone()
+        numbers = [first_window + min(i, windows - 1) for i in indices]
+        rows = [window(n) for n in numbers]
+        tokens = torch.cat(rows)
+        documents = (stack_documents([data.documents(n, row) for n, row in zip(numbers, rows)])
+                     if cfg.documents else None)
+        labels = (tokens[:, 1:] if documents is None else documents.labels).clone()
         labels[torch.tensor(indices) >= windows] = llama.IGNORE_INDEX  # padding rows
         synchronize(rt)
         start = time.perf_counter()
-        scores, local_labels, positions = token_scores(model, tokens, rt, labels)
-        # Positions from shard_sequence: global. With packed documents pass the batch's own
-        # position_ids here (they restart per document): the buckets become document positions.
+        scores, local_labels, positions = token_scores(model, tokens, rt, labels, documents)
         totals += bucket_sums(scores[..., 0], positions, local_labels, edges)
         synchronize(rt)
         times.append(time.perf_counter() - start)
     all_reduce(totals, rt)
     sums, counts = totals.cpu().tolist()
     return {"task": "loss", "seq_len": cfg.seq_len, "windows": windows,
+            "positions": "within each document" if cfg.documents else "in the window",
             "first_window": first_window, "data": cfg.data, "edges": edges,
             "buckets": [{"start": a, "end": b, "tokens": int(n), "mean_loss": s / n if n else None}
                         for a, b, s, n in zip(edges[:-1], edges[1:], sums, counts)],
@@ -338,7 +342,9 @@ def plot_losses(results: list[dict], path) -> bool:
     ends = sorted({b["end"] for r in results for b in r["buckets"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(ends, [tokens_text(n) for n in ends])
-    ax.set_xlabel("token position (bucket end; buckets double from the first)")
+    within = {r.get("positions") for r in results} == {"within each document"}
+    ax.set_xlabel(("position within its document" if within else "token position")
+                  + " (bucket end; buckets double from the first)")
     ax.set_ylabel("mean cross-entropy (nats)")
     ax.set_title("loss by position")
     ax.legend(fontsize=8)
@@ -403,6 +409,8 @@ def parse_eval_args(argv):
     if opts.compare:
         return opts, None
     cfg = eval_config(train.parse_args(train_argv))
+    if opts.task == "passkey" and cfg.documents:
+        raise ValueError("--documents / --doc-sep apply to --task loss: a passkey sequence is one document")
     if opts.task == "passkey":
         opts.lengths = [parse_tokens(n) for n in (opts.lengths or str(cfg.seq_len)).split(",")]
         opts.depths = [float(d) for d in opts.depths.split(",")]

@@ -77,9 +77,9 @@ def test_single_process_result_has_log_buckets_from_the_checkpoint(trained):
     assert untrained["mean_loss"] != pytest.approx(expected["mean_loss"], rel=1e-4)  # it loaded
 
 
-def _sharded_levels_equal_single_process(save_dir, expected, runs):
+def _sharded_levels_equal_single_process(save_dir, expected, runs, common=None):
     for flags in runs:
-        cfg = eval_cfg(save_dir, **flags)
+        cfg = eval_cfg(save_dir, **flags, **(common or {}))
         assert not cfg.checkpoint and not cfg.offload
         assert_same_buckets(loss_buckets(cfg), expected, flags)
 
@@ -91,6 +91,59 @@ def test_every_stack_level_at_p2_equals_one_process(trained):
     runs = [dict(stack=1), dict(stack=2), dict(stack=2, untied=True), dict(stack=3),
             dict(stack=4, loss_tile_tokens=5, mlp_tile_tokens=7), dict(stack=5)]
     run_ranks(2, _sharded_levels_equal_single_process, save_dir, expected, runs)
+
+
+SEP = 255  # the tiny vocabulary's last id ends each document
+
+
+@pytest.fixture(scope="module")
+def packed_file(tmp_path_factory):
+    """Random documents of 1-40 tokens, each ending with SEP, as a uint16 token file."""
+    generator = torch.Generator().manual_seed(3)
+    docs = []
+    while sum(len(d) for d in docs) < 12 * (SEQ_LEN + 1):
+        n = int(torch.randint(1, 41, (), generator=generator))
+        docs.append(torch.cat([torch.randint(0, SEP, (n - 1,), generator=generator), torch.tensor([SEP])]))
+    path = tmp_path_factory.mktemp("packed") / "docs.bin"
+    torch.cat(docs).to(torch.int32).numpy().astype("<u2").tofile(path)
+    return str(path)
+
+
+def test_packed_documents_score_each_document_alone_by_document_position(trained, packed_file):
+    """--doc-sep: every document scored as if alone (its own forward through the plain model,
+    with its positions), its tokens bucketed by their position within the document; the last
+    token of a document has no target."""
+    save_dir, _ = trained
+    cfg = eval_cfg(save_dir, data=packed_file, doc_sep=SEP)
+    result = loss_buckets(cfg)
+    assert result["positions"] == "within each document"
+    model = train.build_model(eval_cfg(save_dir), train.Runtime())
+    resume.load_model_state(save_dir, model)
+    data, window = evaluate.window_source(cfg, 256)
+    edges = evaluate.bucket_edges(SEQ_LEN, BUCKET_START)
+    totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64)
+    documents_seen = 0
+    for n in range(5, 5 + WINDOWS):
+        tokens = window(n)
+        docs = data.documents(n, tokens)
+        bounds = docs.cu_seqlens
+        documents_seen += len(bounds) - 1
+        for start, end in zip(bounds[:-1], bounds[1:]):  # one forward per document, alone
+            part = slice(start, end)
+            with torch.no_grad():
+                scores = model(tokens[:, :-1][:, part], docs.position_ids[:, part],
+                               docs.labels[:, part], per_token=True)
+            totals += evaluate.bucket_sums(scores[..., 0], docs.position_ids[:, part],
+                                           docs.labels[:, part], edges)
+    assert documents_seen > 3 * WINDOWS  # many documents per window
+    sums, counts = totals.tolist()
+    assert [b["tokens"] for b in result["buckets"]] == [int(c) for c in counts]
+    assert sum(counts) < WINDOWS * SEQ_LEN  # each document's last token has no target
+    for got, s, c in zip(result["buckets"], sums, counts):
+        assert got["mean_loss"] == pytest.approx(s / c, rel=1e-5)
+    run_ranks(2, _sharded_levels_equal_single_process, save_dir, result,
+              [dict(stack=1), dict(stack=2), dict(stack=5)],
+              dict(data=packed_file, doc_sep=SEP))
 
 
 def test_p4_and_data_parallel_equal_one_process(trained):
@@ -266,9 +319,10 @@ def test_command_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["--task", "passkey", "--lengths", "8", "--key-len", "4"])
     assert "cannot hold" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # evaluation runs dense windows: packed data is refused
-        evaluate.main(["--doc-sep", "0", "--seq-len", "64", "--out", str(tmp_path / "d.json")])
-    assert "--documents" in capsys.readouterr().err and not (tmp_path / "d.json").exists()
+    with pytest.raises(SystemExit):  # a passkey sequence is one document
+        evaluate.main(["--task", "passkey", "--doc-sep", "0", "--seq-len", "64",
+                       "--out", str(tmp_path / "d.json")])
+    assert "--task loss" in capsys.readouterr().err and not (tmp_path / "d.json").exists()
     with pytest.raises(SystemExit):
         evaluate.main(["--compare", str(tmp_path / "missing.json")])
     assert "cannot read" in capsys.readouterr().err
