@@ -465,7 +465,8 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
               f"world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
               f"attention: {header['attention_kernel']}, techniques: "
               f"{techniques_text(cfg, cfg.head_chunk or rt.sp)}"
-              + (f", packed documents (separator {data.separator})" if cfg.documents else "")
+              + ((", packed documents (" + (f"separator {data.separator}" if data.separator is not None
+                                             else "boundary index") + ")") if cfg.documents else "")
               + (f", resumed at step {first_step}" if cfg.resume else ""))
         if data.documents_ignored:
             print(f"note: {cfg.data} lists its documents (sidecar or .docs index), but without "
