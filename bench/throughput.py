@@ -308,8 +308,12 @@ def main():
     if opts.plot:
         saved = [json.loads(Path(f).read_text()) for f in opts.plot]
         for run in saved:
+            # Runs from before @KERNEL ran SDPA's cuDNN kernel (their "attention_kernel").
+            cudnn = "cudnn" in str(run.get("attention_kernel", "")).lower()
             for e in run["table"]:  # runs before rows recorded U ran 05's default then, U = P
                 e.setdefault("head_chunk", run["world_size"])
+                if cudnn and "@" not in e["method"] and e["method"] not in ("ring", "none"):
+                    e["method"] += "@cudnn"
         first = saved[0]
         plot([run["table"] for run in saved], Path(opts.plot[0]).with_suffix(".png"),
              f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
