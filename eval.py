@@ -20,10 +20,12 @@ cross-entropy summed into buckets of its position on a log scale: [0, 1K), [1K, 
 shard (02's shard_sequence), so it adds its tokens' losses into the buckets and one all_reduce
 gives the totals. Per-token losses come from the model's `token_scores` seam (model.py; 04 tiles
 it with the loss under --tile-loss, so seq x vocab logits never exist). Buckets follow
-`position_ids`: with packed documents (--documents, --doc-sep, as in training) positions restart
-at every document and attention stays inside it, so the same code gives the loss by position
-within the document, each document scored as if alone (a document's last token has no target).
-Writes JSON and a PNG curve.
+positions: with packed documents (--documents, --doc-sep, as in training) attention stays inside
+each document and the buckets are positions within the document, each document scored as if
+alone (a document's last token has no target). A window that starts inside a document gives that
+document's tokens their true rotary positions (as training does) but only the context from the
+window's start: they are bucketed by that visible context (`context_positions`), so a deep bucket
+holds only tokens that saw that much of their document. Writes JSON and a PNG curve.
 
 Passkey retrieval (--task passkey), at the token level: a random key (--key-len ids from
 --alphabet) follows a marker (--marker-ids) at a chosen depth inside filler (--filler-ids,
@@ -159,6 +161,14 @@ def bucket_sums(losses, positions, labels, edges) -> torch.Tensor:
     return sums
 
 
+def context_positions(cu_seqlens, batch: int, seq_len: int) -> torch.Tensor:
+    """(batch, seq_len): each token's index within its document's part of the window, the
+    context it can attend to (module docstring), from the global boundaries."""
+    bounds = torch.tensor(cu_seqlens)
+    starts = torch.repeat_interleave(bounds[:-1], bounds[1:] - bounds[:-1])
+    return (torch.arange(batch * seq_len) - starts).view(batch, seq_len)
+
+
 def window_source(cfg, vocab_size: int):
     """window(i) -> (1, seq_len + 1) ids of window i (data.py's windows; 'synthetic' too)."""
     data = TokenData(replace(cfg, batch_size=1), vocab_size, 0, 1)
@@ -194,6 +204,9 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
         synchronize(rt)
         start = time.perf_counter()
         scores, local_labels, positions = token_scores(model, tokens, rt, labels, documents)
+        if documents is not None:  # bucket by the context each token saw (module docstring)
+            visible = context_positions(documents.cu_seqlens, *labels.shape).to(rt.device)
+            positions = ulysses.shard_sequence(tokens, rt.sp_rank, rt.sp, None, visible)[2]
         totals += bucket_sums(scores[..., 0], positions, local_labels, edges)
         synchronize(rt)
         times.append(time.perf_counter() - start)

@@ -35,6 +35,7 @@ the log-sum-exp is only handed back to the backward of the same path. `use_varle
 the loop (bench.packed compares the two).
 """
 
+import functools
 import logging
 import warnings
 
@@ -147,10 +148,16 @@ def document_spans(cu_seqlens, batch: int, seq_len: int) -> list[tuple[int, int,
 def varlen_args(q, k, v, cu_seqlens) -> dict:
     """FlashAttention-4's varlen arguments: q, k, v as one stream of (B*S, heads, D), the
     boundaries as int32 on the device, the longest document."""
-    bounds = torch.tensor([int(b) for b in cu_seqlens], dtype=torch.int32, device=q.device)
+    bounds = _device_bounds(tuple(int(b) for b in cu_seqlens), q.device)
     longest = max(int(b) - int(a) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
     return dict(q=q.flatten(0, 1), k=k.flatten(0, 1), v=v.flatten(0, 1), cu_seqlens_q=bounds,
                 cu_seqlens_k=bounds, max_seqlen_q=longest, max_seqlen_k=longest)
+
+
+@functools.lru_cache(maxsize=4)
+def _device_bounds(cu_seqlens: tuple, device: torch.device) -> torch.Tensor:
+    """cu_seqlens as int32 on the device, copied once per batch (not per layer and stage)."""
+    return torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
 
 
 def _varlen_forward(q, k, v, cu_seqlens):
@@ -181,7 +188,7 @@ def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
     spans = document_spans(cu_seqlens, batch, seq_len)
     if len(spans) == batch:  # one document per row: the dense kernel as it is
         return causal_attention(q, k, v, sdpa_only)
-    if not sdpa_only and varlen_works(q):
+    if not sdpa_only and varlen_works(q, k):
         from flash_attn.cute import flash_attn_varlen_func
 
         return flash_attn_varlen_func(**varlen_args(q, k, v, cu_seqlens), causal=True)[0].view_as(q)
@@ -198,8 +205,8 @@ def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
 # ---------------------------------------------------------------------------------------------
 # Attention that returns its log-sum-exp, and a backward that takes it (05).
 # ---------------------------------------------------------------------------------------------
-# lse: fp32, (B, H, S) or (B, H, S, 1) depending on the kernel - only ever handed back to
-# `attention_backward_lse`. The kernels are FlashAttention-4's forward and backward functions,
+# lse: fp32, (B, H, S) or (B, H, S, 1) depending on the kernel, (H, B*S) from FA4's varlen
+# launch for packed documents - only ever handed back to `attention_backward_lse`. The kernels are FlashAttention-4's forward and backward functions,
 # or private ATen ops (what SDPA calls inside); each one is checked once per device/dtype/head
 # size against the plain math below, and the first that works is used.
 
@@ -292,7 +299,7 @@ def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
-        if len(spans) > batch and kernel is None and varlen_works(q):
+        if len(spans) > batch and kernel is None and varlen_works(q, k):
             return _varlen_forward(q, k, v, cu_seqlens)  # one launch; lse (H, B*S)
         if len(spans) > batch:
             outs, lses = [[] for _ in range(batch)], [[] for _ in range(batch)]
@@ -320,7 +327,7 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
-        if len(spans) > batch and kernel is None and varlen_works(q):
+        if len(spans) > batch and kernel is None and varlen_works(q, k):
             return _varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens)
         if len(spans) > batch:
             grads = [[[] for _ in range(batch)] for _ in range(3)]
@@ -416,44 +423,46 @@ def _check_kernel(kernel, device, dtype, head_dim):
     return None
 
 
-_VARLEN_CHECKED = {}  # (dtype, head_dim) -> FA4's varlen passed its check
+_VARLEN_CHECKED = {}  # (dtype, head_dim, query heads, KV heads) -> FA4's varlen passed its check
 
 
-def varlen_works(q) -> bool:
-    """Whether packed documents like q's go through FA4's varlen launch: FA4 is this process's
-    kernel for q, varlen is allowed (`use_varlen`), and its forward and backward passed
-    `_check_varlen` for q's dtype and head size (once per process; a failure warns)."""
+def varlen_works(q, k) -> bool:
+    """Whether packed documents like q's and k's go through FA4's varlen launch: FA4 is this
+    process's kernel for q, varlen is allowed (`use_varlen`), and its forward and backward passed
+    `_check_varlen` for this dtype, head size and number of query and KV heads (once per process;
+    a failure warns): its kernels differ by these, and so can its bugs."""
     if not (_requested["varlen"] and q.is_cuda and lse_kernel(q)[0] == "fa4"):
         return False
-    key = (q.dtype, q.shape[-1])
+    key = (q.dtype, q.shape[-1], q.shape[2], k.shape[2])
     if key not in _VARLEN_CHECKED:
         try:
-            _check_varlen(q.device, q.dtype, q.shape[-1])
+            _check_varlen(q.device, *key)
             _VARLEN_CHECKED[key] = True
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            warnings.warn(f"FlashAttention-4 varlen on {q.dtype}/head_dim {q.shape[-1]} failed its "
-                          f"check ({type(error).__name__}: {error}); packed documents use the "
-                          f"per-document loop")
+            warnings.warn(f"FlashAttention-4 varlen on {q.dtype}/head_dim {q.shape[-1]}/{q.shape[2]} "
+                          f"query and {k.shape[2]} KV heads failed its check ({type(error).__name__}: "
+                          f"{error}); packed documents use the per-document loop")
             _VARLEN_CHECKED[key] = False
-        log.info("FlashAttention-4 varlen for packed documents, %s head_dim %d: %s",
-                 q.dtype, q.shape[-1], "yes" if _VARLEN_CHECKED[key] else "no (per-document loop)")
+        log.info("FlashAttention-4 varlen for packed documents, %s head_dim %d, %d/%d heads: %s",
+                 *key, "yes" if _VARLEN_CHECKED[key] else "no (per-document loop)")
     return _VARLEN_CHECKED[key]
 
 
-def _check_varlen(device, dtype, head_dim, lengths=(37, 1, 90, 64, 64, 200, 56), batch=2):
-    """FA4's varlen forward and backward on packed documents (2 query heads per KV head, rows
-    of sum(lengths) / batch tokens, a 1-token document; no document crosses a row) against the
-    math kernel run on each document alone. Raises RuntimeError naming the first output that differs."""
+def _check_varlen(device, dtype, head_dim, n_heads, n_kv_heads,
+                  lengths=(37, 1, 90, 64, 64, 200, 56), batch=2):
+    """FA4's varlen forward and backward on packed documents (rows of sum(lengths) / batch
+    tokens, a 1-token document; no document crosses a row) against the math kernel run on each
+    document alone. Raises RuntimeError naming the first output that differs."""
     generator = torch.Generator().manual_seed(0)
     seq_len = sum(lengths) // batch
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    q, grad_out = (torch.randn(batch, seq_len, 4, head_dim, generator=generator).to(dtype).float()
+    q, grad_out = (torch.randn(batch, seq_len, n_heads, head_dim, generator=generator).to(dtype).float()
                    for _ in range(2))
-    k, v = (torch.randn(batch, seq_len, 2, head_dim, generator=generator).to(dtype).float()
+    k, v = (torch.randn(batch, seq_len, n_kv_heads, head_dim, generator=generator).to(dtype).float()
             for _ in range(2))
     wants = {name: [] for name in ("out", "dq", "dk", "dv")}
     for row, start, end in document_spans(bounds, batch, seq_len):

@@ -93,7 +93,7 @@ def time_kernel(args, sp, seq_len, cu_seqlens, device, dtype, repeats) -> dict:
                            generator=generator).requires_grad_() for h in (heads, kv_heads, kv_heads))
     grad = torch.randn(1, seq_len, heads, args.head_dim, device=device, dtype=dtype, generator=generator)
     row = {}
-    for masking in maskings(q):
+    for masking in maskings(q, k):
         def run():
             kernels.use_varlen(masking != "documents_loop")
             cu = None if masking == "dense" else cu_seqlens
@@ -104,10 +104,10 @@ def time_kernel(args, sp, seq_len, cu_seqlens, device, dtype, repeats) -> dict:
     return row
 
 
-def maskings(q) -> list[str]:
+def maskings(q, k) -> list[str]:
     """dense, documents (FA4's varlen launch where it passed its check, else the loop), and
     with varlen also documents_loop (the per-document loop over the same dense kernel)."""
-    return ["dense", "documents"] + (["documents_loop"] if kernels.varlen_works(q) else [])
+    return ["dense", "documents"] + (["documents_loop"] if kernels.varlen_works(q, k) else [])
 
 
 def time_step(cfg, tokens, documents, steps) -> dict:
@@ -198,9 +198,11 @@ def main():
             result["rows"].append(row)
             if rt.rank == 0:
                 print(row, flush=True)
-        probe = torch.empty(1, 1, 1, args.head_dim, device=rt.device, dtype=getattr(torch, dtype))
+        heads = args.n_heads // rt.world, max(args.n_kv_heads // rt.world, 1)  # Ulysses' per rank
+        probe_q, probe_k = (torch.empty(1, 1, h, args.head_dim, device=rt.device,
+                                        dtype=getattr(torch, dtype)) for h in heads)
         for method in opts.methods:
-            for masking in maskings(probe):
+            for masking in maskings(probe_q, probe_k):
                 row = {**mix, "part": "step", "method": method, "masking": masking}
                 if not within_budget(started, opts.budget_s, rt.device):
                     result["rows"].append({**row, "status": "skipped (time budget)"})

@@ -2,8 +2,9 @@
 
     python -m bench.pretrained write /tmp/llama3-8b-hf                       # an 8B-shaped folder
     torchrun --nproc-per-node 2 -m bench.pretrained run /tmp/llama3-8b-hf /tmp/exported \
-        -- --stack 5 --seq-len 128K                                          # train.py's flags
-    python -m bench.pretrained reference /tmp/llama3-8b-hf /tmp/exported     # one GPU, transformers
+        --name pretrained_llama3-8b_2gpu -- --stack 5 --seq-len 128K         # train.py's flags
+    python -m bench.pretrained reference /tmp/llama3-8b-hf /tmp/exported \
+        --name pretrained_llama3-8b_2gpu                                     # one GPU, transformers
     python -m bench.pretrained write /tmp/t --model tiny && python -m bench.pretrained run /tmp/t \
         /tmp/t-out --device cpu -- --stack 1 --seq-len 256 && \
         python -m bench.pretrained reference /tmp/t /tmp/t-out --device cpu   # CPU smoke form
@@ -100,7 +101,8 @@ def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
 
 
-def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir: str | None) -> None:
+def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir: str | None,
+        name: str) -> None:
     cfg = train.parse_args(["--init-from", folder, "--steps", "1", "--export-hf", export_dir,
                             *train_argv])
     rt = train.setup_runtime(cfg)
@@ -155,17 +157,11 @@ def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir
                   "first_step_loss": metrics["loss"], "seq_len": cfg.seq_len,
                   "short_tokens": short, "short_loss_before_step": before,
                   "short_loss_after_step": after, "ranks": gathered}
-        write_result(name(args, rt), result, out_dir)
+        write_result(name, result, out_dir)
         print(json.dumps({k: v for k, v in result.items() if k not in ("config", "ranks")}, default=str))
         for r, row in enumerate(gathered):
             print(f"rank {r}: {row}")
     end_distributed()
-
-
-def name(args, rt) -> str:
-    """pretrained_<billions of parameters>b_<GPUs>gpu: the folder's shape, not a preset's name."""
-    return (f"pretrained_{llama.num_params(args) / 1e9:.1f}b_{rt.world}gpu"
-            + ("" if rt.device.type == "cuda" else "_cpu"))
 
 
 def reference(folder: str, export_dir: str, result_path: str, device: str) -> None:
@@ -204,7 +200,7 @@ def main():
     parser.add_argument("--short", default="4K", help="run: the short window's tokens")
     parser.add_argument("--device", choices=["cuda", "cpu"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--result", default=None, help="reference: run's JSON (default: its name in --out)")
+    parser.add_argument("--name", default="pretrained", help="run/reference: the result is --out/NAME.json")
     parser.add_argument("--out", default=None)
     opts, train_argv = parser.parse_known_args()
     train_argv = [a for a in train_argv if a != "--"]
@@ -216,15 +212,13 @@ def main():
         if not opts.export:
             parser.error("run needs the export folder")
         device = ["--device", opts.device] + (["--dtype", "float32"] if opts.device == "cpu" else [])
-        run(opts.folder, opts.export, device + train_argv, parse_tokens(opts.short), opts.out)
+        run(opts.folder, opts.export, device + train_argv, parse_tokens(opts.short), opts.out,
+            opts.name)
     else:
-        found = sorted(Path(opts.out or default_out_dir()).glob("pretrained_*.json"),
-                       key=lambda p: p.stat().st_mtime)  # the newest run's, unless named
-        path = opts.result or (str(found[-1]) if found else None)
-        if not path:
-            parser.error(f"no run result (pretrained_*.json) in {opts.out or default_out_dir()}: "
-                         f"give --result")
-        reference(opts.folder, opts.export, path, opts.device)
+        path = Path(opts.out or default_out_dir()) / f"{opts.name}.json"
+        if not path.exists():
+            parser.error(f"{path} does not exist: run `run` first, with the same --name and --out")
+        reference(opts.folder, opts.export, str(path), opts.device)
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
             entry["status"] = "OOM" if "OOM" in statuses else "not run"
             table.append(entry)
             continue
-        sequences = world if method == "none" else 1
+        sequences = world if parse_method(method)[0] == "none" else 1
         tokens_per_gpu = seq_len * sequences / world
         flops = step_flops(args, seq_len, sequences)
         entry.update(status="ok", step_time_s=step, how=how,
@@ -328,7 +328,8 @@ def main():
                         dtype="bfloat16" if opts.device == "cuda" else "float32")
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     dtype = getattr(torch, base.dtype)
-    methods = [m for m in opts.methods if not (m == "ring" and opts.device == "cpu")]  # CUDA only
+    methods = [m for m in opts.methods  # the ring peer is CUDA only
+               if not (parse_method(m)[0] == "ring" and opts.device == "cpu")]
     parse = parse_tokens
     result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
@@ -348,7 +349,7 @@ def main():
             write_result(name, result, out_dir, announce=False)
 
     plan = [(m, parse(s), layers) for s in opts.seq_lens for m in methods for layers in (1, 2)
-            if not (m == "none" and parse(s) > parse(opts.no_cp_up_to))]
+            if not (parse_method(m)[0] == "none" and parse(s) > parse(opts.no_cp_up_to))]
     plan += [(m, parse(s), args.n_layers) for m, _, s in (v.rpartition(":") for v in opts.validate)]
     for method, seq_len, layers in plan:
         rate_key = f"{seq_len}@{parse_method(method)[2]}"  # each kernel its own rate

@@ -61,7 +61,7 @@ def test_pretrained_benchmark_on_cpu_matches_transformers(tmp_path):
         done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=240)
         assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    result = json.loads(next(tmp_path.glob("pretrained_*.json")).read_text())
+    result = json.loads((tmp_path / "pretrained.json").read_text())
     assert result["sp"] == 2 and result["short_loss_after_step"] != result["short_loss_before_step"]
     for key in ("reference_transformers", "export_transformers"):
         assert result[key]["relative_difference"] < 1e-5, result[key]

@@ -111,8 +111,9 @@ def packed_file(tmp_path_factory):
 
 def test_packed_documents_score_each_document_alone_by_document_position(trained, packed_file):
     """--doc-sep: every document scored as if alone (its own forward through the plain model,
-    with its positions), its tokens bucketed by their position within the document; the last
-    token of a document has no target."""
+    with its positions), its tokens bucketed by the context they saw within the document (a
+    window starting inside a document: from the window's start); a document's last token has
+    no target."""
     save_dir, _ = trained
     cfg = eval_cfg(save_dir, data=packed_file, doc_sep=SEP)
     result = loss_buckets(cfg)
@@ -122,7 +123,7 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
     data, window = evaluate.window_source(cfg, 256)
     edges = evaluate.bucket_edges(SEQ_LEN, BUCKET_START)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64)
-    documents_seen = 0
+    documents_seen, continued = 0, False
     for n in range(5, 5 + WINDOWS):
         tokens = window(n)
         docs = data.documents(n, tokens)
@@ -133,9 +134,10 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
             with torch.no_grad():
                 scores = model(tokens[:, :-1][:, part], docs.position_ids[:, part],
                                docs.labels[:, part], per_token=True)
-            totals += evaluate.bucket_sums(scores[..., 0], docs.position_ids[:, part],
-                                           docs.labels[:, part], edges)
-    assert documents_seen > 3 * WINDOWS  # many documents per window
+            seen = torch.arange(end - start)[None]  # the context this document part has
+            totals += evaluate.bucket_sums(scores[..., 0], seen, docs.labels[:, part], edges)
+            continued = continued or int(docs.position_ids[0, start]) > 0
+    assert documents_seen > 3 * WINDOWS and continued  # a window starts inside a document
     sums, counts = totals.tolist()
     assert [b["tokens"] for b in result["buckets"]] == [int(c) for c in counts]
     assert sum(counts) < WINDOWS * SEQ_LEN  # each document's last token has no target

@@ -11,6 +11,7 @@ input ends a document.
 
 import importlib
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -88,8 +89,12 @@ def reference_fragments(stream, lengths, rows: int, seq_len: int = SEQ_LEN):
     return fragments
 
 
-def reference_loss_and_grads(fragments, seed: int = 0):
-    model = llama.Transformer(llama.get_model_args("tiny"))
+# The tiny shape with FlashAttention's head size (FA4's varlen check refuses head_dim 8).
+llama.PRESETS.setdefault("tiny-hd64", replace(llama.get_model_args("tiny"), head_dim=64))
+
+
+def reference_loss_and_grads(fragments, seed: int = 0, model_name: str = "tiny"):
+    model = llama.Transformer(llama.get_model_args(model_name))
     llama.init_weights(model, seed)
     count = sum(int((labels != llama.IGNORE_INDEX).sum()) for _, _, labels in fragments)
     total = 0.0
@@ -197,13 +202,15 @@ def test_document_spans_refuse_boundaries_of_another_batch():
 # ---------------------------------------------------------------------------------------------
 
 def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", dtype="float32",
-                             norm_rtol=None):
+                             norm_rtol=None, model_name="tiny"):
     stream = make_stream(lengths)
     world = dist.get_world_size()
     for stack, sp in cases:
-        cfg = train.Config(model="tiny", stack=stack, sp=sp, seq_len=SEQ_LEN,
+        # attn_kernel: the one this process was given (with_kernel), as setup_runtime sets it again
+        cfg = train.Config(model=model_name, stack=stack, sp=sp, seq_len=SEQ_LEN,
                            batch_size=batch_size, data=path, doc_sep=SEP, mlp_tile_tokens=8,
-                           loss_tile_tokens=8, device=device, dtype=dtype)
+                           loss_tile_tokens=8, device=device, dtype=dtype,
+                           attn_kernel=kernels._requested["kernel"])
         cfg = train.resolve_techniques(cfg)
         rt = train.setup_runtime(cfg)
         model = train.build_model(cfg, rt)
@@ -212,7 +219,7 @@ def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", d
         loss = train.forward_backward(model, tokens, rt, documents=data.documents(0, tokens))
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         ref_loss, ref_grads = reference_loss_and_grads(
-            reference_fragments(stream, lengths, rt.dp * batch_size))
+            reference_fragments(stream, lengths, rt.dp * batch_size), model_name=model_name)
         what = f"stack {stack}, world {world}, dp {rt.dp} x sp {rt.sp}"
         # 05 sums its attention in another order (see test_05): compare whole-tensor errors.
         grads = {n: g.float().cpu() for n, g in grads.items()}
@@ -243,8 +250,8 @@ def test_packed_training_equals_each_document_alone(world_size, tmp_path):
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_path):
     """02 and 05 (with the rest of --stack 5) on 2 GPUs in bf16 against the fp32 reference, with
-    each GPU kernel: the per-document loop, and FA4's varlen launch where it passes its check
-    for the tiny model's head size (else the loop again: test_fa4_varlen_* says why)."""
+    each GPU kernel through the per-document loop, and with FA4's varlen launch (the tiny shape
+    with head_dim 64: FA4's varlen check refuses the tiny model's 8)."""
     if varlen and kernel != "fa4":
         pytest.skip("varlen is FlashAttention-4's")
     lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
@@ -252,12 +259,15 @@ def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_pa
     write_token_file(path, make_stream(lengths))
     run_ranks(2, with_kernel, kernel, _with_varlen, varlen, _packed_equals_documents,
               [(2, 2), (4, 2), (5, 2)], str(path), lengths, 2, "cuda", "bfloat16", 3e-2,
-              backend="nccl")
+              "tiny-hd64" if varlen else "tiny", backend="nccl")
 
 
 def _with_varlen(varlen, body, *args):
     kernels.use_varlen(varlen)
     body(*args)
+    if varlen:  # the path under test was the one that ran: every shape met passed varlen's check
+        checked = {key: ok for key, ok in kernels._VARLEN_CHECKED.items() if key[1] == 64}
+        assert checked and all(checked.values()), checked
 
 
 @pytest.mark.gpu
@@ -273,7 +283,7 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    kernels.use_kernel("fa4")
+    kernels.use_kernel("fa4")  # set back to auto at the end: later tests in this process
     generator = torch.Generator().manual_seed(1)
     q, grad_out = (torch.randn(2, 2048, 16, head_dim, generator=generator).bfloat16() for _ in range(2))
     k, v = (torch.randn(2, 2048, 4, head_dim, generator=generator).bfloat16() for _ in range(2))
@@ -290,7 +300,7 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
     # The Llama head sizes must get the one-launch path; at head_dim 8 FA4 4.0.0b36's varlen
     # backward is wrong (dq off by 2.7 on an H200, docs/gpu_tests.json), its check refuses it
     # and the per-document loop runs: either way the result below must be right.
-    uses_varlen = kernels.varlen_works(q)
+    uses_varlen = kernels.varlen_works(q, k)
     assert uses_varlen or head_dim < 64, "FA4 varlen failed its own check (see the warning)"
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -304,6 +314,7 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
             error = (tensor.float().flatten(0, 1) - want[name]).norm() / want[name].norm()
             assert error < 1e-2, (f"{path} {name}: relative error {error:.3g} (head_dim {head_dim}, "
                                   f"{'varlen' if uses_varlen else 'per-document loop'})")
+    kernels.use_kernel("auto")
 
 
 # ---------------------------------------------------------------------------------------------
