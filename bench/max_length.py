@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m bench.max_length --methods ulysses untied
     torchrun --nproc-per-node 2 -m bench.max_length --methods untied --offload-model-state
+    torchrun --nproc-per-node 2 -m bench.max_length --methods untied --forward-only   # evaluation
     python -m bench.max_length --device cpu --model tiny --methods ulysses --first-length 1K --granularity 256 --max-trials 2
 
 Both methods run the whole ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms);
@@ -25,6 +26,11 @@ then moves: no other layers' gradients wait on the GPU, so the larger moment is 
 backward, which also holds the input of the layer below (brought back from the host ahead of
 time). One layer has no layer below: with the state on the host the default depth is 2 layers
 (a 3.5M-token trial at 1 layer measured 14 GiB under the full-depth peak the planner gives).
+
+--forward-only: the same search for evaluation's forward (eval.py: under no_grad, without 03's
+checkpointing, the ballast holding the missing layers' parameters alone), against the planner's
+forward-only count (`plan.py --eval`). Its forward time is one layer's: a full-depth forward is
+about layers x that (the embedding and the loss are small next to a layer at these lengths).
 
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
 calibrated against these benchmarks), then steps of --step up or down until the status changes,
@@ -55,6 +61,7 @@ train = importlib.import_module("train")
 fsdp = importlib.import_module("01_fsdp")
 offload = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
+evaluate = importlib.import_module("eval")
 GiB = 2**30
 
 
@@ -74,15 +81,20 @@ def allocate_ballast(nbytes: dict, device: torch.device, on_host: bool) -> list:
         return []
     if not on_host:
         return [torch.empty(sum(nbytes.values()), dtype=torch.uint8, device=device)]
-    return [torch.empty(nbytes["parameters"] + nbytes["gradients"], dtype=torch.uint8, pin_memory=True),
-            torch.zeros(nbytes["optimizer"], dtype=torch.uint8)]
+    return [torch.empty(nbytes["parameters"] + nbytes.get("gradients", 0), dtype=torch.uint8,
+                        pin_memory=True),
+            torch.zeros(nbytes.get("optimizer", 0), dtype=torch.uint8)]
 
 
-def trial(base, method: str, seq_len: int, layers: int) -> dict:
-    """One optimizer step of a `layers`-deep model plus the ballast: completed or OOM."""
+def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = False) -> dict:
+    """One optimizer step of a `layers`-deep model plus the ballast: completed or OOM. With
+    forward_only, one evaluation forward instead (eval.py's: no checkpointing, no gradients),
+    the ballast holding only the missing layers' parameters."""
     started = time.perf_counter()
     args = llama.get_model_args(base.model)
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
+    if forward_only:
+        cfg = evaluate.eval_config(cfg)
     rt = train.setup_runtime(cfg)
     if cfg.untied and cfg.head_chunk is None:
         cfg.head_chunk = rt.sp  # U = P, the least memory: what this search is about
@@ -90,24 +102,35 @@ def trial(base, method: str, seq_len: int, layers: int) -> dict:
     model = optimizer = ballast = None
     try:
         on_host = cfg.offload_model_state
-        ballast = allocate_ballast(ballast_bytes(args, layers, rt.world, on_host), rt.device, on_host)
+        missing = ballast_bytes(args, layers, rt.world, on_host)
+        if forward_only:  # evaluation holds the parameters alone
+            missing = {"parameters": missing["parameters"]}
+        ballast = allocate_ballast(missing, rt.device, on_host)
         model = train.build_model(cfg, rt)
-        optimizer = train.make_optimizer(model, cfg)
-        allocate_adam_state(model, optimizer)  # a later step's state, as the ballast holds
         tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        if forward_only:
+            model.eval()
+        else:
+            optimizer = train.make_optimizer(model, cfg)
+            allocate_adam_state(model, optimizer)  # a later step's state, as the ballast holds
         if rt.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        train.train_step(model, optimizer, tokens, rt, cfg)
+        if forward_only:
+            evaluate.token_scores(model, tokens, rt)
+        else:
+            train.train_step(model, optimizer, tokens, rt, cfg)
         synchronize(rt.device)
-        row.update(status="completed", step_time_s=time.perf_counter() - start,
+        row.update(status="completed", **{"forward_time_s" if forward_only else "step_time_s":
+                                          time.perf_counter() - start},
                    **{"host_ballast_gib" if on_host else "ballast_gib": sum(t.numel() for t in ballast) / GiB})
         if rt.device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row.update(status="OOM", error=str(error).split("\n")[0])
-    # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU.
-    host = offload.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"]
+    # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU (training).
+    host = (0 if forward_only else
+            offload.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"])
     if cfg.offload_model_state:  # and its model state
         host += sum(fsdp.offloaded_model_state_bytes(args, rt.world).values())
     row["full_depth_host_gib_per_gpu"] = host / GiB
@@ -129,7 +152,8 @@ def expected_seconds(trials: list, seq_len: int) -> float:
 
 
 def search(base, method: str, start: int, granularity: int, step: float, layers: int,
-           max_trials: int, in_budget, after_trial=lambda fits, fails, trials: None) -> tuple:
+           max_trials: int, in_budget, after_trial=lambda fits, fails, trials: None,
+           forward_only: bool = False) -> tuple:
     """(longest completed length or None, shortest OOM length or None, trials): step from
     `start` until the status flips, then bisect to `granularity`. after_trial(fits, fails,
     trials) runs after each trial (the script saves what it has: a trial can take minutes)."""
@@ -137,7 +161,7 @@ def search(base, method: str, start: int, granularity: int, step: float, layers:
     trials, fits, fails = [], None, None
     length = rounded(start)
     while len(trials) < max_trials and in_budget(length, trials):
-        row = trial(base, method, length, layers)
+        row = trial(base, method, length, layers, forward_only)
         trials.append(row)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print({k: v for k, v in row.items() if k != "error"}, flush=True)
@@ -173,6 +197,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--offload-model-state", action="store_true",
                         help="01: the model state (and the missing layers' ballast) in host memory")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="evaluation's forward (eval.py) instead of a training step")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     if opts.layers is None:
@@ -195,7 +221,8 @@ def main():
         expected = expected_seconds(earlier_trials + trials, length)
         return within_budget(started, opts.budget_s - expected, rt.device)
 
-    result = {"what": "longest completed training step per method (search)", "model": opts.model,
+    result = {"what": ("longest completed evaluation forward per method (search)" if opts.forward_only
+                       else "longest completed training step per method (search)"), "model": opts.model,
               "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
               "gpu_memory_gib": gpu_bytes / GiB, "offload_model_state": opts.offload_model_state,
               "methods": {},
@@ -206,6 +233,7 @@ def main():
             cfg, train.setup_runtime(cfg), llama.get_model_args(opts.model))
     name = (f"max_length_{opts.model}_{rt.world}gpu"
             + ("_offload_model_state" if opts.offload_model_state else "")
+            + ("_eval" if opts.forward_only else "")
             + ("" if opts.device == "cuda" else "_cpu"))
 
     def save(method, planned, fits, fails, trials):
@@ -218,13 +246,16 @@ def main():
         cfg = method_config(base, method, opts.model, 1024)
         planned = None
         if opts.device == "cuda":  # the planner's longest for this GPU, host memory not limiting (see above)
-            planned, _ = planner.plan_longest_seq_len(cfg, rt.world, gpu_bytes, 2**60)
+            planned, _ = planner.plan_longest_seq_len(
+                evaluate.eval_config(cfg) if opts.forward_only else cfg, rt.world, gpu_bytes, 2**60,
+                forward_only=opts.forward_only)
         elif not opts.first_length:
             parser.error("--first-length is needed on CPU (the planner plans for a GPU's memory)")
         start = parse(opts.first_length) if opts.first_length else planned
         save(method, planned, None, None, [])  # listed even if the budget allows no trial
         _, _, trials = search(base, method, start, parse(opts.granularity), opts.step, opts.layers,
-                              opts.max_trials, in_budget, after_trial=partial(save, method, planned))
+                              opts.max_trials, in_budget, after_trial=partial(save, method, planned),
+                              forward_only=opts.forward_only)
         earlier_trials += trials
     lengths = {m: r["longest_completed"] for m, r in result["methods"].items()}
     if lengths.get("ulysses") and lengths.get("untied"):

@@ -23,6 +23,9 @@ SMOKE_RUNS = {
                 "256", "--layers-seq-len", "256", "--steps", "2"],
     "max_length": ["--device", "cpu", "--model", "tiny", "--methods", "ulysses", "untied",
                    "--first-length", "1K", "--granularity", "256", "--max-trials", "2"],
+    "max_length:forward_only": ["--device", "cpu", "--model", "tiny", "--methods", "ulysses", "untied",
+                                "--first-length", "1K", "--granularity", "256", "--max-trials", "2",
+                                "--forward-only"],
     "max_length:offload_model_state": ["--device", "cpu", "--model", "tiny", "--methods", "untied",
                                        "--first-length", "1K", "--granularity", "256",
                                        "--max-trials", "2", "--offload-model-state"],
@@ -148,7 +151,7 @@ def test_max_length_search_brackets_the_limit(monkeypatch):
 
     tried = []
 
-    def fake_trial(base, method, seq_len, layers):
+    def fake_trial(base, method, seq_len, layers, forward_only=False):
         tried.append(seq_len)
         return {"seq_len": seq_len, "status": "completed" if seq_len <= 5000 else "OOM"}
 

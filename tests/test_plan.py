@@ -79,7 +79,9 @@ def predicted_bytes(row: dict) -> tuple:
             args = replace(args, n_layers=row["layers"])
         # Adam's moments exist in later steps, and in a first step the benchmark prepared them for.
         adam = row.get("adam_allocated", row["kind"] == "step")
-        plan = planner.plan_memory(cfg, row["gpus"], args, adam_allocated=adam)
+        # kind "forward": an evaluation forward (eval.py, bench/max_length.py --forward-only)
+        plan = planner.plan_memory(cfg, row["gpus"], args, adam_allocated=adam,
+                                   forward_only=row["kind"] == "forward")
         if row["kind"] == "model_state":
             return plan["model_state"], "after the optimizer step"
         moments = {m: sum(c.values()) for m, c in plan["moments"].items()}
