@@ -28,8 +28,9 @@ every row start among them. Attention is then causal *within* each document and 
 boundary. This is the one place documents are masked; `document_spans` reads the tuple. With
 FlashAttention-4 one varlen launch covers all documents (q, k, v as one (B*S, heads, D) stream,
 int32 cu_seqlens), once its varlen forward and backward have passed their own check against the
-math kernel per document (`varlen_works`: a first version of this path passed the loss and failed
-the gradients on a GPU, so it is never trusted unchecked). Otherwise a loop runs the dense causal
+math kernel per document, for the head size and head counts in use (`varlen_works`: its
+gradients are wrong at some head sizes - head_dim 8 in flash-attn-4 4.0.0b36, docs/gpu_tests.json -
+so it is never trusted unchecked). Otherwise a loop runs the dense causal
 kernel once per document: exact, slower for many short documents (one launch each). Either way
 the log-sum-exp is only handed back to the backward of the same path. `use_varlen(False)` forces
 the loop (bench.packed compares the two).
