@@ -207,9 +207,10 @@ def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
 # Attention that returns its log-sum-exp, and a backward that takes it (05).
 # ---------------------------------------------------------------------------------------------
 # lse: fp32, (B, H, S) or (B, H, S, 1) depending on the kernel, (H, B*S) from FA4's varlen
-# launch for packed documents - only ever handed back to `attention_backward_lse`. The kernels are FlashAttention-4's forward and backward functions,
-# or private ATen ops (what SDPA calls inside); each one is checked once per device/dtype/head
-# size against the plain math below, and the first that works is used.
+# launch for packed documents - only ever handed back to `attention_backward_lse`. The kernels
+# are FlashAttention-4's forward and backward functions, or private ATen ops (what SDPA calls
+# inside); each one is checked once per device/dtype/head size against the plain math below, and
+# the first that works is used.
 
 def math_attention_forward(q, k, v):
     """Reference kernel in fp32 with explicit scores (B, Hkv, G, S, S): small inputs only."""
@@ -455,7 +456,8 @@ def _check_varlen(device, dtype, head_dim, n_heads, n_kv_heads,
                   lengths=(37, 1, 90, 64, 64, 200, 56), batch=2):
     """FA4's varlen forward and backward on packed documents (rows of sum(lengths) / batch
     tokens, a 1-token document; no document crosses a row) against the math kernel run on each
-    document alone. Raises RuntimeError naming the first output that differs."""
+    document alone (the per-document loop of `attention_forward_lse`). Raises RuntimeError
+    naming the first output that differs."""
     generator = torch.Generator().manual_seed(0)
     seq_len = sum(lengths) // batch
     bounds = [0]
@@ -465,18 +467,13 @@ def _check_varlen(device, dtype, head_dim, n_heads, n_kv_heads,
                    for _ in range(2))
     k, v = (torch.randn(batch, seq_len, n_kv_heads, head_dim, generator=generator).to(dtype).float()
             for _ in range(2))
-    wants = {name: [] for name in ("out", "dq", "dk", "dv")}
-    for row, start, end in document_spans(bounds, batch, seq_len):
-        part = (slice(row, row + 1), slice(start, end))
-        out, lse = math_attention_forward(q[part], k[part], v[part])
-        grads = math_attention_backward(grad_out[part], q[part], k[part], v[part], out, lse)
-        for name, t in zip(wants, (out, *grads)):
-            wants[name].append(t.flatten(0, 1))
+    out, lse = attention_forward_lse(q, k, v, "math", bounds)
+    wants = (out, *attention_backward_lse(grad_out, q, k, v, out, lse, "math", bounds))
     args = [t.to(device, dtype) for t in (q, k, v)]
     out, lse = _varlen_forward(*args, bounds)
     grads = _varlen_backward(grad_out.to(device, dtype), *args, out, lse, bounds)
-    for name, got in zip(wants, (out, *grads)):
-        want, got = torch.cat(wants[name]), got.float().cpu().flatten(0, 1)
+    for name, want, got in zip(("out", "dq", "dk", "dv"), wants, (out, *grads)):
+        got = got.float().cpu()
         error = (got - want).abs().max().item()
         if not error <= 3e-2 * (1 + want.abs().max().item()):
             raise RuntimeError(f"{name} differs from the math kernel per document by {error:.3g}")

@@ -24,7 +24,7 @@ from reference import GPU_KERNELS, assert_matches, full, with_kernel
 import data as data_module
 import kernels
 import model as llama
-from data import Documents, TokenData, documents_in_windows
+from data import TokenData, documents_in_windows
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
