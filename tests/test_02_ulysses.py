@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
-                       train_loss_and_grads, with_kernel)
+from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_matches, make_batch,
+                       reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
 import kernels
 import model as llama
@@ -24,9 +24,10 @@ HEAD_CASES = {
 }
 
 
-def _attention_matches_unsharded(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-6):
+def _attention_matches_unsharded(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-6,
+                                 head_dim=16):
     rank, sp = dist.get_rank(), dist.get_world_size()
-    batch, seq_len, head_dim = 2, 32, 16
+    batch, seq_len = 2, 32
     local = slice(rank * seq_len // sp, (rank + 1) * seq_len // sp)
     for n_heads, n_kv_heads in HEAD_CASES[sp]:
         g = torch.Generator().manual_seed(n_heads * 100 + n_kv_heads)
@@ -54,8 +55,9 @@ def test_attention_output_and_grads_equal_unsharded(world_size):
     run_ranks(world_size, _attention_matches_unsharded)
 
 
-def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", norm_rtol=None):
-    cfg = train.Config(model="tiny", fsdp=True, ulysses=True, sp=sp, seq_len=32, device=device,
+def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", norm_rtol=None,
+                             model="tiny"):
+    cfg = train.Config(model=model, fsdp=True, ulysses=True, sp=sp, seq_len=32, device=device,
                        dtype=dtype, attn_kernel=kernels._requested["kernel"])
     dp = dist.get_world_size() // sp
     tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp, ignore_frac=0.3 if ignore else 0)
@@ -63,7 +65,7 @@ def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", norm_rto
         labels[0, : cfg.seq_len // sp] = llama.IGNORE_INDEX  # rank 0's whole shard of row 0
         labels[-1, :] = llama.IGNORE_INDEX  # one whole sample (with dp > 1, one rank's row)
     cfg.batch_size = 2
-    ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
+    ref_loss, ref_grads = reference_loss_and_grads(model, tokens, labels)
     loss, grads = train_loss_and_grads(cfg, tokens, labels)
     assert_matches(loss.cpu(), grads, ref_loss, ref_grads, what=f"sp={sp} dp={dp} ignore={ignore}",
                    norm_rtol=norm_rtol)
@@ -113,7 +115,7 @@ def test_token_counts_parse():
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_fsdp_ulysses_model_nccl_bf16_matches_fp32_reference(kernel):
     run_ranks(2, with_kernel, kernel, _model_matches_unsharded, 2, True, "cuda", "bfloat16", 3e-2,
-              backend="nccl")
+              "tiny-hd64", backend="nccl")
 
 
 @pytest.mark.gpu
@@ -121,4 +123,4 @@ def test_fsdp_ulysses_model_nccl_bf16_matches_fp32_reference(kernel):
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_attention_nccl_bf16_matches_fp32_reference(kernel):
     run_ranks(2, with_kernel, kernel, _attention_matches_unsharded, "cuda", torch.bfloat16, 2e-2,
-              2e-2, backend="nccl")
+              2e-2, GPU_HEAD_DIM, backend="nccl")

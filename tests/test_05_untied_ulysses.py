@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
-from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
-                       relative_error, train_loss_and_grads, with_kernel)
+from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_matches, make_batch,
+                       reference_loss_and_grads, relative_error, train_loss_and_grads, with_kernel)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -89,7 +89,7 @@ def run_attend(attend, x, rope, grad_out, attn):
 # The attention sub-layer: equal to the unsharded layer and to plain Ulysses.
 # ---------------------------------------------------------------------------------------------
 
-def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5):
+def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5, head_dim=8):
     rank, sp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     batch, seq_len = 2, 32
@@ -97,7 +97,7 @@ def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5):
     checked = 0
     for n_heads, n_kv_heads in HEAD_CASES[sp]:
         for qk_norm in (False, True):
-            args = small_args(n_heads, n_kv_heads, qk_norm)
+            args = small_args(n_heads, n_kv_heads, qk_norm, head_dim=head_dim)
             attn = random_attention(args, seed=n_heads * 10 + n_kv_heads + qk_norm)
             g = torch.Generator().manual_seed(n_heads + n_kv_heads)
             x = torch.randn(batch, seq_len, args.dim, generator=g)
@@ -446,4 +446,4 @@ def test_kernel_wrapper_matches_sdpa_cuda(kernel):
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_attention_layer_nccl_bf16_matches_fp32_reference(kernel):
     run_ranks(2, with_kernel, kernel, _layer_matches, "cuda", torch.bfloat16, 2e-2, 2e-2,
-              backend="nccl")
+              GPU_HEAD_DIM, backend="nccl")

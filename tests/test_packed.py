@@ -11,7 +11,6 @@ input ends a document.
 
 import importlib
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -89,10 +88,6 @@ def reference_fragments(stream, lengths, rows: int, seq_len: int = SEQ_LEN):
     return fragments
 
 
-# The tiny shape with FlashAttention's head size (FA4's varlen check refuses head_dim 8).
-llama.PRESETS.setdefault("tiny-hd64", replace(llama.get_model_args("tiny"), head_dim=64))
-
-
 def reference_loss_and_grads(fragments, seed: int = 0, model_name: str = "tiny"):
     model = llama.Transformer(llama.get_model_args(model_name))
     llama.init_weights(model, seed)
@@ -168,15 +163,48 @@ def test_synthetic_documents_end_with_the_separator():
 # ---------------------------------------------------------------------------------------------
 
 def test_document_kernels_equal_attention_per_document():
+    check_document_kernels((0, 5, 6, 24, 30, 48))  # row 0: 5, 1, 18 tokens; row 1: 6, 18
+
+
+def test_a_one_token_document_never_reaches_a_kernel(monkeypatch):
+    """cuDNN refuses key/value length 1 (found on the GPU: --attn-kernel cudnn and a 1-token
+    document stopped training). The loops compute such a document without a kernel (02's) or
+    with the math kernel (05's), whose lse joins cuDNN's (B, H, S, 1) one. Here the CPU kernel is
+    made to behave like cuDNN: it refuses one token and returns its lse with cuDNN's shape."""
+    sdpa, forward, backward = F.scaled_dot_product_attention, kernels._forward, kernels._backward
+
+    def refuse_one_token(q, k, v, **options):  # SDPA's layout (B, heads, S, D)
+        assert k.shape[2] > 1, "a 1-token document reached SDPA"
+        return sdpa(q, k, v, **options)
+
+    def cudnn_like_forward(kernel, q, k, v):
+        assert q.shape[1] > 1, "a 1-token document reached the kernel"
+        out, lse = forward(kernel, q, k, v)
+        return out, lse[..., None]
+
+    def cudnn_like_backward(kernel, grad_out, q, k, v, out, lse):
+        assert q.shape[1] > 1 and lse.dim() == 4, "a 1-token document reached the kernel"
+        return backward(kernel, grad_out, q, k, v, out, lse[..., 0])
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse_one_token)
+    monkeypatch.setattr(kernels, "_forward", cudnn_like_forward)
+    monkeypatch.setattr(kernels, "_backward", cudnn_like_backward)
+    check_document_kernels((0, 1, 6, 24, 30, 47, 48))  # 1-token documents at a row's start and end
+
+
+def check_document_kernels(cu, batch=2, seq_len=24):
+    """02's loop (autograd) and 05's (forward with lse, explicit backward) against the math
+    kernel run on each document alone."""
     generator = torch.Generator().manual_seed(0)
-    batch, seq_len = 2, 24
     q = torch.randn(batch, seq_len, 4, 8, generator=generator)
     k, v = (torch.randn(batch, seq_len, 2, 8, generator=generator) for _ in range(2))
-    cu = (0, 5, 6, 24, 30, 48)  # row 0: 5, 1, 18 tokens; row 1: 6, 18
-    out = kernels.causal_attention(q, k, v, cu_seqlens=cu)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kernels.causal_attention(*leaves, cu_seqlens=cu)
     out_lse, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=cu)
     torch.testing.assert_close(out_lse, out, rtol=1e-5, atol=1e-6)
     grad = torch.randn(out.shape, generator=generator)
+    out.backward(grad)
+    out = out.detach()
     dq, dk, dv = kernels.attention_backward_lse(grad, q, k, v, out_lse, lse, cu_seqlens=cu)
     for row, start, end in kernels.document_spans(cu, batch, seq_len):
         part = (slice(row, row + 1), slice(start, end))
@@ -186,8 +214,9 @@ def test_document_kernels_equal_attention_per_document():
         torch.testing.assert_close(out[part], ref_out.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse[row:row + 1, :, start:end].reshape(ref_lse.shape), ref_lse,
                                    rtol=1e-5, atol=1e-6)
-        for got, want in zip((dq, dk, dv), ref):
+        for got, autograd, want in zip((dq, dk, dv), leaves, ref):
             torch.testing.assert_close(got[part], want.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(autograd.grad[part], want.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_document_spans_refuse_boundaries_of_another_batch():
@@ -250,8 +279,8 @@ def test_packed_training_equals_each_document_alone(world_size, tmp_path):
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_path):
     """02 and 05 (with the rest of --stack 5) on 2 GPUs in bf16 against the fp32 reference, with
-    each GPU kernel through the per-document loop, and with FA4's varlen launch (the tiny shape
-    with head_dim 64: FA4's varlen check refuses the tiny model's 8)."""
+    each GPU kernel through the per-document loop, and with FA4's varlen launch; the tiny shape
+    with real models' head size (tests/reference.py)."""
     if varlen and kernel != "fa4":
         pytest.skip("varlen is FlashAttention-4's")
     lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
@@ -259,7 +288,7 @@ def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_pa
     write_token_file(path, make_stream(lengths))
     run_ranks(2, with_kernel, kernel, _with_varlen, varlen, _packed_equals_documents,
               [(2, 2), (4, 2), (5, 2)], str(path), lengths, 2, "cuda", "bfloat16", 3e-2,
-              "tiny-hd64" if varlen else "tiny", backend="nccl")
+              "tiny-hd64", backend="nccl")
 
 
 def _with_varlen(varlen, body, *args):
@@ -297,9 +326,16 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
             want[name].append(t.flatten(0, 1))
     want = {name: torch.cat(parts) for name, parts in want.items()}
     q, k, v, grad_out = (t.cuda() for t in (q, k, v, grad_out))
-    # The Llama head sizes must get the one-launch path; at head_dim 8 FA4 4.0.0b36's varlen
-    # backward is wrong (dq off by 2.7 on an H200, docs/gpu_tests.json), its check refuses it
-    # and the per-document loop runs: either way the result below must be right.
+    # The Llama head sizes must get the one-launch path. At head_dim 8 FA4 4.0.0b36 is wrong
+    # (docs/gpu_tests.json): its dense kernel check refuses it, and so does --attn-kernel fa4,
+    # clearly; had it passed, the varlen check or the loop would have to give the right result.
+    if head_dim < 64:
+        try:
+            kernels.lse_kernel(q)
+        except ValueError as refused:
+            assert "fa4 failed its check" in str(refused)
+            kernels.use_kernel("auto")
+            return
     uses_varlen = kernels.varlen_works(q, k)
     assert uses_varlen or head_dim < 64, "FA4 varlen failed its own check (see the warning)"
 
