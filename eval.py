@@ -54,8 +54,8 @@ On GPUs (commands for the GPU machine; the planner gives the longest length per 
     torchrun --nproc-per-node 8 eval.py --task passkey --model llama3-8b --stack 5 \\
         --lengths 128K,512K,1M,2M,3M --depths 0,0.25,0.5,0.75,1 --trials 2 --save-dir runs/8b
 The JSON records seconds per million tokens (median forward) and the peak GPU memory. The
-planner's forward-only counts (not yet measured on a GPU: compare its --eval table with the
-JSON's peak) put Llama-3-8B's longest evaluation at --stack 5 at 15.6M tokens on 8 x 80 GiB
+planner's forward-only counts (within 1% of a 6M-token forward measured on 2 H200s:
+docs/calibration.md) put Llama-3-8B's longest evaluation at --stack 5 at 15.6M tokens on 8 x 80 GiB
 (training: 6.1M) and 7.4M on 2 H200s (training: 1.0M, bound by host memory for the offload).
 """
 
