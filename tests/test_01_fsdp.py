@@ -117,8 +117,13 @@ def _offload_steps_equal_resident(steps):
         for name, ref in ref_grads[step].items():
             torch.testing.assert_close(grads[step][name], ref, **tight,
                                        msg=lambda m: f"grad {name} at step {step}: {m}")
+    # After the steps: Adam divides by sqrt(v), so where a gradient is tiny the ulps by which the
+    # two runs' gradients may differ (fp32 order, within `tight` above) move the update by more
+    # than an ulp (seen: 1.2e-7 in one weight of 8192 after 3 steps, torch 2.14); a step missed,
+    # doubled or taken with other hyperparameters moves it by about lr = 3e-3.
+    after = dict(rtol=1e-5, atol=1e-6)
     for (name, param), ref in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(full(param), full(ref), **tight,
+        torch.testing.assert_close(full(param), full(ref), **after,
                                    msg=lambda m: f"{name} after {steps} steps: {m}")
         state, ref_state = optimizer.state[param], ref_optimizer.state[ref]
         for key in ("exp_avg", "exp_avg_sq"):
