@@ -188,3 +188,29 @@ def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
     assert sum(memory["gib"].values()) == pytest.approx(memory["peak_gib"], rel=1e-9)
     assert memory["gib"]["model state"] > 0 and memory["gib"]["attention"] > 0
     assert memory["largest_allocations_in_steps"][0]["largest_tensor_gib"] > 0
+
+
+def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
+    """bench/context_curve.py: training windows each repeat chunks of their own pool; the
+    evaluation window starts past them, at the index eval.py's --first-window takes, and its
+    share of chunks seen before grows with position."""
+    import numpy as np
+
+    from bench.context_curve import write_context_file
+    from data import sidecar_path
+
+    path = str(tmp_path / "ctx.bin")
+    first = write_context_file(path, train_len=255, train_windows=5, eval_len=511, eval_windows=1,
+                               chunk=8, train_pool=4, eval_pool=64, vocab_size=256)
+    stream = np.fromfile(path, dtype=np.uint16)
+    assert first == 3 and stream.size == 4 * 512  # 5 x 256 tokens of training fit 3 windows of 512
+    assert json.loads(Path(sidecar_path(path)).read_text())["first_eval_window"] == first
+    train = stream[:256].reshape(-1, 8)
+    assert len({tuple(c) for c in train}) <= 4  # one window's chunks come from its pool of 4
+    evaluation = stream[first * 512:].reshape(-1, 8)
+    seen, repeated = set(), []
+    for chunk in map(tuple, evaluation):
+        repeated.append(chunk in seen)
+        seen.add(chunk)
+    assert sum(repeated[:16]) < sum(repeated[-16:])  # later chunks were more often seen before
+    assert not seen & {tuple(c) for c in stream[:5 * 256].reshape(-1, 8)}  # nothing from training

@@ -229,7 +229,7 @@ def test_a_tiny_model_trained_on_recall_retrieves_the_key(one_thread):
     optimizer = train.make_optimizer(model, cfg)
     before = evaluate.passkey_grid(model, cfg, rt, [64], [0.0, 0.5, 1.0], 16, 2, VOCABULARY, seed=1)
     rng = random.Random(0)
-    for step in range(280):
+    for step in range(400):  # retrieval appears between 280 and 400 steps (0.56 -> 0.99, torch 2.14)
         made = [evaluate.passkey_tokens(64, rng.random(), rng.choices(VOCABULARY["alphabet"], k=2),
                                         VOCABULARY["filler"], VOCABULARY["marker"]) for _ in range(16)]
         train.train_step(model, optimizer, torch.stack([m[0] for m in made]), rt, cfg,

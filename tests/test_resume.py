@@ -62,9 +62,10 @@ def _resume_across_model_state_offload(tmp):
         assert [h["loss"] for h in resumed.history] == pytest.approx(
             [h["loss"] for h in straight.history[3:]], rel=1e-6)
         # Adam divides by sqrt(v): where a gradient is near eps, a rounding-level difference
-        # moves a parameter by ~lr * 1e-4 (3e-7 here, once in 16K elements): atol 1e-6.
+        # moves a parameter by ~lr * 1e-4 (3e-7, and 1.1e-6 under torch 2.14, once in 16K
+        # elements): atol 1e-5; a step missed or repeated moves it by about lr = 3e-3.
         for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-            torch.testing.assert_close(full(b), full(a), rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(full(b), full(a), rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
             assert float(b["step"]) == float(a["step"]) == 6
             torch.testing.assert_close(full(b["exp_avg_sq"]), full(a["exp_avg_sq"]), rtol=1e-4, atol=1e-9)
@@ -73,7 +74,7 @@ def _resume_across_model_state_offload(tmp):
         reference = get_model_state_dict(straight.model, options=options)
         assert exported.keys() == reference.keys()
         for key, value in reference.items():
-            torch.testing.assert_close(exported[key], value, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-5)  # the same parameters as above
 
 
 def test_resume_across_model_state_offload(tmp_path):
