@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ranks import run_ranks
-from reference import GPU_KERNELS, assert_matches, full, with_kernel
+from reference import GPU_HEAD_DIM, GPU_KERNELS, assert_matches, full, with_kernel
 
 import data as data_module
 import kernels
@@ -192,31 +192,55 @@ def test_a_one_token_document_never_reaches_a_kernel(monkeypatch):
     check_document_kernels((0, 1, 6, 24, 30, 47, 48))  # 1-token documents at a row's start and end
 
 
-def check_document_kernels(cu, batch=2, seq_len=24):
+def check_document_kernels(cu, batch=2, seq_len=24, device="cpu", dtype=torch.float32,
+                           head_dim=8, tolerance=(1e-5, 1e-6)):
     """02's loop (autograd) and 05's (forward with lse, explicit backward) against the math
-    kernel run on each document alone."""
+    kernel run on each document alone, in fp32 on the CPU (inputs rounded to `dtype` first)."""
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, seq_len, 4, 8, generator=generator)
-    k, v = (torch.randn(batch, seq_len, 2, 8, generator=generator) for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rounded = lambda *shape: torch.randn(*shape, generator=generator).to(dtype).float()  # noqa: E731
+    q, grad = rounded(batch, seq_len, 4, head_dim), rounded(batch, seq_len, 4, head_dim)
+    k, v = rounded(batch, seq_len, 2, head_dim), rounded(batch, seq_len, 2, head_dim)
+    on = lambda t: t.to(device, dtype, copy=True)  # noqa: E731
+    close = lambda got, want: torch.testing.assert_close(  # noqa: E731
+        got.float().cpu(), want, rtol=tolerance[0], atol=tolerance[1])
+    leaves = [on(t).requires_grad_() for t in (q, k, v)]
     out = kernels.causal_attention(*leaves, cu_seqlens=cu)
-    out_lse, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=cu)
-    torch.testing.assert_close(out_lse, out, rtol=1e-5, atol=1e-6)
-    grad = torch.randn(out.shape, generator=generator)
-    out.backward(grad)
+    out.backward(on(grad))
     out = out.detach()
-    dq, dk, dv = kernels.attention_backward_lse(grad, q, k, v, out_lse, lse, cu_seqlens=cu)
+    out_lse, lse = kernels.attention_forward_lse(on(q), on(k), on(v), cu_seqlens=cu)
+    close(out_lse, out.float().cpu())
+    dq, dk, dv = kernels.attention_backward_lse(on(grad), on(q), on(k), on(v), out_lse, lse,
+                                                cu_seqlens=cu)
     for row, start, end in kernels.document_spans(cu, batch, seq_len):
         part = (slice(row, row + 1), slice(start, end))
         ref = [t[part].clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = kernels.math_attention_forward(*ref)
         ref_out.backward(grad[part])
-        torch.testing.assert_close(out[part], ref_out.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(lse[row:row + 1, :, start:end].reshape(ref_lse.shape), ref_lse,
-                                   rtol=1e-5, atol=1e-6)
+        close(out[part], ref_out.detach())
+        if dtype == torch.float32:  # the CPU kernel's lse is the math kernel's quantity
+            close(lse[row:row + 1, :, start:end].reshape(ref_lse.shape), ref_lse)
         for got, autograd, want in zip((dq, dk, dv), leaves, ref):
-            torch.testing.assert_close(got[part], want.grad, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(autograd.grad[part], want.grad, rtol=1e-5, atol=1e-6)
+            close(got[part], want.grad)
+            close(autograd.grad[part], want.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_document_loops_over_each_gpu_kernel(kernel):
+    """02's and 05's per-document loops over each GPU kernel (FA4's varlen off), bf16 against
+    the fp32 math kernel per document: 1-token documents at a row's start and end (cuDNN refuses
+    key/value length 1; it stopped a packed run under --attn-kernel cudnn) and documents longer
+    than a kernel's block, at real models' head size."""
+    kernels.use_kernel(kernel)
+    kernels.use_varlen(False)
+    try:
+        check_document_kernels((0, 1, 300, 512, 513, 1023, 1024), batch=2, seq_len=512,
+                               device="cuda", dtype=torch.bfloat16, head_dim=GPU_HEAD_DIM,
+                               tolerance=(2e-2, 2e-2))
+    finally:
+        kernels.use_kernel("auto")
+        kernels.use_varlen(True)
 
 
 def test_document_spans_refuse_boundaries_of_another_batch():
