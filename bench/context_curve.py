@@ -30,6 +30,7 @@ training loss falling well below ln vocabulary is the sign to look for before ev
 
 import argparse
 import json
+import os
 
 import numpy as np
 
@@ -45,9 +46,13 @@ def chunk_stream(generator, tokens: int, pool: int, chunk: int, vocab_size: int)
 
 def write_context_file(path: str, train_len: int, train_windows: int, eval_len: int,
                        eval_windows: int, chunk: int, train_pool: int, eval_pool: int,
-                       vocab_size: int, seed: int = 0) -> int:
+                       vocab_size: int, seed: int = 0, overwrite: bool = False) -> int:
     """Write the file (uint16 ids) and its sidecar; return the first evaluation window's index
-    at --seq-len eval_len (windows of eval_len + 1 tokens, as eval.py counts them)."""
+    at --seq-len eval_len (windows of eval_len + 1 tokens, as eval.py counts them). Refuses to
+    write over an existing file or sidecar unless `overwrite`."""
+    for existing in (path, sidecar_path(path)):
+        if os.path.exists(existing) and not overwrite:
+            raise ValueError(f"{existing} exists: choose another path, or --overwrite to replace it")
     generator = np.random.default_rng(seed)
     train = [chunk_stream(generator, train_len + 1, train_pool, chunk, vocab_size)
              for _ in range(train_windows)]
@@ -76,10 +81,15 @@ def main():
     parser.add_argument("--train-pool", type=int, default=128)
     parser.add_argument("--eval-pool", type=int, default=16384)
     parser.add_argument("--vocab-size", type=int, default=4096, help="the 'small' preset's")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
     opts = parser.parse_args()
-    first = write_context_file(opts.path, parse_tokens(opts.train_len), opts.train_windows,
-                               parse_tokens(opts.eval_len), opts.eval_windows, opts.chunk,
-                               opts.train_pool, opts.eval_pool, opts.vocab_size)
+    try:
+        first = write_context_file(opts.path, parse_tokens(opts.train_len), opts.train_windows,
+                                   parse_tokens(opts.eval_len), opts.eval_windows, opts.chunk,
+                                   opts.train_pool, opts.eval_pool, opts.vocab_size,
+                                   overwrite=opts.overwrite)
+    except ValueError as error:
+        parser.error(str(error))
     print(f"wrote {opts.path}; evaluate with --first-window {first} --windows {opts.eval_windows}")
 
 

@@ -214,3 +214,6 @@ def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
         seen.add(chunk)
     assert sum(repeated[:16]) < sum(repeated[-16:])  # later chunks were more often seen before
     assert not seen & {tuple(c) for c in stream[:5 * 256].reshape(-1, 8)}  # nothing from training
+    with pytest.raises(ValueError, match="exists"):  # an earlier file is never written over unasked
+        write_context_file(path, 255, 1, 511, 1, 8, 4, 64, 256)
+    assert np.array_equal(np.fromfile(path, dtype=np.uint16), stream)
