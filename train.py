@@ -51,6 +51,7 @@ class Config:
     batch_size: int = 1
     steps: int = 100
     lr: float = 3e-3
+    warmup_steps: int = 0  # the learning rate rises linearly to --lr over this many steps
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
@@ -97,6 +98,8 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per data-parallel rank")
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                        help="raise the learning rate linearly to --lr over the first N steps")
     parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
     parser.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 disables clipping")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -195,8 +198,8 @@ def resolve_techniques(cfg: Config) -> Config:
                          "--stack 1 or higher")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
-    if cfg.batch_size < 1 or cfg.steps < 0:
-        raise ValueError("--batch-size must be >= 1 and --steps >= 0")
+    if cfg.batch_size < 1 or cfg.steps < 0 or cfg.warmup_steps < 0:
+        raise ValueError("--batch-size must be >= 1, --steps and --warmup-steps >= 0")
     if cfg.sp is not None and cfg.sp < 1:  # 0 would silently mean "all ranks"
         raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
     if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
@@ -384,9 +387,16 @@ def make_optimizer(model, cfg: Config):
     return torch.optim.AdamW(model.parameters(), foreach=False, **adamw)
 
 
+def learning_rate(cfg: Config, step: int) -> float:
+    """--lr after a linear warmup. A function of the step alone, so resuming needs no state."""
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+
+
 def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0,
                documents=None) -> dict:
     """One optimizer step. A non-finite loss or gradient raises before the weights change."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(cfg, step)
     loss = float(forward_backward(model, tokens, rt, labels, documents))
     # The global gradient norm (clip_grad_norm_ reduces over FSDP shards); inf = measure only.
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")

@@ -69,6 +69,7 @@ def error_of(argv, capsys) -> str:
     (["--ulysses", "--sp", "0"], "--sp must be at least 1, got 0"),
     (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0, got -1.0 (0 turns clipping off)"),
     (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--warmup-steps", "-1"], "--steps and --warmup-steps >= 0"),
     (["--plan", "--gpu-mem", "infGiB"], "a memory size must be positive and finite, got 'infGiB'"),
 ])
 def test_bad_flags_give_clear_errors(argv, needle, capsys):
@@ -119,6 +120,22 @@ def test_training_from_a_token_file(tmp_path, dtype):
     history = train.train(train.parse_args(["--data", str(path), "--data-dtype", name,
                                             "--seq-len", "64", "--steps", "2"])).history
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+def test_warmup_scales_the_first_steps_learning_rate():
+    """Step k of --warmup-steps W moves the weights as --lr x (k + 1) / W would; from W on, --lr."""
+    def weights(*flags):
+        run = train.train(train.parse_args(["--seq-len", "32", *flags]))
+        return run, torch.cat([p.detach().flatten() for p in run.model.parameters()])
+
+    warm, warm_weights = weights("--lr", "4e-3", "--warmup-steps", "4", "--steps", "1")
+    _, plain_weights = weights("--lr", "1e-3", "--steps", "1")
+    _, full_weights = weights("--lr", "4e-3", "--steps", "1")
+    assert torch.equal(warm_weights, plain_weights)
+    assert not torch.allclose(warm_weights, full_weights)  # the warmup did act
+    assert warm.optimizer.param_groups[0]["lr"] == 1e-3
+    later, _ = weights("--lr", "4e-3", "--warmup-steps", "4", "--steps", "6")
+    assert later.optimizer.param_groups[0]["lr"] == 4e-3
 
 
 def _several_processes_need_fsdp():
