@@ -1,17 +1,10 @@
 """Does a trained model use a million tokens of context? A token file that needs it.
 
-    python -m bench.context_curve /tmp/ctx.bin --train-len 64K --train-windows 500 --eval-len 1M
-    torchrun --nproc-per-node 2 train.py --model small --stack 5 --seq-len 64K --steps 500 \
-        --data /tmp/ctx.bin --save-dir /tmp/ctx-run
-    torchrun --nproc-per-node 2 eval.py --model small --stack 5 --seq-len 1M --data /tmp/ctx.bin \
-        --first-window 32 --windows 1 --save-dir /tmp/ctx-run --out after.json
-
-(The first command prints the --first-window that starts past the training windows.) No text
-can be downloaded on the GPU machine, and random tokens say nothing about context, so the file
-is made of random chunks (--chunk tokens, ids below --vocab-size) that recur. A chunk seen
-earlier in the window is predictable from the context alone - after its first token, copy what
-followed last time - and a chunk not seen before is not predictable at all (ln vocabulary per
-token).
+No text can be downloaded on the GPU machine, and random tokens say nothing about context, so
+the file is made of random chunks (--chunk tokens, ids below --vocab-size) that recur. A chunk
+seen earlier in the window is predictable from the context alone - after its first token, copy
+what followed last time - and a chunk not seen before is not predictable at all (ln vocabulary
+per token).
 
 The training windows (--train-windows of --train-len + 1 tokens) each draw their chunks from
 their own pool of --train-pool fresh chunks, so most chunks repeat within a window and nothing
@@ -20,21 +13,47 @@ evaluation window (--eval-len + 1 tokens, after them) draws from --eval-pool fre
 fraction already seen grows with position (1 - exp(-chunks so far / pool): with the defaults 6%
 at 64K tokens, 63% at 1M), so a model that uses all of its context has a loss that keeps falling
 to the window's end, and one that stops using it past some length has a loss that flattens there.
+--bound writes what an ideal copier would score on that window (reaching anywhere, or --reach
+tokens back), in eval.py's format, to draw next to the model's curve.
 
-Not yet found: a training run that learns the copying. The small preset (5.2M parameters) had
-not after 400 steps of 64K tokens on an H200 (lr 3e-3: loss 8.32 = ln 4096 throughout, the 1M
-curve flat; docs/results/context_curve_small_1gpu.json), nor after 300 steps of 2K on the CPU
-over 512 ids; the tiny one not after 3000 steps of 1K (8 chunks of 16 per window). The
-training loss falling well below ln vocabulary is the sign to look for before evaluating.
+Copying (a previous-token head feeding a head that matches it) forms from scratch only at short
+lengths: at 64K, or at 2K over a pool of 32 chunks, the small preset stays at chance for
+thousands of steps; at 512 tokens over 8 chunks of 16 it forms after 500-700 steps. So train
+short, then extend (train.py --export-hf, then --init-from), each stage's pool a quarter of its
+window (one H200, about 6 minutes in all):
+
+    python -m bench.context_curve /tmp/c512.bin --chunk 16 --train-len 512 --train-windows 32000 \
+        --train-pool 8 --eval-windows 0
+    python -m bench.context_curve /tmp/c8k.bin --chunk 16 --train-len 8K --train-windows 1200 \
+        --train-pool 128 --eval-windows 0
+    python -m bench.context_curve /tmp/c64k.bin --chunk 16 --train-len 64K --train-windows 600 \
+        --train-pool 1024 --eval-len 1M --eval-pool 16384      # prints eval.py's --first-window
+    python train.py --fsdp --model small --seq-len 512 --batch-size 32 --steps 1000 --lr 1e-3 \
+        --warmup-steps 100 --data /tmp/c512.bin --export-hf /tmp/m512
+    python train.py --fsdp --init-from /tmp/m512 --seq-len 8K --batch-size 4 --steps 300 --lr 1e-3 \
+        --warmup-steps 30 --data /tmp/c8k.bin --export-hf /tmp/m8k
+    python train.py --fsdp --init-from /tmp/m8k --seq-len 64K --steps 600 --lr 1e-3 \
+        --warmup-steps 30 --tile-loss --data /tmp/c64k.bin --export-hf /tmp/m64k
+    python eval.py --init-from /tmp/m64k --tile-loss --seq-len 1M --data /tmp/c64k.bin \
+        --first-window 38 --windows 1 --out after.json
+    python -m bench.context_curve /tmp/c64k.bin --bound bound.json --reach 64K
+    python eval.py --compare after.json bound.json --out curve.png
+
+What it showed (docs/results/context_curve_small_1gpu_64k.json, the README's chart): the model
+uses its context up to about its training length and not beyond.
 """
 
 import argparse
+import importlib
 import json
+import math
 import os
 
 import numpy as np
 
 from data import parse_tokens, sidecar_path
+
+evaluate = importlib.import_module("eval")  # eval.py (its name is also a Python builtin)
 
 
 def chunk_stream(generator, tokens: int, pool: int, chunk: int, vocab_size: int) -> np.ndarray:
@@ -70,6 +89,42 @@ def write_context_file(path: str, train_len: int, train_windows: int, eval_len: 
     return first_eval_window
 
 
+def copy_bound(path: str, reach: int | None = None, bucket_start: int = 1024) -> dict:
+    """Loss by position of an ideal copier on the file's evaluation window, in eval.py's result
+    format (so `eval.py --compare` draws it next to a model's). The copier predicts a token for
+    sure (loss 0) when its chunk occurred before in the window, at most `reach` tokens back (None:
+    anywhere), and it is not the chunk's first token (which chunk comes next is random); every
+    other token costs ln(vocabulary), chance. A model's curve against the bound with reach R
+    says whether it copies from R tokens back."""
+    with open(sidecar_path(path)) as f:
+        meta = json.load(f)
+    chunk, seq_len, vocab_size = meta["chunk"], meta["eval_len"], meta["vocab_size"]
+    start = meta["first_eval_window"] * (seq_len + 1)  # eval.py's window of seq_len + 1 tokens
+    window = np.fromfile(path, dtype=np.uint16, count=seq_len + 1, offset=2 * start)
+    chunks = -(-window.size // chunk)
+    back = np.full(chunks, np.inf)  # tokens back to the chunk's previous occurrence
+    last = {}
+    for index in range(chunks):
+        key = window[index * chunk:(index + 1) * chunk].tobytes()
+        if key in last and len(key) == 2 * chunk:
+            back[index] = (index - last[key]) * chunk
+        last[key] = index
+    target = np.arange(1, seq_len + 1)  # input position p predicts the token at p + 1
+    distance = back[target // chunk]
+    copied = (target % chunk != 0) & np.isfinite(distance) & (distance <= (reach or math.inf))
+    losses = np.where(copied, 0.0, math.log(vocab_size))
+    edges = evaluate.bucket_edges(seq_len, bucket_start)
+    bucket = np.searchsorted(np.array(edges[1:-1]), target - 1, side="right")
+    sums, counts = (np.bincount(bucket, weights=w, minlength=len(edges) - 1) for w in (losses, None))
+    reach_text = "anywhere" if reach is None else f"up to {evaluate.tokens_text(reach)} back"
+    return {"task": "loss", "seq_len": seq_len, "windows": 1, "positions": "in the window",
+            "first_window": meta["first_eval_window"], "data": path, "edges": edges,
+            "buckets": [{"start": a, "end": b, "tokens": int(n), "mean_loss": float(t / n)}
+                        for a, b, t, n in zip(edges[:-1], edges[1:], sums, counts)],
+            "mean_loss": float(losses.mean()), "label": f"ideal copier, {reach_text}",
+            "bound": {"reach": reach, "chunk": chunk, "vocab_size": vocab_size}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path")
@@ -82,7 +137,17 @@ def main():
     parser.add_argument("--eval-pool", type=int, default=16384)
     parser.add_argument("--vocab-size", type=int, default=4096, help="the 'small' preset's")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    parser.add_argument("--bound", metavar="JSON", default=None,
+                        help="write nothing to PATH: the ideal copier's loss by position on its "
+                             "evaluation window, to this JSON (for eval.py --compare)")
+    parser.add_argument("--reach", default=None, help="--bound: how far back it copies (default: all)")
     opts = parser.parse_args()
+    if opts.bound:
+        bound = copy_bound(opts.path, None if opts.reach is None else parse_tokens(opts.reach))
+        with open(opts.bound, "w") as f:
+            json.dump(bound, f, indent=1)
+        print(evaluate.summary({**bound, "s_per_million_tokens": 0.0}) + f"\nwrote {opts.bound}")
+        return
     try:
         first = write_context_file(opts.path, parse_tokens(opts.train_len), opts.train_windows,
                                    parse_tokens(opts.eval_len), opts.eval_windows, opts.chunk,

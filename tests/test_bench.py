@@ -4,6 +4,7 @@ catches is a benchmark broken by a change elsewhere (a renamed helper, a removed
 it costs a GPU session."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -217,3 +218,30 @@ def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
     with pytest.raises(ValueError, match="exists"):  # an earlier file is never written over unasked
         write_context_file(path, 255, 1, 511, 1, 8, 4, 64, 256)
     assert np.array_equal(np.fromfile(path, dtype=np.uint16), stream)
+
+
+@pytest.mark.parametrize("reach", [None, 64])
+def test_the_ideal_copier_bound_counts_what_can_be_copied(tmp_path, reach):
+    """bench/context_curve.py's bound, against a token-by-token count: a token is free (loss 0)
+    when its chunk occurred earlier, within reach, and it is not the chunk's first token."""
+    import numpy as np
+
+    from bench.context_curve import copy_bound, write_context_file
+
+    path = str(tmp_path / "ctx.bin")
+    first = write_context_file(path, train_len=255, train_windows=2, eval_len=511, eval_windows=1,
+                               chunk=8, train_pool=4, eval_pool=24, vocab_size=256)
+    window = np.fromfile(path, dtype=np.uint16)[first * 512:].tolist()
+    expected = []
+    for target in range(1, 512):
+        start = target - target % 8
+        earlier = [s for s in range(0, start, 8) if window[s:s + 8] == window[start:start + 8]]
+        copied = target % 8 and earlier and (reach is None or start - earlier[-1] <= reach)
+        expected.append(0.0 if copied else math.log(256))
+    bound = copy_bound(path, reach, bucket_start=64)
+    assert [b["end"] for b in bound["buckets"]] == [64, 128, 256, 511]
+    for bucket in bound["buckets"]:
+        part = expected[bucket["start"]:bucket["end"]]
+        assert bucket["tokens"] == len(part)
+        assert bucket["mean_loss"] == pytest.approx(sum(part) / len(part), abs=1e-12)
+    assert 0 < bound["buckets"][-1]["mean_loss"] < bound["buckets"][0]["mean_loss"]
