@@ -3,6 +3,7 @@
 catches is a benchmark broken by a change elsewhere (a renamed helper, a removed function) before
 it costs a GPU session."""
 
+import importlib
 import json
 import math
 import os
@@ -245,3 +246,33 @@ def test_the_ideal_copier_bound_counts_what_can_be_copied(tmp_path, reach):
         assert bucket["tokens"] == len(part)
         assert bucket["mean_loss"] == pytest.approx(sum(part) / len(part), abs=1e-12)
     assert 0 < bound["buckets"][-1]["mean_loss"] < bound["buckets"][0]["mean_loss"]
+
+
+def test_the_context_curve_recipe_runs_end_to_end(tmp_path):
+    """bench/context_curve.py's recipe, scaled down: train short, export, extend from the export,
+    evaluate a longer window, and draw it next to the ideal copier, whose buckets are eval.py's."""
+    from bench.context_curve import copy_bound, write_context_file
+
+    train, evaluate = importlib.import_module("train"), importlib.import_module("eval")
+    short, long = str(tmp_path / "short.bin"), str(tmp_path / "long.bin")
+    write_context_file(short, train_len=32, train_windows=8, eval_len=32, eval_windows=0, chunk=4,
+                       train_pool=2, eval_pool=2, vocab_size=256)
+    first = write_context_file(long, train_len=64, train_windows=2, eval_len=128, eval_windows=1,
+                               chunk=4, train_pool=4, eval_pool=8, vocab_size=256)
+    common = ["--fsdp", "--lr", "1e-3", "--warmup-steps", "1", "--steps", "2"]
+    train.train(train.parse_args(common + ["--seq-len", "32", "--batch-size", "4", "--data", short,
+                                           "--export-hf", str(tmp_path / "m32")]))
+    train.train(train.parse_args(common + ["--init-from", str(tmp_path / "m32"), "--seq-len", "64",
+                                           "--tile-loss", "--data", long,
+                                           "--export-hf", str(tmp_path / "m64")]))
+    after = tmp_path / "after.json"
+    evaluate.main(["--init-from", str(tmp_path / "m64"), "--tile-loss", "--seq-len", "128",
+                   "--data", long, "--first-window", str(first), "--windows", "1",
+                   "--bucket-start", "16", "--out", str(after)])
+    bound = copy_bound(long, reach=64, bucket_start=16)
+    (tmp_path / "bound.json").write_text(json.dumps(bound))
+    measured = json.loads(after.read_text())
+    assert [(b["start"], b["end"], b["tokens"]) for b in measured["buckets"]] == \
+        [(b["start"], b["end"], b["tokens"]) for b in bound["buckets"]]
+    evaluate.main(["--compare", str(after), str(tmp_path / "bound.json"),
+                   "--out", str(tmp_path / "curve.png")])
