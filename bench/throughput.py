@@ -38,8 +38,8 @@ linear layers 2 x params x tokens forward, 2x that backward, recompute one more 
 tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
 H200's dense bf16 peak). Kernel bound = attention FLOPs at the attention kernel's measured
 standalone rate (this GPU, this run, one GPU's heads over min(S, 256K) tokens: the rate is
-measured once more per length, at most 256K long to save time; the kernel is a few percent
-slower still at 512K-1M, so the bound is if anything too low there) + linear FLOPs at the
+measured once more per length, at most 256K long to save time; on one H200 the rate at 512K
+and 1M is the 256K rate to within 0.4% for FA4 and cuDNN, docs/results) + linear FLOPs at the
 measured bf16 matmul rate; target (issue 7): step time within 15% of it at >= 512K.
 
 Single steps: pinned host buffers are cached by PyTorch once allocated, so the first row that
