@@ -69,6 +69,14 @@ def write_context_file(path: str, train_len: int, train_windows: int, eval_len: 
     """Write the file (uint16 ids) and its sidecar; return the first evaluation window's index
     at --seq-len eval_len (windows of eval_len + 1 tokens, as eval.py counts them). Refuses to
     write over an existing file or sidecar unless `overwrite`."""
+    for name, value, least in (("--train-len", train_len, 1), ("--eval-len", eval_len, 1),
+                               ("--chunk", chunk, 1), ("--train-pool", train_pool, 1),
+                               ("--eval-pool", eval_pool, 1), ("--train-windows", train_windows, 0),
+                               ("--eval-windows", eval_windows, 0), ("--vocab-size", vocab_size, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    if vocab_size > 2**16:
+        raise ValueError(f"--vocab-size {vocab_size}: the file holds uint16 ids (at most 65536)")
     for existing in (path, sidecar_path(path)):
         if os.path.exists(existing) and not overwrite:
             raise ValueError(f"{existing} exists: choose another path, or --overwrite to replace it")
@@ -96,11 +104,16 @@ def copy_bound(path: str, reach: int | None = None, bucket_start: int = 1024) ->
     anywhere), and it is not the chunk's first token (which chunk comes next is random); every
     other token costs ln(vocabulary), chance. A model's curve against the bound with reach R
     says whether it copies from R tokens back."""
-    with open(sidecar_path(path)) as f:
-        meta = json.load(f)
-    chunk, seq_len, vocab_size = meta["chunk"], meta["eval_len"], meta["vocab_size"]
-    start = meta["first_eval_window"] * (seq_len + 1)  # eval.py's window of seq_len + 1 tokens
+    try:
+        with open(sidecar_path(path)) as f:
+            meta = json.load(f)
+        chunk, seq_len, vocab_size = meta["chunk"], meta["eval_len"], meta["vocab_size"]
+        start = meta["first_eval_window"] * (seq_len + 1)  # eval.py's window: seq_len + 1 tokens
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{path}: no sidecar written by bench/context_curve.py ({error})") from error
     window = np.fromfile(path, dtype=np.uint16, count=seq_len + 1, offset=2 * start)
+    if window.size < seq_len + 1:
+        raise ValueError(f"{path} has no evaluation window (written with --eval-windows 0?)")
     chunks = -(-window.size // chunk)
     back = np.full(chunks, np.inf)  # tokens back to the chunk's previous occurrence
     last = {}
@@ -143,7 +156,12 @@ def main():
     parser.add_argument("--reach", default=None, help="--bound: how far back it copies (default: all)")
     opts = parser.parse_args()
     if opts.bound:
-        bound = copy_bound(opts.path, None if opts.reach is None else parse_tokens(opts.reach))
+        if os.path.exists(opts.bound) and not opts.overwrite:
+            parser.error(f"{opts.bound} exists: choose another path, or --overwrite to replace it")
+        try:
+            bound = copy_bound(opts.path, None if opts.reach is None else parse_tokens(opts.reach))
+        except ValueError as error:
+            parser.error(str(error))
         with open(opts.bound, "w") as f:
             json.dump(bound, f, indent=1)
         print(evaluate.summary({**bound, "s_per_million_tokens": 0.0}) + f"\nwrote {opts.bound}")
@@ -155,7 +173,9 @@ def main():
                                    overwrite=opts.overwrite)
     except ValueError as error:
         parser.error(str(error))
-    print(f"wrote {opts.path}; evaluate with --first-window {first} --windows {opts.eval_windows}")
+    print(f"wrote {opts.path}; " + (f"evaluate with --first-window {first} --windows "
+                                     f"{opts.eval_windows}" if opts.eval_windows else
+                                     "training windows only (--eval-windows 0)"))
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
     share of chunks seen before grows with position."""
     import numpy as np
 
-    from bench.context_curve import write_context_file
+    from bench.context_curve import copy_bound, write_context_file
     from data import sidecar_path
 
     path = str(tmp_path / "ctx.bin")
@@ -219,6 +219,19 @@ def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
     with pytest.raises(ValueError, match="exists"):  # an earlier file is never written over unasked
         write_context_file(path, 255, 1, 511, 1, 8, 4, 64, 256)
     assert np.array_equal(np.fromfile(path, dtype=np.uint16), stream)
+    for bad, needle in ((dict(chunk=0), "--chunk must be at least 1"),
+                        (dict(eval_windows=-1), "--eval-windows must be at least 0"),
+                        (dict(vocab_size=70000), "uint16 ids")):
+        with pytest.raises(ValueError, match=needle):
+            write_context_file(str(tmp_path / "bad.bin"), **{**dict(
+                train_len=8, train_windows=1, eval_len=8, eval_windows=1, chunk=2, train_pool=2,
+                eval_pool=2, vocab_size=256), **bad})
+    assert not (tmp_path / "bad.bin").exists()
+    write_context_file(str(tmp_path / "train_only.bin"), 8, 2, 8, 0, 2, 2, 2, 256)
+    with pytest.raises(ValueError, match="no evaluation window"):
+        copy_bound(str(tmp_path / "train_only.bin"))
+    with pytest.raises(ValueError, match="no sidecar written by bench/context_curve.py"):
+        copy_bound(str(tmp_path / "nothing.bin"))
 
 
 @pytest.mark.parametrize("reach", [None, 64])
