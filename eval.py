@@ -445,7 +445,7 @@ def run(opts, cfg) -> dict:
                               vocabulary, cfg.seed)
     else:
         result = loss_by_position(model, cfg, rt, opts.windows, opts.first_window, opts.bucket_start)
-    result.update(label=opts.label or (meta["path"] if meta else "random init"),
+    result.update(label=opts.label or (meta["path"] if meta else cfg.init_from or "random init"),
                   checkpoint=meta and {"path": meta["path"], "step": meta["step"]},
                   config=asdict(cfg), world_size=rt.world, sp=rt.sp, dp=rt.dp,
                   head_chunk=cfg.head_chunk, torch=torch.__version__,
@@ -463,9 +463,10 @@ def run(opts, cfg) -> dict:
 
 def summary(result: dict) -> str:
     if result["task"] == "loss":
+        timing = (f" ({result['s_per_million_tokens']:.2f} s per million tokens)"
+                  if "s_per_million_tokens" in result else "")  # a computed bound has none
         lines = [f"{result['label']}: mean loss {result['mean_loss']:.4f} over {result['windows']} "
-                 f"windows of {result['seq_len']:,} tokens ({result['s_per_million_tokens']:.2f} s "
-                 f"per million tokens)"]
+                 f"windows of {result['seq_len']:,} tokens{timing}"]
         lines += [f"  [{tokens_text(b['start']):>5}, {tokens_text(b['end']):>5})  "
                   + (f"{b['mean_loss']:.4f}" if b["tokens"] else "-") for b in result["buckets"]]
         return "\n".join(lines)
@@ -497,6 +498,10 @@ def evaluate(argv):
         for path, result, label in zip(opts.compare, results, labels):
             # two runs of the same name (two random inits, one checkpoint dir): add the file
             result["label"] = label if labels.count(label) == 1 else f"{label} ({Path(path).name})"
+        edges = {tuple(b["end"] for b in r["buckets"]) for r in results}
+        if len(edges) > 1:  # drawn anyway, but the points are not the same positions
+            print("note: these results have different position buckets (--bucket-start or "
+                  "--seq-len differ): compare the lines with care")
         out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
         if plot_losses(results, out):
             print(f"wrote {out}")

@@ -194,84 +194,96 @@ def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
 
 def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
     """bench/context_curve.py: training windows each repeat chunks of their own pool; the
-    evaluation window starts past them, at the index eval.py's --first-window takes, and its
+    evaluation windows are a file of their own (no number of steps reaches them), and their
     share of chunks seen before grows with position."""
     import numpy as np
 
-    from bench.context_curve import copy_bound, write_context_file
+    from bench.context_curve import copy_bound, eval_path, write_context_files
     from data import sidecar_path
 
     path = str(tmp_path / "ctx.bin")
-    first = write_context_file(path, train_len=255, train_windows=5, eval_len=511, eval_windows=1,
-                               chunk=8, train_pool=4, eval_pool=64, vocab_size=256)
-    stream = np.fromfile(path, dtype=np.uint16)
-    assert first == 3 and stream.size == 4 * 512  # 5 x 256 tokens of training fit 3 windows of 512
-    assert json.loads(Path(sidecar_path(path)).read_text())["first_eval_window"] == first
-    train = stream[:256].reshape(-1, 8)
-    assert len({tuple(c) for c in train}) <= 4  # one window's chunks come from its pool of 4
-    evaluation = stream[first * 512:].reshape(-1, 8)
+    written = write_context_files(path, train_len=255, train_windows=5, eval_len=511,
+                                  eval_windows=2, chunk=8, train_pool=4, eval_pool=64,
+                                  vocab_size=256)
+    assert written == [path, str(tmp_path / "ctx.eval.bin")] == [path, eval_path(path)]
+    train, evaluation = (np.fromfile(p, dtype=np.uint16) for p in written)
+    assert train.size == 5 * 256 and evaluation.size == 2 * 512  # windows of length + 1, no gap
+    sidecars = [json.loads(Path(sidecar_path(p)).read_text()) for p in written]
+    assert [(s["part"], s["seq_len"], s["windows"]) for s in sidecars] == \
+        [("training", 255, 5), ("evaluation", 511, 2)]
+    assert len({tuple(c) for c in train[:256].reshape(-1, 8)}) <= 4  # one window's pool of 4
     seen, repeated = set(), []
-    for chunk in map(tuple, evaluation):
+    for chunk in map(tuple, evaluation[:512].reshape(-1, 8)):
         repeated.append(chunk in seen)
         seen.add(chunk)
     assert sum(repeated[:16]) < sum(repeated[-16:])  # later chunks were more often seen before
-    assert not seen & {tuple(c) for c in stream[:5 * 256].reshape(-1, 8)}  # nothing from training
+    assert not seen & {tuple(c) for c in train.reshape(-1, 8)}  # nothing from training
     with pytest.raises(ValueError, match="exists"):  # an earlier file is never written over unasked
-        write_context_file(path, 255, 1, 511, 1, 8, 4, 64, 256)
-    assert np.array_equal(np.fromfile(path, dtype=np.uint16), stream)
+        write_context_files(path, 255, 1, 511, 1, 8, 4, 64, 256)
+    assert np.array_equal(np.fromfile(path, dtype=np.uint16), train)
     for bad, needle in ((dict(chunk=0), "--chunk must be at least 1"),
                         (dict(eval_windows=-1), "--eval-windows must be at least 0"),
-                        (dict(vocab_size=70000), "uint16 ids")):
+                        (dict(vocab_size=70000), "uint16 ids"),
+                        (dict(train_windows=0, eval_windows=0), "nothing to write")):
         with pytest.raises(ValueError, match=needle):
-            write_context_file(str(tmp_path / "bad.bin"), **{**dict(
+            write_context_files(str(tmp_path / "bad.bin"), **{**dict(
                 train_len=8, train_windows=1, eval_len=8, eval_windows=1, chunk=2, train_pool=2,
                 eval_pool=2, vocab_size=256), **bad})
-    assert not (tmp_path / "bad.bin").exists()
-    write_context_file(str(tmp_path / "train_only.bin"), 8, 2, 8, 0, 2, 2, 2, 256)
-    with pytest.raises(ValueError, match="no evaluation window"):
-        copy_bound(str(tmp_path / "train_only.bin"))
+    with pytest.raises(ValueError, match="is not a directory"):
+        write_context_files(str(tmp_path / "no" / "c.bin"), 8, 1, 8, 1, 2, 2, 2, 256)
+    assert not list(tmp_path.glob("bad*")) and not (tmp_path / "no").exists()
+    assert write_context_files(str(tmp_path / "t.bin"), 8, 2, 8, 0, 2, 2, 2, 256) == \
+        [str(tmp_path / "t.bin")]  # training windows only
+    with pytest.raises(ValueError, match="holds training windows"):
+        copy_bound(str(tmp_path / "t.bin"))
     with pytest.raises(ValueError, match="no sidecar written by bench/context_curve.py"):
         copy_bound(str(tmp_path / "nothing.bin"))
+    Path(written[1]).unlink()
+    with pytest.raises(ValueError, match="does not exist"):
+        copy_bound(written[1])
 
 
 @pytest.mark.parametrize("reach", [None, 64])
 def test_the_ideal_copier_bound_counts_what_can_be_copied(tmp_path, reach):
-    """bench/context_curve.py's bound, against a token-by-token count: a token is free (loss 0)
-    when its chunk occurred earlier, within reach, and it is not the chunk's first token."""
+    """bench/context_curve.py's bound, against a token-by-token count over every evaluation
+    window: a token is free (loss 0) when its chunk occurred earlier in its window, within
+    reach, and it is not the chunk's first token."""
     import numpy as np
 
-    from bench.context_curve import copy_bound, write_context_file
+    from bench.context_curve import copy_bound, write_context_files
 
-    path = str(tmp_path / "ctx.bin")
-    first = write_context_file(path, train_len=255, train_windows=2, eval_len=511, eval_windows=1,
-                               chunk=8, train_pool=4, eval_pool=24, vocab_size=256)
-    window = np.fromfile(path, dtype=np.uint16)[first * 512:].tolist()
-    expected = []
-    for target in range(1, 512):
-        start = target - target % 8
-        earlier = [s for s in range(0, start, 8) if window[s:s + 8] == window[start:start + 8]]
-        copied = target % 8 and earlier and (reach is None or start - earlier[-1] <= reach)
-        expected.append(0.0 if copied else math.log(256))
-    bound = copy_bound(path, reach, bucket_start=64)
-    assert [b["end"] for b in bound["buckets"]] == [64, 128, 256, 511]
+    evaluation = write_context_files(str(tmp_path / "ctx.bin"), train_len=255, train_windows=2,
+                                     eval_len=511, eval_windows=2, chunk=8, train_pool=4,
+                                     eval_pool=24, vocab_size=256)[1]
+    stream = np.fromfile(evaluation, dtype=np.uint16).tolist()
+    expected = [[] for _ in range(511)]  # per input position, one loss per window
+    for window in (stream[:512], stream[512:]):
+        for target in range(1, 512):
+            start = target - target % 8
+            earlier = [s for s in range(0, start, 8) if window[s:s + 8] == window[start:start + 8]]
+            copied = target % 8 and earlier and (reach is None or start - earlier[-1] <= reach)
+            expected[target - 1].append(0.0 if copied else math.log(256))
+    bound = copy_bound(evaluation, reach, bucket_start=64)
+    assert bound["windows"] == 2 and [b["end"] for b in bound["buckets"]] == [64, 128, 256, 511]
     for bucket in bound["buckets"]:
-        part = expected[bucket["start"]:bucket["end"]]
+        part = [loss for position in expected[bucket["start"]:bucket["end"]] for loss in position]
         assert bucket["tokens"] == len(part)
         assert bucket["mean_loss"] == pytest.approx(sum(part) / len(part), abs=1e-12)
     assert 0 < bound["buckets"][-1]["mean_loss"] < bound["buckets"][0]["mean_loss"]
 
 
-def test_the_context_curve_recipe_runs_end_to_end(tmp_path):
+def test_the_context_curve_recipe_runs_end_to_end(tmp_path, capsys):
     """bench/context_curve.py's recipe, scaled down: train short, export, extend from the export,
-    evaluate a longer window, and draw it next to the ideal copier, whose buckets are eval.py's."""
-    from bench.context_curve import copy_bound, write_context_file
+    evaluate the held-out file, and draw it next to the ideal copier, whose buckets are eval.py's."""
+    from bench.context_curve import copy_bound, write_context_files
 
     train, evaluate = importlib.import_module("train"), importlib.import_module("eval")
     short, long = str(tmp_path / "short.bin"), str(tmp_path / "long.bin")
-    write_context_file(short, train_len=32, train_windows=8, eval_len=32, eval_windows=0, chunk=4,
-                       train_pool=2, eval_pool=2, vocab_size=256)
-    first = write_context_file(long, train_len=64, train_windows=2, eval_len=128, eval_windows=1,
-                               chunk=4, train_pool=4, eval_pool=8, vocab_size=256)
+    write_context_files(short, train_len=32, train_windows=8, eval_len=32, eval_windows=0,
+                        chunk=4, train_pool=2, eval_pool=2, vocab_size=256)
+    held_out = write_context_files(long, train_len=64, train_windows=2, eval_len=128,
+                                   eval_windows=1, chunk=4, train_pool=4, eval_pool=8,
+                                   vocab_size=256)[1]
     common = ["--fsdp", "--lr", "1e-3", "--warmup-steps", "1", "--steps", "2"]
     train.train(train.parse_args(common + ["--seq-len", "32", "--batch-size", "4", "--data", short,
                                            "--export-hf", str(tmp_path / "m32")]))
@@ -280,12 +292,19 @@ def test_the_context_curve_recipe_runs_end_to_end(tmp_path):
                                            "--export-hf", str(tmp_path / "m64")]))
     after = tmp_path / "after.json"
     evaluate.main(["--init-from", str(tmp_path / "m64"), "--tile-loss", "--seq-len", "128",
-                   "--data", long, "--first-window", str(first), "--windows", "1",
-                   "--bucket-start", "16", "--out", str(after)])
-    bound = copy_bound(long, reach=64, bucket_start=16)
-    (tmp_path / "bound.json").write_text(json.dumps(bound))
+                   "--data", held_out, "--windows", "1", "--bucket-start", "16",
+                   "--out", str(after)])
     measured = json.loads(after.read_text())
+    assert measured["label"] == str(tmp_path / "m64")  # named by what it loaded, not "random init"
+    bound = copy_bound(held_out, reach=64, bucket_start=16)
+    (tmp_path / "bound.json").write_text(json.dumps(bound))
     assert [(b["start"], b["end"], b["tokens"]) for b in measured["buckets"]] == \
         [(b["start"], b["end"], b["tokens"]) for b in bound["buckets"]]
+    capsys.readouterr()
     evaluate.main(["--compare", str(after), str(tmp_path / "bound.json"),
                    "--out", str(tmp_path / "curve.png")])
+    assert "different position buckets" not in capsys.readouterr().out
+    (tmp_path / "coarse.json").write_text(json.dumps(copy_bound(held_out, bucket_start=32)))
+    evaluate.main(["--compare", str(after), str(tmp_path / "coarse.json"),
+                   "--out", str(tmp_path / "curve2.png")])
+    assert "different position buckets" in capsys.readouterr().out
