@@ -32,7 +32,7 @@ def checkpoint_meta(cfg, rt, args, step: int) -> dict:
     return {"step": step, "model": cfg.model, "model_args": asdict(args),
             "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "data": cfg.data, "lr": cfg.lr,
-            "weight_decay": cfg.weight_decay}
+            "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps}
 
 
 class SaveFailed(RuntimeError):
@@ -144,8 +144,8 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
     """Restore the newest readable complete checkpoint of save_dir; returns the step to continue
     from. A checkpoint that cannot be read (truncated shard, bad meta.json) is named and the one
     before it is tried; one written for another model, world, sequence length or batch is refused
-    (those are the command's mistakes, not damage). The command line's lr and weight decay win
-    over the checkpoint's."""
+    (those are the command's mistakes, not damage). The command line's lr, weight decay and
+    warmup win over the checkpoint's."""
     found = complete_checkpoints(cfg.save_dir)
     if not found:
         raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r}")
@@ -169,11 +169,13 @@ def load_checkpoint(cfg, rt, model, optimizer) -> int:
                          f"({', '.join(os.path.basename(p) for p in found)})")
     for group in optimizer.param_groups:  # loading restored the saved values; the flags win
         group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-    saved = {k: meta.get(k) for k in ("lr", "weight_decay")}
-    if rt.rank == 0 and saved != {"lr": cfg.lr, "weight_decay": cfg.weight_decay}:
-        print(f"resume: using --lr {cfg.lr} --weight-decay {cfg.weight_decay} from the command "
-              f"line (the checkpoint was saved with lr {saved['lr']}, weight decay "
-              f"{saved['weight_decay']})")
+    given = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps}
+    saved = {k: meta.get(k, 0 if k == "warmup_steps" else None) for k in given}  # older: no warmup
+    if rt.rank == 0 and saved != given:
+        print(f"resume: using --lr {cfg.lr} --weight-decay {cfg.weight_decay} --warmup-steps "
+              f"{cfg.warmup_steps} from the command line (the checkpoint was saved with lr "
+              f"{saved['lr']}, weight decay {saved['weight_decay']}, warmup steps "
+              f"{saved['warmup_steps']})")
     if cfg.steps == meta["step"] and rt.rank == 0:
         print(f"resume: {path} is already at step {meta['step']} = --steps; nothing to train")
     return meta["step"]

@@ -355,7 +355,9 @@ def test_resume_honours_a_new_lr_and_says_so(tmp_path, capsys):
     train.train(config(tmp_path, 2))
     capsys.readouterr()
     run = train.train(config(tmp_path, 3, resume=True, lr=0.0))  # lr 0: the weights stay put
-    assert "using --lr 0.0 --weight-decay 0.0 from the command line (the checkpoint was saved with lr 0.003" in capsys.readouterr().out
+    assert "using --lr 0.0 --weight-decay 0.0 --warmup-steps 0 from the command line (the checkpoint was saved with lr 0.003" in capsys.readouterr().out
+    train.train(config(tmp_path, 4, resume=True, lr=0.0, warmup_steps=8))  # the schedule too
+    assert "--warmup-steps 8 from the command line (the checkpoint was saved with lr 0.0, weight decay 0.0, warmup steps 0)" in capsys.readouterr().out
     saved = train.train(config(tmp_path / "copy", 0))  # fresh model, then load the checkpoint's weights
     resume.restore_state(train.Runtime(), resume.complete_checkpoints(str(tmp_path))[0], saved.model, saved.optimizer)
     for a, b in zip(run.model.parameters(), saved.model.parameters()):
