@@ -55,6 +55,7 @@ import math
 import os
 
 import numpy as np
+import torch
 
 from data import parse_tokens, sidecar_path
 
@@ -142,8 +143,8 @@ def copy_bound(path: str, reach: int | None = None, bucket_start: int = 1024) ->
     windows = stream.size // (seq_len + 1)
     target = np.arange(1, seq_len + 1)  # input position p predicts the token at p + 1
     edges = evaluate.bucket_edges(seq_len, bucket_start)
-    bucket = np.searchsorted(np.array(edges[1:-1]), target - 1, side="right")
-    sums = np.zeros(len(edges) - 1)
+    positions, labels = torch.from_numpy(target - 1), torch.zeros(seq_len, dtype=torch.long)
+    sums = torch.zeros(2, len(edges) - 1, dtype=torch.float64)  # eval.py's: loss, tokens
     for window in stream[:windows * (seq_len + 1)].reshape(windows, seq_len + 1):
         chunks = -(-window.size // chunk)
         back = np.full(chunks, np.inf)  # tokens back to the chunk's previous occurrence
@@ -155,15 +156,15 @@ def copy_bound(path: str, reach: int | None = None, bucket_start: int = 1024) ->
             last[key] = index
         distance = back[target // chunk]
         copied = (target % chunk != 0) & np.isfinite(distance) & (distance <= (reach or math.inf))
-        sums += np.bincount(bucket, weights=np.where(copied, 0.0, math.log(vocab_size)),
-                            minlength=len(edges) - 1)
-    counts = np.bincount(bucket, minlength=len(edges) - 1) * windows
+        losses = torch.from_numpy(np.where(copied, 0.0, math.log(vocab_size)))
+        sums += evaluate.bucket_sums(losses, positions, labels, edges)
+    sums, counts = sums.tolist()
     reach_text = "anywhere" if reach is None else f"up to {evaluate.tokens_text(reach)} back"
     return {"task": "loss", "seq_len": seq_len, "windows": windows, "positions": "in the window",
             "data": path, "edges": edges,
             "buckets": [{"start": a, "end": b, "tokens": int(n), "mean_loss": float(t / n)}
                         for a, b, t, n in zip(edges[:-1], edges[1:], sums, counts)],
-            "mean_loss": float(sums.sum() / counts.sum()), "label": f"ideal copier, {reach_text}",
+            "mean_loss": sum(sums) / sum(counts), "label": f"ideal copier, {reach_text}",
             "bound": {"reach": reach, "chunk": chunk, "vocab_size": vocab_size}}
 
 
