@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+import kernels
+
 GiB, MiB = 2**30, 2**20
 
 
@@ -66,7 +68,8 @@ GiB, MiB = 2**30, 2**20
 # ---------------------------------------------------------------------------------------------
 
 def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
-                            bytes_per_value: int = 2, pinned: bool = False) -> dict:
+                            bytes_per_value: int = 2, pinned: bool = False,
+                            keep_attention: bool = False) -> dict:
     """Per-rank bytes of saved block inputs between forward and backward: {"gpu", "host"}.
 
     Each block input is local tokens x dim. Without offload all n_layers stay on the GPU; with
@@ -75,15 +78,30 @@ def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
     one coming back.) The recompute of one block's activations is `block_recompute_bytes`.
     pinned=True: the host bytes as the pinned allocator reserves them for the offloader's
     power-of-two pieces (`power_of_two_pieces`): the data, to within 2 MiB per block input.
+    keep_attention: each block also keeps its attention output and log-sum-exps
+    (`kept_attention_bytes`), where its input is kept.
     """
     if seq_len % sp:
         raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
                          f"sequence-parallel degree ({sp})")
-    per_layer = seq_len // sp * args.dim * bytes_per_value
-    host_buffer = sum(power_of_two_pieces(per_layer)) if pinned else per_layer
+    per_layer = [seq_len // sp * args.dim * bytes_per_value]
+    if keep_attention:
+        per_layer += kept_attention_bytes(args, seq_len, sp, bytes_per_value)
+    host_buffer = sum(sum(power_of_two_pieces(n)) if pinned else n for n in per_layer)
     on_host = (args.n_layers - 1) * host_buffer if offload else 0
-    on_gpu = per_layer if offload else args.n_layers * per_layer
+    on_gpu = sum(per_layer) * (1 if offload else args.n_layers)
     return {"gpu": on_gpu, "host": on_host}
+
+
+def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) -> list[int]:
+    """keep_attention: the bytes of what one block keeps besides its input, per tensor: the
+    attention output (a rank's share of seq x heads x head_dim; the size of the block input
+    when heads x head_dim = dim, as in Llama) and its fp32 log-sum-exp, one per head and token
+    (1/64 of the output for head_dim 128 in bf16). 05 keeps the latter as one tensor per stage;
+    the same bytes."""
+    local_tokens = seq_len // sp
+    return [local_tokens * args.n_heads * args.head_dim * bytes_per_value,
+            local_tokens * args.n_heads * 4]
 
 
 def power_of_two_pieces(nbytes: int, smallest: int = 2 * MiB) -> list[int]:
@@ -127,14 +145,16 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> 
 # The technique: checkpoint every block; optionally hand its saved input to the offloader.
 # ---------------------------------------------------------------------------------------------
 
-def apply_checkpointing(model, offload: bool = False) -> None:
+def apply_checkpointing(model, offload: bool = False, keep_attention: bool = False) -> None:
     """Recompute every block in backward from its saved input; with offload, that input waits
-    in host memory between forward and backward (all blocks but the last).
+    in host memory between forward and backward (all blocks but the last). keep_attention: each
+    block's attention output and log-sum-exp are kept too (beside the input: on the host with
+    offload), and the recompute uses them instead of running the attention kernel.
 
     Runs on the meta-device model before FSDP: only the blocks' forward functions are replaced
     (instance attributes, so parameter names are unchanged) and no parameter is captured.
     The offloader, with its per-step statistics, is `model.checkpoint_offload` (None without
-    offload).
+    offload); the kept attention outputs are `model.kept_attention` (None without keep_attention).
     """
     if not hasattr(model, "layers"):
         raise ValueError(f"apply_checkpointing needs a model with .layers (its blocks), "
@@ -143,18 +163,19 @@ def apply_checkpointing(model, offload: bool = False) -> None:
         raise ValueError("checkpointing is already applied to this model")
     offloader = BlockInputOffloader(len(model.layers)) if offload else None
     model.checkpoint_offload = offloader
+    model.kept_attention = KeptAttention(offloader) if keep_attention else None
     for layer, block in enumerate(model.layers):
         # block.forward is read now: the model's own, or a technique applied before this one.
-        block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
+        contexts = partial(block_contexts, layer, model.kept_attention)
+        block.forward = partial(checkpointed_forward, block.forward, layer, offloader, contexts)
 
 
-def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
+def checkpointed_forward(forward, layer: int, offloader, contexts, x: torch.Tensor, rope,
                          cu_seqlens=None) -> torch.Tensor:
     if not torch.is_grad_enabled():  # no backward coming: nothing to save or recompute
         return forward(x, rope, cu_seqlens)
     if offloader is None:
-        return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False,
-                          context_fn=mark_recompute)
+        return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False, context_fn=contexts)
     # These hooks see what checkpoint saves outside its region: the block's inputs. The rotary
     # cos/sin (a tuple, one for all layers) is held by checkpoint directly and never offloaded,
     # and so are packed documents' boundaries (cu_seqlens, a tuple of ints); `pack` picks the
@@ -163,8 +184,7 @@ def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
     # the graph, and a strong one would pin x in GPU memory however well it was copied away.
     with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer, weakref.ref(x)),
                                                   offloader.unpack):
-        return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False,
-                          context_fn=mark_recompute)
+        return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False, context_fn=contexts)
 
 
 # checkpoint runs the block's forward a second time in backward, only to rebuild what its ops
@@ -174,28 +194,94 @@ _recomputing = contextvars.ContextVar("recomputing", default=False)
 
 
 @contextlib.contextmanager
-def _recompute_marker():
-    token = _recomputing.set(True)
+def _set(var: contextvars.ContextVar, value):
+    token = var.set(value)
     try:
         yield
     finally:
-        _recomputing.reset(token)
+        var.reset(token)
 
 
-def mark_recompute():
-    """checkpoint's context_fn: nothing around the forward, the marker around its recompute."""
-    return contextlib.nullcontext(), _recompute_marker()
+def block_contexts(layer: int, kept: "KeptAttention | None"):
+    """checkpoint's context_fn: what runs around the block's forward and around its recompute.
+    The recompute is marked; with keep_attention both also tell the attention kernel
+    (kernels.kept_attention) which block it runs in."""
+    if kept is None:
+        return contextlib.nullcontext(), _set(_recomputing, True)
+    return _in_block(kept, layer, False), _in_block(kept, layer, True)
+
+
+@contextlib.contextmanager
+def _in_block(kept: "KeptAttention", layer: int, recomputing: bool):
+    with _set(_recomputing, recomputing), \
+            _set(kernels._kept_attention, BlockAttention(kept, layer, recomputing)):
+        yield
 
 
 def is_recomputing() -> bool:
     return _recomputing.get()
 
 
+# ---------------------------------------------------------------------------------------------
+# Keeping the attention output: the recompute skips the attention kernel.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class BlockAttention:
+    """What the attention kernel sees of `KeptAttention` inside one checkpointed block."""
+    kept: "KeptAttention"
+    layer: int
+    recomputing: bool
+
+    def keep(self, tensors) -> None:
+        self.kept.keep(self.layer, tensors)
+
+    def take(self) -> tuple:
+        return self.kept.take(self.layer)
+
+
+class KeptAttention:
+    """Each block's attention output and log-sum-exp(s), from its forward to its recompute.
+
+    kernels.causal_attention (02 and plain attention) keeps (output, lse) in the head layout;
+    05 keeps its output buffer and every stage's lse. Without offload they wait on the GPU; with
+    it the offloader moves them with the block input: to the host in forward (the last block's
+    stay), back one block ahead in backward.
+    """
+
+    def __init__(self, offloader: "BlockInputOffloader | None"):
+        self.offloader = offloader
+        self.on_device = {}  # layer -> tensors, without offload
+        self.stats = {"kept": 0, "kept_bytes": 0, "taken": 0}  # this step's
+
+    def keep(self, layer: int, tensors) -> None:
+        if layer == 0:
+            self.stats = {"kept": 0, "kept_bytes": 0, "taken": 0}
+            self.on_device.clear()  # a step whose backward never ran leaves nothing behind
+        # New tensor objects over the same memory: autograd gives the returned output a
+        # grad_fn, and the recompute returns these again as outputs of its own node.
+        tensors = tuple(t.detach() for t in tensors)
+        self.stats["kept"] += 1
+        self.stats["kept_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+        if self.offloader is not None:
+            self.offloader.pack_attention(layer, tensors)
+        else:
+            self.on_device[layer] = tensors
+
+    def take(self, layer: int) -> tuple:
+        self.stats["taken"] += 1
+        if self.offloader is not None:
+            return self.offloader.take_attention(layer)
+        return self.on_device.pop(layer)
+
+
 @dataclass
 class SavedBlockInput:
-    """What autograd holds instead of a block input between forward and backward."""
+    """What autograd holds instead of a block input between forward and backward (and what the
+    offloader holds for each of a block's kept attention tensors)."""
     layer: int
     device: torch.device
+    pool: object = None                    # its host buffers' key: the layer, or (layer, i)
     host: "HostBuffer | None" = None       # the copy in host memory while it waits
     on_device: torch.Tensor | None = None  # kept (last block) or brought back, until unpacked
     copied_back: object = None             # CUDA event on the side stream: the copy back is done
@@ -256,13 +342,15 @@ class BlockInputOffloader:
         self.host_bytes = 0          # all host buffers allocated, in use or free
         self.host_allocations = 0    # how many times a host buffer was allocated
         self.waiting = {}            # layer -> SavedBlockInput on the host, not yet coming back
+        self.attention = {}          # layer -> [SavedBlockInput] of its kept attention tensors
         self.stream = None           # the side CUDA stream for every copy, made on first use
         self.stats = self.new_stats()
 
     @staticmethod
     def new_stats() -> dict:
         return {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "kept_bytes": 0,
-                "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": []}
+                "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": [],
+                "attention_offloaded_bytes": 0, "attention_restored_bytes": 0}
 
     # --- forward: pack ----------------------------------------------------------------------
 
@@ -275,14 +363,50 @@ class BlockInputOffloader:
         if layer == self.n_layers - 1:  # backward starts with this one: keep it on the device
             self.log("keep", layer, "kept", nbytes)
             return SavedBlockInput(layer, t.device, on_device=t, kept=True)
-        saved = SavedBlockInput(layer, t.device, host=self.take_host_buffer(layer, t))
+        saved = SavedBlockInput(layer, t.device, layer, host=self.take_host_buffer(layer, t))
         self.copy_to_host(t, saved.host)
         self.waiting[layer] = saved
         self.log("offload", layer, "offloaded", nbytes)
         return saved
 
-    def take_host_buffer(self, layer: int, like: torch.Tensor) -> HostBuffer:
-        free = self.free_host_buffers.setdefault(layer, [])
+    def pack_attention(self, layer: int, tensors) -> None:
+        """keep_attention: a block's kept attention tensors go the way of its input."""
+        if layer == self.n_layers - 1:
+            self.attention[layer] = [SavedBlockInput(layer, t.device, on_device=t, kept=True)
+                                     for t in tensors]
+            self.log("keep attention", layer)
+            return
+        saved = []
+        for i, t in enumerate(tensors):
+            saved.append(SavedBlockInput(layer, t.device, (layer, i),
+                                         host=self.take_host_buffer((layer, i), t)))
+            self.copy_to_host(t, saved[-1].host)
+            self.stats["attention_offloaded_bytes"] += t.numel() * t.element_size()
+        self.attention[layer] = saved
+        self.log("offload attention", layer)
+
+    def take_attention(self, layer: int) -> tuple:
+        """The block's kept attention tensors on the device, in its recompute."""
+        saved = self.attention.pop(layer)
+        if saved[0].host is not None:  # not prefetched: fetch them now
+            self.start_attention_copy_back(saved)
+            self.log("fetch attention", layer)
+        tensors = []
+        for one in saved:
+            if one.copied_back is not None:
+                torch.cuda.current_stream(one.device).wait_event(one.copied_back)
+            tensors.append(one.on_device)
+            one.on_device = None
+        self.log("use attention", layer)
+        return tuple(tensors)
+
+    def start_attention_copy_back(self, saved: list) -> None:
+        for one in saved:
+            self.stats["attention_restored_bytes"] += one.host.nbytes
+            self.start_copy_back(one)
+
+    def take_host_buffer(self, pool, like: torch.Tensor) -> HostBuffer:
+        free = self.free_host_buffers.setdefault(pool, [])
         while free:
             buffer = free.pop()
             if buffer.holds(like):
@@ -324,7 +448,11 @@ class BlockInputOffloader:
         if saved.copied_back is not None:  # the compute stream waits for the copy, not the host
             torch.cuda.current_stream(saved.device).wait_event(saved.copied_back)
         # Backward runs the blocks in reverse: start bringing back the previous block's input,
-        # so its copy overlaps this block's recompute and backward.
+        # so its copy overlaps this block's recompute and backward (and its kept attention).
+        previous_attention = self.attention.get(saved.layer - 1)
+        if previous_attention and previous_attention[0].host is not None:
+            self.start_attention_copy_back(previous_attention)
+            self.log("prefetch attention", saved.layer - 1)
         previous = self.waiting.pop(saved.layer - 1, None)
         if previous is not None:
             previous.prefetched = True
@@ -356,7 +484,7 @@ class BlockInputOffloader:
                 saved.copied_back.record(stream)
         # Every copy into or out of a host buffer is on the one side stream, in order: the next
         # step's copy out cannot overtake this copy back, so the buffer is free again now.
-        self.free_host_buffers[saved.layer].append(host)
+        self.free_host_buffers[saved.pool].append(host)
         saved.host = None
 
     def side_stream(self, device: torch.device):

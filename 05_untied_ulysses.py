@@ -226,6 +226,20 @@ class UntiedUlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
+        kept = kernels.kept_attention()  # inside 03's checkpoint with --keep-attention
+        if kept is not None and kept.recomputing:  # the block's recompute: no stage runs
+            out, *lses = kept.take()
+        else:
+            out, lses = UntiedUlyssesAttention.stages(layout, x, cos, sin, wq, wk, wv, q_norm, k_norm)
+            if kept is not None:
+                kept.keep((out, *lses))
+        ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
+        ctx.layout = layout
+        return out
+
+    @staticmethod
+    def stages(layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
+        """The forward's work: (output, every stage's log-sum-exp)."""
         head_dim, eps, rope = layout.head_dim, layout.eps, (cos, sin)
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
         out = x.new_empty(*x.shape[:2], n_heads * head_dim)  # the one output buffer
@@ -245,9 +259,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
                 # back to this rank's tokens, into this stage's heads of every rank's block
                 out_blocks[:, :, :, heads] = layout.to_tokens(stage_out).unflatten(2, (layout.sp, -1))
                 del stage_out
-        ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
-        ctx.layout = layout
-        return out
+        return out, lses
 
     @staticmethod
     def backward(ctx, grad_out):

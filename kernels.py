@@ -9,6 +9,9 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
   attention_backward_lse(dout, q, k, v, out, lse)  per stage from the saved log-sum-exp, so it
                                                    needs the forward and the backward kernel
                                                    separately; no attention forward is re-run.
+Inside a block that 03 checkpoints with --keep-attention, `causal_attention` (and 05) keep the
+forward's output and log-sum-exp with 03 (`kept_attention()`), and the block's recompute in
+backward takes them back instead of running the kernel (`AttentionFromKept`).
 
 Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   fa4     FlashAttention-4 (`pip install flash-attn-4`, Hopper and Blackwell GPUs): the fastest
@@ -36,6 +39,7 @@ the log-sum-exp is only handed back to the backward of the same path. `use_varle
 the loop (bench.packed compares the two).
 """
 
+import contextvars
 import functools
 import logging
 import warnings
@@ -85,6 +89,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
     each attending only to itself.
     """
+    if not sdpa_only and kept_attention() is not None and (q.shape[1] > 1 or cu_seqlens):
+        return AttentionFromKept.apply(q, k, v, cu_seqlens, kept_attention())
     if cu_seqlens is not None:
         return document_attention(q, k, v, cu_seqlens, sdpa_only)
     if q.shape[1] == 1:  # one token (a 1-token document) sees only itself: softmax over one key
@@ -105,6 +111,41 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         with sdpa_kernel(_sdpa_backends(kernel), set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+# 03's handle on the block being checkpointed with --keep-attention (None elsewhere): its
+# `recomputing`, `keep(tensors)` in forward and `take()` in the recompute. 03 sets it around the
+# block's forward and its recompute, and only when a backward will follow.
+_kept_attention = contextvars.ContextVar("kept_attention", default=None)
+
+
+def kept_attention():
+    return _kept_attention.get()
+
+
+class AttentionFromKept(torch.autograd.Function):
+    """`causal_attention` whose output and log-sum-exp are kept through 03's checkpoint: the
+    forward runs the kernel and keeps them; the block's recompute in backward takes them back
+    (no kernel), and the backward kernel uses them. q, k, v are saved as usual (the recompute
+    rebuilds them: cheap projections, Ulysses' exchange)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, kept):
+        if kept.recomputing:
+            out, lse = kept.take()
+        else:
+            out, lse = attention_forward_lse(q, k, v, cu_seqlens=cu_seqlens)
+            kept.keep((out, lse))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu_seqlens = cu_seqlens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = attention_backward_lse(grad_out.contiguous(), q, k, v, out, lse,
+                                       cu_seqlens=ctx.cu_seqlens)
+        return (*grads, None, None)
 
 
 def _sdpa_backends(kernel: str):

@@ -165,13 +165,17 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
     if cfg.checkpoint:
-        checkpoints = offload.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b, pinned=True)
+        checkpoints = offload.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b, pinned=True,
+                                                      keep_attention=cfg.keep_attention)
         host = checkpoints["host"]
         forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
+        # --keep-attention: what a block keeps besides its input. In a block's backward its own
+        # kept output and log-sum-exp are what its attention saved (counted there).
+        kept = sum(offload.kept_attention_bytes(args, tokens, sp, b)) if cfg.keep_attention else 0
         # Offloaded: backward starts with the last input and brings the next one back (if
         # there is a next one: a one-layer model keeps its only input on the GPU).
-        prefetched = hidden if cfg.offload and n_layers > 1 else 0
-        last_layer_kept = {"saved": checkpoints["gpu"] + prefetched,
+        prefetched = hidden + kept if cfg.offload and n_layers > 1 else 0
+        last_layer_kept = {"saved": checkpoints["gpu"] - kept + prefetched,
                            "attention": 0}
         first_layer_kept = {"saved": hidden, "attention": 0}
     else:  # every layer keeps its activations until backward reaches it

@@ -68,6 +68,7 @@ class Config:
     sp: int | None = None  # sequence-parallel degree; default: all ranks
     checkpoint: bool = False
     offload: bool = False
+    keep_attention: bool = False  # 03: attention outputs kept through the checkpoint
     tile_mlp: bool = False
     tile_loss: bool = False
     tile_norm: bool = False
@@ -124,6 +125,10 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all ranks)")
     parser.add_argument("--checkpoint", action="store_true", help="03: activation checkpointing")
     parser.add_argument("--offload", action="store_true", help="03: offload checkpoints to CPU")
+    parser.add_argument("--keep-attention", action="store_true",
+                        help="03: keep each block's attention output (and log-sum-exp) with its "
+                             "checkpoint, so backward's recompute skips the attention kernel: "
+                             "faster at long lengths, one more block input's bytes per layer")
     parser.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     parser.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     parser.add_argument("--tile-norm", action="store_true", help="04: tiled RMSNorms")
@@ -189,6 +194,9 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
+    if cfg.keep_attention and not cfg.checkpoint:
+        raise ValueError("--keep-attention is a setting of --checkpoint (03): add --checkpoint, "
+                         "--offload or --stack 3 or higher")
     if cfg.doc_sep is not None:
         cfg.documents = True
     if cfg.head_chunk is not None and not cfg.untied:
@@ -239,6 +247,7 @@ def model_name(cfg: Config) -> str:
 
 def techniques_text(cfg: Config, head_chunk) -> str:
     names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
+    names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
     return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"
 
@@ -348,7 +357,7 @@ def build_model(cfg: Config, rt: Runtime):
                                 mlp_tile_tokens=cfg.mlp_tile_tokens,
                                 loss_tile_tokens=cfg.loss_tile_tokens, tile_norm=cfg.tile_norm)
         if cfg.checkpoint:
-            offload.apply_checkpointing(model, offload=cfg.offload)
+            offload.apply_checkpointing(model, offload=cfg.offload, keep_attention=cfg.keep_attention)
 
     mesh = rt.fsdp_mesh if cfg.fsdp else None
     if cfg.init_from:
@@ -436,9 +445,12 @@ def out_of_memory_names(phase: str):
 # ---------------------------------------------------------------------------------------------
 
 def attention_kernel(cfg: Config, rt: Runtime, args) -> str:
-    """The kernel attention runs (for the log); 05 calls its forward and backward separately."""
+    """The kernel attention runs (for the log); 05 and --keep-attention call its forward and
+    backward separately."""
     name = kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype), args.head_dim)
-    return name + (" (forward and backward with log-sum-exp, 05)" if cfg.untied else "")
+    if cfg.untied or cfg.keep_attention:
+        name += f" (forward and backward with log-sum-exp, {'05' if cfg.untied else '03'})"
+    return name
 
 
 @dataclass

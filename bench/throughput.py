@@ -25,6 +25,8 @@ its own sequence of S tokens):
             step fits the GPU).
   METHOD+host-state   the same with the model state on the host (01's --offload-model-state:
             its extra step time is per layer, so the 1 + 2 layer extrapolation holds for it);
+  METHOD+keep-attention   the same with 03's --keep-attention (the recompute runs no attention
+            forward; the FLOPs below count one fewer);
   METHOD@KERNEL       with that attention kernel (--attn-kernel), e.g. ulysses+host-state@fa4.
 Step = forward + backward + AdamW step; time = the median of --steps after the first (which warms
 up kernels, the allocator and the offload buffers), single step above --single-step-above. A 1-
@@ -80,14 +82,18 @@ H200_BF16_PEAK = 989e12
 # ---------------------------------------------------------------------------------------------
 
 HOST_STATE = "+host-state"  # a method's suffix: the model state on the host (--offload-model-state)
+KEEP_ATTENTION = "+keep-attention"  # a method's suffix: 03's --keep-attention
+SUFFIXES = {HOST_STATE: "offload_model_state", KEEP_ATTENTION: "keep_attention"}  # -> Config field
 
 
 def parse_method(method: str) -> tuple:
     """'untied:8+host-state@fa4' -> ('untied', 8, 'fa4'): the method, Untied's head chunk (None:
     train.py's choice), the attention kernel (--attn-kernel; 'auto' when not given). The
-    +host-state suffix (model state on the host, 01's --offload-model-state) is read by
-    `method_config`."""
-    method, _, kernel = method.replace(HOST_STATE, "").partition("@")
+    suffixes +host-state (model state on the host, 01's --offload-model-state) and
+    +keep-attention (03's --keep-attention) are read by `method_config`."""
+    for suffix in SUFFIXES:
+        method = method.replace(suffix, "")
+    method, _, kernel = method.partition("@")
     name, _, chunk = method.partition(":")
     return name, int(chunk) if chunk else None, kernel or "auto"
 
@@ -96,7 +102,8 @@ def method_config(base: train.Config, method: str, model_name: str, seq_len: int
     name, chunk, kernel = parse_method(method)
     cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len, attn_kernel=kernel,
                               ulysses=name == "ulysses", untied=name == "untied", head_chunk=chunk,
-                              offload_model_state=base.offload_model_state or HOST_STATE in method)
+                              **{field: getattr(base, field) or suffix in method
+                                 for suffix, field in SUFFIXES.items()})
     return train.resolve_techniques(cfg)
 
 
@@ -106,10 +113,12 @@ def warm_pinned_cache(cfg: train.Config, rt) -> None:
     pays for pinning memory (~1 s for 4 GiB)."""
     if not (cfg.offload and rt.device.type == "cuda"):
         return
-    args = llama.get_model_args(cfg.model)
-    block_input = (cfg.batch_size, cfg.seq_len // rt.sp, args.dim)
-    buffers = [offload.HostBuffer(block_input, getattr(torch, cfg.dtype), pinned=True)
-               for _ in range(args.n_layers - 1)]
+    args, dtype = llama.get_model_args(cfg.model), getattr(torch, cfg.dtype)
+    sizes = [cfg.batch_size * cfg.seq_len // rt.sp * args.dim * dtype.itemsize]
+    if cfg.keep_attention:
+        sizes += offload.kept_attention_bytes(args, cfg.batch_size * cfg.seq_len, rt.sp, dtype.itemsize)
+    buffers = [offload.HostBuffer((n,), torch.uint8, pinned=True)
+               for _ in range(args.n_layers - 1) for n in sizes]
     del buffers
 
 
@@ -159,15 +168,18 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
 # FLOPs, and the kernels' standalone rates.
 # ---------------------------------------------------------------------------------------------
 
-def step_flops(args: llama.ModelArgs, seq_len: int, sequences: int) -> dict:
-    """FLOPs of one step of `sequences` sequences of `seq_len` tokens (see the docstring)."""
+def step_flops(args: llama.ModelArgs, seq_len: int, sequences: int,
+               keep_attention: bool = False) -> dict:
+    """FLOPs of one step of `sequences` sequences of `seq_len` tokens (see the docstring);
+    keep_attention: the recompute runs no attention forward."""
     d = args.n_heads * args.head_dim
     attention_forward = 2 * seq_len**2 * d * args.n_layers * sequences
     per_layer_params = (args.dim * d + 2 * args.dim * args.n_kv_heads * args.head_dim + d * args.dim
                         + 3 * args.dim * args.ffn_dim)
     linear_params = args.n_layers * per_layer_params + args.dim * args.vocab_size  # + lm_head
     linear_forward = 2 * linear_params * seq_len * sequences
-    return {"attention": attention_forward * (1 + 2.5 + 1), "linear": linear_forward * (1 + 2 + 1)}
+    recompute = 0 if keep_attention else 1
+    return {"attention": attention_forward * (1 + 2.5 + recompute), "linear": linear_forward * (1 + 2 + 1)}
 
 
 def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, local_tokens: int,
@@ -222,7 +234,7 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
             continue
         sequences = world if parse_method(method)[0] == "none" else 1
         tokens_per_gpu = seq_len * sequences / world
-        flops = step_flops(args, seq_len, sequences)
+        flops = step_flops(args, seq_len, sequences, KEEP_ATTENTION in method)
         entry.update(status="ok", step_time_s=step, how=how,
                      tokens_per_s_per_gpu=tokens_per_gpu / step,
                      mfu=(flops["attention"] + flops["linear"]) / (step * world * H200_BF16_PEAK))
@@ -239,7 +251,8 @@ def method_label(entry: dict) -> str:
     """A table entry's method, with Untied's head chunk (from `untied:U`, else the one train.py
     chose, recorded in the entry)."""
     name, chunk, kernel = parse_method(entry["method"])
-    at = ("" if kernel == "auto" else f" {kernel}") + (" " + HOST_STATE if HOST_STATE in entry["method"] else "")
+    at = ("" if kernel == "auto" else f" {kernel}") + "".join(
+        " " + suffix for suffix in SUFFIXES if suffix in entry["method"])
     if name != "untied":
         return name + at
     return f"untied U={chunk or entry.get('head_chunk') or 'P'}{at}"
@@ -292,8 +305,8 @@ def main():
     parser.add_argument("--seq-lens", nargs="*", default=["128K", "256K", "512K", "1M"])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied", "ring", "none"],
                         help="none, ring, ulysses, untied or untied:U, each optionally +host-state "
-                             "(--offload-model-state) and @KERNEL (--attn-kernel): ulysses@fa4 "
-                             "ulysses+host-state@fa4")
+                             "(--offload-model-state), +keep-attention (--keep-attention) and "
+                             "@KERNEL (--attn-kernel): ulysses@fa4 ulysses+keep-attention@fa4")
     parser.add_argument("--no-cp-up-to", default="256K", help="skip 'none' above this length")
     parser.add_argument("--steps", type=int, default=2, help="steps per row; those after the first are timed")
     parser.add_argument("--single-step-above", default="512K")

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
+                       train_loss_and_grads, with_kernel)
 
+import kernels
 import model as llama
 from data import TokenData
 from demos import bytes_saved_for_backward
@@ -125,6 +127,72 @@ def _repeated_steps_do_not_grow():
 
 def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
     run_ranks(2, _repeated_steps_do_not_grow)
+
+
+def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
+    sp = dist.get_world_size()
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=3, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads(MODEL, tokens, labels)
+    forward_lse, calls = kernels.attention_forward_lse, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward_lse(*args, **kwargs)
+
+    kernels.attention_forward_lse = counted
+    try:
+        for seam, offloading in [(s, o) for s in ("ulysses", "untied") for o in (False, True)]:
+            results = {}
+            for keep in (False, True):
+                cfg = train.Config(model=MODEL, fsdp=True, checkpoint=True, offload=offloading,
+                                   keep_attention=keep, seq_len=SEQ, batch_size=ROWS,
+                                   **{seam: True})
+                calls.clear()
+                model, rt, cfg = _build(cfg)
+                train.forward_backward(model, tokens, rt, labels)
+                step_calls = len(calls)
+                loss, grads = train_loss_and_grads(cfg, tokens, labels)
+                what = f"{seam} offload={offloading} keep_attention={keep} sp={sp}"
+                assert_matches(loss, grads, ref_loss, ref_grads, what=what)
+                results[keep] = (loss, grads, step_calls)
+                if not keep:
+                    continue
+                # The technique acts: the forward kernel ran once per block (05: per stage),
+                # never in the recompute, which took each block's kept output back.
+                stages = ARGS.n_heads // sp if seam == "untied" else 1  # train.py's U = P here
+                assert step_calls == L * stages, (what, step_calls)
+                kept = model.kept_attention.stats
+                assert kept["kept"] == kept["taken"] == L, (what, kept)
+                planned = sum(offload.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
+                assert kept["kept_bytes"] == L * planned, (what, kept, planned)
+                if offloading:  # moved like the block inputs: out, and back one block ahead
+                    stats = model.checkpoint_offload.stats
+                    assert (stats["attention_offloaded_bytes"] == stats["attention_restored_bytes"]
+                            == (L - 1) * planned), (what, stats)
+                    events = stats["events"]
+                    assert f"keep attention {L - 1}" in events, events
+                    for i in range(L - 1):
+                        assert (events.index(f"prefetch attention {i}") < events.index(f"use {i + 1}")
+                                < events.index(f"use attention {i}")), events
+                    assert not any(e.startswith("fetch") for e in events), events
+                    assert not model.checkpoint_offload.attention  # all taken back
+            # The same kernels on the CPU, called once instead of twice: the same bits.
+            (loss0, grads0, _), (loss1, grads1, _) = results[False], results[True]
+            assert torch.equal(loss0, loss1), (seam, offloading)
+            assert all(torch.equal(grads0[n], grads1[n]) for n in grads0), (seam, offloading)
+            # Without it 05 runs every stage's forward twice (forward, recompute).
+            if seam == "untied":
+                assert results[False][2] == 2 * results[True][2], results
+    finally:
+        kernels.attention_forward_lse = forward_lse
+
+
+def test_keep_attention_changes_no_number_and_skips_the_recompute_kernel():
+    """--keep-attention under 02 and 05 (P=2, FSDP), with and without offload: the unsharded
+    model's loss and gradients; the attention forward runs once per block and the recompute
+    takes the kept output instead; offloaded, the kept tensors go out and come back one block
+    ahead, as many bytes as the planner counts."""
+    run_ranks(2, _keep_attention_changes_no_number_and_skips_the_recompute_kernel)
 
 
 def test_offload_acts_on_memory_kept_for_backward():
@@ -325,3 +393,34 @@ def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     buffer.copy_into(back, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, x)
+
+
+def _gpu_keep_attention_matches_fp32(seam: str):
+    """bf16 on the GPU with --keep-attention against the fp32 unsharded model; the forward
+    kernel runs once per block (05: per stage) and never in the recompute."""
+    sp = dist.get_world_size()
+    cfg = train.Config(model="tiny-hd64", fsdp=True, offload=True, keep_attention=True,
+                       seq_len=256, batch_size=2, device="cuda", dtype="bfloat16",
+                       attn_kernel=kernels._requested["kernel"],
+                       **({"untied": True, "head_chunk": sp} if seam == "untied" else {"ulysses": True}))
+    args = llama.get_model_args(cfg.model)
+    tokens, labels = make_batch(args.vocab_size, 2, cfg.seq_len, seed=5, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)
+    forward_lse, calls = kernels.attention_forward_lse, []
+    kernels.attention_forward_lse = lambda *a, **k: (calls.append(1), forward_lse(*a, **k))[1]
+    try:
+        loss, grads = train_loss_and_grads(cfg, tokens, labels)
+    finally:
+        kernels.attention_forward_lse = forward_lse
+    assert_matches(loss.cpu(), grads, ref_loss, ref_grads, what=f"{seam} sp={sp}", norm_rtol=3e-2)
+    stages = args.n_heads // sp if seam == "untied" else 1  # U = P
+    assert len(calls) == args.n_layers * stages, calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs"))])
+@pytest.mark.parametrize("seam", ["ulysses", "untied"])
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_gpu_keep_attention_bf16_matches_fp32_reference(kernel, seam, world):
+    run_ranks(world, with_kernel, kernel, _gpu_keep_attention_matches_fp32, seam, backend="nccl")
