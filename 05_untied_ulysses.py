@@ -366,7 +366,7 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     q/k/v weight gradients, and at one stage's attention kernel, with q_s = U heads x local
     tokens and kv_s = its KV heads:
       its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
-        layout (3 q_s); dq, dk, dv (q_s + 2 kv_s); the kernel's workspace (02); and when a
+        layout (3 q_s; with one rank only q: the others are views); dq, dk, dv (q_s + 2 kv_s); the kernel's workspace (02); and when a
         KV group spans several stages, its K/V gradients summed over them (2 kv_s).
     Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1); checked against GPU
     runs for U = 2, 4, 8, 16 (docs/calibration.md).
@@ -388,7 +388,11 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
         return saved
     gradients = (local_tokens * args.dim * b
                  + (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.dim * b)
-    stage = 2 * kv_stage + 3 * q_stage + q_stage + 2 * kv_stage
+    # With one rank the exchanges copy nothing: the stage's output and output gradient in the
+    # head layout are views of the saved output and the incoming gradient (measured: +3.8%
+    # when counted at P = 1, docs/calibration.md), so only q is new.
+    head_layout = 3 if sp > 1 else 1
+    stage = 2 * kv_stage + head_layout * q_stage + q_stage + 2 * kv_stage
     if stages_per_kv > 1:
         stage += 2 * kv_stage
     stage += kernels.backward_workspace_bytes(seq_len, heads_per_stage, kv_heads,
