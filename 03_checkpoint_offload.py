@@ -6,7 +6,7 @@ each GPU 393,216 tokens, and backward still needs what every layer saved in forw
 four x 14,336 MLP intermediates per token; counted with a saved-tensors hook on one block), so
 393,216 x 196 KiB x 32 layers = 2,357 GiB per GPU.
 
-The idea, in two steps.
+The idea, in two steps (and a third that buys speed back with host memory).
   1. Checkpointing: keep only each block's input, and run the block's forward again in backward,
      just before its own backward, to rebuild what it saved. One block's activations exist at a
      time; what stays for backward is 32 block inputs of 393,216 x 4,096 x 2 bytes = 3 GiB each:
@@ -36,6 +36,20 @@ nothing references it any more: autograd keeps the hooks alive with the graph, s
 hold the input weakly only (a strong reference would keep every offloaded input on the GPU).
 Under FSDP2 (applied after this, one `fully_shard` per block) FSDP's hooks gather the block's parameters around the
 replaced forward, and the recompute in backward runs while they are gathered for backward.
+
+A third step trades host memory back for time (`--keep-attention`, off by default). The
+recompute reruns the whole block, attention included: causal attention's forward is 1 of the
+4.5 passes over S^2 that a step makes per layer (forward 1, backward 2.5, recompute 1), so at
+long lengths about 22% of the step goes to rebuilding an output that was already computed. Its
+output is no bigger than the block input (393,216 x 32 heads x 128 x 2 bytes = 3 GiB, plus its
+fp32 log-sum-exp, 48 MiB), so each block keeps it too, with its input: on the host when
+offloading (31 more per GPU: 94.5 GiB; 1.5 TiB for inputs and outputs of an 8-GPU node), and
+back one block ahead in backward. The recompute then takes it instead of running the kernel,
+and the kernel's backward uses it with the log-sum-exp (kernels.py's `AttentionFromKept`; 05
+keeps its output buffer and stage log-sum-exps). `checkpoint`'s `context_fn` tells the
+attention which block it runs in and whether this is the recompute; on the GPU the cost is one
+more block input's bytes (the kept output coming back), and on one H200 the step at 512K-1M
+is 1.23x faster (README).
 
 Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offload):
 

@@ -341,6 +341,35 @@ def choose_head_chunk(cfg: Config, rt: Runtime, forward_only: bool = False) -> i
     return plan.fewest_stages_that_fit(cfg, rt.world, plan.smallest_gpu_memory(rt), forward_only)
 
 
+def available_host_memory() -> int | None:
+    """Bytes the host can still hand out (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def host_memory_error(cfg: Config, world: int, local_ranks: int, available: int | None) -> str | None:
+    """Why the planned host memory of this node's ranks does not fit in `available` bytes, or
+    None. Offloading (03's checkpoints, --keep-attention's outputs, 01's model state) puts
+    hundreds of GiB on the host at long lengths; too many and the kernel kills a rank mid-step."""
+    if not (cfg.offload or cfg.offload_model_state) or available is None:
+        return None
+    import plan  # here, not at the top: plan.py imports this file for Config
+
+    planned = plan.plan_memory(cfg, world)
+    need = planned["host"] * local_ranks
+    if need <= available:
+        return None
+    parts = ", ".join(f"{name} {nbytes / 2**30:.1f}" for name, nbytes in planned["host_parts"].items() if nbytes)
+    return (f"the host memory planned for this node's {local_ranks} rank(s), {need / 2**30:.1f} GiB "
+            f"({parts} GiB per rank), is more than the {available / 2**30:.1f} GiB available"
+            + ("; --keep-attention doubles the offloaded checkpoints: drop it" if cfg.keep_attention else "")
+            + "; or use more GPUs or a shorter --seq-len (python plan.py with the same flags shows the plan)")
+
+
 def build_model(cfg: Config, rt: Runtime):
     """The model of `cfg` with its techniques applied, sharded and on the device; with
     --init-from its weights are read from the folder, each rank only its shard."""
@@ -471,6 +500,11 @@ def train(cfg: Config) -> Run:
 
 def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: dict) -> Run:
     cfg.head_chunk = choose_head_chunk(cfg, rt)
+    if rt.device.type == "cuda":  # pinned host buffers; on a CPU they are the activations' memory
+        error = host_memory_error(cfg, rt.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                  available_host_memory())
+        if error:
+            raise ValueError(error)
     if cfg.untied and rt.rank == 0:
         print(f"Untied Ulysses: {args.n_heads // (cfg.head_chunk or rt.sp)} stages of "
               f"U = {cfg.head_chunk or rt.sp} query heads")

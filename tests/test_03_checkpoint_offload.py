@@ -195,6 +195,22 @@ def test_keep_attention_changes_no_number_and_skips_the_recompute_kernel():
     run_ranks(2, _keep_attention_changes_no_number_and_skips_the_recompute_kernel)
 
 
+def test_host_memory_is_checked_before_a_gpu_run_builds_anything():
+    """Offloading at 1M tokens on 2 GPUs of a 251 GiB host: the checkpoints fit (2 x 124.0 GiB),
+    with --keep-attention they do not (2 x 249.9): refused with the numbers and what to drop,
+    where the kernel would otherwise kill a rank mid-step."""
+    GiB = 2**30
+    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
+                                                device="cpu", dtype="bfloat16"))
+    assert train.host_memory_error(cfg, 2, 2, 251 * GiB) is None
+    assert "248.0 GiB" in train.host_memory_error(cfg, 2, 2, 200 * GiB)
+    kept = replace(cfg, keep_attention=True)
+    error = train.host_memory_error(kept, 2, 2, 251 * GiB)
+    assert "499.9 GiB" in error and "251.0 GiB available" in error and "--keep-attention" in error
+    assert train.host_memory_error(replace(cfg, offload=False), 2, 2, 1) is None  # nothing offloaded
+    assert train.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
+
+
 def test_offload_acts_on_memory_kept_for_backward():
     """One process: the bytes kept from forward to backward drop by the block activations with
     checkpointing, and by L-1 more block inputs with offload (which the host holds instead)."""
