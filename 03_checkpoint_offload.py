@@ -47,9 +47,9 @@ offloading (31 more per GPU: 94.5 GiB; 1.5 TiB for inputs and outputs of an 8-GP
 back one block ahead in backward. The recompute then takes it instead of running the kernel,
 and the kernel's backward uses it with the log-sum-exp (kernels.py's `AttentionFromKept`; 05
 keeps its output buffer and stage log-sum-exps). `checkpoint`'s `context_fn` tells the
-attention which block it runs in and whether this is the recompute; on the GPU the cost is one
-more block input's bytes (the kept output coming back), and on one H200 the step at 512K-1M
-is 1.23x faster (README).
+attention which block it runs in and whether this is the recompute. With offload the GPU pays
+one more block input's bytes (the kept output coming back); without it every layer's output
+stays on the GPU (32 x 3 GiB here). On one H200 the step at 512K-1M is 1.23x faster (README).
 
 Run the demo (memory vs number of layers: none / checkpoint / checkpoint + offload):
 
@@ -227,8 +227,7 @@ def block_contexts(layer: int, kept: "KeptAttention | None"):
 
 @contextlib.contextmanager
 def _in_block(kept: "KeptAttention", layer: int, recomputing: bool):
-    with _set(_recomputing, recomputing), \
-            _set(kernels._kept_attention, BlockAttention(kept, layer, recomputing)):
+    with _set(_recomputing, recomputing), kernels.keeping_attention(BlockAttention(kept, layer, recomputing)):
         yield
 
 
@@ -269,9 +268,9 @@ class KeptAttention:
         self.stats = {"kept": 0, "kept_bytes": 0, "taken": 0}  # this step's
 
     def keep(self, layer: int, tensors) -> None:
-        if layer == 0:
+        if layer == 0:  # a new step: what a step whose backward did not finish left goes now
             self.stats = {"kept": 0, "kept_bytes": 0, "taken": 0}
-            self.on_device.clear()  # a step whose backward never ran leaves nothing behind
+            self.on_device.clear()  # (the offloader forgets its own when block 0 packs its input)
         # New tensor objects over the same memory: autograd gives the returned output a
         # grad_fn, and the recompute returns these again as outputs of its own node.
         tensors = tuple(t.detach() for t in tensors)
@@ -286,6 +285,9 @@ class KeptAttention:
         self.stats["taken"] += 1
         if self.offloader is not None:
             return self.offloader.take_attention(layer)
+        if layer not in self.on_device:
+            raise RuntimeError(f"block {layer}'s kept attention output was already used; a "
+                               f"second backward through the same graph is not supported")
         return self.on_device.pop(layer)
 
 
@@ -352,7 +354,7 @@ class BlockInputOffloader:
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
-        self.free_host_buffers = {}  # layer -> host tensors not in use (pinned on CUDA)
+        self.free_host_buffers = {}  # pool (layer; kept attention: (layer, i)) -> HostBuffers not in use
         self.host_bytes = 0          # all host buffers allocated, in use or free
         self.host_allocations = 0    # how many times a host buffer was allocated
         self.waiting = {}            # layer -> SavedBlockInput on the host, not yet coming back
@@ -371,13 +373,14 @@ class BlockInputOffloader:
     def pack(self, layer: int, x_ref: weakref.ref, t: torch.Tensor):
         if not is_block_input(t, x_ref):
             return t  # older torch also saves an empty placeholder tensor: leave it
-        if layer == 0:
+        if layer == 0:  # a new step
             self.stats = self.new_stats()
+            self.forget_unfinished_step()
         nbytes = t.numel() * t.element_size()
         if layer == self.n_layers - 1:  # backward starts with this one: keep it on the device
             self.log("keep", layer, "kept", nbytes)
             return SavedBlockInput(layer, t.device, on_device=t, kept=True)
-        saved = SavedBlockInput(layer, t.device, layer, host=self.take_host_buffer(layer, t))
+        saved = SavedBlockInput(layer, t.device, pool=layer, host=self.take_host_buffer(layer, t))
         self.copy_to_host(t, saved.host)
         self.waiting[layer] = saved
         self.log("offload", layer, "offloaded", nbytes)
@@ -392,15 +395,28 @@ class BlockInputOffloader:
             return
         saved = []
         for i, t in enumerate(tensors):
-            saved.append(SavedBlockInput(layer, t.device, (layer, i),
+            saved.append(SavedBlockInput(layer, t.device, pool=(layer, i),
                                          host=self.take_host_buffer((layer, i), t)))
             self.copy_to_host(t, saved[-1].host)
             self.stats["attention_offloaded_bytes"] += t.numel() * t.element_size()
         self.attention[layer] = saved
         self.log("offload attention", layer)
 
+    def forget_unfinished_step(self) -> None:
+        """What a step whose backward did not finish left here (block inputs, kept attention):
+        its host buffers go back to their pools, what was on the device is let go."""
+        for saved in [*self.waiting.values(), *(one for kept in self.attention.values() for one in kept)]:
+            if saved.host is not None:
+                self.free_host_buffers[saved.pool].append(saved.host)
+                saved.host = None
+        self.waiting.clear()
+        self.attention.clear()
+
     def take_attention(self, layer: int) -> tuple:
         """The block's kept attention tensors on the device, in its recompute."""
+        if layer not in self.attention:
+            raise RuntimeError(f"block {layer}'s kept attention output was already used; a "
+                               f"second backward through the same graph is not supported")
         saved = self.attention.pop(layer)
         if saved[0].host is not None:  # not prefetched: fetch them now
             self.start_attention_copy_back(saved)

@@ -39,6 +39,7 @@ the log-sum-exp is only handed back to the backward of the same path. `use_varle
 the loop (bench.packed compares the two).
 """
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -89,7 +90,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
     each attending only to itself.
     """
-    if not sdpa_only and kept_attention() is not None and (q.shape[1] > 1 or cu_seqlens):
+    # 03's --keep-attention, where a kernel returns its log-sum-exp (not the S x S math one)
+    if (not sdpa_only and kept_attention() is not None and q.shape[1] > 1
+            and lse_kernel(q)[0] != "math"):
         return AttentionFromKept.apply(q, k, v, cu_seqlens, kept_attention())
     if cu_seqlens is not None:
         return document_attention(q, k, v, cu_seqlens, sdpa_only)
@@ -121,6 +124,16 @@ _kept_attention = contextvars.ContextVar("kept_attention", default=None)
 
 def kept_attention():
     return _kept_attention.get()
+
+
+@contextlib.contextmanager
+def keeping_attention(block):
+    """Within: attention keeps its output with `block` (03's handle), or takes it back."""
+    token = _kept_attention.set(block)
+    try:
+        yield
+    finally:
+        _kept_attention.reset(token)
 
 
 class AttentionFromKept(torch.autograd.Function):

@@ -342,13 +342,20 @@ def choose_head_chunk(cfg: Config, rt: Runtime, forward_only: bool = False) -> i
 
 
 def available_host_memory() -> int | None:
-    """Bytes the host can still hand out (Linux's MemAvailable), None where unknown."""
+    """Bytes the host can still hand out: Linux's MemAvailable, or less where a container's
+    memory limit (cgroup v2) leaves less; None where unknown."""
     try:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
-        return int(fields["MemAvailable"].split()[0]) * 1024
+        available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            available = min(available, int(limit.read()) - int(used.read()))
+    except (OSError, ValueError):  # no cgroup v2, or "max": no limit
+        pass
+    return available
 
 
 def host_memory_error(cfg: Config, world: int, local_ranks: int, available: int | None) -> str | None:

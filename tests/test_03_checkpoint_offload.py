@@ -51,7 +51,7 @@ def _check_offload_stats(stats, local_tokens, itemsize=4):
     assert stats["restored"] == L - 1 and stats["restored_bytes"] == (L - 1) * block_input, stats
     assert stats["kept"] == 1 and stats["kept_bytes"] == block_input, stats
     assert stats["prefetched"] == L - 1, stats
-    events = stats["events"]
+    events = [e for e in stats["events"] if "attention" not in e]  # block inputs' (not --keep-attention's)
     assert events[:L] == [f"offload {i}" for i in range(L - 1)] + [f"keep {L - 1}"], events
     uses = [e for e in events if e.startswith("use")]
     assert uses == [f"use {i}" for i in reversed(range(L))], events  # backward order, once each
@@ -102,22 +102,25 @@ def _live_tensors() -> int:
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
-def _repeated_steps_do_not_grow():
+def _repeated_steps_do_not_grow(keep_attention: bool):
     sp = dist.get_world_size()
     model, rt, cfg = _build(train.Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
-                                         seq_len=SEQ, batch_size=ROWS, lr=1e-3))
+                                         keep_attention=keep_attention, seq_len=SEQ,
+                                         batch_size=ROWS, lr=1e-3))
     offloader = model.checkpoint_offload
     optimizer = train.make_optimizer(model, cfg)
     data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
+    # --keep-attention: each block's output and log-sum-exp have host buffers of their own
+    kept = offload.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4) if keep_attention else []
     live, buffers = [], []
     for step in range(5):
         train.train_step(model, optimizer, data.batch(step), rt, cfg)
         _check_offload_stats(offloader.stats, SEQ // sp)
-        assert not offloader.waiting  # every offloaded input came back and was let go
-        assert offloader.host_allocations == L - 1, offloader.host_allocations  # allocated once
-        assert offloader.host_bytes == (L - 1) * ROWS * SEQ // sp * ARGS.dim * 4
-        buffers.append({layer: [p.data_ptr() for b in free for p in b.pieces]
-                        for layer, free in offloader.free_host_buffers.items()})
+        assert not offloader.waiting and not offloader.attention  # all came back, let go
+        assert offloader.host_allocations == (L - 1) * (1 + len(kept)), offloader.host_allocations
+        assert offloader.host_bytes == (L - 1) * (ROWS * SEQ // sp * ARGS.dim * 4 + sum(kept))
+        buffers.append({pool: [p.data_ptr() for b in free for p in b.pieces]
+                        for pool, free in offloader.free_host_buffers.items()})
         live.append(_live_tensors())
     assert all(b == buffers[0] for b in buffers), buffers  # the same host memory every step
     # Step 0 creates the optimizer state; after it, nothing accumulates (no copies brought back
@@ -125,8 +128,15 @@ def _repeated_steps_do_not_grow():
     assert len(set(live[1:])) == 1, live
 
 
+def _repeated_steps_with_and_without_keep_attention():
+    for keep_attention in (False, True):
+        _repeated_steps_do_not_grow(keep_attention)
+
+
 def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
-    run_ranks(2, _repeated_steps_do_not_grow)
+    """Five steps with and without --keep-attention: the same host buffers every step, nothing
+    left waiting, no tensor more."""
+    run_ranks(2, _repeated_steps_with_and_without_keep_attention)
 
 
 def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
@@ -209,6 +219,25 @@ def test_host_memory_is_checked_before_a_gpu_run_builds_anything():
     assert "499.9 GiB" in error and "251.0 GiB available" in error and "--keep-attention" in error
     assert train.host_memory_error(replace(cfg, offload=False), 2, 2, 1) is None  # nothing offloaded
     assert train.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
+
+
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_a_forward_whose_backward_never_ran_leaves_nothing_behind(keep_attention):
+    """A forward with gradients and no backward (an error between them, say) leaves offloaded
+    inputs and kept outputs behind; the next step hands their host buffers back to the pool
+    instead of pinning new ones, and ends with nothing waiting."""
+    model, rt, _ = _build(train.Config(model=MODEL, offload=True, keep_attention=keep_attention,
+                                       seq_len=SEQ, batch_size=ROWS))
+    offloader = model.checkpoint_offload
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
+    train.forward_backward(model, tokens, rt, labels)
+    allocations, host_bytes = offloader.host_allocations, offloader.host_bytes
+    input_ids, step_labels, positions = ulysses.shard_sequence(tokens, 0, 1, labels)
+    model(input_ids, positions, step_labels)  # its backward never runs
+    assert offloader.waiting and bool(offloader.attention) == keep_attention
+    train.forward_backward(model, tokens, rt, labels)
+    assert (offloader.host_allocations, offloader.host_bytes) == (allocations, host_bytes)
+    assert not offloader.waiting and not offloader.attention
 
 
 def test_offload_acts_on_memory_kept_for_backward():
