@@ -402,6 +402,12 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
+    if cfg.checkpoint and not cfg.keep_attention and gpu_fits and host_fits:
+        kept = plan_memory(replace(cfg, keep_attention=True, head_chunk=plan["head_chunk"]), world_size)
+        if all(plan_fits(kept, world_size, gpu_mem, host_mem, gpus_per_node)):
+            lines.append(f"--keep-attention fits too (GPU {kept['peak'] / GiB:.1f}, host "
+                         f"{kept['host'] / GiB:.1f} per GPU): the recompute skips attention's "
+                         f"forward, ~1.2x faster steps at long lengths (README)")
     if cfg.documents:
         lines.append(DOCUMENTS_NOTE)
     return "\n".join(lines)

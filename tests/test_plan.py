@@ -484,6 +484,19 @@ def test_command_line_longest_per_stack_level():
         assert any(line.startswith(label) for line in lines), (label, result.stdout)
 
 
+def test_plan_says_when_keep_attention_fits_too():
+    """The plan of a checkpointed step names --keep-attention where it fits GPU and host too
+    (3M on 8 x 80 GB, 2 TiB per node: 1.5 TiB of it), and not where the host cannot take it
+    (1M on 2 x H200 with 251 GiB: 2 x 249.9 GiB) or where it is already on."""
+    hint = "--keep-attention fits too"
+    assert hint in planner.plan_main(["--model", "llama3-8b", "--seq-len", "3M", "--stack", "5"])
+    tight = ["--model", "llama3-8b", "--seq-len", "1M", "--stack", "5", "--gpus", "2",
+             "--gpu-mem", "139.8GiB", "--host-mem", "251GiB"]
+    assert hint not in planner.plan_main(tight)
+    kept = planner.plan_main(["--model", "llama3-8b", "--seq-len", "3M", "--stack", "5", "--keep-attention"])
+    assert hint not in kept and "keep_attention" in kept and "offloaded checkpoints 187.5" in kept
+
+
 def test_command_line_offload_and_scaling():
     result = _run_plan("--model", "llama3-8b", "--stack", "5", "--offload-model-state",
                        "--seq-len", "7M")
