@@ -265,11 +265,15 @@ class KeptAttention:
     def __init__(self, offloader: "BlockInputOffloader | None"):
         self.offloader = offloader
         self.on_device = {}  # layer -> tensors, without offload
-        self.stats = {"kept": 0, "kept_bytes": 0, "taken": 0}  # this step's
+        self.stats = self.new_stats()  # this step's
+
+    @staticmethod
+    def new_stats() -> dict:
+        return {"kept": 0, "kept_bytes": 0, "taken": 0}
 
     def keep(self, layer: int, tensors) -> None:
         if layer == 0:  # a new step: what a step whose backward did not finish left goes now
-            self.stats = {"kept": 0, "kept_bytes": 0, "taken": 0}
+            self.stats = self.new_stats()
             self.on_device.clear()  # (the offloader forgets its own when block 0 packs its input)
         # New tensor objects over the same memory: autograd gives the returned output a
         # grad_fn, and the recompute returns these again as outputs of its own node.

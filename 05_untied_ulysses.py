@@ -366,8 +366,9 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     q/k/v weight gradients, and at one stage's attention kernel, with q_s = U heads x local
     tokens and kv_s = its KV heads:
       its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
-        layout (3 q_s; with one rank only q: the others are views); dq, dk, dv (q_s + 2 kv_s); the kernel's workspace (02); and when a
-        KV group spans several stages, its K/V gradients summed over them (2 kv_s).
+        layout (3 q_s; with one rank only q: the others are views); dq, dk, dv (q_s + 2 kv_s);
+        the kernel's workspace (02); and when a KV group spans several stages, its K/V
+        gradients summed over them (2 kv_s).
     Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1); checked against GPU
     runs for U = 2, 4, 8, 16 (docs/calibration.md).
     """

@@ -501,17 +501,31 @@ def train(cfg: Config) -> Run:
     resume.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
     data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp, eos_id=args.eos_id)
+    # Before claiming the outputs: --overwrite deletes an earlier run's checkpoints and log there,
+    # which a run refused for its host memory must not have done.
+    cfg.head_chunk = choose_head_chunk(cfg, rt)
+    check_host_memory(cfg, rt)
     with resume.claim_outputs(cfg, rt) as log_file, resume.stop_signals(rt.rank) as stop:
         return train_loop(cfg, rt, args, data, log_file, stop)
 
 
+def check_host_memory(cfg: Config, rt: Runtime) -> None:
+    """`host_memory_error` for a GPU run (pinned host buffers; on a CPU they are the activations'
+    own memory), with the least memory any rank sees, so that every rank decides the same."""
+    if rt.device.type != "cuda" or not (cfg.offload or cfg.offload_model_state):
+        return
+    available = torch.tensor([available_host_memory() or -1], device=rt.device)
+    if dist.is_initialized():
+        dist.all_reduce(available, op=dist.ReduceOp.MIN)
+    if available.item() < 0:  # unknown somewhere: not refused
+        return
+    error = host_memory_error(cfg, rt.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                              int(available.item()))
+    if error:
+        raise ValueError(error)
+
+
 def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: dict) -> Run:
-    cfg.head_chunk = choose_head_chunk(cfg, rt)
-    if rt.device.type == "cuda":  # pinned host buffers; on a CPU they are the activations' memory
-        error = host_memory_error(cfg, rt.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                  available_host_memory())
-        if error:
-            raise ValueError(error)
     if cfg.untied and rt.rank == 0:
         print(f"Untied Ulysses: {args.n_heads // (cfg.head_chunk or rt.sp)} stages of "
               f"U = {cfg.head_chunk or rt.sp} query heads")

@@ -240,6 +240,23 @@ def test_a_forward_whose_backward_never_ran_leaves_nothing_behind(keep_attention
     assert not offloader.waiting and not offloader.attention
 
 
+def test_a_run_refused_for_host_memory_leaves_the_earlier_run_alone(tmp_path, monkeypatch):
+    """The host check runs before the outputs are claimed: with --overwrite a refused run must
+    not already have deleted the earlier run's checkpoints or emptied its log."""
+    run = ["--steps", "1", "--save-dir", str(tmp_path / "ckpt"), "--log-file", str(tmp_path / "log")]
+    train.train(train.parse_args(run))
+    before = sorted(os.listdir(tmp_path / "ckpt")), (tmp_path / "log").read_text()
+
+    def refuse(cfg, rt):
+        raise ValueError("the host memory planned ... is more than the ... available")
+
+    monkeypatch.setattr(train, "check_host_memory", refuse)
+    with pytest.raises(ValueError, match="host memory"):
+        train.train(train.parse_args(run + ["--overwrite"]))
+    assert (sorted(os.listdir(tmp_path / "ckpt")), (tmp_path / "log").read_text()) == before
+    assert any(name.startswith("step_") for name in before[0]) and before[1]
+
+
 def test_offload_acts_on_memory_kept_for_backward():
     """One process: the bytes kept from forward to backward drop by the block activations with
     checkpointing, and by L-1 more block inputs with offload (which the host holds instead)."""
