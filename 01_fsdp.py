@@ -216,7 +216,7 @@ def main():
     opts = parser.parse_args()
     args = get_model_args(opts.model)
 
-    from demos import end_ranks, start_ranks
+    from support.demos import end_ranks, start_ranks
 
     ranks = start_ranks()
     launched, rank = ranks.launched, ranks.rank

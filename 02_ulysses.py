@@ -41,7 +41,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 from model import IGNORE_INDEX
 
 GiB = 2**30
@@ -269,7 +269,7 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
 # ---------------------------------------------------------------------------------------------
 
 def main():
-    from demos import attention_demo_setup, end_ranks, measure_stage_memory
+    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
     from model import rope_cos_sin
 
     demo = attention_demo_setup("02_ulysses.py")

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-import kernels
+from support import kernels
 
 GiB, MiB = 2**30, 2**20
 
@@ -543,7 +543,7 @@ MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, 
 def measure_mode(ranks, mesh, args, tokens, checkpointing: bool, offload: bool) -> dict:
     """Build the model (Ulysses and FSDP when launched with torchrun), run one forward+backward
     and return {"device": bytes, "host": bytes} for this rank."""
-    from demos import bytes_saved_for_backward, gradient_bytes
+    from support.demos import bytes_saved_for_backward, gradient_bytes
 
     fsdp = importlib.import_module("01_fsdp")
     ulysses = importlib.import_module("02_ulysses")
@@ -582,8 +582,8 @@ def measure_mode(ranks, mesh, args, tokens, checkpointing: bool, offload: bool) 
 
 
 def main():
-    from data import parse_tokens
-    from demos import end_ranks, start_ranks
+    from support.data import parse_tokens
+    from support.demos import end_ranks, start_ranks
     from model import get_model_args
 
     on_gpu = torch.cuda.is_available()

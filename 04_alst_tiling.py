@@ -352,7 +352,7 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
         "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
         "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile),
     }
-    from demos import LargestTensor, measure_stage_memory
+    from support.demos import LargestTensor, measure_stage_memory
 
     results = {}
     for name, run in phases.items():
@@ -373,8 +373,8 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
 def main():
     from dataclasses import replace
 
-    from data import parse_tokens
-    from demos import end_ranks, start_ranks
+    from support.data import parse_tokens
+    from support.demos import end_ranks, start_ranks
     from model import Transformer, get_model_args
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

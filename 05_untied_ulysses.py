@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import kernels
+from support import kernels
 from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
@@ -416,7 +416,7 @@ def valid_head_chunks(args, sp: int) -> list[int]:
 
 
 def main():
-    from demos import attention_demo_setup, end_ranks, measure_stage_memory
+    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
     from model import rope_cos_sin
 
     demo = attention_demo_setup("05_untied_ulysses.py")

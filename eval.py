@@ -43,7 +43,7 @@ also gives the first token's). Accuracy over lengths x depths (--trials keys eac
 
 Weights: random init, or the model state of a training checkpoint (--save-dir: its newest
 complete checkpoint, or a step_N folder), on any number of ranks whatever the saving layout
-(resume.load_model_state), or a Hugging Face folder (--init-from, through train.py's
+(saved_state.load_model_state), or a Hugging Face folder (--init-from, through train.py's
 build_model like every other flag).
 
 On GPUs (commands for the GPU machine; the planner gives the longest length per level):
@@ -71,9 +71,9 @@ import torch
 import torch.distributed as dist
 
 import model as llama
-import resume
+from support import saved_state
 import train
-from data import TokenData, parse_tokens, stack_documents
+from support.data import TokenData, parse_tokens, stack_documents
 
 ulysses = train.ulysses
 
@@ -96,7 +96,7 @@ def build(cfg: train.Config):
     # the fewest stages whose forward fits (a forward needs less than a training step)
     cfg.head_chunk = train.choose_head_chunk(cfg, rt, forward_only=True)
     model = train.build_model(cfg, rt)
-    meta = resume.load_model_state(cfg.save_dir, model) if cfg.save_dir else None
+    meta = saved_state.load_model_state(cfg.save_dir, model) if cfg.save_dir else None
     model.eval()
     return rt, model, meta
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import causal_attention
+from support.kernels import causal_attention
 
 IGNORE_INDEX = -100  # label value that contributes nothing to the loss
 

@@ -30,7 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 import train
 

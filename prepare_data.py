@@ -26,7 +26,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-from data import boundary_path, sidecar_path
+from support.data import boundary_path, sidecar_path
 
 # End-of-text tokens of common tokenizers, tried in this order when no separator is given.
 KNOWN_SEPARATORS = ["<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>"]

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import kernels
+from support import kernels
 import model as llama
-import pretrained
-import resume
-from data import TokenData, parse_tokens
+from support import pretrained
+from support import saved_state
+from support.data import TokenData, parse_tokens
 
 # The numbered files start with a digit, so they are imported by name.
 fsdp = importlib.import_module("01_fsdp")
@@ -498,14 +498,14 @@ class Run:
 
 def train(cfg: Config) -> Run:
     rt = setup_runtime(cfg)
-    resume.check_outputs(cfg)  # every output path, before anything is written
+    saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
     data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp, eos_id=args.eos_id)
     # Before claiming the outputs: --overwrite deletes an earlier run's checkpoints and log there,
     # which a run refused for its host memory must not have done.
     cfg.head_chunk = choose_head_chunk(cfg, rt)
     check_host_memory(cfg, rt)
-    with resume.claim_outputs(cfg, rt) as log_file, resume.stop_signals(rt.rank) as stop:
+    with saved_state.claim_outputs(cfg, rt) as log_file, saved_state.stop_signals(rt.rank) as stop:
         return train_loop(cfg, rt, args, data, log_file, stop)
 
 
@@ -531,7 +531,7 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
               f"U = {cfg.head_chunk or rt.sp} query heads")
     model = build_model(cfg, rt)
     optimizer = make_optimizer(model, cfg)
-    first_step = resume.load_checkpoint(cfg, rt, model, optimizer) if cfg.resume else 0
+    first_step = saved_state.load_checkpoint(cfg, rt, model, optimizer) if cfg.resume else 0
     is_main = rt.rank == 0
     header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
               "torch": torch.__version__,
@@ -584,19 +584,19 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
             if log_file:
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
-        stopping = resume.any_rank("signal" in stop, rt)  # every rank stops after the same step
+        stopping = saved_state.any_rank("signal" in stop, rt)  # every rank stops after the same step
         done = step + 1
         if cfg.save_dir and (stopping or done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            path = resume.save_checkpoint(cfg, rt, model, optimizer, done)
+            path = saved_state.save_checkpoint(cfg, rt, model, optimizer, done)
             if is_main:
                 tqdm.write(f"saved {path}")
         if stopping:
             why = f"stopped by {stop.get('signal', 'a signal to another rank')} after step {step}"
             if not cfg.save_dir:  # nothing to continue from: not a success
-                raise resume.StopRequested(f"{why}: no checkpoint written (no --save-dir)")
+                raise saved_state.StopRequested(f"{why}: no checkpoint written (no --save-dir)")
             if is_main:
                 print(f"{why}: checkpoint {path}; resume with:\n  "
-                      f"{resume.resume_command(sys.argv)}", flush=True)
+                      f"{saved_state.resume_command(sys.argv)}", flush=True)
             return Run(history, model, optimizer)  # no export: the run is not finished
     if cfg.export_hf:  # every rank: the export gathers each tensor from its shards
         # fp32 runs export fp32 (exact); GPU runs bf16, as published checkpoints are.
@@ -622,8 +622,8 @@ def exit_on_error(run) -> None:
     the process with `error: ...` and exit code 1, no traceback. The process group goes either way."""
     try:
         run()
-    except (ValueError, FloatingPointError, StepOutOfMemory, resume.StopRequested,
-            resume.SaveFailed) as error:
+    except (ValueError, FloatingPointError, StepOutOfMemory, saved_state.StopRequested,
+            saved_state.SaveFailed) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     finally:

@@ -57,7 +57,7 @@ import os
 import numpy as np
 import torch
 
-from data import parse_tokens, sidecar_path
+from support.data import parse_tokens, sidecar_path
 
 evaluate = importlib.import_module("eval")  # eval.py (its name is also a Python builtin)
 

@@ -55,7 +55,7 @@ from bench.report import (end_distributed, refuse_without_gpu, release, synchron
                           write_result)
 from bench.step import with_layers
 from bench.throughput import method_config
-from data import parse_tokens
+from support.data import parse_tokens
 
 train = importlib.import_module("train")
 fsdp = importlib.import_module("01_fsdp")

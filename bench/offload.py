@@ -51,7 +51,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 from bench.report import (
     cuda_time_ms,
@@ -64,8 +64,8 @@ from bench.report import (
     write_result,
 )
 from bench.step import with_layers
-from data import parse_tokens
-from demos import gradient_bytes
+from support.data import parse_tokens
+from support.demos import gradient_bytes
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-import kernels
+from support import kernels
 import model as llama
 from bench.report import (default_out_dir, end_distributed, peak_and_times, refuse_without_gpu,
                           release, synchronize, within_budget, write_result)
 from bench.step import with_layers
-from data import documents_in_windows, parse_tokens
+from support.data import documents_in_windows, parse_tokens
 
 train = importlib.import_module("train")
 GiB = 2**30

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 import model as llama
-import pretrained
+from support import pretrained
 from bench.report import default_out_dir, end_distributed, refuse_without_gpu, write_result
-from data import parse_tokens
+from support.data import parse_tokens
 
 train = importlib.import_module("train")
 GiB = 2**30

@@ -25,7 +25,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 
 train = importlib.import_module("train")

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-import kernels
+from support import kernels
 import model as llama
 from bench import snapshot
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
-from data import TokenData
+from support.data import TokenData
 
 train = importlib.import_module("train")
 GiB = 2**30

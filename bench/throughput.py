@@ -61,14 +61,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 import plan as planner
 from bench import ring
 from bench.report import (cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu,
                           release, synchronize, within_budget, write_result)
 from bench.step import with_layers
-from data import parse_tokens
+from support.data import parse_tokens
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")

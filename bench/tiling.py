@@ -28,12 +28,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 from bench.report import (default_out_dir, end_distributed, peak_and_times, refuse_without_gpu,
                           release, within_budget, write_result)
 from bench.step import with_layers
-from data import parse_tokens
+from support.data import parse_tokens
 
 train = importlib.import_module("train")
 tiling = importlib.import_module("04_alst_tiling")

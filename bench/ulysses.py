@@ -19,10 +19,10 @@ import os
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 from bench.report import cuda_time_ms, end_distributed, refuse_without_gpu, write_result
-from data import parse_tokens
+from support.data import parse_tokens
 
 ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30

@@ -28,10 +28,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import kernels
+from support import kernels
 import model as llama
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
-from data import parse_tokens
+from support.data import parse_tokens
 
 ulysses = importlib.import_module("02_ulysses")
 untied = importlib.import_module("05_untied_ulysses")

@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
+from support import kernels
 import model as llama
 
 train = importlib.import_module("train")

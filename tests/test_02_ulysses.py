@@ -9,9 +9,9 @@ from ranks import run_ranks
 from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_matches, make_batch,
                        reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
-import kernels
+from support import kernels
 import model as llama
-from data import parse_tokens
+from support.data import parse_tokens
 
 ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")

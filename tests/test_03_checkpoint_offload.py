@@ -17,10 +17,10 @@ from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
                        train_loss_and_grads, with_kernel)
 
-import kernels
+from support import kernels
 import model as llama
-from data import TokenData
-from demos import bytes_saved_for_backward
+from support.data import TokenData
+from support.demos import bytes_saved_for_backward
 
 offload = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
-from demos import LargestTensor
+from support.demos import LargestTensor
 
 tiling = importlib.import_module("04_alst_tiling")
 train = importlib.import_module("train")

@@ -20,7 +20,7 @@ from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_matches, make_batch,
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import kernels
+from support import kernels
 import model as llama
 
 untied = importlib.import_module("05_untied_ulysses")

@@ -199,7 +199,7 @@ def test_context_file_needs_the_context_and_keeps_evaluation_apart(tmp_path):
     import numpy as np
 
     from bench.context_curve import copy_bound, eval_path, write_context_files
-    from data import sidecar_path
+    from support.data import sidecar_path
 
     path = str(tmp_path / "ctx.bin")
     written = write_context_files(path, train_len=255, train_windows=5, eval_len=511,

@@ -12,7 +12,7 @@ import torch
 from ranks import run_ranks
 
 import model as llama
-import resume
+from support import saved_state
 
 train = importlib.import_module("train")
 evaluate = importlib.import_module("eval")
@@ -30,7 +30,7 @@ def eval_cfg(save_dir, **flags):
 def loss_buckets(cfg, rt=None):
     rt = rt or train.setup_runtime(cfg)
     model = train.build_model(cfg, rt)
-    resume.load_model_state(cfg.save_dir, model)
+    saved_state.load_model_state(cfg.save_dir, model)
     return evaluate.loss_by_position(model, cfg, rt, WINDOWS, first_window=5,
                                      bucket_start=BUCKET_START)
 
@@ -119,7 +119,7 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
     result = loss_buckets(cfg)
     assert result["positions"] == "within each document"
     model = train.build_model(eval_cfg(save_dir), train.Runtime())
-    resume.load_model_state(save_dir, model)
+    saved_state.load_model_state(save_dir, model)
     data, window = evaluate.window_source(cfg, 256)
     edges = evaluate.bucket_edges(SEQ_LEN, BUCKET_START)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import kernels
+from support import kernels
 import model as llama
 
 

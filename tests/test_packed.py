@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from ranks import run_ranks
 from reference import GPU_HEAD_DIM, GPU_KERNELS, assert_matches, full, with_kernel
 
-import data as data_module
-import kernels
+from support import data as data_module
+from support import kernels
 import model as llama
-from data import TokenData, documents_in_windows
+from support.data import TokenData, documents_in_windows
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")

@@ -30,7 +30,7 @@ from ranks import run_ranks  # noqa: E402
 
 import model as llama  # noqa: E402
 import plan as planner
-from demos import measure_stage_memory
+from support.demos import measure_stage_memory
 
 train = importlib.import_module("train")  # noqa: E402
 fsdp = importlib.import_module("01_fsdp")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import model as llama
-import pretrained
+from support import pretrained
 from ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")

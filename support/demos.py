@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from data import parse_tokens
+from support.data import parse_tokens
 from model import Attention, get_model_args
 
 
