@@ -1,4 +1,5 @@
-"""The memory progression: one model, one length, each technique added in turn (the talk's chart).
+"""The memory progression: one model, one length, each technique added in turn: the
+README's memory story (the Untied Ulysses paper's per-GPU memory chart), measured on our GPUs.
 
     python -m bench.progression --gpus 2 --seq-len 64K          # runs torchrun for each config
 

@@ -15,7 +15,7 @@ what was alive then:
     allocated it (file:function), largest first.
 Not every large buffer is alive at the peak, so it also lists, over the whole of the steps, each
 owner's largest single allocation: how a temporary spanning the whole local sequence that need
-not exist is found (issue 5), wherever in the step it happens.
+not exist is found, wherever in the step it happens.
 On out of memory the trace ends with the request that failed: its size and owner are reported
 with what was alive at that moment ("what OOMs", as the chart shows it).
 The replayed peak is recorded next to torch.cuda.max_memory_allocated as a check: they differ

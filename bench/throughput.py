@@ -42,7 +42,7 @@ H200's dense bf16 peak). Kernel bound = attention FLOPs at the attention kernel'
 standalone rate (this GPU, this run, one GPU's heads over min(S, 256K) tokens: the rate is
 measured once more per length, at most 256K long to save time; on one H200 the rate at 512K
 and 1M is the 256K rate to within 0.4% for FA4 and cuDNN, docs/results) + linear FLOPs at the
-measured bf16 matmul rate; target (issue 7): step time within 15% of it at >= 512K.
+measured bf16 matmul rate; target: step time within 15% of it at >= 512K.
 
 Single steps: pinned host buffers are cached by PyTorch once allocated, so the first row that
 offloads at a length would pay their allocation and the rows after it would not; every row

@@ -9,7 +9,7 @@ For each total length S: q (S/P, 32 heads, 128), k/v (S/P, 8 heads, 128) in bf16
     (grad out in; dq, dk, dv back), timed alone on the same tensors;
   - memory: peak allocated above the inputs during fwd+bwd of the attention core, with Ulysses
     (S/P tokens per GPU) and without (one GPU holding all S tokens and all heads).
-Target (issue 3): all-to-all time under 10% of the kernel's at >= 512K tokens.
+Target: all-to-all time under 10% of the kernel's at >= 512K tokens.
 """
 
 import argparse

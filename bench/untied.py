@@ -13,7 +13,7 @@ Memory: peak allocated above the inputs (x, the output gradient, the weights) du
 backward. Time: CUDA events, median of --repeats after a warm-up (the memory run); above
 --single-run-above tokens one run gives both (a 1M-token fwd+bwd takes ~30 s).
 Each Untied run's output and input gradient are compared with Ulysses' (max relative difference;
-bf16 rounding expected). Targets (issue 6): at U = P the peak above the input is at most half of
+bf16 rounding expected). Targets: at U = P the peak above the input is at most half of
 Ulysses'; time within 3% of Ulysses at >= 512K tokens. A configuration that runs out of memory
 is recorded as OOM.
 """
