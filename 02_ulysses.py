@@ -2,16 +2,15 @@
 
 The memory problem. After FSDP (01) the model state is 15 GiB per GPU, but every GPU still runs
 the whole 3M-token sequence. One attention layer alone holds Q and its output (3 x 2^20 tokens x
-32 heads x 128 x 2 bytes = 24 GiB each) plus K and V (3 x 2^20 x 8 x 128 x 2 = 6 GiB each), and
-backward keeps such tensors for every layer: the paper's chart needs 7680 GiB of attention
-activations.
+32 heads x 128 x 2 bytes = 24 GiB each) plus K and V (6 GiB each), and backward keeps such
+tensors for every layer: the paper's chart needs 7680 GiB of attention activations per GPU.
 
 The idea. Shard the sequence: rank r of P holds tokens [r*S/P, (r+1)*S/P) through embeddings,
-norms, MLPs and the loss, which are all per-token. Attention is the one place tokens meet. There,
+norms, MLPs and the loss, which are all per token. Attention is the one place tokens meet. There,
 an all-to-all turns "my S/P tokens, all H heads" into "all S tokens, my H/P heads"; each rank runs
-an ordinary attention kernel (FlashAttention, cuDNN) over the full sequence for its heads, and a
-second all-to-all turns the output back into "my tokens, all heads". Heads are independent, so
-the result is exact. Every activation shrinks by P: 7680 GiB / 8 = 960 GiB, still too much (03).
+an ordinary attention kernel over the full sequence for its heads, and a second all-to-all turns
+the output back into "my tokens, all heads". Heads are independent, so the result is exact.
+Every activation shrinks by P: 7680 GiB / 8 = 960 GiB, still too much (03 goes on).
 
 What must be right:
   - the all-to-all is an autograd op: its backward is the inverse all-to-all;
@@ -19,15 +18,9 @@ What must be right:
     replicated so each rank holds the KV head its query heads use;
   - labels are shifted *before* the sequence is split (else each shard loses its last label);
   - the loss is the mean over the tokens of all ranks, so gradients equal the unsharded ones.
-
-Packed documents (many documents in one window, data.py) need nothing new here. After the first
-all-to-all every rank holds ALL S tokens of the sequence, in their original order, for its H/P
-heads; so the document boundaries, written as global token offsets over the whole sequence
-(`cu_seqlens`, kernels.py), mean exactly what they mean in the unsharded model, and the kernel
-masks with them unchanged: no rank needs to know where the documents cut its own shard, and a
-document spanning several shards is whole again in the head layout. Everything outside attention
-is per token: positions restarting at each document and the ignored label at each document's
-last token are computed before the split (like the label shift) and sharded with the tokens.
+Packed documents need nothing new: after the first all-to-all every rank holds all S tokens in
+their original order, so the documents' global boundaries (`cu_seqlens`) mean what they mean
+unsharded, and positions and ignored labels are computed before the split, like the shift.
 
 Run the demo (attention-stage bytes per rank, with and without Ulysses):
 
@@ -41,36 +34,51 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from support import kernels
 from model import IGNORE_INDEX
+from support import kernels
 
 GiB = 2**30
 
 
-# ---------------------------------------------------------------------------------------------
-# Shapes that work, checked before anything runs.
-# ---------------------------------------------------------------------------------------------
+# The attention core (the model's seam 1): exchange, attend over the whole sequence, exchange back.
 
-def check_ulysses_shapes(n_heads: int, n_kv_heads: int, sp: int, seq_len: int | None = None):
-    """Raise ValueError naming the numbers when Ulysses cannot split this model over `sp` ranks."""
-    if n_heads % sp:
-        raise ValueError(f"Ulysses needs the query heads ({n_heads}) to be divisible by the "
-                         f"sequence-parallel degree ({sp})")
-    if n_kv_heads >= sp and n_kv_heads % sp:
-        raise ValueError(f"Ulysses needs the KV heads ({n_kv_heads}) to be divisible by the "
-                         f"sequence-parallel degree ({sp}) when there are at least as many")
-    if n_kv_heads < sp and sp % n_kv_heads:
-        raise ValueError(f"Ulysses replicates the KV heads ({n_kv_heads}) when there are fewer "
-                         f"than sequence-parallel ranks ({sp}); that needs {sp} to be divisible "
-                         f"by {n_kv_heads}")
-    if seq_len is not None and seq_len % sp:
-        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
-                         f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
+def ulysses_attention(q, k, v, group, kernel=kernels.causal_attention, cu_seqlens=None):
+    """Local q (B, S/P, H, D), k/v (B, S/P, Hkv, D) -> local output (B, S/P, H, D).
+
+    Rank r's query heads [r*H/P, (r+1)*H/P) use KV heads [r*Hkv/P, (r+1)*Hkv/P) when Hkv >= P
+    (grouped-query order is preserved by the contiguous split), or the one replicated KV head.
+    cu_seqlens: packed documents' boundaries, global offsets: they hold as they are after the
+    exchange, which gives every rank all tokens in their original order.
+    """
+    sp = dist.get_world_size(group)
+    k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)
+    q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)
+    # the full sequence, H/P heads: any kernel, unchanged
+    out = kernel(q, k, v) if cu_seqlens is None else kernel(q, k, v, cu_seqlens=cu_seqlens)
+    return heads_to_seq(out, group)
 
 
-# ---------------------------------------------------------------------------------------------
-# The all-to-all, and its inverse as its backward.
-# ---------------------------------------------------------------------------------------------
+SEQ_DIM, HEAD_DIM = 1, 2  # tensors are (batch, seq, heads, head_dim)
+
+
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, S/P, H, D) on each rank -> (B, S, H/P, D): all tokens, this rank's heads."""
+    return AllToAll.apply(x, group, HEAD_DIM, SEQ_DIM)
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, S, H/P, D) -> (B, S/P, H, D): back to this rank's tokens, all heads."""
+    return AllToAll.apply(x, group, SEQ_DIM, HEAD_DIM)
+
+
+def replicate_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
+    """With fewer KV heads than ranks, copy each KV head sp // n_kv times (adjacent), so the
+    j-th of the sp heads sent away is the one rank j's query heads use. Backward sums copies."""
+    n_kv_heads = kv.shape[HEAD_DIM]
+    if n_kv_heads >= sp:
+        return kv
+    return kv.repeat_interleave(sp // n_kv_heads, dim=HEAD_DIM)
+
 
 def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split x into P pieces along scatter_dim, send piece j to rank j, and concatenate what
@@ -100,48 +108,6 @@ class AllToAll(torch.autograd.Function):
         return grad, None, None, None
 
 
-SEQ_DIM, HEAD_DIM = 1, 2  # tensors are (batch, seq, heads, head_dim)
-
-
-def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, S/P, H, D) on each rank -> (B, S, H/P, D): all tokens, this rank's heads."""
-    return AllToAll.apply(x, group, HEAD_DIM, SEQ_DIM)
-
-
-def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, S, H/P, D) -> (B, S/P, H, D): back to this rank's tokens, all heads."""
-    return AllToAll.apply(x, group, SEQ_DIM, HEAD_DIM)
-
-
-def replicate_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
-    """With fewer KV heads than ranks, copy each KV head sp // n_kv times (adjacent), so the
-    j-th of the sp heads sent away is the one rank j's query heads use. Backward sums copies."""
-    n_kv_heads = kv.shape[HEAD_DIM]
-    if n_kv_heads >= sp:
-        return kv
-    return kv.repeat_interleave(sp // n_kv_heads, dim=HEAD_DIM)
-
-
-# ---------------------------------------------------------------------------------------------
-# The attention core for the model's seam 1.
-# ---------------------------------------------------------------------------------------------
-
-def ulysses_attention(q, k, v, group, kernel=kernels.causal_attention, cu_seqlens=None):
-    """Local q (B, S/P, H, D), k/v (B, S/P, Hkv, D) -> local output (B, S/P, H, D).
-
-    Rank r's query heads [r*H/P, (r+1)*H/P) use KV heads [r*Hkv/P, (r+1)*Hkv/P) when Hkv >= P
-    (grouped-query order is preserved by the contiguous split), or the one replicated KV head.
-    cu_seqlens: packed documents' boundaries, global offsets: they hold as they are after the
-    exchange (module docstring).
-    """
-    sp = dist.get_world_size(group)
-    k, v = replicate_kv_heads(k, sp), replicate_kv_heads(v, sp)
-    q, k, v = seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group)
-    # the full sequence, H/P heads: any kernel, unchanged
-    out = kernel(q, k, v) if cu_seqlens is None else kernel(q, k, v, cu_seqlens=cu_seqlens)
-    return heads_to_seq(out, group)
-
-
 def apply_ulysses(model, group) -> None:
     """Make every attention layer of `model` sequence-parallel over `group`."""
     args = model.args
@@ -150,9 +116,7 @@ def apply_ulysses(model, group) -> None:
         block.self_attn.core = partial(ulysses_attention, group=group)
 
 
-# ---------------------------------------------------------------------------------------------
-# Data: shift, then shard; process groups for data x sequence parallelism.
-# ---------------------------------------------------------------------------------------------
+# Data: shift, then shard; the loss as a global token mean.
 
 def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, positions=None):
     """tokens (B, S+1) -> this rank's (input_ids, labels, position_ids), each (B, S/P).
@@ -163,9 +127,7 @@ def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, pos
     so are positions (B, S) given explicitly (packed documents: restarting at each document).
     """
     seq_len = tokens.shape[1] - 1
-    if seq_len % sp:
-        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
-                         f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
+    check_sequence_split(seq_len, sp)
     local_seq_len = seq_len // sp
     local = slice(sp_rank * local_seq_len, (sp_rank + 1) * local_seq_len)
     input_ids = tokens[:, :-1]
@@ -214,6 +176,31 @@ def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, la
     return loss
 
 
+# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+
+def check_ulysses_shapes(n_heads: int, n_kv_heads: int, sp: int, seq_len: int | None = None):
+    """Raise ValueError naming the numbers when Ulysses cannot split this model over `sp` ranks."""
+    if n_heads % sp:
+        raise ValueError(f"Ulysses needs the query heads ({n_heads}) to be divisible by the "
+                         f"sequence-parallel degree ({sp})")
+    if n_kv_heads >= sp and n_kv_heads % sp:
+        raise ValueError(f"Ulysses needs the KV heads ({n_kv_heads}) to be divisible by the "
+                         f"sequence-parallel degree ({sp}) when there are at least as many")
+    if n_kv_heads < sp and sp % n_kv_heads:
+        raise ValueError(f"Ulysses replicates the KV heads ({n_kv_heads}) when there are fewer "
+                         f"than sequence-parallel ranks ({sp}); that needs {sp} to be divisible "
+                         f"by {n_kv_heads}")
+    if seq_len is not None:
+        check_sequence_split(seq_len, sp)
+
+
+def check_sequence_split(seq_len: int, sp: int) -> None:
+    """The one rule for cutting a sequence over `sp` ranks (every file that shards calls this)."""
+    if seq_len % sp:
+        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
+                         f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
+
+
 def check_data_sequence_layout(world: int, sp: int) -> None:
     if sp < 1 or world % sp:
         raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
@@ -227,10 +214,6 @@ def data_sequence_mesh(device_type: str, sp: int):
     check_data_sequence_layout(world, sp)
     return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
 
-
-# ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (plan.py adds these up).
-# ---------------------------------------------------------------------------------------------
 
 def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
                                saved_only: bool = False, kernel: str = "cudnn") -> int:
@@ -263,10 +246,6 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
                                                  args.head_dim, bytes_per_value, kernel)
     return saved + exchanged + q + 2 * kv + workspace
 
-
-# ---------------------------------------------------------------------------------------------
-# Demo
-# ---------------------------------------------------------------------------------------------
 
 def main():
     from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
