@@ -1,46 +1,26 @@
 """04 - Arctic Long Sequence Training (ALST) tiling: the MLP and the loss, a slice at a time.
 
-The memory problem. After 01-03 (sharded model, Ulysses, checkpointed and offloaded block inputs)
-the largest allocations left are temporaries of per-token operations that span the whole local
-sequence. Llama-3-8B at 3M tokens on 8 GPUs gives each GPU 393,216 tokens:
-  - the MLP, down(silu(gate(x)) * up(x)), keeps four tokens x 14,336 intermediates for its
-    backward (gate, silu(gate), up, their product): 10.5 GiB each in bf16, 42 GiB per layer
-    kept from its forward to its backward, and six such tensors (63 GiB) at once inside that
-    backward (checkpointing recomputes them, it cannot shrink them);
-  - the loss needs the logits, tokens x 128,256 vocabulary entries, in fp32: 188 GiB, its
-    log-softmax and its gradient as much again, plus a 94 GiB bf16 copy.
+The memory problem. After 01-03, Llama-3-8B at 3M tokens on 8 GPUs gives each GPU 393,216
+tokens, and the largest allocations left are temporaries of per-token operations over the whole
+local sequence:
+  - the MLP, down(silu(gate(x)) * up(x)), keeps four tokens x 14,336 intermediates for backward
+    (10.5 GiB each in bf16: 42 GiB per layer, six of them, 63 GiB, at once inside its backward);
+  - the loss needs the logits, tokens x 128,256 vocabulary entries in fp32: 188 GiB, and its
+    log-softmax and gradient as much again.
 
-The idea. Both are independent per token, so cut the local sequence into tiles and compute one
-tile at a time. One autograd.Function does it for both (`SequenceTiledRecompute`):
-  - forward runs each tile without autograd and keeps nothing but its input (and the labels);
-    MLP tiles are written into one output buffer, loss tiles' sums are added up;
-  - backward recomputes one tile at a time with autograd on, takes that tile's input gradient
-    (written into one gradient buffer) and weight gradients, and adds the weight gradients up
-    across tiles, returning them ONCE. FSDP2 therefore sees one gradient per parameter and
-    reduce-scatters it once; the parameters are gathered once per block because the Function
-    runs inside the block's forward and backward.
-The price: one more forward of the MLP and of lm_head per step (the recompute), against the
-memory of a tile: a 4,096-token MLP tile holds 0.44 GiB of intermediates, and a 2,092-token loss
-tile 1 GiB of fp32 logits. With 03's checkpointing the block's forward runs again in backward
-anyway, so the tiled MLP there returns without computing (its output, the end of the block,
-is read by nothing in that rerun, and its own backward recomputes the tiles): the MLP forward
-runs twice per step, as with checkpointing alone, not three times. The loss is the same global
-token mean (train.py divides the sum).
+The idea. Both are independent per token: cut the local sequence into tiles and compute one tile
+at a time. Forward runs each tile without autograd and keeps only the input; backward recomputes
+one tile at a time with autograd on, writes that tile's input gradient and adds the weight
+gradients up across tiles, returning them once (FSDP2 then reduce-scatters each once). A
+4,096-token MLP tile holds 0.44 GiB, a 2,092-token loss tile 1 GiB of fp32 logits. The price is
+one more forward of the MLP and lm_head per step; under 03's checkpointing the tiled MLP skips its
+output in the block's recompute (nothing there reads it), so the MLP still runs forward twice.
 
-Every rank cuts the same number of tiles. Where each tile calls a module whose weights are
-gathered at every call (ZeRO-3 style), a rank with fewer tiles deadlocks the others' gathers; peers
-hit this when tile counts followed the local length or the number of non-ignored labels. Here
-FSDP2 gathers a block's weights once, before the Function runs, and no tile calls a collective;
-still, the tile size follows shapes only (local tokens are equal on every rank under Ulysses, and
-tiles cover ignored tokens too), so every rank does the same work. By default: about `dim` tokens
-per MLP tile, as ALST does, and at most 1 GiB of fp32 logits per loss tile.
-
-What else spans the sequence (found with PyTorch's memory snapshot, bench/step.py --snapshot):
-the RMSNorms compute in fp32, and their backward holds 12 x the bf16 hidden state at once, so
-`--tile-norm` runs them through the same Function. The rotary tables are already half-width in
-the compute dtype. After that no activation is larger than the local hidden state except the
-attention kernel's backward buffer (with cuDNN: fp32 dK and dV for every query head, four times
-the queries; README's memory snapshot). That one belongs to attention, and 05 cuts it by heads.
+`TiledMLP` below is the idea in its plainest form; `SequenceTiledRecompute` is the same loop
+made general (labels cut with the tokens, per-tile sums for the loss, the recompute skip), and
+serves the MLP, the RMSNorms (`--tile-norm`: they compute in fp32) and the loss. Every rank cuts
+the same number of tiles (sizes follow shapes only): where tiles call collectives, a rank with
+fewer tiles deadlocks the others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -59,43 +39,46 @@ import torch.nn.functional as F
 
 from model import IGNORE_INDEX, rms_norm, token_scores
 
-offload = importlib.import_module("03_checkpoint_offload")  # is_recomputing
+checkpointing = importlib.import_module("03_checkpoint_offload")  # is_recomputing
 
 GiB = 2**30
 MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits
 
 
-# ---------------------------------------------------------------------------------------------
-# Tile sizes, from shapes only (so every rank cuts the same number of tiles).
-# ---------------------------------------------------------------------------------------------
+# The idea, plainly: the MLP over tiles of tokens, recomputed tile by tile in backward.
 
-def check_tile_tokens(name: str, tile_tokens) -> None:
-    if tile_tokens is not None and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int)
-                                    or tile_tokens < 1):
-        raise ValueError(f"{name} must be a positive whole number of tokens, got {tile_tokens!r}")
+def swiglu(x, gate_weight, up_weight, down_weight):
+    """model.MLP's formula, down(silu(gate(x)) * up(x)), with its weights as arguments."""
+    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
 
 
-def tile_count(n_tokens: int, tile_tokens: int) -> int:
-    return max(1, -(-n_tokens // tile_tokens))
+class TiledMLP(torch.autograd.Function):
+    """swiglu(x, *weights) for x (tokens, dim), `tile_tokens` tokens at a time. Kept for the
+    reader, and as the tests' reference for the general version below."""
 
+    @staticmethod
+    def forward(ctx, x, tile_tokens: int, *weights):
+        ctx.save_for_backward(x, *weights)  # the input only: no tile's intermediates survive
+        ctx.tile_tokens = tile_tokens
+        out = torch.empty_like(x)
+        for tile in token_tiles(x.shape[0], tile_tokens):
+            out[tile] = swiglu(x[tile], *weights)
+        return out
 
-def even_tile_tokens(n_tokens: int, max_tile_tokens: int) -> int:
-    """The fewest tiles of at most `max_tile_tokens`, made as equal as possible: 5,000 tokens
-    with at most 4,096 per tile give two tiles of 2,500, not 4,096 + 904."""
-    return max(1, -(-n_tokens // tile_count(n_tokens, max_tile_tokens)))
-
-
-def mlp_tile_size(dim: int, n_tokens: int, tile_tokens: int | None = None) -> int:
-    """Tokens per MLP tile: `tile_tokens` if set, else about `dim` (ALST's rule: ceil(tokens /
-    dim) tiles). A tile's intermediates are then 3.5x its input (14,336 / 4,096 for Llama-3-8B),
-    and each matmul is still (4096 x 4096) x (4096 x 14336): large enough to run at full speed."""
-    return tile_tokens or even_tile_tokens(n_tokens, dim)
-
-
-def loss_tile_size(vocab_size: int, n_tokens: int, tile_tokens: int | None = None) -> int:
-    """Tokens per loss tile: `tile_tokens` if set, else so that a tile's fp32 logits are at most
-    1 GiB (2,092 tokens for a 128,256-entry vocabulary)."""
-    return tile_tokens or even_tile_tokens(n_tokens, max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size)))
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *weights = ctx.saved_tensors
+        weights = [w.detach().requires_grad_() for w in weights]
+        grad_x = torch.empty_like(x)
+        weight_grads = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+        for tile in token_tiles(x.shape[0], ctx.tile_tokens):
+            x_tile = x[tile].detach().requires_grad_()
+            with torch.enable_grad():  # this tile's intermediates, and only this tile's
+                out = swiglu(x_tile, *weights)
+            grad_x[tile], *grads = torch.autograd.grad(out, [x_tile, *weights], grad_out[tile])
+            for total, grad in zip(weight_grads, grads):
+                total += grad  # added up in fp32, handed to FSDP once
+        return grad_x, None, *(g.to(w.dtype) for g, w in zip(weight_grads, weights))
 
 
 def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
@@ -103,9 +86,8 @@ def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
     return [slice(start, min(start + tile_tokens, n_tokens)) for start in range(0, n_tokens, tile_tokens)]
 
 
-# ---------------------------------------------------------------------------------------------
-# The technique: one autograd.Function that computes fn tile by tile and recomputes in backward.
-# ---------------------------------------------------------------------------------------------
+# The same loop made general: token arguments (labels), per-tile sums (the loss), the recompute
+# skip. Each tile's weight gradient is rounded once, the fp32 sum once at the end.
 
 @dataclass(frozen=True)
 class Tiling:
@@ -132,7 +114,7 @@ class SequenceTiledRecompute(torch.autograd.Function):
         ctx.tiling = tiling
         # Only the input, labels and weights: nothing per tile survives the forward.
         ctx.save_for_backward(x, *tensors)
-        if tiling.skip_in_recompute and offload.is_recomputing():
+        if tiling.skip_in_recompute and checkpointing.is_recomputing():
             # In 03's recompute the block is rerun only to rebuild what its ops save; this output
             # (same shape as x) feeds nothing but the residual add that ends the block, and our
             # backward recomputes every tile anyway: computing it here would be a third forward.
@@ -192,11 +174,6 @@ def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: b
 
 # --- Seam 3: the MLP ---------------------------------------------------------------------------
 
-def swiglu(x, gate_weight, up_weight, down_weight):
-    """model.MLP's formula, down(silu(gate(x)) * up(x)), with its weights as arguments."""
-    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
-
-
 def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
     """model.MLP.forward, computed `tile_tokens` tokens at a time (batch and sequence together)."""
     tokens = x.reshape(-1, x.shape[-1])
@@ -219,20 +196,6 @@ def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) ->
     tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
     return tiled_over_tokens(partial(rms_norm, eps=norm.eps), tokens, (), (norm.weight,), tile,
                              sum_tiles=False).view(x.shape)
-
-
-def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2) -> dict:
-    """The tiled counterpart of 03's block_recompute_bytes (untiled RMSNorms), same keys. Per
-    block: the two norms' outputs, kept by the projections and the MLP that read them, and the
-    inputs the tiled norms keep (SequenceTiledRecompute saves its input): the post-attention
-    norm's input, the residual stream h (post_norm_input, until that norm's backward), and the
-    first norm's input, the block input (block_input: with checkpointing it is the checkpoint
-    itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors."""
-    tile = min(mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
-    hidden = bytes_per_value * args.dim * local_tokens
-    return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
-            "block_input": hidden, "norm_backward": 24 * args.dim * tile}
 
 
 # --- Seam 5: final norm + lm_head + cross-entropy ----------------------------------------------
@@ -290,9 +253,40 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
                 norm.forward = partial(tiled_norm_forward, norm, tile_tokens=mlp_tile_tokens)
 
 
-# ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (plan.py adds these up).
-# ---------------------------------------------------------------------------------------------
+# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+
+# Tile sizes, from shapes only (so every rank cuts the same number of tiles).
+
+def check_tile_tokens(name: str, tile_tokens) -> None:
+    if tile_tokens is not None and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int)
+                                    or tile_tokens < 1):
+        raise ValueError(f"{name} must be a positive whole number of tokens, got {tile_tokens!r}")
+
+
+def tile_count(n_tokens: int, tile_tokens: int) -> int:
+    return max(1, -(-n_tokens // tile_tokens))
+
+
+def even_tile_tokens(n_tokens: int, max_tile_tokens: int) -> int:
+    """The fewest tiles of at most `max_tile_tokens`, made as equal as possible: 5,000 tokens
+    with at most 4,096 per tile give two tiles of 2,500, not 4,096 + 904."""
+    return max(1, -(-n_tokens // tile_count(n_tokens, max_tile_tokens)))
+
+
+def mlp_tile_size(dim: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+    """Tokens per MLP tile: `tile_tokens` if set, else about `dim` (ALST's rule: ceil(tokens /
+    dim) tiles). A tile's intermediates are then 3.5x its input (14,336 / 4,096 for Llama-3-8B),
+    and each matmul is still (4096 x 4096) x (4096 x 14336): large enough to run at full speed."""
+    return tile_tokens or even_tile_tokens(n_tokens, dim)
+
+
+def loss_tile_size(vocab_size: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+    """Tokens per loss tile: `tile_tokens` if set, else so that a tile's fp32 logits are at most
+    1 GiB (2,092 tokens for a 128,256-entry vocabulary)."""
+    return tile_tokens or even_tile_tokens(n_tokens, max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size)))
+
+
+# What this file removes, in bytes.
 
 def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
                         bytes_per_value: int = 2, saved_only: bool = False) -> int:
@@ -335,9 +329,21 @@ def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int 
     return 2 * local_tokens * dim * b + 3 * tile * vocab * 4 + vocab * dim * (4 + b)
 
 
-# ---------------------------------------------------------------------------------------------
+def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
+                         bytes_per_value: int = 2) -> dict:
+    """The tiled counterpart of 03's block_recompute_bytes (untiled RMSNorms), same keys. Per
+    block: the two norms' outputs, kept by the projections and the MLP that read them, and the
+    inputs the tiled norms keep (SequenceTiledRecompute saves its input): the post-attention
+    norm's input, the residual stream h (post_norm_input, until that norm's backward), and the
+    first norm's input, the block input (block_input: with checkpointing it is the checkpoint
+    itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors."""
+    tile = min(mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
+    hidden = bytes_per_value * args.dim * local_tokens
+    return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
+            "block_input": hidden, "norm_backward": 24 * args.dim * tile}
+
+
 # Demo: one MLP and the loss at a long length, untiled vs tiled.
-# ---------------------------------------------------------------------------------------------
 
 def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_tile=None):
     """{phase: (peak or saved bytes, largest tensor bytes)} for one block's MLP and the loss,
@@ -395,8 +401,10 @@ def main():
 
     ranks = start_ranks()  # under torchrun each rank holds seq_len / world tokens, as with Ulysses
     rank, world, device, dtype = ranks.rank, ranks.world, ranks.device, ranks.dtype
-    if seq_len % world:
-        raise SystemExit(f"--seq-len ({seq_len}) must be divisible by the number of ranks ({world})")
+    try:  # under torchrun the tokens are cut over the ranks as Ulysses cuts them
+        importlib.import_module("02_ulysses").check_sequence_split(seq_len, world)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}")
     local_tokens = seq_len // world
 
     torch.manual_seed(0)

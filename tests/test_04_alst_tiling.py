@@ -61,6 +61,27 @@ def test_tiled_mlp_equals_untiled(tile_tokens):
                                    msg=lambda m: f"tile {tile_tokens} grad {name}: {m}")
 
 
+@pytest.mark.parametrize("tile_tokens", [10, 7, 64])
+def test_plain_tiled_mlp_is_the_reference_of_the_general_one(tile_tokens):
+    """04's plain TiledMLP (the idea as the reader meets it first) equals the untiled MLP, and
+    the general SequenceTiledRecompute that the training path uses gives the very same bits."""
+    mlp, x = _mlp_and_input()
+    grad_out = torch.randn(BATCH, SEQ, ARGS.dim)
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    plain_x = x.reshape(-1, ARGS.dim).clone().requires_grad_()
+    plain_out = tiling.TiledMLP.apply(plain_x, tile_tokens, *weights)
+    plain_out.backward(grad_out.reshape(-1, ARGS.dim))
+    plain_grads = [w.grad.clone() for w in weights]
+    (out, dx, grads), (tiled_out, tiled_dx, tiled_grads) = _untiled_and_tiled_mlp(tile_tokens)
+    torch.testing.assert_close(plain_out.view_as(out), out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain_x.grad.view_as(dx), dx, rtol=1e-5, atol=1e-6)
+    assert torch.equal(plain_out.view_as(tiled_out), tiled_out.detach())
+    assert torch.equal(plain_x.grad.view_as(tiled_dx), tiled_dx)
+    for name, plain in zip(("gate_proj.weight", "up_proj.weight", "down_proj.weight"), plain_grads):
+        torch.testing.assert_close(plain, grads[name], rtol=1e-5, atol=1e-6)
+        assert torch.equal(plain, tiled_grads[name]), name
+
+
 def _loss_model(seed=0):
     torch.manual_seed(seed)
     model = llama.Transformer(ARGS)
