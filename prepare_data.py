@@ -64,32 +64,45 @@ def choose_separator(tokenizer, token: str | None, token_id: int | None) -> int:
 def read_documents(paths, text_key: str = "text", txt_lines: bool = False):
     """Yield the text of every document in `paths`, in order."""
     for path in paths:
-        if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{number}: not JSON ({error})") from error
-                    if not isinstance(record, dict) or text_key not in record:
-                        raise ValueError(f"{path}:{number}: no {text_key!r} field (--text-key)")
-                    if not isinstance(record[text_key], str):
-                        raise ValueError(f"{path}:{number}: {text_key!r} is not text")
-                    yield record[text_key]
-        else:
-            with open(path, encoding="utf-8") as f:
-                if txt_lines:
-                    yield from (line.rstrip("\n") for line in f if line.strip())
-                else:
-                    yield f.read()
+        try:
+            yield from _documents_of(path, text_key, txt_lines)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
+def _documents_of(path: str, text_key: str, txt_lines: bool):
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not JSON ({error})") from error
+                if not isinstance(record, dict) or text_key not in record:
+                    raise ValueError(f"{path}:{number}: no {text_key!r} field (--text-key)")
+                if not isinstance(record[text_key], str):
+                    raise ValueError(f"{path}:{number}: {text_key!r} is not text")
+                yield record[text_key]
+    else:
+        with open(path, encoding="utf-8") as f:
+            if txt_lines:
+                yield from (line.rstrip("\n") for line in f if line.strip())
+            else:
+                yield f.read()
 
 
 def prepare(tokenizer_path, inputs, output, separator=None, separator_id=None, text_key="text",
             txt_lines=False, batch_size=256, progress=True, overwrite=False) -> dict:
     """Write the token file, its boundary index and its sidecar; return the summary. Refuses,
     before reading anything, to write over an input or (unless overwrite) an earlier output."""
+    for path in inputs:
+        if not os.path.exists(path):
+            raise ValueError(f"--input {path!r} does not exist")
+        if not os.path.isfile(path):
+            raise ValueError(f"--input {path!r} is not a file (give the files inside a folder, "
+                             f"e.g. {os.path.join(path, '*.txt')})")
     tokenizer = load_tokenizer(tokenizer_path)
     sep = choose_separator(tokenizer, separator, separator_id)
     outputs = [output, boundary_path(output), sidecar_path(output)]
@@ -118,26 +131,37 @@ def prepare(tokenizer_path, inputs, output, separator=None, separator_id=None, t
             lengths.append(len(ids) + 1)
             n_tokens += len(ids) + 1
 
-    with open(output, "wb") as tokens_file, open(boundary_path(output), "wb") as index_file:
-        texts = []
-        bar = tqdm(read_documents(inputs, text_key, txt_lines), unit=" docs", disable=not progress,
-                   desc="tokenizing")
-        for text in bar:
-            texts.append(text)
-            if len(texts) == batch_size:
-                write(texts, tokens_file, index_file)
-                texts = []
-                bar.set_postfix(tokens=f"{n_tokens:,}")
-        write(texts, tokens_file, index_file)
-    if not lengths:
-        for path in (output, boundary_path(output)):
-            os.remove(path)
-        raise ValueError(f"no documents with any tokens in {', '.join(inputs)}")
-    info = {"dtype": dtype, "vocab_size": vocab_size, "separator_id": sep,
-            "separator": tokenizer.id_to_token(sep), "documents": len(lengths), "tokens": n_tokens,
-            "tokenizer": os.path.abspath(tokenizer_path), "inputs": [os.path.abspath(p) for p in inputs]}
-    with open(sidecar_path(output), "w") as f:
-        json.dump(info, f, indent=1)
+    # Written under temporary names and renamed into place only when all three are complete:
+    # a run that fails half way (a bad file) leaves nothing behind, and an earlier output that
+    # --overwrite would replace stays as it was.
+    temporary = {path: f"{path}.partial-{os.getpid()}" for path in outputs}
+    try:
+        with open(temporary[output], "wb") as tokens_file, \
+                open(temporary[boundary_path(output)], "wb") as index_file:
+            texts = []
+            bar = tqdm(read_documents(inputs, text_key, txt_lines), unit=" docs",
+                       disable=not progress, desc="tokenizing")
+            for text in bar:
+                texts.append(text)
+                if len(texts) == batch_size:
+                    write(texts, tokens_file, index_file)
+                    texts = []
+                    bar.set_postfix(tokens=f"{n_tokens:,}")
+            write(texts, tokens_file, index_file)
+        if not lengths:
+            raise ValueError(f"no documents with any tokens in {', '.join(inputs)}")
+        info = {"dtype": dtype, "vocab_size": vocab_size, "separator_id": sep,
+                "separator": tokenizer.id_to_token(sep), "documents": len(lengths),
+                "tokens": n_tokens, "tokenizer": os.path.abspath(tokenizer_path),
+                "inputs": [os.path.abspath(p) for p in inputs]}
+        with open(temporary[sidecar_path(output)], "w") as f:
+            json.dump(info, f, indent=1)
+        for path in outputs:
+            os.replace(temporary[path], path)
+    finally:
+        for path in temporary.values():
+            if os.path.exists(path):
+                os.remove(path)
     percentiles = np.percentile(lengths, [50, 90, 99]).round().astype(int).tolist()
     return {**info, "skipped_empty": skipped, "length_min": min(lengths),
             "length_p50": percentiles[0], "length_p90": percentiles[1],

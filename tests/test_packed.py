@@ -11,6 +11,7 @@ input ends a document.
 
 import importlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -592,3 +593,32 @@ def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
     with pytest.raises(ValueError, match="one of the --input files"):
         prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], str(tmp_path / "b.txt"))
     prepare_data.prepare(tokenizer, [str(tmp_path / "b.txt")], out, overwrite=True)
+
+
+@pytest.mark.parametrize("bad", ["missing", "folder", "not_utf8"])
+def test_prepare_data_bad_input_leaves_nothing_and_keeps_an_earlier_output(tmp_path, capsys, bad):
+    """An input error is named (the file, what is wrong) and leaves no output behind, so the
+    corrected rerun is not refused; with --overwrite an earlier output survives a failed run."""
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer = _local_tokenizer(tmp_path / "tok")
+    good = tmp_path / "good.txt"
+    good.write_text("the cat sat on the mat\n")
+    path = tmp_path / bad
+    if bad == "folder":
+        path.mkdir()
+    elif bad == "not_utf8":
+        path.write_bytes("the cat sat".encode() + b"\xff\xfe here\n")
+    out = tmp_path / "data" / "train.bin"
+    with pytest.raises(SystemExit):
+        prepare_data.main(["--tokenizer", tokenizer, "--input", str(good), str(path),
+                           "--output", str(out)])
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and str(path) in error and "Errno" not in error
+    assert {"missing": "does not exist", "folder": "not a file", "not_utf8": "not UTF-8"}[bad] in error
+    assert not out.parent.exists() or not any(out.parent.iterdir())  # no output, no partial file
+    prepare_data.main(["--tokenizer", tokenizer, "--input", str(good), "--output", str(out)])
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    with pytest.raises(SystemExit):
+        prepare_data.main(["--tokenizer", tokenizer, "--input", str(good), str(path),
+                           "--output", str(out), "--overwrite"])
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
