@@ -44,7 +44,7 @@ about 6 minutes in all):
     python eval.py --compare after.json bound.json --out curve.png
 
 What it showed (docs/results/context_curve_small_1gpu_64k.json, measured when both parts were
-still one file; the README's chart): the model uses its context up to about its training length
+still one file; the chart in docs/results.md): the model uses its context up to about its training length
 and not beyond.
 """
 

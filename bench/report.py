@@ -1,7 +1,7 @@
 """Shared by the bench scripts: where results go and what every result records.
 
 Every JSON result carries the GPU kind and count, torch version, attention kernel, git commit
-and the exact command, so a number in the README can be traced to the run that produced it.
+and the exact command, so a number in docs/results.md can be traced to the run that produced it.
 """
 
 import gc
