@@ -19,7 +19,7 @@ line (`hf_name`). What our model cannot compute (biases, sliding windows, MoE, o
 is refused when the config is read, naming the field, before anything is allocated or loaded.
 
     args = model_args_from_hf(path)                  # ModelArgs from config.json
-    model = build_model(args, device, mesh, ...)     # 01_fsdp.build_model, sharded
+    model = build_model(args, device, mesh, ...)     # support/build.py: sharded
     load_hf_weights(model, path)                     # each rank reads its slices
     ...train...
     export_hf(model, args, out_dir)                  # config.json + safetensors + index
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from model import ROPE_SCALINGS, ModelArgs
+from support.build import build_model
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 INDEX_NAME = "model.safetensors.index.json"
@@ -166,7 +167,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
                    "truncate": args.rope_truncate}
         if args.rope_attention_factor is not None:  # else transformers derives it from factor
             scaling["attention_factor"] = args.rope_attention_factor
-    if max_position_embeddings is None:  # a hint for generation tools; our rotary has no limit
+    if args.rope_scaling == "yarn":
+        # transformers reads yarn's factor against max_position_embeddings / the original context
+        # (and warns when the two disagree): the post-yarn context is original x factor.
+        max_position_embeddings = int(args.rope_original_context * args.rope_factor)
+    elif max_position_embeddings is None:  # a hint for generation tools; our rotary has no limit
         max_position_embeddings = (131072 if scaling is None
                                    else int(args.rope_original_context * args.rope_factor))
     dtype_name = str(dtype).removeprefix("torch.")
@@ -355,20 +360,61 @@ def _local_part(tensor: torch.Tensor):
 # Export: gather one tensor at a time, rank 0 writes; atomic
 # ---------------------------------------------------------------------------------------------
 
-@torch.no_grad()
 def check_export_dir(out_dir: str, overwrite: bool = False) -> None:
     """Refuse, before anything is trained or written, an export folder that would destroy
-    something: a file of that name, or a folder that is not empty (unless overwrite)."""
+    something (a file of that name, a folder that is not empty unless overwrite) or that can
+    never be written (its nearest existing ancestor is a file or not writable)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"export: {out_dir!r} exists and is not a folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ValueError(f"export: {out_dir!r} is not empty (choose another folder, or "
                          f"--overwrite-export to replace it)")
+    # The export is written beside out_dir and renamed into place: its parent must take files.
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"export: {out_dir!r} cannot be created: {existing!r} is a file")
+    try:  # access() says yes to root everywhere (/proc too): ask the filesystem itself
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+        os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=existing))
+    except OSError as error:
+        raise ValueError(f"export: {out_dir!r} cannot be written: {existing!r}: "
+                         f"{error.strerror or error}") from None
+
+
+def tokenizer_files(data_path: str | None, source_dir: str | None) -> tuple[list, dict]:
+    """What makes an export usable alone with AutoTokenizer + generate: the tokenizer files to
+    copy, as (path, name in the export), and the token ids for config.json. From the --init-from folder when it has a tokenizer,
+    else from the tokenizer prepare_data.py used (named in the token file's sidecar), whose
+    separator ends every document: the end-of-text id that generation stops at."""
+    from support.data import sidecar_path
+
+    def files_of(folder):
+        return [(os.path.join(folder, f), f) for f in sorted(os.listdir(folder))
+                if f.startswith(("tokenizer", "special_tokens_map", "generation_config"))]
+
+    if source_dir is not None and any(name in ("tokenizer.json", "tokenizer.model")
+                                      for _, name in files_of(source_dir)):
+        return files_of(source_dir), {}
+    if not data_path or not os.path.isfile(sidecar_path(data_path)):
+        return (files_of(source_dir) if source_dir else []), {}
+    with open(sidecar_path(data_path)) as f:
+        info = json.load(f)
+    tokenizer = info.get("tokenizer")
+    if not tokenizer or not os.path.exists(tokenizer):
+        return [], {}
+    files = files_of(tokenizer) if os.path.isdir(tokenizer) else [(tokenizer, "tokenizer.json")]
+    ids = {"eos_token_id": info["separator_id"]} if "separator_id" in info else {}
+    return files, {**ids, "_eos_token": info.get("separator")}
 
 
 def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
               dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
-              max_position_embeddings: int | None = None, source_dir: str | None = None) -> None:
+              max_position_embeddings: int | None = None, source_dir: str | None = None,
+              data_path: str | None = None) -> None:
     """Write `model` as a Hugging Face folder that transformers' from_pretrained opens:
     config.json, model-0000i-of-0000N.safetensors and model.safetensors.index.json.
 
@@ -376,7 +422,9 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
     a time with full_tensor(), cast to `dtype` and written in shards of at most `max_shard_bytes`
     (one shard's bytes on rank 0's host at a time). A tied lm_head is not written (transformers
     ties it again on load). source_dir (the folder the run started from): its tokenizer and
-    generation files and token ids are carried over, so the export is usable as is.
+    generation files and token ids are carried over, so the export is usable as is; without a
+    tokenizer there, data_path's (the token file prepare_data.py wrote) is, with its end-of-text
+    id. Files and folders get the permissions of the umask, like any file the user writes.
 
     Why not DCP's HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)?
     It does handle FSDP2 DTensors (tried on torch 2.14: the consolidated file is exact), but each
@@ -391,11 +439,12 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
 
     out_dir = os.path.abspath(out_dir)
     check_export_dir(out_dir, overwrite)
-    extra = {}
+    copied, extra = tokenizer_files(data_path, source_dir)
+    eos_token = extra.pop("_eos_token", None)
     if source_dir is not None:
         source = read_hf_config(source_dir)
-        extra = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                 if k in source}
+        extra.update({k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                      if k in source})
     config = hf_config(args, dtype, max_position_embeddings, extra)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -446,10 +495,10 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)
-            if source_dir is not None:
-                for file in os.listdir(source_dir):
-                    if file.startswith(("tokenizer", "special_tokens_map", "generation_config")):
-                        shutil.copy2(os.path.join(source_dir, file), tmp)
+            for file, name in copied:
+                shutil.copyfile(file, os.path.join(tmp, name))
+            write_tokenizer_config(tmp, config, eos_token)
+            with_user_permissions(tmp)
             _swap_into_place(tmp, out_dir)
             tmp = None
         except Exception as e:  # noqa: BLE001
@@ -462,6 +511,31 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
         error = box[0]
     if error is not None:
         raise RuntimeError(f"export to {out_dir!r} failed, nothing was replaced: {error}")
+
+
+def write_tokenizer_config(folder: str, config: dict, eos_token: str | None) -> None:
+    """A bare tokenizer.json (prepare_data.py's tokenizer) does not say which class reads it nor
+    which token ends a text: add tokenizer_config.json and generation_config.json where missing."""
+    files = set(os.listdir(folder))
+    if "tokenizer.json" in files and "tokenizer_config.json" not in files:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast",
+                       **({"eos_token": eos_token} if eos_token else {}),
+                       "model_max_length": config["max_position_embeddings"]}, f, indent=2)
+    if "generation_config.json" not in files and "eos_token_id" in config:
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump({k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                       if k in config}, f, indent=2)
+
+
+def with_user_permissions(folder: str) -> None:
+    """mkdtemp makes a folder only its owner can read (0700): give the export the permissions
+    the umask gives any new folder and file, so others on a shared cluster can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def _swap_into_place(tmp: str, out_dir: str) -> None:
@@ -491,19 +565,16 @@ def build_from_hf(path: str, device: torch.device, mesh=None, compute_dtype=torc
                   before_sharding=None, args: ModelArgs | None = None, use_dcp: bool = True,
                   offload_model_state: bool = False):
     """(model, args): the model of the Hugging Face folder `path`, its techniques applied
-    (`before_sharding`), sharded over `mesh` (01_fsdp.build_model) and filled from the files.
+    (`before_sharding`), sharded over `mesh` (support/build.py) and filled from the files.
 
     args: the ModelArgs to build (default: read from config.json); pass them to change what the
     checkpoint does not fix (e.g. the rotary scaling to train with), shapes must match."""
-    import importlib
-
-    fsdp = importlib.import_module("01_fsdp")
     args = args or model_args_from_hf(path)
     with torch.device("meta"):  # the checks before anything is allocated
         from model import Transformer
 
         check_checkpoint(Transformer(args), path)
-    model = fsdp.build_model(args, device, mesh, compute_dtype, exact_init=False,
-                             before_sharding=before_sharding, offload_model_state=offload_model_state)
+    model = build_model(args, device, mesh, compute_dtype, exact_init=False,
+                        before_sharding=before_sharding, offload_model_state=offload_model_state)
     load_hf_weights(model, path, use_dcp=use_dcp)
     return model, args

@@ -5,8 +5,13 @@ into a temporary folder (fp32). Sequences (96) are longer than the original cont
 rotary scalings' stretched band is exercised.
 """
 
+import importlib
 import json
 import os
+import stat
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from support import pretrained
 from ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SEQ, ORIGINAL = 96, 32
 CPU = torch.device("cpu")
@@ -515,3 +521,77 @@ def test_train_exports_and_init_from_the_export_continues_exactly(tmp_path):
     assert again.model.args == run.model.args
     with pytest.raises(ValueError, match="not empty"):  # refused before any training
         train.parse_args(["--init-from", str(tmp_path / "a"), "--export-hf", str(tmp_path / "b")])
+
+
+# ---------------------------------------------------------------------------------------------
+# An export others can use: written where it can be, readable, with its tokenizer
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_export_that_can_never_be_written_is_refused_before_training(tmp_path, where):
+    (tmp_path / "a_file").write_text("x")
+    out = str(tmp_path / "a_file" / "export") if where == "under_a_file" else "/proc/no/export"
+    with pytest.raises(ValueError, match="export: .* cannot be"):
+        pretrained.check_export_dir(out)
+    done = subprocess.run([sys.executable, "train.py", "--export-hf", out, "--steps", "3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "step" not in done.stdout  # refused before the first step
+    assert done.stderr.startswith("error: export:") and "Traceback" not in done.stderr
+
+
+def test_export_has_the_umask_permissions(tmp_path):
+    make_hf_model(tmp_path / "in", "llama-tied")
+    model, args = pretrained.build_from_hf(str(tmp_path / "in"), CPU)
+    old = os.umask(0o022)
+    try:
+        pretrained.export_hf(model, args, str(tmp_path / "out"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o755
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
+
+
+def test_yarn_export_loads_without_a_rope_warning(tmp_path, caplog):
+    args = replace(llama.get_model_args("tiny"), rope_scaling="yarn", rope_factor=4.0,
+                   rope_original_context=64)
+    model = llama.Transformer(args)
+    pretrained.export_hf(model, args, str(tmp_path / "out"), max_position_embeddings=64)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 256  # original x factor: what transformers checks
+    transformers.utils.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    finally:
+        transformers.utils.logging.disable_propagation()
+    assert not [r for r in caplog.records if "rope" in r.getMessage().lower()
+                or "max_position_embeddings" in r.getMessage()]
+
+
+def test_export_after_prepared_data_carries_its_tokenizer(tmp_path):
+    """Trained on prepare_data.py's output, the export holds the tokenizer and its end-of-text
+    id: AutoTokenizer and generate work from the export folder alone."""
+    from test_packed import _local_tokenizer
+
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer_dir = _local_tokenizer(tmp_path / "tok")
+    (tmp_path / "docs.txt").write_text("the cat sat on the mat\na dog ran far away\n" * 20)
+    data = str(tmp_path / "train.bin")
+    info = prepare_data.prepare(tokenizer_dir, [str(tmp_path / "docs.txt")], data, txt_lines=True,
+                                progress=False)
+    out = tmp_path / "export"
+    done = subprocess.run([sys.executable, "train.py", "--data", data, "--documents", "--seq-len",
+                           "16", "--steps", "2", "--export-hf", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == info["separator_id"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer.eos_token_id == info["separator_id"]
+    ids = tokenizer("the cat sat", add_special_tokens=False)["input_ids"]
+    from tokenizers import Tokenizer
+    assert ids == Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).encode(
+        "the cat sat", add_special_tokens=False).ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    generated = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] <= len(ids) + 3 and hf.generation_config.eos_token_id == info["separator_id"]
