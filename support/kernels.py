@@ -269,23 +269,25 @@ def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
 # inside); each one is checked once per device/dtype/head size against the plain math below, and
 # the first that works is used.
 
-def math_attention_forward(q, k, v):
-    """Reference kernel in fp32 with explicit scores (B, Hkv, G, S, S): small inputs only."""
+def math_attention_forward(q, k, v, causal: bool = True):
+    """Reference kernel in fp32 with explicit scores (B, Hkv, G, Sq, Sk): small inputs only.
+    causal=False: every query sees every key (q and k/v may differ in length)."""
     batch, seq_len, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[2]
     # (B, Hkv, G, S, D): query head h = kv * G + g uses KV head kv.
     qg = q.float().permute(0, 2, 1, 3).unflatten(1, (n_kv_heads, -1))
     kg, vg = (t.float().permute(0, 2, 1, 3)[:, :, None] for t in (k, v))
     scores = (qg @ kg.transpose(-1, -2)) * head_dim**-0.5
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
     lse = scores.logsumexp(-1)
     out = (scores - lse[..., None]).exp() @ vg
     out = out.flatten(1, 2).permute(0, 2, 1, 3).to(q.dtype)
     return out, lse.flatten(1, 2)
 
 
-def math_attention_backward(grad_out, q, k, v, out, lse):
+def math_attention_backward(grad_out, q, k, v, out, lse, causal: bool = True):
     """Gradients of `math_attention_forward` from its saved lse (no softmax forward re-run)."""
     batch, seq_len, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[2]
@@ -293,8 +295,10 @@ def math_attention_backward(grad_out, q, k, v, out, lse):
     to_groups = lambda t: t.float().permute(0, 2, 1, 3).unflatten(1, (n_kv_heads, -1))
     qg, dog, og = to_groups(q), to_groups(grad_out), to_groups(out)
     kg, vg = (t.float().permute(0, 2, 1, 3)[:, :, None] for t in (k, v))
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
-    scores = ((qg @ kg.transpose(-1, -2)) * scale).masked_fill(future, float("-inf"))
+    scores = (qg @ kg.transpose(-1, -2)) * scale
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
     probs = (scores - lse.unflatten(1, (n_kv_heads, -1))[..., None]).exp()
     grad_v = (probs.transpose(-1, -2) @ dog).sum(2)
     grad_probs = dog @ vg.transpose(-1, -2)
@@ -305,48 +309,50 @@ def math_attention_backward(grad_out, q, k, v, out, lse):
     return back(grad_q, q), back(grad_k[:, :, None], k), back(grad_v[:, :, None], v)
 
 
-def _forward(kernel, q, k, v):
+def _forward(kernel, q, k, v, causal: bool = True):
     """(out, lse) of one kernel, q/k/v and out in the layout above."""
     if kernel == "fa4":
         from flash_attn.cute import flash_attn_func
 
         with torch.no_grad():  # its autograd Function: only the forward here
-            return flash_attn_func(q, k, v, causal=True, return_lse=True)
+            return flash_attn_func(q, k, v, causal=causal, return_lse=True)
     # (B, S, heads, D) -> (B, heads, S, D) as views, no copy: the ATen kernels read strided
     # tensors (a contiguous copy of each costs ~1% of a 128K step, measured: docs/calibration.md).
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if kernel == "cudnn":  # compute_log_sumexp=True, dropout 0, causal, no debug mask
+    if kernel == "cudnn":  # compute_log_sumexp=True, dropout 0, causal or not, no debug mask
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False)[:2]
+            q, k, v, None, True, 0.0, causal, False)[:2]
     elif kernel == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
     elif kernel == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
     else:
         raise ValueError(f"unknown attention kernel {kernel!r}")
     return out.transpose(1, 2), lse
 
 
-def _backward(kernel, grad_out, q, k, v, out, lse):
+def _backward(kernel, grad_out, q, k, v, out, lse, causal: bool = True):
     """(dq, dk, dv) of one kernel from its out and lse (layout above)."""
     if kernel == "fa4":
         from flash_attn.cute.interface import _flash_attn_bwd  # its backward entry point
 
-        return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True)[:3]
+        return _flash_attn_bwd(q, k, v, out, grad_out, lse, causal=causal)[:3]
     # grad_out and out in the same layout (cuDNN before 9.5.1 requires equal strides).
     grad_out, q, k, v, out = (t.contiguous().transpose(1, 2) for t in (grad_out, q, k, v, out))
     seq_q, seq_k = q.shape[2], k.shape[2]
     # Dropout is off, so the random-state arguments are never read; pass defined placeholders.
     unused = torch.zeros((), dtype=torch.int64, device=q.device)
     if kernel == "cudnn":  # attn_bias, cum_seq_q, cum_seq_k = None: dense, unmasked beyond causal
+        if lse.dim() == 3:  # (B, H, S), e.g. a ring's merged lse: cuDNN reads (B, H, S, 1) only
+            lse = lse.unsqueeze(-1)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, True)
+            grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, causal)
     elif kernel == "flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, seq_q, seq_k, 0.0, True, unused, unused)
+            grad_out, q, k, v, out, lse, None, None, seq_q, seq_k, 0.0, causal, unused, unused)
     elif kernel == "cpu":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, True)
+            grad_out, q, k, v, out, lse, 0.0, causal)
     else:
         raise ValueError(f"unknown attention kernel {kernel!r}")
     return tuple(t.transpose(1, 2) for t in grads[:3])
@@ -358,9 +364,17 @@ def _per_document(kernel: str | None, start: int, end: int) -> str | None:
     return "math" if end - start == 1 else kernel
 
 
-def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
+def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None,
+                          causal: bool = True):
     """Causal attention (layout above) -> (out (B, S, H, D), lse). cu_seqlens: within each
-    packed document only; lse is then the documents' log-sum-exps along the sequence."""
+    packed document only; lse is then the documents' log-sum-exps along the sequence.
+    causal=False: every query sees every key, and q may be longer or shorter than k/v (one
+    block pair of ring attention, 06); not with cu_seqlens."""
+    if not causal and cu_seqlens is not None:
+        raise ValueError("cu_seqlens masks packed documents causally; causal=False takes none")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs as many queries ({q.shape[1]}) as keys "
+                         f"({k.shape[1]}); pass causal=False for a full block")
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
@@ -381,17 +395,17 @@ def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None):
                     torch.cat([torch.cat(l, dim=2) for l in lses], dim=0))
     kernel, native_gqa = lse_kernel(q, kernel)
     if kernel == "math":
-        return math_attention_forward(q, k, v)
+        return math_attention_forward(q, k, v, causal)
     if not native_gqa and k.shape[2] != q.shape[2]:
         group = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    return _forward(kernel, q, k, v)
+    return _forward(kernel, q, k, v, causal)
 
 
 def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = None,
-                           cu_seqlens=None):
+                           cu_seqlens=None, causal: bool = True):
     """(dq, dk, dv) of `attention_forward_lse` from its out and lse: the attention backward
-    kernel alone, no forward recomputation. cu_seqlens: as given to the forward."""
+    kernel alone, no forward recomputation. cu_seqlens, causal: as given to the forward."""
     if cu_seqlens is not None:
         batch, seq_len = q.shape[:2]
         spans = document_spans(cu_seqlens, batch, seq_len)
@@ -411,11 +425,11 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
             return tuple(torch.cat([torch.cat(g, dim=1) for g in rows], dim=0) for rows in grads)
     kernel, native_gqa = lse_kernel(q, kernel)
     if kernel == "math":
-        return math_attention_backward(grad_out, q, k, v, out, lse)
+        return math_attention_backward(grad_out, q, k, v, out, lse, causal)
     n_kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
     if not native_gqa and group > 1:
         k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    dq, dk, dv = _backward(kernel, grad_out, q, k, v, out, lse)
+    dq, dk, dv = _backward(kernel, grad_out, q, k, v, out, lse, causal)
     if not native_gqa and group > 1:  # the copies of a KV head add up
         dk, dv = (t.unflatten(2, (n_kv_heads, group)).sum(3) for t in (dk, dv))
     return dq, dk, dv

@@ -178,14 +178,14 @@ def test_a_one_token_document_never_reaches_a_kernel(monkeypatch):
         assert k.shape[2] > 1, "a 1-token document reached SDPA"
         return sdpa(q, k, v, **options)
 
-    def cudnn_like_forward(kernel, q, k, v):
+    def cudnn_like_forward(kernel, q, k, v, causal=True):
         assert q.shape[1] > 1, "a 1-token document reached the kernel"
-        out, lse = forward(kernel, q, k, v)
+        out, lse = forward(kernel, q, k, v, causal)
         return out, lse[..., None]
 
-    def cudnn_like_backward(kernel, grad_out, q, k, v, out, lse):
+    def cudnn_like_backward(kernel, grad_out, q, k, v, out, lse, causal=True):
         assert q.shape[1] > 1 and lse.dim() == 4, "a 1-token document reached the kernel"
-        return backward(kernel, grad_out, q, k, v, out, lse[..., 0])
+        return backward(kernel, grad_out, q, k, v, out, lse[..., 0], causal)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", refuse_one_token)
     monkeypatch.setattr(kernels, "_forward", cudnn_like_forward)
