@@ -11,7 +11,8 @@ the optimizer updates only that shard. Model state per GPU: 119.7 GiB / 8 = 15.0
 block's gathered bf16 parameters at a time.
 
 We use PyTorch's own engine, `fully_shard` (FSDP2): one call per transformer block (the unit of
-gather and free), then one on the root for the embeddings, final norm and lm_head.
+gather and free), then one on the root for the embeddings, final norm and lm_head. The model is
+sharded on the meta device, before any rank allocates its shard (support/build.py).
 
 Past 5M tokens: the model state on the host (`--offload-model-state`). Near the longest length
 activations fill what the model state leaves, so 15 GiB per GPU on 8 x 80 GB (60 GiB on 2 GPUs)
@@ -35,7 +36,6 @@ device and sharded there):
 """
 
 import argparse
-import os
 from dataclasses import replace
 
 import torch
@@ -47,9 +47,44 @@ from model import Transformer, get_model_args, num_params
 GiB = 2**30
 
 
-# ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (plan.py adds these up).
-# ---------------------------------------------------------------------------------------------
+# The technique: shard each block (the unit of gather and free), then the root.
+
+def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.float32,
+               offload_model_state: bool = False):
+    """Shard `model` over `mesh`: each block first, then the root (torchtitan's order).
+
+    compute_dtype=bfloat16 gathers bf16 copies for compute while master weights, gradients and
+    the reduce-scatter stay fp32 (more exact, and the optimizer sees fp32 gradients).
+    offload_model_state=True: the shards live in (pinned) host memory; FSDP2 copies a group's
+    shard to the GPU for its all-gather and each gradient shard back after its reduce-scatter.
+    """
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.float32,
+    )
+    # Pinned memory needs a GPU driver; without one the "offload" is to the CPU it already uses.
+    on_host = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+               } if offload_model_state else {}
+    for block in model.layers:
+        # The last block is needed first by backward: keep it gathered after forward.
+        reshard = block is not model.layers[-1]
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, **on_host)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, **on_host)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Our loss is already the mean over the tokens of all ranks (train.py divides the
+            # summed loss by the global token count), so the rank gradients must be summed,
+            # not averaged: FSDP's default average would shrink them by the world size.
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                # A plain SUM collective (gloo has no PREMUL_SUM, which a factor of 1 would use).
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+
+# What this file removes, in bytes.
 
 def model_state_bytes(args, world_size: int) -> dict:
     """Per-rank bytes of model state with AdamW in mixed precision, sharded over `world_size`.
@@ -117,88 +152,7 @@ def offload_transfer_bytes(args, world_size: int) -> dict:
             "end_of_backward": 4 * -(-root // world_size)}
 
 
-# ---------------------------------------------------------------------------------------------
-# The technique
-# ---------------------------------------------------------------------------------------------
-
-def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.float32,
-               offload_model_state: bool = False):
-    """Shard `model` over `mesh`: each block first, then the root (torchtitan's order).
-
-    compute_dtype=bfloat16 gathers bf16 copies for compute while master weights, gradients and
-    the reduce-scatter stay fp32 (more exact, and the optimizer sees fp32 gradients).
-    offload_model_state=True: the shards live in (pinned) host memory; FSDP2 copies a group's
-    shard to the GPU for its all-gather and each gradient shard back after its reduce-scatter.
-    """
-    policy = MixedPrecisionPolicy(
-        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-        reduce_dtype=torch.float32,
-    )
-    # Pinned memory needs a GPU driver; without one the "offload" is to the CPU it already uses.
-    on_host = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-               } if offload_model_state else {}
-    for block in model.layers:
-        # The last block is needed first by backward: keep it gathered after forward.
-        reshard = block is not model.layers[-1]
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, **on_host)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, **on_host)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # Our loss is already the mean over the tokens of all ranks (train.py divides the
-            # summed loss by the global token count), so the rank gradients must be summed,
-            # not averaged: FSDP's default average would shrink them by the world size.
-            module.set_gradient_divide_factor(1.0)
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                # A plain SUM collective (gloo has no PREMUL_SUM, which a factor of 1 would use).
-                module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def host_optimizer(params, **adamw) -> torch.optim.Optimizer:
-    """AdamW for parameters held in host memory: the fused CPU kernel (one pass over each
-    tensor, no temporaries; 3.6x faster than foreach on one thread), else foreach. torchrun
-    sets OMP_NUM_THREADS=1 per process, so each rank first takes its share of the host's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks_here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
-    share = max(1, cores // int(ranks_here))
-    torch.set_num_threads(max(share, torch.get_num_threads()))
-    params = list(params)
-    try:
-        return torch.optim.AdamW(params, fused=True, **adamw)
-    except (RuntimeError, TypeError):  # a torch without the fused CPU path for these params
-        return torch.optim.AdamW(params, foreach=True, **adamw)
-
-
-def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float32,
-                seed: int = 0, exact_init: bool = True, before_sharding=None,
-                offload_model_state: bool = False):
-    """Build, optionally transform, shard and initialize a model.
-
-    The model is created on the meta device (no memory), `before_sharding(model)` applies the
-    seam-level techniques (02-05), FSDP shards it, and only then is each rank's shard allocated
-    and initialized: an 8B model never exists whole in one process. With offload_model_state
-    the shards are allocated in host memory (model.py's model has no buffers to place).
-    """
-    with torch.device("meta"):
-        model = Transformer(args)
-    if before_sharding is not None:
-        before_sharding(model)
-    if mesh is not None:
-        apply_fsdp(model, mesh, compute_dtype, offload_model_state)
-    elif offload_model_state:
-        raise ValueError("--offload-model-state is a setting of FSDP (01): add --fsdp")
-    model.to_empty(device="cpu" if offload_model_state else device)
-    from model import init_weights
-
-    init_weights(model, seed, exact=exact_init)
-    if mesh is None and compute_dtype != torch.float32:
-        model.to(compute_dtype)  # single process, no FSDP: plain low-precision training
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
 # Demo: per-rank bytes with and without sharding.
-# ---------------------------------------------------------------------------------------------
 
 def sharded_numel_on_meta(args, mesh) -> int:
     """Shard the real model on the meta device and count this rank's parameter elements."""

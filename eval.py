@@ -1,10 +1,10 @@
 """eval.py - does the model use its context? Loss by position and passkey retrieval, sharded.
 
 The forward that trains at 3M tokens evaluates at 3M tokens: this file builds the model exactly
-as train.py does (same flags, `setup_runtime`, `build_model`: FSDP, Ulysses or Untied Ulysses,
-tiling) and runs it forward only, under torch.no_grad, with far less memory than a training
-step (no gradients, no optimizer state, no activations kept for backward; the planner's
-`--eval` mode counts it). Activation checkpointing and offload (03) only serve backward, so
+as train.py does (the same flags, support/runtime.py's `setup_runtime`, train.py's
+`build_model`: FSDP, Ulysses or Untied Ulysses, tiling) and runs it forward only, under
+torch.no_grad, with far less memory than a training step (no gradients, no optimizer state, no
+activations kept for backward; the planner's `--eval` mode counts it). Activation checkpointing and offload (03) only serve backward, so
 they are switched off here. 04's tiled functions and 05's autograd Function run their forward
 loops unchanged under no_grad (tests/test_eval.py runs every stack level).
 
@@ -41,8 +41,8 @@ key position's argmax is right (the first mismatch is where greedy would go wron
 after it differ from greedy's, so only the all-correct count is the retrieval accuracy; the JSON
 also gives the first token's). Accuracy over lengths x depths (--trials keys each), as a heatmap.
 
-Weights: random init, or the model state of a training checkpoint (--save-dir: its newest
-complete checkpoint, or a step_N folder), on any number of ranks whatever the saving layout
+Weights: random init, or the model of a run's saved training state (--save-dir: its newest
+complete save, or a step_N folder), on any number of ranks whatever the saving layout
 (saved_state.load_model_state), or a Hugging Face folder (--init-from, through train.py's
 build_model like every other flag).
 
@@ -60,6 +60,7 @@ docs/calibration.md) put Llama-3-8B's longest evaluation at --stack 5 at 15.6M t
 """
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -71,28 +72,30 @@ import torch
 import torch.distributed as dist
 
 import model as llama
-from support import saved_state
 import train
+from support import config, saved_state
+from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
+from support.runtime import setup_runtime
 
-ulysses = train.ulysses
+ulysses = importlib.import_module("02_ulysses")  # shard_sequence: each rank's positions
 
 FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
                "There and back again. ")
 
 
 # ---------------------------------------------------------------------------------------------
-# Building: train.py's runtime and model, forward only, weights from a checkpoint.
+# Building: train.py's runtime and model, forward only, weights from a saved state.
 # ---------------------------------------------------------------------------------------------
 
-def eval_config(cfg: train.Config) -> train.Config:
+def eval_config(cfg: Config) -> Config:
     """cfg without 03: checkpointing and offload keep activations for a backward that never comes."""
     return replace(cfg, checkpoint=False, offload=False, resume=False)
 
 
-def build(cfg: train.Config):
-    """(runtime, model, checkpoint meta or None) for evaluation."""
-    rt = train.setup_runtime(cfg)
+def build(cfg: Config):
+    """(runtime, model, saved state's meta or None) for evaluation."""
+    rt = setup_runtime(cfg)
     # the fewest stages whose forward fits (a forward needs less than a training step)
     cfg.head_chunk = train.choose_head_chunk(cfg, rt, forward_only=True)
     model = train.build_model(cfg, rt)
@@ -181,7 +184,7 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
     parallel rank takes every dp-th batch of windows; ranks run the same number of forwards
     (a rank without a window left runs one with every label ignored). With --documents the
     positions are within each document (module docstring)."""
-    args = train.model_args(cfg)
+    args = model_args(cfg)
     data, window = window_source(cfg, args.vocab_size)
     if data.tokens is not None:
         available = data.tokens.numel() // (cfg.seq_len + 1)
@@ -392,28 +395,37 @@ def plot_passkey(result: dict, path) -> bool:
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+FLAG_GROUPS = (config.add_model_flags, config.add_rotary_flags, config.add_step_flags,
+               config.add_process_flags, config.add_data_flags, config.add_document_flags,
+               config.add_technique_flags)  # shared with train.py; and --save-dir, read
+
+
 def parse_eval_args(argv):
-    """(eval options, train.Config): eval's own flags here, every other flag is train.py's."""
+    """(eval options, Config): eval's own flags, and those it shares with train.py."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--task", choices=["loss", "passkey"], default="loss")
-    parser.add_argument("--windows", type=int, default=4, help="loss: windows of --seq-len + 1 tokens")
-    parser.add_argument("--first-window", type=int, default=0, help="loss: skip the windows before it")
-    parser.add_argument("--bucket-start", default="1K", help="loss: the first bucket edge")
-    parser.add_argument("--lengths", default=None, help="passkey: e.g. 4K,128K,1M (default --seq-len)")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey: fractions of the context")
-    parser.add_argument("--trials", type=int, default=4, help="passkey: keys per length x depth")
-    parser.add_argument("--key-len", type=int, default=4, help="passkey: key tokens")
-    parser.add_argument("--alphabet", default="16:26", help="passkey: key ids LOW:HIGH (no tokenizer)")
-    parser.add_argument("--filler-ids", default="4,5,6,7,8,9,10,11", help="passkey: repeated filler ids")
-    parser.add_argument("--marker-ids", default="1,2,3", help="passkey: ids before the key (twice)")
-    parser.add_argument("--tokenizer", default=None, help="passkey: a Hugging Face tokenizer directory")
-    parser.add_argument("--label", default=None, help="the run's name on charts")
-    parser.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
-    parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
-                        help="no run: draw these loss results on one chart (--out: the PNG)")
-    parser.add_argument("--overwrite-out", action="store_true",
-                        help="replace an existing --out (and its PNG)")
-    opts, train_argv = parser.parse_known_args(argv)
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--task", choices=["loss", "passkey"], default="loss")
+    evaluation.add_argument("--windows", type=int, default=4, help="loss: windows of --seq-len + 1 tokens")
+    evaluation.add_argument("--first-window", type=int, default=0, help="loss: skip the windows before it")
+    evaluation.add_argument("--bucket-start", default="1K", help="loss: the first bucket edge")
+    evaluation.add_argument("--lengths", default=None, help="passkey: e.g. 4K,128K,1M (default --seq-len)")
+    evaluation.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey: fractions of the context")
+    evaluation.add_argument("--trials", type=int, default=4, help="passkey: keys per length x depth")
+    evaluation.add_argument("--key-len", type=int, default=4, help="passkey: key tokens")
+    evaluation.add_argument("--alphabet", default="16:26", help="passkey: key ids LOW:HIGH (no tokenizer)")
+    evaluation.add_argument("--filler-ids", default="4,5,6,7,8,9,10,11", help="passkey: repeated filler ids")
+    evaluation.add_argument("--marker-ids", default="1,2,3", help="passkey: ids before the key (twice)")
+    evaluation.add_argument("--tokenizer", default=None, help="passkey: a Hugging Face tokenizer directory")
+    evaluation.add_argument("--label", default=None, help="the run's name on charts")
+    evaluation.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
+    evaluation.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                            help="no run: draw these loss results on one chart (--out: the PNG)")
+    evaluation.add_argument("--overwrite-out", action="store_true",
+                            help="replace an existing --out (and its PNG)")
+    for add_flags in FLAG_GROUPS:
+        add_flags(parser)
+    config.add_saved_state_flags(parser, writes=False)
+    opts = parser.parse_args(argv)
     out = Path(opts.out or (Path(opts.compare[0]).with_name("compare.png") if opts.compare
                             else f"eval_{opts.task}.json"))
     for path in {out, out.with_suffix(".png")}:  # an earlier result: never replaced unasked
@@ -421,7 +433,7 @@ def parse_eval_args(argv):
             raise ValueError(f"{path} exists: choose another --out, or --overwrite-out")
     if opts.compare:
         return opts, None
-    cfg = eval_config(train.parse_args(train_argv))
+    cfg = eval_config(config.config_from_flags(opts))
     if opts.task == "passkey" and cfg.documents:
         raise ValueError("--documents / --doc-sep apply to --task loss: a passkey sequence is one document")
     if opts.task == "passkey":

@@ -278,7 +278,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _apply(self, fn, recurse=True):
-        # `to_empty` (meta -> device, as 01_fsdp.build_model does) and some `.to` calls give each
+        # `to_empty` (meta -> device, as support/build.py does) and some `.to` calls give each
         # module a new Parameter: tie again, or lm_head would silently become a second matrix.
         super()._apply(fn, recurse)
         if self.args.tie_word_embeddings:

@@ -4,13 +4,15 @@
     python plan.py --model llama3-8b --seq-len max --gpus 8      # longest length per --stack
     python plan.py --model llama3-8b --seq-len max --stack 5 --scaling   # 8..64 GPUs, with and
                                                                  # without --offload-model-state
-    python train.py --plan ...                                   # the same
+    python train.py --plan ...                # a training command's plan (training's own
+                                              # flags, --lr, --save-dir, ..., left out)
     python plan.py --eval --model llama3-8b --seq-len max --gpus 8  # eval.py's forward only
 
 Each numbered file states the bytes its technique leaves on the GPU in one function
 (`model_state_bytes` in 01, `attention_activation_bytes` in 02, `checkpoint_memory_bytes` in 03,
 `mlp_temporary_bytes` / `loss_temporary_bytes` in 04, `untied_attention_bytes` in 05); this file
-adds them up at the moments a step can peak. Training flags mean what they mean to train.py.
+adds them up at the moments a step can peak. The flags it shares with train.py (one definition,
+support/config.py) mean what they mean there; plan.py imports no train.py, train.py imports it.
 The counts are calibrated against GPU runs (docs/calibration.md: within a few percent).
 
 Packed documents (--documents) change the plan very little, so it counts them as dense: the
@@ -21,7 +23,6 @@ while it concatenates the documents' pieces: up to ~15% of 02's attention peak f
 not counted here (`DOCUMENTS_NOTE`).
 """
 
-import argparse
 import importlib
 import sys
 from dataclasses import replace
@@ -30,13 +31,16 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from support import kernels
 import model as llama
-import train
+from support import config, keep_attention, kernels
+from support.config import (MAX_STACK, TECHNIQUES, Config, model_args, model_name,
+                            resolve_techniques, techniques_text)
+from support.runtime import Runtime, check_layout
 
+# The numbered files start with a digit, so they are imported by name.
 fsdp = importlib.import_module("01_fsdp")
 ulysses = importlib.import_module("02_ulysses")
-offload = importlib.import_module("03_checkpoint_offload")
+checkpointing = importlib.import_module("03_checkpoint_offload")
 tiling = importlib.import_module("04_alst_tiling")
 untied = importlib.import_module("05_untied_ulysses")
 
@@ -75,7 +79,7 @@ def parse_bytes(text: str) -> int:
     return int(number * units[unit])
 
 
-def planned_kernel(cfg: train.Config) -> str:
+def planned_kernel(cfg: Config) -> str:
     """The attention kernel whose backward workspace the plan counts: --attn-kernel, or for
     auto FlashAttention-4 where it is installed, else cuDNN (plan for FA4 with --attn-kernel fa4)."""
     if cfg.attn_kernel in ("fa4", "flash"):
@@ -83,7 +87,7 @@ def planned_kernel(cfg: train.Config) -> str:
     return "fa4" if cfg.attn_kernel == "auto" and kernels.fa4_installed() else "cudnn"
 
 
-def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: bool = True,
+def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from a numbered file's byte function.
@@ -105,8 +109,8 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     """
     if forward_only:
         return plan_forward_memory(cfg, world_size, args)
-    args = args or train.model_args(cfg)
-    sp, head_chunk = train.check_layout(cfg, world_size, args)
+    args = args or model_args(cfg)
+    sp, head_chunk = check_layout(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
     local_tokens = tokens // sp
@@ -141,7 +145,7 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
     norms = (tiling.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b) if cfg.tile_norm
-             else offload.block_recompute_bytes(args, local_tokens, b))
+             else checkpointing.block_recompute_bytes(args, local_tokens, b))
     loss = tiling.loss_temporary_bytes(args, local_tokens, cfg.tile_loss, cfg.loss_tile_tokens, b)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
@@ -165,13 +169,14 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
     if cfg.checkpoint:
-        checkpoints = offload.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b, pinned=True,
-                                                      keep_attention=cfg.keep_attention)
+        kept_tensors = keep_attention.kept_attention_bytes(args, tokens, sp, b) if cfg.keep_attention else []
+        checkpoints = checkpointing.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
+                                                            pinned=True, also_kept=kept_tensors)
         host = checkpoints["host"]
         forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
         # --keep-attention: what a block keeps besides its input. In a block's backward its own
         # kept output and log-sum-exp are what its attention saved (counted there).
-        kept = sum(offload.kept_attention_bytes(args, tokens, sp, b)) if cfg.keep_attention else 0
+        kept = sum(kept_tensors)
         # Offloaded: backward starts with the last input and brings the next one back (if
         # there is a next one: a one-layer model keeps its only input on the GPU).
         prefetched = hidden + kept if cfg.offload and n_layers > 1 else 0
@@ -212,7 +217,7 @@ def plan_memory(cfg: train.Config, world_size: int, args=None, adam_allocated: b
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
 
 
-def plan_forward_memory(cfg: train.Config, world_size: int, args=None) -> dict:
+def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
     """Per-GPU bytes of one evaluation forward (eval.py: torch.no_grad, nothing kept for a
     backward), in plan_memory's form. Not yet calibrated on a GPU; counted as follows, with N
     local tokens, hidden = N x dim, Q = N x heads x D, K = N x max(KV heads, sp) x D values:
@@ -232,8 +237,8 @@ def plan_forward_memory(cfg: train.Config, world_size: int, args=None) -> dict:
         final norm's output, the logits in the compute dtype, in fp32 and their log-softmax,
         tiled: one tile's (the scores themselves: 8 bytes per token). Rotary tables are left out.
     """
-    args = args or train.model_args(cfg)
-    sp, head_chunk = train.check_layout(cfg, world_size, args)
+    args = args or model_args(cfg)
+    sp, head_chunk = check_layout(cfg, world_size, args)
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len
     n = tokens // sp  # local tokens
@@ -277,7 +282,7 @@ def plan_forward_memory(cfg: train.Config, world_size: int, args=None) -> dict:
             "head_chunk": head_chunk, "forward_only": True}
 
 
-def smallest_gpu_memory(rt: train.Runtime) -> int:
+def smallest_gpu_memory(rt: Runtime) -> int:
     """The smallest GPU's memory over all ranks: choices made from it are the same on every rank
     (a head chunk that differed between ranks would mismatch the all-to-alls)."""
     memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory], device=rt.device)
@@ -286,7 +291,7 @@ def smallest_gpu_memory(rt: train.Runtime) -> int:
     return int(memory.item())
 
 
-def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int,
+def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
                            forward_only: bool = False) -> int:
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
     U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
@@ -296,8 +301,8 @@ def fewest_stages_that_fit(cfg: train.Config, world_size: int, gpu_mem: int,
     One stage holds more memory than Ulysses (its backward keeps the output and the input-
     gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
     passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
-    args = train.model_args(cfg)
-    sp, least_memory = train.check_layout(replace(cfg, head_chunk=None), world_size, args)
+    args = model_args(cfg)
+    sp, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
     for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
         plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
                            forward_only=forward_only)
@@ -319,7 +324,7 @@ def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int,
             plan["host"] * gpus_sharing_a_node(world_size, gpus_per_node) <= host_mem)
 
 
-def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+def plan_longest_seq_len(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                          limit: int = 2**28, gpus_per_node: int = GPUS_PER_NODE,
                          forward_only: bool = False):
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
@@ -327,7 +332,7 @@ def plan_longest_seq_len(cfg: train.Config, world_size: int, gpu_mem: int, host_
     host; (0, None) when none does. The plan's "limit" names what one more step of sp x 1,024
     tokens would not fit: "GPU", "host" or both. Raises training's ValueError for an impossible
     setup."""
-    sp, _ = train.check_layout(replace(cfg, seq_len=None), world_size, train.model_args(cfg))
+    sp, _ = check_layout(replace(cfg, seq_len=None), world_size, model_args(cfg))
     step = sp * 1024
 
     def fits_at(multiple):
@@ -362,10 +367,10 @@ def plan_peak_text(plan: dict) -> str:
     return moment + (f" (at {plan['block_moment']})" if moment.startswith("backward of") else "")
 
 
-def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                gpus_per_node: int = GPUS_PER_NODE) -> str:
     """The per-GPU table of `train.py --plan` for cfg.seq_len."""
-    args = train.model_args(cfg)
+    args = model_args(cfg)
     if cfg.untied and cfg.head_chunk is None:  # what training on such GPUs would choose
         cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem))
     plan = plan_memory(cfg, world_size)
@@ -379,10 +384,10 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
              for c in PLAN_COMPONENTS if c in peak or c != "optimizer"}
     usable = gpu_mem - PLAN_GPU_RESERVE
     lines = [
-        f"{train.model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): "
+        f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): "
         f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "
         f"(data {plan['dp']} x sequence {plan['sp']}), {plan['local_tokens']:,} tokens per GPU",
-        f"techniques: {train.techniques_text(cfg, plan['head_chunk'])}",
+        f"techniques: {techniques_text(cfg, plan['head_chunk'])}",
         f"{'per GPU':<48}{'GiB':>9}",
         row("model state (params, grads, Adam) at the peak", peak["model_state"])
         + (f"   (all of it on the host: {plan['host_parts']['model state'] / GiB:.1f})"
@@ -413,9 +418,9 @@ def plan_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
     return "\n".join(lines)
 
 
-def plan_forward_table(cfg: train.Config, world_size: int, gpu_mem: int) -> str:
+def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
     """The per-GPU table of `plan.py --eval`: one evaluation forward at cfg.seq_len."""
-    args = train.model_args(cfg)
+    args = model_args(cfg)
     if cfg.untied and cfg.head_chunk is None:  # what eval.py on such GPUs would choose
         cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem, True))
     plan = plan_forward_memory(cfg, world_size)
@@ -423,11 +428,11 @@ def plan_forward_table(cfg: train.Config, world_size: int, gpu_mem: int) -> str:
     usable = gpu_mem - PLAN_GPU_RESERVE
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     return "\n".join([
-        f"{train.model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
+        f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
         f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
         f"{cfg.dtype}; {world_size} GPUs (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
-        f"techniques: {train.techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'])}",
+        f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'])}",
         f"{'per GPU':<48}{'GiB':>9}",
         row("parameters (no gradients, no optimizer state)", peak["model_state"]),
         row("FSDP gathered params (root + 2 blocks)", peak["fsdp"]),
@@ -442,14 +447,14 @@ def plan_forward_table(cfg: train.Config, world_size: int, gpu_mem: int) -> str:
     ])
 
 
-def plan_levels(cfg: train.Config):
+def plan_levels(cfg: Config):
     """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
     and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
     other flags (batch size, head chunk, --sp, tile sizes, dtype) kept."""
-    techniques = {flag: False for flag, _ in train.TECHNIQUES}
+    techniques = {flag: False for flag, _ in TECHNIQUES}
     base = replace(cfg, stack=None, sp=None, head_chunk=None, **techniques)
     rows = []
-    for level in range(train.MAX_STACK + 1):
+    for level in range(MAX_STACK + 1):
         for use_untied in ((False, True) if level in (2, 3) else (level == 5,)):
             label = f"--stack {level}" + (" --untied" if use_untied and level < 5 else "")
             rows.append((label, replace(base, stack=level, untied=use_untied,
@@ -459,7 +464,7 @@ def plan_levels(cfg: train.Config):
     return rows
 
 
-def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_mem: int,
+def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                        gpus_per_node: int = GPUS_PER_NODE, forward_only: bool = False) -> str:
     """The table of `train.py --plan --seq-len max`: the longest length per stack level, and
     what stops it (the GPU's memory or the host's). forward_only: the longest evaluation
@@ -467,7 +472,7 @@ def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_me
     node = gpus_sharing_a_node(world_size, gpus_per_node)
     offloaded = " --offload-model-state" if cfg.offload_model_state else ""
     what = "evaluation forward" if forward_only else "sequence"
-    lines = [f"longest {what} that fits: {train.model_name(cfg)}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
+    lines = [f"longest {what} that fits: {model_name(cfg)}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
              f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
              f"node of {node} GPUs, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of "
              f"sp x 1,024 tokens" + (f"; every row{offloaded}" if offloaded else ""),
@@ -476,7 +481,7 @@ def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_me
                 else f"{'host GiB/GPU':>13}  {'limit':<6}") + " peak at"]
     for label, level_cfg in plan_levels(cfg):
         try:
-            level_cfg = train.resolve_techniques(level_cfg)
+            level_cfg = resolve_techniques(level_cfg)
             length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
                                                 gpus_per_node=gpus_per_node,
                                                 forward_only=forward_only)
@@ -501,16 +506,16 @@ def plan_longest_table(cfg: train.Config, world_size: int, gpu_mem: int, host_me
     return "\n".join(lines)
 
 
-def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_mem: int,
+def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: int,
                        gpus_per_node: int = GPUS_PER_NODE) -> str:
     """The table of `--seq-len max --scaling`: the longest length of cfg's techniques on each
     GPU count, with the model state on the GPUs and on the host (--offload-model-state). Nodes
     of `gpus_per_node` GPUs, each with `host_mem`. Where Ulysses cannot split the heads over
     all GPUs, the row uses the largest sequence-parallel degree that works (the rest data
     parallel) and a note says what limits it and what a longer sequence would take."""
-    args = train.model_args(cfg)
-    techniques = train.techniques_text(replace(cfg, offload_model_state=False), "P")
-    lines = [f"longest sequence per GPU count: {train.model_name(cfg)}, {techniques}; GPUs of "
+    args = model_args(cfg)
+    techniques = techniques_text(replace(cfg, offload_model_state=False), "P")
+    lines = [f"longest sequence per GPU count: {model_name(cfg)}, {techniques}; GPUs of "
              f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
              f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
              f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
@@ -522,7 +527,7 @@ def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_m
             where = "host" if on_host else "GPU"
             start = f"{gpus:>5}{nodes:>6}  {where:<12}"
             try:
-                train.check_layout(replace(row_cfg, seq_len=None), gpus, args)
+                check_layout(replace(row_cfg, seq_len=None), gpus, args)
             except ValueError as error:
                 sp = max((d for d in range(1, args.n_heads + 1) if gpus % d == 0
                           and args.n_heads % d == 0), default=None)
@@ -556,7 +561,7 @@ def plan_scaling_table(cfg: train.Config, gpu_counts: list, gpu_mem: int, host_m
 # A step that did not fit: what to turn on next (train.py adds this to its out-of-memory error).
 # ---------------------------------------------------------------------------------------------
 
-def next_memory_technique(cfg: train.Config, sp: int) -> str:
+def next_memory_technique(cfg: Config, sp: int) -> str:
     """What to turn on next when a step does not fit, in the order of the files."""
     if not cfg.fsdp:
         return "--fsdp (01: shard the model state)"
@@ -577,7 +582,7 @@ def next_memory_technique(cfg: train.Config, sp: int) -> str:
     return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
 
 
-def out_of_memory_report(error: Exception, cfg: train.Config, rt: train.Runtime) -> str:
+def out_of_memory_report(error: Exception, cfg: Config, rt: Runtime) -> str:
     summary = ""
     if torch.cuda.is_available():
         summary = (f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
@@ -586,27 +591,33 @@ def out_of_memory_report(error: Exception, cfg: train.Config, rt: train.Runtime)
     return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.sp)}"
 
 
+FLAG_GROUPS = (config.add_model_flags, config.add_step_flags, config.add_document_flags,
+               config.add_technique_flags)  # the flags shared with train.py that the plan reads
+
+
 def plan_main(argv) -> str:
-    """`python train.py --plan ...`: the per-GPU table at --seq-len, or with --seq-len max the
-    longest length per stack level. The other flags apply as in training; the compute dtype
-    defaults to bfloat16 (the GPUs')."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
-    parser.add_argument("--plan", action="store_true")
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--gpu-mem", default="80GiB")
-    parser.add_argument("--host-mem", default="2TiB")
-    parser.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE)
-    parser.add_argument("--scaling", type=int, nargs="*", default=None)
-    parser.add_argument("--seq-len", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--eval", action="store_true", help="eval.py's forward only")
-    opts, train_argv = parser.parse_known_args(argv)
-    longest = str(opts.seq_len).strip().lower() == "max"
-    if opts.seq_len is not None and not longest:
-        train_argv += ["--seq-len", opts.seq_len]
-    if longest:  # each row sets its own techniques (plan_levels): the base needs none of them,
-        train_argv += ["--fsdp"]  # but --offload-model-state alone is refused without FSDP
-    cfg = train.parse_args(train_argv + ["--dtype", opts.dtype])
+    """`python plan.py ...` (or `python train.py --plan ...`): the per-GPU table at --seq-len, or
+    with --seq-len max the longest length per stack level. The flags shared with train.py mean
+    what they mean there; the compute dtype defaults to bfloat16 (the GPUs')."""
+    parser = config.flags_parser(FLAG_GROUPS, description=__doc__.split("\n")[0], allow_abbrev=False)
+    planner = parser.add_argument_group(
+        "planner", "--seq-len max: the longest length that fits, per --stack level")
+    planner.add_argument("--gpus", type=int, default=8, help="GPUs planned for (default 8)")
+    planner.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (default 80GiB)")
+    planner.add_argument("--host-mem", default="2TiB", help="host memory per node (default 2TiB)")
+    planner.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
+                         help="GPUs that share a node's host memory")
+    planner.add_argument("--scaling", type=int, nargs="*", default=None, metavar="GPUS",
+                         help="with --seq-len max: the longest length on each GPU count (default "
+                              "8 16 32 64), the model state on the GPUs and on the host")
+    planner.add_argument("--eval", action="store_true", help="eval.py's forward only")
+    parser.set_defaults(dtype="bfloat16")
+    opts = parser.parse_args(argv)
+    longest = opts.seq_len.strip().lower() == "max"
+    if longest:  # each row sets its own length and techniques (plan_levels): the base needs
+        # none of them, but --offload-model-state alone is refused without FSDP
+        opts.seq_len, opts.fsdp = str(config.DEFAULTS.seq_len), True
+    cfg = config.config_from_flags(opts)
     gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem)
     if opts.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {opts.gpus_per_node}")

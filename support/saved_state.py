@@ -1,11 +1,13 @@
-"""resume.py - save a training run and continue it: model, optimizer, RNG and step.
+"""saved_state.py - save a training run and continue it: model, optimizer, RNG and step.
 
-Not 03's activation checkpoints (block inputs kept for backward within one step): this file
-writes the training state to disk so a run survives a crash, a time limit or a scheduler's
-signal. Each rank writes only its own shards (torch.distributed.checkpoint), into a temporary
-folder that becomes step_N by an atomic rename once every rank has finished; resuming restores
-the newest complete one. The data position is the step, so nothing else is needed to continue
-exactly (tests/test_resume.py: the resumed loss log equals an uninterrupted one, bit for bit).
+"Saved state" here, not "checkpoint": 03's activation checkpoints are block inputs kept for
+backward within one step; this file writes the training state to disk so a run survives a
+crash, a time limit or a scheduler's signal (the messages a user reads keep the common word
+"checkpoint"). Each rank writes only its own shards (torch.distributed.checkpoint, "dcp"), into
+a temporary folder that becomes step_N by an atomic rename once every rank has finished;
+resuming restores the newest complete one. The data position is the step, so nothing else is
+needed to continue exactly (tests/test_saved_state.py: the resumed loss log equals an
+uninterrupted one, bit for bit).
 """
 
 import contextlib
@@ -28,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 # Saved training state: sharded (torch.distributed.checkpoint), atomic, resumable.
 # ---------------------------------------------------------------------------------------------
 
-def checkpoint_meta(cfg, rt, args, step: int) -> dict:
+def saved_meta(cfg, rt, args, step: int) -> dict:
     return {"step": step, "model": cfg.model, "model_args": asdict(args),
             "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "data": cfg.data, "lr": cfg.lr,
@@ -36,17 +38,17 @@ def checkpoint_meta(cfg, rt, args, step: int) -> dict:
 
 
 class SaveFailed(RuntimeError):
-    """A checkpoint could not be written; the message says why and which one is still intact."""
+    """A state could not be saved; the message says why and which saved one is still intact."""
 
 
-def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
+def save_state(cfg, rt, model, optimizer, step: int) -> str:
     """Write model + optimizer shards, RNG states and the step into save_dir/step_N.
 
     Everything goes into step_N.tmp first; only when every rank has written its part does rank 0
-    rename it to step_N (a rename is atomic), so a crash mid-write leaves the previous checkpoint
-    as the latest complete one. The two newest checkpoints are kept. A state that is not finite
-    is never written (it would replace a good checkpoint with one that fails on resume), and a
-    write that fails (a full disk) removes its .tmp and says which checkpoint is still intact.
+    rename it to step_N (a rename is atomic), so a crash mid-write leaves the previous save as
+    the latest complete one. The two newest saves are kept. A state that is not finite is never
+    written (it would replace a good save with one that fails on resume), and a write that
+    fails (a full disk) removes its .tmp and says which save is still intact.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -70,14 +72,14 @@ def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
         os.makedirs(tmp)
     barrier(rt)
     try:
-        with quiet_single_process_checkpoint():
+        with quiet_single_process_dcp():
             dcp.save(state, checkpoint_id=tmp)
         rng = {"cpu": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state(rt.device) if rt.device.type == "cuda" else None}
         torch.save(rng, os.path.join(tmp, f"rng_rank{rt.rank}.pt"))
         if rt.rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(checkpoint_meta(cfg, rt, model.args, step), f, indent=1)
+                json.dump(saved_meta(cfg, rt, model.args, step), f, indent=1)
     except (OSError, RuntimeError) as caught:  # a full disk: "enforce fail at inline_container.cc"
         error = caught
     if any_rank(error is not None, rt):
@@ -90,7 +92,7 @@ def save_checkpoint(cfg, rt, model, optimizer, step: int) -> str:
         if os.path.exists(final):  # the same step saved again (e.g. after a resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        for old in complete_checkpoints(cfg.save_dir)[:-2]:
+        for old in complete_saves(cfg.save_dir)[:-2]:
             shutil.rmtree(old)
     barrier(rt)
     return final
@@ -109,7 +111,7 @@ def state_is_finite(state) -> bool:
 
 
 def state_bytes(state, rt) -> int:
-    """Bytes the checkpoint of `state` takes on disk, over all ranks (the shards' sizes)."""
+    """Bytes the save of `state` takes on disk, over all ranks (the shards' sizes)."""
     def local(s):
         if isinstance(s, dict):
             return sum(local(v) for v in s.values())
@@ -127,12 +129,12 @@ def state_bytes(state, rt) -> int:
 
 
 def intact_text(save_dir: str) -> str:
-    found = complete_checkpoints(save_dir)
+    found = complete_saves(save_dir)
     return f"the previous checkpoint {found[-1]} is intact" if found else "no earlier checkpoint"
 
 
-def complete_checkpoints(save_dir: str) -> list[str]:
-    """Complete checkpoints (renamed, with meta.json), oldest first."""
+def complete_saves(save_dir: str) -> list[str]:
+    """Complete saves (step_N folders renamed from .tmp, with meta.json), oldest first."""
     if not os.path.isdir(save_dir):
         return []
     names = sorted(n for n in os.listdir(save_dir) if n.startswith("step_") and not n.endswith(".tmp"))
@@ -140,13 +142,13 @@ def complete_checkpoints(save_dir: str) -> list[str]:
     return [p for p in paths if os.path.isfile(os.path.join(p, "meta.json"))]
 
 
-def load_checkpoint(cfg, rt, model, optimizer) -> int:
-    """Restore the newest readable complete checkpoint of save_dir; returns the step to continue
-    from. A checkpoint that cannot be read (truncated shard, bad meta.json) is named and the one
+def load_state(cfg, rt, model, optimizer) -> int:
+    """Restore the newest readable complete save of save_dir; returns the step to continue
+    from. A save that cannot be read (truncated shard, bad meta.json) is named and the one
     before it is tried; one written for another model, world, sequence length or batch is refused
     (those are the command's mistakes, not damage). The command line's lr, weight decay and
-    warmup win over the checkpoint's."""
-    found = complete_checkpoints(cfg.save_dir)
+    warmup win over the saved ones."""
+    found = complete_saves(cfg.save_dir)
     if not found:
         raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r}")
     for path in reversed(found):
@@ -207,7 +209,7 @@ def check_model_shape(path: str, meta: dict, args, flag: str) -> None:
 
 
 def checked_meta(path: str, args, flag: str) -> dict:
-    """The checkpoint's meta.json, or a ValueError naming it if it is unreadable or holds a
+    """The save's meta.json, or a ValueError naming it if it is unreadable or holds a
     model of another shape."""
     meta = read_meta(path)
     if meta is None:
@@ -238,7 +240,7 @@ def restore_state(rt, path: str, model, optimizer) -> None:
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    with quiet_single_process_checkpoint():
+    with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=path)
     rng = torch.load(os.path.join(path, f"rng_rank{rt.rank}.pt"), weights_only=False)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -249,28 +251,28 @@ def restore_state(rt, path: str, model, optimizer) -> None:
 
 
 def load_model_state(path: str, model, flag: str = "--save-dir") -> dict:
-    """Only the model weights of a training checkpoint, for evaluation: `path` is a save dir
-    (its newest complete checkpoint) or one step_N folder. No optimizer, RNG or step; any
+    """Only the model weights of a saved training state, for evaluation: `path` is a save dir
+    (its newest complete save) or one step_N folder. No optimizer, RNG or step; any
     number of ranks and any sharding (torch.distributed.checkpoint reshards on load, unlike
     --resume, which needs the saving layout for the RNG states). Returns the meta, with "path"."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if not os.path.isfile(os.path.join(path, "meta.json")):
-        found = complete_checkpoints(path)
+        found = complete_saves(path)
         if not found:
             raise ValueError(f"{flag}: no complete checkpoint in {path!r}")
         path = found[-1]
     meta = checked_meta(path, model.args, flag)
     state = {"model": get_model_state_dict(model)}
-    with quiet_single_process_checkpoint():
+    with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=path)  # the optimizer's entries stay on disk
     set_model_state_dict(model, state["model"])
     return {**meta, "path": path}
 
 
 @contextlib.contextmanager
-def quiet_single_process_checkpoint():
+def quiet_single_process_dcp():
     """torch.distributed.checkpoint warns when used without a process group; that is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -286,7 +288,7 @@ LOCK_NAME = ".lock"
 
 def check_outputs(cfg) -> None:
     """Refuse, before anything is written, an output path that would destroy something: the
-    --data file (opening it for the log truncates it), an earlier run's checkpoints or log
+    --data file (opening it for the log truncates it), an earlier run's saved states or log
     (unless --resume continues them or --overwrite says so), or a place that cannot be written
     (which would otherwise fail only when the first save comes, after the training)."""
     inputs = {"--data": cfg.data if cfg.data != "synthetic" else None, "--init-from": cfg.init_from}
@@ -311,7 +313,7 @@ def check_outputs(cfg) -> None:
         if os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
             raise ValueError(f"--save-dir {cfg.save_dir!r} is a file, not a directory")
         check_writable("--save-dir", nearest_existing(cfg.save_dir))
-        found = complete_checkpoints(cfg.save_dir)
+        found = complete_saves(cfg.save_dir)
         if found and not (cfg.resume or cfg.overwrite):
             raise ValueError(f"--save-dir {cfg.save_dir!r} already holds checkpoints (newest: "
                              f"{os.path.basename(found[-1])}): add --resume to continue from it, "
@@ -346,7 +348,7 @@ def check_writable(flag: str, path: str) -> None:
 def claim_outputs(cfg, rt):
     """Hold --save-dir for this run (a lock file: a second run into it gets a clear error instead
     of racing this one's saves) and open the log; yields the log file (rank 0) or None. With
-    --overwrite the earlier checkpoints are deleted now, so that they cannot outrank this run's
+    --overwrite the earlier saves are deleted now, so that they cannot outrank this run's
     new ones in the keep-the-two-newest rule."""
     lock = log_file = None
     error = ""

@@ -9,6 +9,7 @@ from ranks import run_ranks
 from reference import full, make_batch
 
 import model as llama
+from support.config import MAX_STACK
 
 fsdp = importlib.import_module("01_fsdp")
 train = importlib.import_module("train")
@@ -171,7 +172,7 @@ def test_offloaded_model_state_is_on_the_host():
 def test_offload_needs_fsdp():
     with pytest.raises(ValueError, match="--offload-model-state is a setting of --fsdp"):
         train.resolve_techniques(train.Config(offload_model_state=True))
-    for level in range(1, train.MAX_STACK + 1):  # composable with every level that shards
+    for level in range(1, MAX_STACK + 1):  # composable with every level that shards
         assert train.resolve_techniques(train.Config(stack=level, offload_model_state=True)).fsdp
 
 

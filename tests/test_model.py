@@ -72,7 +72,7 @@ def test_published_sizes():
 
 
 def test_tied_embeddings_are_one_parameter_even_after_to_empty():
-    """01_fsdp.build_model builds on the meta device then calls to_empty, which gives each
+    """support/build.py builds on the meta device then calls to_empty, which gives each
     module a new Parameter: the tie must survive it."""
     from dataclasses import replace
 

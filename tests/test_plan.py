@@ -30,12 +30,13 @@ from ranks import run_ranks  # noqa: E402
 
 import model as llama  # noqa: E402
 import plan as planner
+from support.config import MAX_STACK
 from support.demos import measure_stage_memory
 
 train = importlib.import_module("train")  # noqa: E402
 fsdp = importlib.import_module("01_fsdp")
 ulysses = importlib.import_module("02_ulysses")
-offload = importlib.import_module("03_checkpoint_offload")
+checkpointing = importlib.import_module("03_checkpoint_offload")
 tiling = importlib.import_module("04_alst_tiling")
 untied = importlib.import_module("05_untied_ulysses")
 
@@ -269,7 +270,7 @@ def test_a_block_saves_what_the_norm_and_mlp_counts_say():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.layers[0](x, rope)
         norms = (tiling.norm_temporary_bytes(args, tokens, tile, fp32) if tile_norm
-                 else offload.block_recompute_bytes(args, tokens, fp32))
+                 else checkpointing.block_recompute_bytes(args, tokens, fp32))
         counted = (norms["saved"] + norms["block_input"]
                    + ulysses.attention_activation_bytes(args, tokens, 1, fp32, saved_only=True)
                    + tiling.mlp_temporary_bytes(args, tokens, True, tile, fp32, saved_only=True))
@@ -420,7 +421,7 @@ def test_offloaded_model_state_leaves_the_gpu_for_the_host():
     """--offload-model-state: no moment of the step holds model state or optimizer temporaries
     on the GPU; the host holds 01's offloaded bytes next to the checkpoints; what is freed goes
     to activations: --stack 5 on 8 x 80 GiB (2 TiB host) reaches 6.6M tokens (6.14M without)."""
-    for stack in range(1, train.MAX_STACK + 1):
+    for stack in range(1, MAX_STACK + 1):
         resident = planner.plan_memory(_cfg(stack, 2**20), 8)
         offloaded = planner.plan_memory(_cfg(stack, 2**20, offload_model_state=True), 8)
         assert offloaded["model_state"] == 0

@@ -19,6 +19,7 @@ from test_train import ROOT
 import model as llama
 import plan as planner
 from support import saved_state
+from support.config import MAX_STACK
 
 train = importlib.import_module("train")
 
@@ -42,7 +43,7 @@ def _resume_equals_straight(tmp, stack):
 
 def test_six_steps_equal_three_plus_resume_three(tmp_path):
     """The whole stack at P=2: identical losses, parameters and Adam state."""
-    run_ranks(2, _resume_equals_straight, str(tmp_path), train.MAX_STACK)
+    run_ranks(2, _resume_equals_straight, str(tmp_path), MAX_STACK)
 
 
 def _resume_across_model_state_offload(tmp):
@@ -52,7 +53,7 @@ def _resume_across_model_state_offload(tmp):
     dict is the same either way."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    stack = train.MAX_STACK
+    stack = MAX_STACK
     straight = train.train(config(f"{tmp}/a", 6, stack=stack))
     for first, then in ((True, False), (False, True)):
         folder = f"{tmp}/{'host-then-gpu' if first else 'gpu-then-host'}"
@@ -94,14 +95,14 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypat
         train.train(config(tmp_path, 3, resume=True, save_every=1))
     monkeypatch.undo()
     assert (tmp_path / "step_00000003.tmp").exists()
-    assert saved_state.complete_checkpoints(str(tmp_path))[-1].endswith("step_00000002")
+    assert saved_state.complete_saves(str(tmp_path))[-1].endswith("step_00000002")
     run = train.train(config(tmp_path, 4, resume=True))
     assert [h["step"] for h in run.history] == [2, 3]
 
 
 def test_only_the_two_newest_checkpoints_are_kept(tmp_path):
     train.train(config(tmp_path, 4, save_every=1))
-    assert [os.path.basename(p) for p in saved_state.complete_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path))] == [
         "step_00000003", "step_00000004"]
 
 
@@ -122,7 +123,7 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     assert proc.returncode == 0, stderr  # stopped cleanly, with a checkpoint to resume from
     assert "SIGTERM received: stopping after the current step" in stderr, stderr
     assert "stopped by SIGTERM" in stdout and "--save-dir" in stdout and stdout.rstrip().endswith("--resume"), stdout
-    latest = saved_state.complete_checkpoints(str(tmp_path))[-1]
+    latest = saved_state.complete_saves(str(tmp_path))[-1]
     saved_step = json.loads(Path(latest, "meta.json").read_text())["step"]
     assert saved_step >= 3
     resumed = subprocess.run(cmd[:2] + ["--steps", str(saved_step + 2)] + cmd[4:] + ["--resume"],
@@ -143,7 +144,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
     monkeypatch.setattr(train, "forward_backward", nan_at_step_3)
     with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\).* at step 3"):
         train.train(config(tmp_path, 10, save_every=1))
-    latest = saved_state.complete_checkpoints(str(tmp_path))[-1]
+    latest = saved_state.complete_saves(str(tmp_path))[-1]
     assert latest.endswith("step_00000003")  # steps 0, 1, 2 done; nothing saved after the NaN
 
 
@@ -153,7 +154,7 @@ def test_resume_with_another_model_or_world_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(argv + ["--model", "small"])
     assert "holds a model of another shape (tiny" in capsys.readouterr().err
-    meta_path = Path(saved_state.complete_checkpoints(str(tmp_path))[-1], "meta.json")
+    meta_path = Path(saved_state.complete_saves(str(tmp_path))[-1], "meta.json")
     meta = json.loads(meta_path.read_text())
     meta_path.write_text(json.dumps({**meta, "world_size": 2}))
     with pytest.raises(SystemExit):
@@ -210,16 +211,16 @@ def test_next_technique_follows_the_files():
 
 def test_a_save_dir_with_checkpoints_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     train.train(config(tmp_path, 4, save_every=1))
-    before = {p: Path(p, "meta.json").read_text() for p in saved_state.complete_checkpoints(str(tmp_path))}
+    before = {p: Path(p, "meta.json").read_text() for p in saved_state.complete_saves(str(tmp_path))}
     with pytest.raises(SystemExit):
         train.main(["--save-dir", str(tmp_path), "--seq-len", "32", "--steps", "2", "--save-every", "1"])
     err = capsys.readouterr().err
     assert "already holds checkpoints (newest: step_00000004)" in err and "--resume" in err, err
     assert "--overwrite" in err
-    assert {p: Path(p, "meta.json").read_text() for p in saved_state.complete_checkpoints(str(tmp_path))} == before
+    assert {p: Path(p, "meta.json").read_text() for p in saved_state.complete_saves(str(tmp_path))} == before
     # --overwrite is explicit: the old checkpoints go first, so the new ones are the ones kept
     train.train(config(tmp_path, 2, save_every=1, overwrite=True))
-    assert [os.path.basename(p) for p in saved_state.complete_checkpoints(str(tmp_path))] == [
+    assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path))] == [
         "step_00000001", "step_00000002"]
 
 
@@ -269,7 +270,7 @@ def test_a_non_finite_state_is_never_saved(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "not finite after step 3: not saved" in err and "step_00000002 is intact" in err, err
     monkeypatch.undo()
-    assert saved_state.complete_checkpoints(str(tmp_path))[-1].endswith("step_00000002")
+    assert saved_state.complete_saves(str(tmp_path))[-1].endswith("step_00000002")
     run = train.train(config(tmp_path, 4, resume=True))  # the last good checkpoint resumes
     assert [h["step"] for h in run.history] == [2, 3]
 
@@ -280,13 +281,13 @@ def test_a_non_finite_state_is_never_saved(tmp_path, monkeypatch, capsys):
 
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, capsys):
     train.train(config(tmp_path, 3, save_every=1))
-    newest = Path(saved_state.complete_checkpoints(str(tmp_path))[-1])
+    newest = Path(saved_state.complete_saves(str(tmp_path))[-1])
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])  # a truncated shard
     run = train.train(config(tmp_path, 4, resume=True, save_every=1))  # saves 3 again, and 4
     assert f"cannot read checkpoint {newest} (CheckpointException: EOFError)" in capsys.readouterr().err
     assert [h["step"] for h in run.history] == [2, 3]
-    newest = Path(saved_state.complete_checkpoints(str(tmp_path))[-1])
+    newest = Path(saved_state.complete_saves(str(tmp_path))[-1])
     (newest / "meta.json").write_text("{not json")
     run = train.train(config(tmp_path, 5, resume=True))
     assert f"cannot read checkpoint {newest} ({newest / 'meta.json'} is not valid)" in capsys.readouterr().err
@@ -359,7 +360,7 @@ def test_resume_honours_a_new_lr_and_says_so(tmp_path, capsys):
     train.train(config(tmp_path, 4, resume=True, lr=0.0, warmup_steps=8))  # the schedule too
     assert "--warmup-steps 8 from the command line (the checkpoint was saved with lr 0.0, weight decay 0.0, warmup steps 0)" in capsys.readouterr().out
     saved = train.train(config(tmp_path / "copy", 0))  # fresh model, then load the checkpoint's weights
-    saved_state.restore_state(train.Runtime(), saved_state.complete_checkpoints(str(tmp_path))[0], saved.model, saved.optimizer)
+    saved_state.restore_state(train.Runtime(), saved_state.complete_saves(str(tmp_path))[0], saved.model, saved.optimizer)
     for a, b in zip(run.model.parameters(), saved.model.parameters()):
         assert torch.equal(a, b)
 
@@ -382,7 +383,7 @@ def test_resume_with_another_length_or_fewer_steps_is_refused(tmp_path, change, 
 
 def torchrun(save_dir, log, steps, *extra):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "train.py", "--stack", str(train.MAX_STACK), "--seq-len", "64", "--steps", str(steps),
+            "train.py", "--stack", str(MAX_STACK), "--seq-len", "64", "--steps", str(steps),
             "--save-dir", str(save_dir), "--log-file", str(log), *extra]
 
 
@@ -426,7 +427,7 @@ def check_clean_stop(code, output, save_dir):
     assert "stopped by SIGTERM after step" in output and "--resume\n" in output, output
     assert "forcefully exiting" not in output and "ChildFailedError" not in output, output
     assert code == 0 or output.rstrip().endswith("got signal: 15"), output
-    return json.loads(Path(saved_state.complete_checkpoints(str(save_dir))[-1], "meta.json").read_text())["step"]
+    return json.loads(Path(saved_state.complete_saves(str(save_dir))[-1], "meta.json").read_text())["step"]
 
 
 def test_sigterm_to_every_process_under_torchrun_stops_cleanly_and_resumes_bitwise(tmp_path):

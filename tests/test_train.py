@@ -11,6 +11,8 @@ import pytest
 import torch
 from ranks import run_ranks
 
+from support.config import MAX_STACK
+
 train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +43,7 @@ def test_default_run_exits_0_and_loss_goes_down(tmp_path):
 def test_torchrun_two_processes_with_the_stack(tmp_path):
     """The README's multi-process command, on CPU/gloo, with every technique."""
     result = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
-                        "--stack", str(train.MAX_STACK), "--steps", "3", "--seq-len", "64",
+                        "--stack", str(MAX_STACK), "--steps", "3", "--seq-len", "64",
                         "--log-file", str(tmp_path / "log.jsonl"))
     assert result.returncode == 0, result.stderr[-3000:]
     header, steps = read_log(tmp_path / "log.jsonl")

@@ -1,0 +1,286 @@
+"""config.py - what a run is: the Config, the flags that fill it, and which techniques they mean.
+
+Data and parsing only: nothing here imports a technique (01-05); support/runtime.py checks a
+Config against the ranks and the techniques' own constraints. Each flag is defined once, in one
+of the groups below; each command (train.py, eval.py, plan.py) adds the groups it reads, so its
+--help lists only its own flags. `--stack N` turns on every technique of files 1..N.
+"""
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+import model as llama
+from support import kernels, pretrained
+from support.data import parse_tokens
+
+# (flag, the first --stack level that turns it on)
+TECHNIQUES = [("fsdp", 1), ("ulysses", 2), ("checkpoint", 3), ("offload", 3), ("tile_mlp", 4),
+              ("tile_loss", 4), ("tile_norm", 4), ("untied", 5)]
+MAX_STACK = 5
+MAX_TOKENS = 2**31  # per data-parallel rank and step
+
+
+@dataclass
+class Config:
+    model: str = "tiny"
+    seq_len: int = 256
+    batch_size: int = 1
+    steps: int = 100
+    lr: float = 3e-3
+    warmup_steps: int = 0  # the learning rate rises linearly to --lr over this many steps
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    dtype: str = "float32"
+    data: str = "synthetic"
+    data_dtype: str | None = None  # default: the token file's sidecar, else uint16
+    documents: bool = False  # packed documents: positions, labels and attention per document
+    doc_sep: int | None = None  # the token that ends a document (default: sidecar, model EOS)
+    log: str | None = None
+    stack: int | None = None
+    fsdp: bool = False
+    ulysses: bool = False
+    sp: int | None = None  # sequence-parallel degree; default: all ranks
+    checkpoint: bool = False
+    offload: bool = False
+    keep_attention: bool = False  # 03: attention outputs kept through the checkpoint
+    tile_mlp: bool = False
+    tile_loss: bool = False
+    tile_norm: bool = False
+    mlp_tile_tokens: int | None = None
+    loss_tile_tokens: int | None = None
+    untied: bool = False
+    head_chunk: int | None = None
+    offload_model_state: bool = False  # 01: params, grads and Adam on the host (any level >= 1)
+    save_dir: str | None = None
+    save_every: int = 0  # 0: only at the end (and when stopped by a signal)
+    resume: bool = False
+    overwrite: bool = False  # replace an earlier run's saved states and log
+    attn_kernel: str = "auto"  # kernels.py: auto, fa4, cudnn, flash, math
+    init_from: str | None = None  # a Hugging Face model folder: its shape and weights
+    export_hf: str | None = None  # write a Hugging Face folder here at the end
+    overwrite_export: bool = False
+    rope_theta: float | None = None  # rotary settings to train with (default: the model's)
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_original_context: int | None = None
+
+
+DEFAULTS = Config(device="cpu")  # the flags' defaults; --device's is Config().device, found when parsing
+
+
+# ---------------------------------------------------------------------------------------------
+# The flags, in groups: a command adds the groups it reads.
+# ---------------------------------------------------------------------------------------------
+
+def add_model_flags(parser):
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=DEFAULTS.model, help=f"preset: {', '.join(llama.PRESETS)}")
+    group.add_argument("--init-from", default=None, metavar="DIR",
+                       help="start from a Hugging Face Llama/Qwen3 folder (config.json + safetensors)")
+
+
+def add_rotary_flags(parser):
+    group = parser.add_argument_group("rotary positions (context extension changes these, not the weights)")
+    group.add_argument("--rope-theta", type=float, default=None, help="rotary base (context extension)")
+    group.add_argument("--rope-scaling", choices=llama.ROPE_SCALINGS, default=None,
+                       help="rotary scaling, with Hugging Face's meaning (default: the model's)")
+    group.add_argument("--rope-factor", type=float, default=None, help="llama3/yarn: stretch factor")
+    group.add_argument("--rope-original-context", type=int, default=None,
+                       help="llama3/yarn: the context length the model was pretrained at")
+
+
+def add_step_flags(parser):
+    group = parser.add_argument_group("the step's shape")
+    group.add_argument("--seq-len", default=str(DEFAULTS.seq_len), help="tokens per sequence: 4096, 128K, 3M")
+    group.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
+                       help="sequences per data-parallel rank")
+    group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                       help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    group.add_argument("--attn-kernel", choices=kernels.KERNELS, default=DEFAULTS.attn_kernel,
+                       help="attention kernel (default: FlashAttention-4 when installed on the "
+                            "GPU, else cuDNN; the run log names it)")
+
+
+def add_process_flags(parser):
+    group = parser.add_argument_group("process")
+    group.add_argument("--device", choices=["cpu", "cuda"], default=Config().device)
+    group.add_argument("--seed", type=int, default=DEFAULTS.seed)
+
+
+def add_data_flags(parser):
+    group = parser.add_argument_group("data")
+    group.add_argument("--data", default=DEFAULTS.data, help="'synthetic' or a flat binary file of token ids")
+    group.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
+                       help="token id type of --data (default: its .json sidecar, else uint16)")
+
+
+def add_document_flags(parser):
+    group = parser.add_argument_group("packed documents")
+    group.add_argument("--documents", action="store_true",
+                       help="the data is packed documents: each one trained on its own (rotary "
+                            "positions restart, no attention or label across a boundary); "
+                            "boundaries from --data's .docs index or the separator token")
+    group.add_argument("--doc-sep", type=int, default=None,
+                       help="token id that ends each document (implies --documents; default: "
+                            "the data's sidecar, else the model preset's EOS id)")
+
+
+def add_technique_flags(parser):
+    group = parser.add_argument_group("techniques (01-05)")
+    group.add_argument("--stack", type=int, default=None, help="turn on every technique of files 1..N")
+    group.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
+    group.add_argument("--offload-model-state", action="store_true",
+                       help="01: keep the sharded parameters, gradients and optimizer in host "
+                            "memory and step the optimizer there (FSDP2's CPUOffloadPolicy)")
+    group.add_argument("--ulysses", action="store_true", help="02: Ulysses sequence parallelism")
+    group.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all ranks)")
+    group.add_argument("--checkpoint", action="store_true", help="03: activation checkpointing")
+    group.add_argument("--offload", action="store_true", help="03: offload checkpoints to CPU")
+    group.add_argument("--keep-attention", action="store_true",
+                       help="03: keep each block's attention output (and log-sum-exp) with its "
+                            "checkpoint, so backward's recompute skips the attention kernel: "
+                            "faster at long lengths, one more block input's bytes per layer")
+    group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
+    group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
+    group.add_argument("--tile-norm", action="store_true", help="04: tiled RMSNorms")
+    group.add_argument("--mlp-tile-tokens", type=int, default=None)
+    group.add_argument("--loss-tile-tokens", type=int, default=None)
+    group.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
+    group.add_argument("--head-chunk", type=int, default=None,
+                       help="05: query heads per stage (U); default: on a GPU the fewest stages "
+                            "whose planned step fits, else the sp degree (least memory)")
+
+
+def add_training_flags(parser):
+    group = parser.add_argument_group("training")
+    group.add_argument("--steps", type=int, default=DEFAULTS.steps)
+    group.add_argument("--lr", type=float, default=DEFAULTS.lr)
+    group.add_argument("--warmup-steps", type=int, default=DEFAULTS.warmup_steps,
+                       help="raise the learning rate linearly to --lr over the first N steps")
+    group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
+    group.add_argument("--grad-clip", type=float, default=DEFAULTS.grad_clip, help="0 disables clipping")
+    # Not "--log": torchrun's own parser would take it for an abbreviation of its --log-dir.
+    group.add_argument("--log-file", dest="log", default=None, help="write JSON lines here")
+
+
+def add_saved_state_flags(parser, writes: bool = True):
+    """writes=False: --save-dir alone, read (eval.py evaluates a run's saved model)."""
+    group = parser.add_argument_group("saved training state (step_N folders)")
+    if not writes:
+        group.add_argument("--save-dir", default=None,
+                           help="the model weights of a run's saved state: its newest complete "
+                                "step_N, or one step_N folder (default: random init)")
+        return
+    group.add_argument("--save-dir", default=None, help="save the training state here (step_N folders)")
+    group.add_argument("--save-every", type=int, default=DEFAULTS.save_every,
+                       help="save every N steps (default: only at the end and on SIGTERM)")
+    group.add_argument("--resume", action="store_true", help="continue from --save-dir's latest")
+    group.add_argument("--overwrite", action="store_true",
+                       help="delete the saved states in --save-dir and replace --log-file, from an "
+                            "earlier run (without it such a run is refused)")
+
+
+def add_export_flags(parser):
+    group = parser.add_argument_group("export")
+    group.add_argument("--export-hf", default=None, metavar="DIR",
+                       help="at the end, write a Hugging Face folder that transformers loads")
+    group.add_argument("--overwrite-export", action="store_true",
+                       help="let --export-hf replace a folder that is not empty")
+
+
+def flags_parser(groups, **parser_options) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(**parser_options)
+    for add_flags in groups:
+        add_flags(parser)
+    return parser
+
+
+def config_from_flags(flags: argparse.Namespace) -> Config:
+    """The Config of parsed flags, its techniques resolved; a field the command has no flag
+    for keeps its default."""
+    cfg = Config(**{k: v for k, v in vars(flags).items() if k in Config.__dataclass_fields__
+                    and k not in ("seq_len", "dtype")})
+    cfg.seq_len = parse_tokens(flags.seq_len)
+    cfg.dtype = flags.dtype or ("bfloat16" if cfg.device == "cuda" else "float32")
+    return resolve_techniques(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which techniques the flags mean, and the combinations refused before any work starts
+# ---------------------------------------------------------------------------------------------
+
+def resolve_techniques(cfg: Config) -> Config:
+    """Expand --stack and refuse combinations that cannot work."""
+    if cfg.stack is not None:
+        if not 0 <= cfg.stack <= MAX_STACK:
+            raise ValueError(f"--stack must be between 0 and {MAX_STACK}, got {cfg.stack}")
+        for flag, level in TECHNIQUES:
+            if level <= cfg.stack:
+                setattr(cfg, flag, True)
+        if cfg.untied:
+            cfg.ulysses = False  # 05 replaces 02 at the same seam
+    if cfg.ulysses and cfg.untied:
+        raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
+    if cfg.offload:
+        cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
+    if cfg.keep_attention and not cfg.checkpoint:
+        raise ValueError("--keep-attention is a setting of --checkpoint (03): add --checkpoint, "
+                         "--offload or --stack 3 or higher")
+    if cfg.doc_sep is not None:
+        cfg.documents = True
+    if cfg.head_chunk is not None and not cfg.untied:
+        raise ValueError("--head-chunk is a setting of --untied (05)")
+    if cfg.offload_model_state and not cfg.fsdp:
+        raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
+                         "--stack 1 or higher")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available here")
+    if cfg.batch_size < 1 or cfg.steps < 0 or cfg.warmup_steps < 0:
+        raise ValueError("--batch-size must be >= 1, --steps and --warmup-steps >= 0")
+    if cfg.sp is not None and cfg.sp < 1:  # 0 would silently mean "all ranks"
+        raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
+    if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
+        raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} is more than "
+                         f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels)")
+    for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay),
+                        ("--grad-clip", cfg.grad_clip)):
+        if not (math.isfinite(value) and value >= 0):  # a negative clip would silently mean off
+            raise ValueError(f"{flag} must be a finite number >= 0, got {value}"
+                             + (" (0 turns clipping off)" if flag == "--grad-clip" else ""))
+    if cfg.resume and not cfg.save_dir:
+        raise ValueError("--resume needs --save-dir (where the checkpoints are)")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--resume continues the checkpoints that --overwrite deletes; pick one")
+    if cfg.save_every < 0:
+        raise ValueError("--save-every must be >= 0")
+    if cfg.export_hf:
+        pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
+    model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
+    return cfg
+
+
+def model_args(cfg: Config) -> llama.ModelArgs:
+    """The model's shape: --init-from's config.json, else the --model preset; with the rotary
+    settings of the --rope-* flags (context extension changes these, not the weights)."""
+    args = (pretrained.model_args_from_hf(cfg.init_from) if cfg.init_from
+            else llama.get_model_args(cfg.model))
+    rope = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+            "rope_factor": cfg.rope_factor, "rope_original_context": cfg.rope_original_context}
+    return replace(args, **{k: v for k, v in rope.items() if v is not None})
+
+
+def model_name(cfg: Config) -> str:
+    """What the logs call the model: the --init-from folder, else the --model preset."""
+    return f"{cfg.init_from} (Hugging Face folder)" if cfg.init_from else cfg.model
+
+
+def techniques_text(cfg: Config, head_chunk) -> str:
+    names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
+    names += ["keep_attention"] if cfg.keep_attention else []
+    names += ["offload_model_state"] if cfg.offload_model_state else []
+    return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"
