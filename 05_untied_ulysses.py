@@ -8,31 +8,31 @@ tokens x 4 heads x 128 x 2 bytes = 3.0 GiB each), plus K and V (0.75 GiB per lay
 the rotary temporaries; backward then keeps Q, K, V and the output of every head in the head
 layout. The paper's memory chart: 33.0 GiB of attention activations per GPU.
 
-The idea (Ghadia et al., "Untied Ulysses", arXiv 2602.21196). Heads are independent, so run the
-heads in stages. Stage t projects only U of the H query heads (U/P for each rank), rotates them,
+The idea (Ghadia et al., "Untied Ulysses", arXiv 2602.21196): heads are independent, so run them
+in stages. With H query heads over P ranks, the head chunk U (--head-chunk) is the number of
+query heads one stage runs over all ranks: each rank gets U/P of them (heads_per_rank_per_stage)
+and there are H/U stages (n_stages). A stage projects only its U query heads, rotates them,
 exchanges them with the all-to-all, runs attention, exchanges the result back and writes it into
-its slice of ONE output buffer; the next stage reuses the same (small) memory. K and V are "untied"
-from Q: with grouped-query attention several consecutive stages use the same KV head, so K/V are
-projected and exchanged once per KV group and reused. Backward keeps only the input, the output
-and each stage's log-sum-exp, and walks the stages again: it recomputes the stage's projections
-(cheap matmuls; rotary needs no recompute, its gradient is the inverse rotation), exchanges the
-output and its gradient to the head layout and runs the attention backward kernel with the
-saved log-sum-exp - its backward never re-runs the attention forward (with 03's checkpointing
-the block's recompute still runs it once more, as for any attention; keeping the output through
-selective checkpointing would remove that too). At U = P a stage holds one head per rank: for the example above 0.75 GiB per tensor instead of 3.0, and the
+its slice of ONE output buffer; the next stage reuses the same (small) memory. K and V are
+"untied" from Q: with grouped-query attention consecutive stages use the same KV heads (a KV
+group), so K/V are projected and exchanged once per group and reused by its stages.
+Backward keeps only the input, the output and each stage's log-sum-exp, and walks the stages
+again: it recomputes the stage's projections (cheap matmuls; rotary needs no recompute, its
+gradient is the inverse rotation), exchanges the output and its gradient to the head layout and
+runs the attention backward kernel with the saved log-sum-exp; the attention forward never runs
+again (under 03's checkpointing the block's recompute runs it once more, unless --keep-attention
+keeps the output and log-sum-exps through the checkpoint: support/keep_attention.py).
+At U = P a stage holds one head per rank: 0.75 GiB per tensor instead of 3.0 above, and the
 chart's attention activations go from 33.0 to 19.5 GiB, enough to reach 5M tokens.
 
-Heads keep the standard order of the checkpoint weights and of the output (rank r ends up with
-query heads [r*H/P, (r+1)*H/P), exactly as in Ulysses): this file computes the same numbers as
-02_ulysses.py and as unsharded attention, only in a different memory schedule.
+Heads keep the standard order of the weights and of the output (rank r ends up with query heads
+[r*H/P, (r+1)*H/P), exactly as in Ulysses): the same numbers as 02_ulysses.py and as unsharded
+attention, only in a different memory schedule.
 
 In training: `python train.py --untied [--head-chunk U]` (or `--stack 5`) replaces 02 at the same
-seam. Larger U runs fewer, bigger stages, which is faster (a stage's fixed costs grow with S,
-attention with S^2; the README measures each U against Ulysses); U = P needs the least memory.
+seam. A larger U runs fewer, bigger stages, which is faster; U = P needs the least memory.
 Without --head-chunk a GPU run takes the fewest stages whose planned step fits (train.py's
-`choose_head_chunk`); `apply_untied_ulysses` and this demo default to U = P.
-
-Run the demo (attention-stage memory per rank for every chunk size, next to Ulysses):
+`choose_head_chunk`); `apply_untied_ulysses` alone defaults to U = P.
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
     torchrun --nproc-per-node 2 05_untied_ulysses.py --model llama3-8b --seq-len 256K   # GPUs
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from support import kernels
+from support import kernels, keep_attention
 from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
@@ -54,158 +54,27 @@ ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
 
 
-# ---------------------------------------------------------------------------------------------
-# Chunk sizes that work, checked before anything runs.
-# ---------------------------------------------------------------------------------------------
-
-def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | None) -> int:
-    """The number of query heads per stage across all ranks (U); default sp = least memory.
-
-    Raise ValueError naming the numbers when U cannot be used: every rank needs the same number
-    of heads per stage (U % sp == 0), the stages must cover the heads exactly (H % U == 0), and
-    a rank's heads in one stage must use whole KV heads in the plain grouped-query pattern.
-    """
-    ulysses.check_ulysses_shapes(n_heads, n_kv_heads, sp)
-    chunk = sp if head_chunk is None else head_chunk
-    if chunk < 1 or chunk % sp:
-        raise ValueError(f"Untied Ulysses needs the head chunk U ({chunk}) to be a positive "
-                         f"multiple of the sequence-parallel degree ({sp}): every stage gives "
-                         f"each rank U/{sp} query heads (try U = {sp})")
-    if n_heads % chunk:
-        raise ValueError(f"Untied Ulysses needs the head chunk U ({chunk}) to divide the query "
-                         f"heads ({n_heads}) so the stages cover every head once")
-    group_size = n_heads // n_kv_heads  # query heads per KV head (G)
-    heads_per_stage = chunk // sp  # per rank (u)
-    if n_kv_heads >= sp and group_size % heads_per_stage and heads_per_stage % group_size:
-        raise ValueError(f"Untied Ulysses needs the query heads per rank per stage (U/P = "
-                         f"{chunk}/{sp} = {heads_per_stage}) to divide, or be a multiple of, the "
-                         f"query heads per KV head ({n_heads}/{n_kv_heads} = {group_size}), so a "
-                         f"stage never uses part of a KV group")
-    return chunk
-
-
-# ---------------------------------------------------------------------------------------------
-# The schedule: which rows of the weights each stage projects.
-# ---------------------------------------------------------------------------------------------
-
-def rank_blocks(weight: torch.Tensor, n_heads: int, sp: int, head_dim: int) -> torch.Tensor:
-    """Projection rows (n_heads * D, dim) as (sp, heads per rank, D, dim): block r holds the
-    heads rank r attends with. With fewer heads than ranks (KV heads < P) each head is repeated
-    for the ranks that share it, like `replicate_kv_heads` in 02."""
-    rows = weight.view(n_heads, head_dim, -1)
-    if n_heads >= sp:
-        return rows.view(sp, n_heads // sp, head_dim, -1)
-    copies = sp // n_heads
-    return rows[:, None].expand(n_heads, copies, head_dim, -1).reshape(sp, 1, head_dim, -1)
-
-
-def stage_rows(weight, n_heads, sp, head_dim, heads: slice) -> torch.Tensor:
-    """The rows of `heads` (a slice within every rank's block), rank 0's first: projecting x
-    with them gives (B, s, sp * heads, D) ready for the all-to-all that sends block j to rank j."""
-    blocks = rank_blocks(weight, n_heads, sp, head_dim)[:, heads]
-    return blocks.reshape(-1, blocks.shape[-1])
-
-
-def add_stage_rows(grad_weight, grad_rows, n_heads, sp, head_dim, heads: slice) -> None:
-    """Accumulate the gradient of `stage_rows(...)` into the full weight gradient buffer."""
-    dim = grad_weight.shape[-1]
-    if n_heads >= sp:
-        grad_weight.view(sp, n_heads // sp, head_dim, dim)[:, heads] += grad_rows.view(
-            sp, -1, head_dim, dim)
-    else:  # a KV head repeated for sp // n_heads ranks: its gradient is the sum of the copies
-        grad_weight.view(n_heads, head_dim, dim).add_(
-            grad_rows.view(n_heads, sp // n_heads, head_dim, dim).sum(1))
-
-
 def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
-    """For stage t: (query-head slice, KV-head slice) within each rank's blocks of heads.
+    """For each of the H/U stages: (query-head slice, KV-head slice) within each rank's block of
+    heads.
 
-    Stage t gives rank r its query heads r*H/P + t*u + [0, u) with u = U/P (Ulysses order). They
-    use KV heads (r*H/P + t*u + i) // G; stages that use the same ones form a KV group and get
-    the same KV slice, so K/V are exchanged once for all of them.
+    Stage t gives rank r its query heads r*H/P + t*U/P + [0, U/P) (Ulysses order). They use KV
+    heads (r*H/P + t*U/P + i) // G, G = H/Hkv query heads per KV head; stages that use the same
+    ones form a KV group and get the same KV slice, so K/V are exchanged once for all of them.
     """
-    heads_per_stage = head_chunk // sp  # u
+    heads_per_rank_per_stage = head_chunk // sp
     group_size = n_heads // n_kv_heads  # G
-    kv_heads_per_stage = max(1, heads_per_stage // group_size) if n_kv_heads >= sp else 1
+    kv_heads_per_rank_per_stage = (max(1, heads_per_rank_per_stage // group_size)
+                                   if n_kv_heads >= sp else 1)
     plan = []
     for stage in range(n_heads // head_chunk):
-        first = stage * heads_per_stage
+        first = stage * heads_per_rank_per_stage
         # Rank blocks start at a KV-group boundary, so the offset within the block decides.
         # With KV heads < P all of a rank's query heads use its one (replicated) KV head.
         kv_first = first // group_size if n_kv_heads >= sp else 0
-        plan.append((slice(first, first + heads_per_stage),
-                     slice(kv_first, kv_first + kv_heads_per_stage)))
+        plan.append((slice(first, first + heads_per_rank_per_stage),
+                     slice(kv_first, kv_first + kv_heads_per_rank_per_stage)))
     return plan
-
-
-# ---------------------------------------------------------------------------------------------
-# The attention sub-layer, stage by stage, as one autograd function.
-# ---------------------------------------------------------------------------------------------
-
-def norm_and_rotate(y, norm_weight, eps, cos, sin):
-    """Per-head RMSNorm (Qwen3's QK-norm, when present) then rotary: model.project_qkv's order."""
-    if norm_weight is not None:
-        y = rms_norm(y, norm_weight, eps)
-    return apply_rope(y, cos, sin)
-
-
-def project(x, rows, head_dim):
-    """x (B, s, dim) @ rows.T -> (B, s, heads, D)."""
-    return F.linear(x, rows).unflatten(-1, (-1, head_dim))
-
-
-def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
-    """Q or K of the heads in `rows`: projected, normed, rotated. V: rope=None, projected only."""
-    y = project(x, rows, head_dim)
-    return y if rope is None else norm_and_rotate(y, norm_weight, eps, *rope)
-
-
-def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
-                        grad_norm_weight):
-    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
-    returns the gradient of `rows`. Rotary embedding is a rotation, so its gradient is the
-    inverse rotation (sin negated): no recompute. The per-head norm (QK-norm, when present)
-    needs its input, the projection, recomputed under autograd. The projection's own backward
-    is written out, so grad_x is accumulated in place (autograd would hand back a full-size
-    temporary for every stage)."""
-    if rope is not None:
-        cos, sin = rope
-        grad_heads = apply_rope(grad_heads, cos, -sin)
-        if norm_weight is not None:
-            y = project(x, rows, head_dim).requires_grad_()
-            weight = norm_weight.detach().requires_grad_()
-            with torch.enable_grad():
-                normed = rms_norm(y, weight, eps)
-            grad_heads, grad_weight = torch.autograd.grad(normed, [y, weight], grad_heads)
-            grad_norm_weight += grad_weight
-    dim = x.shape[-1]
-    grad_y = grad_heads.reshape(-1, rows.shape[0])
-    grad_x.view(-1, dim).addmm_(grad_y, rows)
-    return grad_y.t() @ x.reshape(-1, dim)
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """What the staged sub-layer needs besides tensors: the ranks and how heads are staged."""
-    group: object     # the sequence-parallel process group
-    sp: int           # its size P
-    head_chunk: int   # U: query heads per stage, over all ranks
-    head_dim: int
-    eps: float        # QK-norm's epsilon (unused without QK-norm)
-    cu_seqlens: tuple | None = None  # packed documents' global boundaries: every stage holds
-                                     # all tokens of its heads, so they apply unchanged
-
-    def to_heads(self, t):  # (B, s, P * u, D) -> (B, S, u, D): all tokens, this rank's heads
-        return _exchange(t, self.group, self.sp, scatter_dim=2, gather_dim=1)
-
-    def to_tokens(self, t):  # the inverse
-        return _exchange(t, self.group, self.sp, scatter_dim=1, gather_dim=2)
-
-    def rows(self, weight, n_heads, heads: slice):
-        return stage_rows(weight, n_heads, self.sp, self.head_dim, heads)
-
-    def head_blocks(self, t):  # (B, s, H * D) -> (B, s, P, H / P, D): rank r's heads in block r
-        return t.unflatten(-1, (self.sp, -1, self.head_dim))
 
 
 def kv_groups(plan) -> list:
@@ -220,19 +89,43 @@ def kv_groups(plan) -> list:
     return groups
 
 
+@dataclass(frozen=True)
+class StageLayout:
+    """What the staged sub-layer needs besides tensors: the ranks and how heads are staged."""
+    group: object     # the sequence-parallel process group
+    sp: int           # its size P
+    head_chunk: int   # U: the query heads of one stage, over all ranks
+    head_dim: int
+    eps: float        # QK-norm's epsilon (unused without QK-norm)
+    cu_seqlens: tuple | None = None  # packed documents' global boundaries: every stage holds
+                                     # all tokens of its heads, so they apply unchanged
+
+    def to_heads(self, t):  # (B, S/P, U, D) -> (B, S, U/P, D): all tokens, this rank's heads
+        return _exchange(t, self.group, self.sp, scatter_dim=2, gather_dim=1)
+
+    def to_tokens(self, t):  # the inverse
+        return _exchange(t, self.group, self.sp, scatter_dim=1, gather_dim=2)
+
+    def rows(self, weight, n_heads, heads: slice):
+        return stage_rows(weight, n_heads, self.sp, self.head_dim, heads)
+
+    def head_blocks(self, t):  # (B, S/P, H * D) -> (B, S/P, P, H/P, D): rank r's heads in block r
+        return t.unflatten(-1, (self.sp, -1, self.head_dim))
+
+
 class UntiedUlyssesAttention(torch.autograd.Function):
-    """normed x (B, s, dim) of the local tokens -> attention output (B, s, H * D), standard
+    """normed x (B, S/P, dim) of the local tokens -> attention output (B, S/P, H * D), standard
     head order, before o_proj. Weights are inputs (read at call time) and get gradients."""
 
     @staticmethod
     def forward(ctx, layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
-        kept = kernels.kept_attention()  # inside 03's checkpoint with --keep-attention
-        if kept is not None and kept.recomputing:  # the block's recompute: no stage runs
-            out, *lses = kept.take()
+        block = keep_attention.current_block()  # inside 03's checkpoint with --keep-attention
+        if block is not None and block.recomputing:  # the block's recompute: no stage runs
+            out, *lses = block.take()
         else:
             out, lses = UntiedUlyssesAttention.stages(layout, x, cos, sin, wq, wk, wv, q_norm, k_norm)
-            if kept is not None:
-                kept.keep((out, *lses))
+            if block is not None:
+                block.keep((out, *lses))
         ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
         ctx.layout = layout
         return out
@@ -252,7 +145,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             v = layout.to_heads(project(x, layout.rows(wv, n_kv_heads, kv_heads), head_dim))
             for heads in stages:
                 q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
-                                                    q_norm, eps, rope))  # (B, S, u, D)
+                                                    q_norm, eps, rope))  # (B, S, U/P, D)
                 stage_out, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=layout.cu_seqlens)
                 del q
                 lses.append(lse)
@@ -320,11 +213,86 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
                                           cu_seqlens=layout.cu_seqlens)
 
 
+# The projections of one stage's heads, and their backward.
+
+def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
+    """Q or K of the heads in `rows`: projected, normed, rotated. V: rope=None, projected only."""
+    y = project(x, rows, head_dim)
+    return y if rope is None else norm_and_rotate(y, norm_weight, eps, *rope)
+
+
+def project(x, rows, head_dim):
+    """x (B, s, dim) @ rows.T -> (B, s, heads, D)."""
+    return F.linear(x, rows).unflatten(-1, (-1, head_dim))
+
+
+def norm_and_rotate(y, norm_weight, eps, cos, sin):
+    """Per-head RMSNorm (Qwen3's QK-norm, when present) then rotary: model.project_qkv's order."""
+    if norm_weight is not None:
+        y = rms_norm(y, norm_weight, eps)
+    return apply_rope(y, cos, sin)
+
+
+def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
+                        grad_norm_weight):
+    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
+    returns the gradient of `rows`. Rotary embedding is a rotation, so its gradient is the
+    inverse rotation (sin negated): no recompute. The per-head norm (QK-norm, when present)
+    needs its input, the projection, recomputed under autograd. The projection's own backward
+    is written out, so grad_x is accumulated in place (autograd would hand back a full-size
+    temporary for every stage)."""
+    if rope is not None:
+        cos, sin = rope
+        grad_heads = apply_rope(grad_heads, cos, -sin)
+        if norm_weight is not None:
+            y = project(x, rows, head_dim).requires_grad_()
+            weight = norm_weight.detach().requires_grad_()
+            with torch.enable_grad():
+                normed = rms_norm(y, weight, eps)
+            grad_heads, grad_weight = torch.autograd.grad(normed, [y, weight], grad_heads)
+            grad_norm_weight += grad_weight
+    dim = x.shape[-1]
+    grad_y = grad_heads.reshape(-1, rows.shape[0])
+    grad_x.view(-1, dim).addmm_(grad_y, rows)
+    return grad_y.t() @ x.reshape(-1, dim)
+
+
 def _exchange(x, group, sp, scatter_dim, gather_dim):
     """02's all_to_all, or nothing with one rank (also without a process group)."""
     if sp == 1:
         return x
     return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
+
+
+# Index helpers: which rows of the projection weights one stage uses, and back.
+
+def rank_blocks(weight: torch.Tensor, n_heads: int, sp: int, head_dim: int) -> torch.Tensor:
+    """Projection rows (n_heads * D, dim) as (P, heads per rank, D, dim): block r holds the
+    heads rank r attends with. With fewer heads than ranks (KV heads < P) each head is repeated
+    for the ranks that share it, like `replicate_kv_heads` in 02."""
+    rows = weight.view(n_heads, head_dim, -1)
+    if n_heads >= sp:
+        return rows.view(sp, n_heads // sp, head_dim, -1)
+    copies = sp // n_heads
+    return rows[:, None].expand(n_heads, copies, head_dim, -1).reshape(sp, 1, head_dim, -1)
+
+
+def stage_rows(weight, n_heads, sp, head_dim, heads: slice) -> torch.Tensor:
+    """The rows of `heads` (a slice within every rank's block), rank 0's first: projecting x
+    with them gives (B, S/P, P * heads, D) ready for the all-to-all that sends block j to rank j."""
+    blocks = rank_blocks(weight, n_heads, sp, head_dim)[:, heads]
+    return blocks.reshape(-1, blocks.shape[-1])
+
+
+def add_stage_rows(grad_weight, grad_rows, n_heads, sp, head_dim, heads: slice) -> None:
+    """Accumulate the gradient of `stage_rows(...)` into the full weight gradient buffer."""
+    dim = grad_weight.shape[-1]
+    if n_heads >= sp:
+        grad_weight.view(sp, n_heads // sp, head_dim, dim)[:, heads] += grad_rows.view(
+            sp, -1, head_dim, dim)
+    else:  # a KV head repeated for sp // n_heads ranks: its gradient is the sum of the copies
+        grad_weight.view(n_heads, head_dim, dim).add_(
+            grad_rows.view(n_heads, sp // n_heads, head_dim, dim).sum(1))
 
 
 def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None):
@@ -342,8 +310,8 @@ def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None):
 
 def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
     """Make every attention layer of `model` Untied-Ulysses sequence-parallel over `group` with
-    `head_chunk` query heads per stage (default: the degree, least memory). Only the `attend`
-    seam is replaced, so this works on a meta-device model before FSDP shards it."""
+    head chunk U = `head_chunk` (default: P, the least memory). Only the `attend` seam is
+    replaced, so this works on a meta-device model before FSDP shards it."""
     args = model.args
     sp = dist.get_world_size(group) if dist.is_initialized() else 1
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
@@ -352,9 +320,45 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
         attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
 
 
-# ---------------------------------------------------------------------------------------------
-# What this file removes, in bytes (plan.py adds these up).
-# ---------------------------------------------------------------------------------------------
+# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+
+def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | None) -> int:
+    """The head chunk U (the query heads of one stage over all ranks); default P = least memory.
+
+    Raise ValueError naming the numbers when U cannot be used: every rank needs the same number
+    of heads per stage (U % P == 0), the stages must cover the heads exactly (H % U == 0), and
+    a rank's heads in one stage must use whole KV heads in the plain grouped-query pattern.
+    """
+    ulysses.check_ulysses_shapes(n_heads, n_kv_heads, sp)
+    head_chunk = sp if head_chunk is None else head_chunk
+    if head_chunk < 1 or head_chunk % sp:
+        raise ValueError(f"Untied Ulysses needs the head chunk U ({head_chunk}) to be a positive "
+                         f"multiple of the sequence-parallel degree ({sp}): every stage gives "
+                         f"each rank U/{sp} query heads (try U = {sp})")
+    if n_heads % head_chunk:
+        raise ValueError(f"Untied Ulysses needs the head chunk U ({head_chunk}) to divide the query "
+                         f"heads ({n_heads}) so the stages cover every head once")
+    group_size = n_heads // n_kv_heads  # query heads per KV head (G)
+    heads_per_rank_per_stage = head_chunk // sp
+    if (n_kv_heads >= sp and group_size % heads_per_rank_per_stage
+            and heads_per_rank_per_stage % group_size):
+        raise ValueError(f"Untied Ulysses needs the query heads per rank per stage (U/P = "
+                         f"{head_chunk}/{sp} = {heads_per_rank_per_stage}) to divide, or be a "
+                         f"multiple of, the query heads per KV head ({n_heads}/{n_kv_heads} = "
+                         f"{group_size}), so a stage never uses part of a KV group")
+    return head_chunk
+
+
+def valid_head_chunks(args, sp: int) -> list[int]:
+    """Every head chunk U that `check_head_chunk` accepts, smallest first."""
+    head_chunks = []
+    for head_chunk in range(sp, args.n_heads + 1, sp):
+        try:
+            head_chunks.append(check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk))
+        except ValueError:
+            pass
+    return head_chunks
+
 
 def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
                            bytes_per_value: int = 2, saved_only: bool = False,
@@ -375,13 +379,13 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
     local_tokens = seq_len // sp
     b = bytes_per_value
-    heads_per_stage = head_chunk // sp  # per rank (u)
+    heads_per_rank_per_stage = head_chunk // sp
     group_size = args.n_heads // args.n_kv_heads
     if args.n_kv_heads >= sp:
-        kv_heads = max(1, heads_per_stage // group_size)  # per rank and stage
-        stages_per_kv = max(1, group_size // heads_per_stage)
+        kv_heads = max(1, heads_per_rank_per_stage // group_size)  # per rank and stage
+        stages_per_kv_group = max(1, group_size // heads_per_rank_per_stage)
     else:  # one replicated KV head per rank, shared by all stages
-        kv_heads, stages_per_kv = 1, args.n_heads // head_chunk
+        kv_heads, stages_per_kv_group = 1, args.n_heads // head_chunk
     q_stage = local_tokens * head_chunk * args.head_dim * b
     kv_stage = local_tokens * sp * kv_heads * args.head_dim * b
     saved = local_tokens * args.n_heads * args.head_dim * b + local_tokens * args.n_heads * 4
@@ -390,30 +394,17 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     gradients = (local_tokens * args.dim * b
                  + (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.dim * b)
     # With one rank the exchanges copy nothing: the stage's output and output gradient in the
-    # head layout are views of the saved output and the incoming gradient (measured: +3.8%
-    # when counted at P = 1, docs/calibration.md), so only q is new.
+    # head layout are views of the saved output and the incoming gradient, so only q is new.
     head_layout = 3 if sp > 1 else 1
     stage = 2 * kv_stage + head_layout * q_stage + q_stage + 2 * kv_stage
-    if stages_per_kv > 1:
+    if stages_per_kv_group > 1:
         stage += 2 * kv_stage
-    stage += kernels.backward_workspace_bytes(seq_len, heads_per_stage, kv_heads,
+    stage += kernels.backward_workspace_bytes(seq_len, heads_per_rank_per_stage, kv_heads,
                                               args.head_dim, b, kernel)
     return saved + gradients + stage
 
 
-# ---------------------------------------------------------------------------------------------
-# Demo
-# ---------------------------------------------------------------------------------------------
-
-def valid_head_chunks(args, sp: int) -> list[int]:
-    chunks = []
-    for chunk in range(sp, args.n_heads + 1, sp):
-        try:
-            chunks.append(check_head_chunk(args.n_heads, args.n_kv_heads, sp, chunk))
-        except ValueError:
-            pass
-    return chunks
-
+# Demo: attention memory per rank for every head chunk U, next to Ulysses.
 
 def main():
     from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
@@ -433,11 +424,11 @@ def main():
     attn.core = partial(ulysses.ulysses_attention, group=group)
     rows.append(("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
                  ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
-    for chunk in valid_head_chunks(args, sp):
-        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=chunk)
+    for head_chunk in valid_head_chunks(args, sp):
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
         measured = measure_stage_memory(attn.attend, x, (rope,))
-        planned = untied_attention_bytes(args, seq_len, sp, chunk, bytes_per_value)
-        rows.append(("Untied Ulysses", chunk, args.n_heads // chunk, measured, planned))
+        planned = untied_attention_bytes(args, seq_len, sp, head_chunk, bytes_per_value)
+        rows.append(("Untied Ulysses", head_chunk, args.n_heads // head_chunk, measured, planned))
     if rank == 0:
         how = ("allocator peak above the input, forward + backward" if on_gpu else
                "bytes kept from forward to backward (saved tensors + output)")
@@ -448,8 +439,8 @@ def main():
               f"byte functions")
         print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
               f"{'planned ' + unit_name:>13}")
-        for name, chunk, stages, measured, planned in rows:
-            print(f"  {name:<16}{chunk:>4}{stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
+        for name, head_chunk, n_stages, measured, planned in rows:
+            print(f"  {name:<16}{head_chunk:>4}{n_stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
         if not on_gpu:
             # The CPU stand-in and the planner count different things, so the columns differ.
             print("  On a CPU the measured column is what a stage keeps between forward and backward:\n"

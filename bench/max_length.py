@@ -59,7 +59,7 @@ from support.data import parse_tokens
 
 train = importlib.import_module("train")
 fsdp = importlib.import_module("01_fsdp")
-offload = importlib.import_module("03_checkpoint_offload")
+checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
 evaluate = importlib.import_module("eval")
 GiB = 2**30
@@ -130,7 +130,7 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
         row.update(status="OOM", error=str(error).split("\n")[0])
     # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU (training).
     host = (0 if forward_only else
-            offload.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"])
+            checkpointing.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"])
     if cfg.offload_model_state:  # and its model state
         host += sum(fsdp.offloaded_model_state_bytes(args, rt.world).values())
     row["full_depth_host_gib_per_gpu"] = host / GiB

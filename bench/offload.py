@@ -69,7 +69,6 @@ from support.demos import gradient_bytes
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
-offload = importlib.import_module("03_checkpoint_offload")
 GiB = 2**30
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
 
@@ -131,7 +130,8 @@ def run_config(base_cfg, rt, part: str, seq_len: int, layers: int, mode: str, st
         if offloading:
             offloader = model.checkpoint_offload
             stats = {k: v for k, v in offloader.stats.items() if k != "events"}
-            row.update(host_gib=offloader.host_bytes / GiB, host_allocations=offloader.host_allocations,
+            buffers = offloader.host_buffers
+            row.update(host_gib=buffers.nbytes / GiB, host_allocations=buffers.allocations,
                        offload_stats_last_step=stats)
             if rt.device.type == "cuda" and hasattr(torch.cuda, "host_memory_stats"):
                 # What the pinned allocator really holds (it rounds buffers up to powers of two).

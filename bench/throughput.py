@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from support import kernels
+from support import host_buffers, keep_attention, kernels
 import model as llama
 import plan as planner
 from bench import ring
@@ -72,7 +72,6 @@ from support.data import parse_tokens
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
-offload = importlib.import_module("03_checkpoint_offload")
 GiB = 2**30
 H200_BF16_PEAK = 989e12
 
@@ -108,7 +107,7 @@ def method_config(base: train.Config, method: str, model_name: str, seq_len: int
 
 
 def warm_pinned_cache(cfg: train.Config, rt) -> None:
-    """Allocate and free the pinned buffers this row's offload will ask for (03's own
+    """Allocate and free the pinned buffers this row's offload will ask for (the offloader's
     HostBuffer, the same pieces), so PyTorch's host cache holds them and no row's timed step
     pays for pinning memory (~1 s for 4 GiB)."""
     if not (cfg.offload and rt.device.type == "cuda"):
@@ -116,8 +115,8 @@ def warm_pinned_cache(cfg: train.Config, rt) -> None:
     args, dtype = llama.get_model_args(cfg.model), getattr(torch, cfg.dtype)
     sizes = [cfg.batch_size * cfg.seq_len // rt.sp * args.dim * dtype.itemsize]
     if cfg.keep_attention:
-        sizes += offload.kept_attention_bytes(args, cfg.batch_size * cfg.seq_len, rt.sp, dtype.itemsize)
-    buffers = [offload.HostBuffer((n,), torch.uint8, pinned=True)
+        sizes += keep_attention.kept_attention_bytes(args, cfg.batch_size * cfg.seq_len, rt.sp, dtype.itemsize)
+    buffers = [host_buffers.HostBuffer((n,), torch.uint8, pinned=True)
                for _ in range(args.n_layers - 1) for n in sizes]
     del buffers
 

@@ -9,9 +9,9 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
   attention_backward_lse(dout, q, k, v, out, lse)  per stage from the saved log-sum-exp, so it
                                                    needs the forward and the backward kernel
                                                    separately; no attention forward is re-run.
-Inside a block that 03 checkpoints with --keep-attention, `causal_attention` (and 05) keep the
-forward's output and log-sum-exp with 03 (`kept_attention()`), and the block's recompute in
-backward takes them back instead of running the kernel (`AttentionFromKept`).
+Inside a block that 03 checkpoints with --keep-attention, support/keep_attention.py stands in
+for `causal_attention` (`standing_in`): it keeps the forward's output and log-sum-exp, and the
+block's recompute in backward takes them back instead of running the kernel.
 
 Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   fa4     FlashAttention-4 (`pip install flash-attn-4`, Hopper and Blackwell GPUs): the fastest
@@ -90,10 +90,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
     each attending only to itself.
     """
-    # 03's --keep-attention, where a kernel returns its log-sum-exp (not the S x S math one)
-    if (not sdpa_only and kept_attention() is not None and q.shape[1] > 1
-            and lse_kernel(q)[0] != "math"):
-        return AttentionFromKept.apply(q, k, v, cu_seqlens, kept_attention())
+    # --keep-attention's stand-in, where a kernel returns its log-sum-exp (not the S x S math one)
+    stand_in = _stand_in.get()
+    if stand_in is not None and not sdpa_only and q.shape[1] > 1 and lse_kernel(q)[0] != "math":
+        return stand_in(q, k, v, cu_seqlens)
     if cu_seqlens is not None:
         return document_attention(q, k, v, cu_seqlens, sdpa_only)
     if q.shape[1] == 1:  # one token (a 1-token document) sees only itself: softmax over one key
@@ -116,49 +116,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2)
 
 
-# 03's handle on the block being checkpointed with --keep-attention (None elsewhere): its
-# `recomputing`, `keep(tensors)` in forward and `take()` in the recompute. 03 sets it around the
-# block's forward and its recompute, and only when a backward will follow.
-_kept_attention = contextvars.ContextVar("kept_attention", default=None)
-
-
-def kept_attention():
-    return _kept_attention.get()
+# A function (q, k, v, cu_seqlens) -> out that runs in place of `causal_attention` while
+# `standing_in` says so: support/keep_attention.py's, inside a block checkpointed with
+# --keep-attention (it runs `attention_forward_lse` itself and keeps what it returns).
+_stand_in = contextvars.ContextVar("causal_attention_stand_in", default=None)
 
 
 @contextlib.contextmanager
-def keeping_attention(block):
-    """Within: attention keeps its output with `block` (03's handle), or takes it back."""
-    token = _kept_attention.set(block)
+def standing_in(attention):
+    """Within: `causal_attention` calls `attention` instead (where a kernel returns its lse)."""
+    token = _stand_in.set(attention)
     try:
         yield
     finally:
-        _kept_attention.reset(token)
-
-
-class AttentionFromKept(torch.autograd.Function):
-    """`causal_attention` whose output and log-sum-exp are kept through 03's checkpoint: the
-    forward runs the kernel and keeps them; the block's recompute in backward takes them back
-    (no kernel), and the backward kernel uses them. q, k, v are saved as usual (the recompute
-    rebuilds them: cheap projections, Ulysses' exchange)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, kept):
-        if kept.recomputing:
-            out, lse = kept.take()
-        else:
-            out, lse = attention_forward_lse(q, k, v, cu_seqlens=cu_seqlens)
-            kept.keep((out, lse))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cu_seqlens = cu_seqlens
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = attention_backward_lse(grad_out.contiguous(), q, k, v, out, lse,
-                                       cu_seqlens=ctx.cu_seqlens)
-        return (*grads, None, None)
+        _stand_in.reset(token)
 
 
 def _sdpa_backends(kernel: str):

@@ -17,12 +17,12 @@ from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
                        train_loss_and_grads, with_kernel)
 
-from support import kernels
+from support import host_buffers, keep_attention as keeping, kernels
 import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward
 
-offload = importlib.import_module("03_checkpoint_offload")
+checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")
 
@@ -87,7 +87,7 @@ def _equal_with_and_without_checkpoint_and_offload():
     offloader = model.checkpoint_offload
     train.forward_backward(model, tokens, rt, labels)
     _check_offload_stats(offloader.stats, SEQ // sp)
-    assert offloader.host_bytes == offloader.stats["offloaded_bytes"]  # one buffer per block input
+    assert offloader.host_buffers.nbytes == offloader.stats["offloaded_bytes"]  # one buffer per block input
     assert not offloader.waiting
 
 
@@ -95,6 +95,11 @@ def test_loss_and_grads_equal_reference_with_fsdp_ulysses_checkpoint_offload():
     """P=2 (FSDP + Ulysses): none / checkpoint / checkpoint+offload all equal the unsharded fp32
     model, and each other bit for bit; the offload moved L-1 block inputs out and back."""
     run_ranks(2, _equal_with_and_without_checkpoint_and_offload)
+
+
+def _kept_waiting(model) -> dict:
+    """--keep-attention's kept tensors not yet taken back ({} without it)."""
+    return model.kept_attention.waiting if model.kept_attention is not None else {}
 
 
 def _live_tensors() -> int:
@@ -111,16 +116,17 @@ def _repeated_steps_do_not_grow(keep_attention: bool):
     optimizer = train.make_optimizer(model, cfg)
     data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
     # --keep-attention: each block's output and log-sum-exp have host buffers of their own
-    kept = offload.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4) if keep_attention else []
+    kept = keeping.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4) if keep_attention else []
     live, buffers = [], []
     for step in range(5):
         train.train_step(model, optimizer, data.batch(step), rt, cfg)
         _check_offload_stats(offloader.stats, SEQ // sp)
-        assert not offloader.waiting and not offloader.attention  # all came back, let go
-        assert offloader.host_allocations == (L - 1) * (1 + len(kept)), offloader.host_allocations
-        assert offloader.host_bytes == (L - 1) * (ROWS * SEQ // sp * ARGS.dim * 4 + sum(kept))
+        assert not offloader.waiting and not _kept_waiting(model)  # all came back, let go
+        host = offloader.host_buffers
+        assert host.allocations == (L - 1) * (1 + len(kept)), host.allocations
+        assert host.nbytes == (L - 1) * (ROWS * SEQ // sp * ARGS.dim * 4 + sum(kept))
         buffers.append({pool: [p.data_ptr() for b in free for p in b.pieces]
-                        for pool, free in offloader.free_host_buffers.items()})
+                        for pool, free in host.free.items()})
         live.append(_live_tensors())
     assert all(b == buffers[0] for b in buffers), buffers  # the same host memory every step
     # Step 0 creates the optimizer state; after it, nothing accumulates (no copies brought back
@@ -173,19 +179,18 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
                 assert step_calls == L * stages, (what, step_calls)
                 kept = model.kept_attention.stats
                 assert kept["kept"] == kept["taken"] == L, (what, kept)
-                planned = sum(offload.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
+                planned = sum(keeping.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
                 assert kept["kept_bytes"] == L * planned, (what, kept, planned)
                 if offloading:  # moved like the block inputs: out, and back one block ahead
-                    stats = model.checkpoint_offload.stats
-                    assert (stats["attention_offloaded_bytes"] == stats["attention_restored_bytes"]
-                            == (L - 1) * planned), (what, stats)
-                    events = stats["events"]
+                    assert (kept["offloaded_bytes"] == kept["restored_bytes"]
+                            == (L - 1) * planned), (what, kept)
+                    events = model.checkpoint_offload.stats["events"]
                     assert f"keep attention {L - 1}" in events, events
                     for i in range(L - 1):
                         assert (events.index(f"prefetch attention {i}") < events.index(f"use {i + 1}")
                                 < events.index(f"use attention {i}")), events
                     assert not any(e.startswith("fetch") for e in events), events
-                    assert not model.checkpoint_offload.attention  # all taken back
+                    assert not model.kept_attention.waiting  # all taken back
             # The same kernels on the CPU, called once instead of twice: the same bits.
             (loss0, grads0, _), (loss1, grads1, _) = results[False], results[True]
             assert torch.equal(loss0, loss1), (seam, offloading)
@@ -231,13 +236,14 @@ def test_a_forward_whose_backward_never_ran_leaves_nothing_behind(keep_attention
     offloader = model.checkpoint_offload
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
     train.forward_backward(model, tokens, rt, labels)
-    allocations, host_bytes = offloader.host_allocations, offloader.host_bytes
+    host = offloader.host_buffers
+    allocations, host_bytes = host.allocations, host.nbytes
     input_ids, step_labels, positions = ulysses.shard_sequence(tokens, 0, 1, labels)
     model(input_ids, positions, step_labels)  # its backward never runs
-    assert offloader.waiting and bool(offloader.attention) == keep_attention
+    assert offloader.waiting and bool(_kept_waiting(model)) == keep_attention
     train.forward_backward(model, tokens, rt, labels)
-    assert (offloader.host_allocations, offloader.host_bytes) == (allocations, host_bytes)
-    assert not offloader.waiting and not offloader.attention
+    assert (host.allocations, host.nbytes) == (allocations, host_bytes)
+    assert not offloader.waiting and not _kept_waiting(model)
 
 
 def test_a_run_refused_for_host_memory_leaves_the_earlier_run_alone(tmp_path, monkeypatch):
@@ -262,19 +268,19 @@ def test_offload_acts_on_memory_kept_for_backward():
     checkpointing, and by L-1 more block inputs with offload (which the host holds instead)."""
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=1)
     kept, host = {}, {}
-    for mode, (checkpointing, offloading) in offload.MODES.items():
-        model, rt, _ = _build(train.Config(model=MODEL, checkpoint=checkpointing,
+    for mode, (checkpoints, offloading) in checkpointing.MODES.items():
+        model, rt, _ = _build(train.Config(model=MODEL, checkpoint=checkpoints,
                                            offload=offloading, seq_len=SEQ, batch_size=ROWS))
-        offloader = model.checkpoint_offload if checkpointing else None
+        offloader = model.checkpoint_offload if checkpoints else None
         kept[mode] = bytes_saved_for_backward(
             lambda: train.forward_backward(model, tokens, rt, labels), offloader)
-        host[mode] = offloader.host_bytes if offloader else 0
+        host[mode] = offloader.host_buffers.nbytes if offloader else 0
     block_input = ROWS * SEQ * ARGS.dim * 4
     assert kept["checkpoint"] - kept["offload"] == (L - 1) * block_input, kept
     assert host["offload"] == (L - 1) * block_input and host["checkpoint"] == 0
     # A block saves many times its input for backward; checkpointing keeps only the input.
     assert kept["none"] - kept["checkpoint"] > 5 * L * block_input, kept
-    planned = offload.checkpoint_memory_bytes(ARGS, SEQ, 1, offload=True, bytes_per_value=4)
+    planned = checkpointing.checkpoint_memory_bytes(ARGS, SEQ, 1, offload=True, bytes_per_value=4)
     assert planned == {"gpu": block_input // ROWS, "host": (L - 1) * block_input // ROWS}
 
 
@@ -316,36 +322,36 @@ def test_parameter_names_unchanged_and_applied_once():
     with torch.device("meta"):
         model = llama.Transformer(ARGS)
     names = [n for n, _ in model.named_parameters()]
-    offload.apply_checkpointing(model, offload=True)
+    checkpointing.apply_checkpointing(model, offload=True)
     assert [n for n, _ in model.named_parameters()] == names
     with pytest.raises(ValueError, match="already applied"):
-        offload.apply_checkpointing(model)
+        checkpointing.apply_checkpointing(model)
 
 
 def test_planner_bytes_llama3_8b_3m_tokens_8_gpus():
     args = llama.get_model_args("llama3-8b")
     seq_len = 3 * 2**20
-    plain = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=False)
-    moved = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=True)
+    plain = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=False)
+    moved = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=True)
     assert plain == {"gpu": 96 * 2**30, "host": 0}  # 32 layers x 3 GiB
     assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}  # the data
-    pinned = offload.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
+    pinned = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
     assert pinned == moved  # power-of-two pieces: the pinned allocator rounds nothing up
     with pytest.raises(ValueError, match=r"sequence length \(3145728\) must be divisible .*\(7\)"):
-        offload.checkpoint_memory_bytes(args, seq_len, 7, offload=True)
+        checkpointing.checkpoint_memory_bytes(args, seq_len, 7, offload=True)
 
 
 def test_host_buffers_are_power_of_two_pieces_that_round_trip():
     """The pinned allocator rounds every request up to a power of two (a 3 GiB buffer takes 4);
     the offloader asks for the binary digits of the size instead, each reserved exactly."""
     GiB, MiB = 2**30, 2**20
-    assert offload.power_of_two_pieces(3 * GiB) == [2 * GiB, GiB]
-    assert offload.power_of_two_pieces(int(1.5 * GiB)) == [GiB, GiB // 2]
-    assert offload.power_of_two_pieces(10 * GiB + 3 * MiB) == [8 * GiB, 2 * GiB, 2 * MiB, MiB]
-    assert offload.power_of_two_pieces(3 * MiB + 5) == [2 * MiB, 2 * MiB]  # the rest rounded up
-    assert offload.power_of_two_pieces(1000) == [1024]
+    assert host_buffers.power_of_two_pieces(3 * GiB) == [2 * GiB, GiB]
+    assert host_buffers.power_of_two_pieces(int(1.5 * GiB)) == [GiB, GiB // 2]
+    assert host_buffers.power_of_two_pieces(10 * GiB + 3 * MiB) == [8 * GiB, 2 * GiB, 2 * MiB, MiB]
+    assert host_buffers.power_of_two_pieces(3 * MiB + 5) == [2 * MiB, 2 * MiB]  # the rest rounded up
+    assert host_buffers.power_of_two_pieces(1000) == [1024]
     x = torch.randn(3, 1000, 250)  # 3,000,000 bytes: 2 MiB + the rest in a 1 MiB piece
-    buffer = offload.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
+    buffer = host_buffers.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
     assert [p.numel() for p in buffer.pieces] == [2 * MiB, MiB] and buffer.holds(x)
     back = torch.empty_like(x)
     buffer.copy_from(x)
@@ -384,12 +390,12 @@ def _gpu_offload_is_pinned_async_and_exact():
         train.train_step(model, optimizer, tokens, rt, cfg)
         _check_offload_stats(offloader.stats, SEQ)
         after_step.append(_settled_memory_allocated())
-    buffers = [b for free in offloader.free_host_buffers.values() for b in free]
+    buffers = [b for free in offloader.host_buffers.free.values() for b in free]
     assert len(buffers) == L - 1
     assert all(p.is_pinned() and p.device.type == "cpu" for b in buffers for p in b.pieces)
     assert offloader.stream is not None
     assert offloader.stream.cuda_stream != torch.cuda.current_stream().cuda_stream  # a side stream
-    assert offloader.host_allocations == L - 1
+    assert offloader.host_buffers.allocations == L - 1
     # Nothing left behind on the GPU: memory does not grow from step to step. (On an H200,
     # torch 2.11, step 3 ends one fp32 copy of the parameters lower than steps 1 and 2 did:
     # [70571008, 70571008, 69878272], 692,736 bytes = tiny-4L's 172,608 parameters x 4 in
@@ -451,7 +457,7 @@ def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     x = torch.randn(3, 1000, 250, device="cuda")  # 3,000,000 bytes: pieces of 2 MiB + 1 MiB
     stats = getattr(torch.cuda, "host_memory_stats", dict)
     before = stats().get("allocated_bytes.current")
-    buffer = offload.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
+    buffer = host_buffers.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
     after = stats().get("allocated_bytes.current")
     assert all(p.is_pinned() for p in buffer.pieces)
     if before is not None and after is not None:  # one 3,000,000-byte request would reserve 4 MiB

@@ -271,14 +271,14 @@ def test_tiling_acts_norm_never_upcasts_the_whole_sequence():
 def test_under_checkpointing_the_mlp_runs_forward_twice_not_three_times(monkeypatch):
     """The tiled MLP's backward recomputes its tiles; 03's block recompute would run them a third
     time for an output nothing reads there, so it skips them (count the tile computations)."""
-    offload = importlib.import_module("03_checkpoint_offload")
+    checkpointing = importlib.import_module("03_checkpoint_offload")
     calls = []
     swiglu = tiling.swiglu
     monkeypatch.setattr(tiling, "swiglu", lambda *a: calls.append(1) or swiglu(*a))
     model = llama.Transformer(ARGS)
     llama.init_weights(model)
     tiling.apply_tiling(model, tile_mlp=True, tile_loss=False, mlp_tile_tokens=10)
-    offload.apply_checkpointing(model)
+    checkpointing.apply_checkpointing(model)
     ids = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ))
     model(ids, torch.arange(SEQ).expand(BATCH, -1), ids).backward()
     assert len(calls) == 2 * 5  # 50 tokens in 5 tiles: forward once, backward once
