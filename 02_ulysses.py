@@ -33,6 +33,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from model import IGNORE_INDEX
 from support import kernels
@@ -58,54 +59,58 @@ def ulysses_attention(q, k, v, group, kernel=kernels.causal_attention, cu_seqlen
     return heads_to_seq(out, group)
 
 
-SEQ_DIM, HEAD_DIM = 1, 2  # tensors are (batch, seq, heads, head_dim)
-
-
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """(B, S/P, H, D) on each rank -> (B, S, H/P, D): all tokens, this rank's heads."""
-    return AllToAll.apply(x, group, HEAD_DIM, SEQ_DIM)
+    return AllToAll.apply(x, group, TO_HEADS)
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """(B, S, H/P, D) -> (B, S/P, H, D): back to this rank's tokens, all heads."""
-    return AllToAll.apply(x, group, SEQ_DIM, HEAD_DIM)
+    return AllToAll.apply(x, group, TO_TOKENS)
 
 
 def replicate_kv_heads(kv: torch.Tensor, sp: int) -> torch.Tensor:
     """With fewer KV heads than ranks, copy each KV head sp // n_kv times (adjacent), so the
     j-th of the sp heads sent away is the one rank j's query heads use. Backward sums copies."""
-    n_kv_heads = kv.shape[HEAD_DIM]
+    n_kv_heads = kv.shape[2]  # (B, S/P, Hkv, D)
     if n_kv_heads >= sp:
         return kv
-    return kv.repeat_interleave(sp // n_kv_heads, dim=HEAD_DIM)
+    return kv.repeat_interleave(sp // n_kv_heads, dim=2)
 
 
-def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Split x into P pieces along scatter_dim, send piece j to rank j, and concatenate what
-    arrives along gather_dim in rank order. Not differentiable by itself: see `AllToAll`."""
+# One exchange, as two einops patterns: how to cut x into P pieces (p first: piece j goes to
+# rank j), and how to join the P pieces that arrive (p: the rank each came from).
+TO_HEADS = ("b s (p h) d -> p b s h d",   # my tokens, every rank's heads: cut the heads
+            "p b s h d -> b (p s) h d")   # rank j's tokens come j-th: all tokens, my heads
+TO_TOKENS = ("b (p s) h d -> p b s h d",  # the inverse: cut the tokens,
+             "p b s h d -> b s (p h) d")  # join the heads in rank order
+INVERSE = {TO_HEADS: TO_TOKENS, TO_TOKENS: TO_HEADS}
+
+
+def all_to_all(x: torch.Tensor, group, patterns) -> torch.Tensor:
+    """Send piece j of x to rank j and join what arrives, as `patterns` (TO_HEADS or TO_TOKENS)
+    say. Not differentiable by itself: see `AllToAll`."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    # Put the P pieces first and contiguous, as all_to_all_single sends dim 0 in P equal parts.
-    send = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0).contiguous()
+    cut, join = patterns
+    send = rearrange(x, cut, p=world).contiguous()  # all_to_all_single sends dim 0 in P parts
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    # received[j] came from rank j: it is the j-th piece along gather_dim.
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    return rearrange(received, join)
 
 
 class AllToAll(torch.autograd.Function):
     """all_to_all with autograd: the gradient goes back through the inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return all_to_all(x, group, scatter_dim, gather_dim)
+    def forward(ctx, x, group, patterns):
+        ctx.group, ctx.patterns = group, patterns
+        return all_to_all(x, group, patterns)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = all_to_all(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim)
-        return grad, None, None, None
+        return all_to_all(grad.contiguous(), ctx.group, INVERSE[ctx.patterns]), None, None
 
 
 def apply_ulysses(model, group) -> None:

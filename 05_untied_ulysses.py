@@ -101,10 +101,10 @@ class StageLayout:
                                      # all tokens of its heads, so they apply unchanged
 
     def to_heads(self, t):  # (B, S/P, U, D) -> (B, S, U/P, D): all tokens, this rank's heads
-        return _exchange(t, self.group, self.sp, scatter_dim=2, gather_dim=1)
+        return _exchange(t, self.group, self.sp, ulysses.TO_HEADS)
 
     def to_tokens(self, t):  # the inverse
-        return _exchange(t, self.group, self.sp, scatter_dim=1, gather_dim=2)
+        return _exchange(t, self.group, self.sp, ulysses.TO_TOKENS)
 
     def rows(self, weight, n_heads, heads: slice):
         return stage_rows(weight, n_heads, self.sp, self.head_dim, heads)
@@ -257,11 +257,11 @@ def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, g
     return grad_y.t() @ x.reshape(-1, dim)
 
 
-def _exchange(x, group, sp, scatter_dim, gather_dim):
+def _exchange(x, group, sp, patterns):
     """02's all_to_all, or nothing with one rank (also without a process group)."""
     if sp == 1:
         return x
-    return ulysses.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
+    return ulysses.all_to_all(x.contiguous(), group, patterns)
 
 
 # Index helpers: which rows of the projection weights one stage uses, and back.

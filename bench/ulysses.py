@@ -78,9 +78,9 @@ def main():
         def exchanges():  # forward: q, k, v in, out back; backward: grad in, dq, dk, dv back
             for _ in range(2):
                 for t in (q, k, v):
-                    ulysses.all_to_all(t.detach(), group, 2, 1)
+                    ulysses.all_to_all(t.detach(), group, ulysses.TO_HEADS)
                 for t in (qh, kh, vh):
-                    ulysses.all_to_all(t.detach(), group, 1, 2)
+                    ulysses.all_to_all(t.detach(), group, ulysses.TO_TOKENS)
 
         repeats = 3 if seq_len <= 2**19 else 1  # a 1M-token fwd+bwd takes ~30 s
         kernel_ms = cuda_time_ms(kernel_fwd_bwd, 1, repeats)
