@@ -313,9 +313,6 @@ def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
     also_kept: the bytes of each other tensor a block keeps where its input is kept
     (--keep-attention: keep_attention.kept_attention_bytes).
     """
-    if seq_len % sp:
-        raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
-                         f"sequence-parallel degree ({sp})")
     per_layer = [seq_len // sp * args.dim * bytes_per_value, *also_kept]
     host_buffer = sum(sum(power_of_two_pieces(n)) if pinned else n for n in per_layer)
     on_host = (args.n_layers - 1) * host_buffer if offload else 0
