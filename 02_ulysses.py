@@ -123,13 +123,16 @@ def apply_ulysses(model, group) -> None:
 
 # Data: shift, then shard; the loss as a global token mean.
 
-def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, positions=None):
+def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, positions=None,
+                   order=None):
     """tokens (B, S+1) -> this rank's (input_ids, labels, position_ids), each (B, S/P).
 
     The labels are the inputs shifted by one *before* the split: the last input of shard r is
     predicted from the first token of shard r+1, which only the unsplit tensor still has.
     Labels given explicitly (B, S), e.g. with -100 where ignored, are split the same way, and
     so are positions (B, S) given explicitly (packed documents: restarting at each document).
+    order: a permutation of the S positions applied before the split (06's ring wants its
+    zigzag layout); positions travel with their tokens, so rotary and the loss are unchanged.
     """
     seq_len = tokens.shape[1] - 1
     check_sequence_split(seq_len, sp)
@@ -139,6 +142,8 @@ def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, pos
     labels = tokens[:, 1:] if labels is None else labels
     if positions is None:
         positions = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+    if order is not None:
+        local = order.to(tokens.device)[local]
     return input_ids[:, local], labels[:, local], positions[:, local]
 
 
@@ -155,22 +160,26 @@ def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, labels=None,
-                      phase=contextlib.nullcontext, documents=None) -> torch.Tensor:
+                      phase=contextlib.nullcontext, documents=None, n_tokens=None,
+                      order=None) -> torch.Tensor:
     """One forward + backward on this rank's shard of `tokens` (B, S + 1); returns the loss,
     the mean over the non-ignored labels of every rank in `world_group` (detached, summed over
     ranks). Each rank divides its summed loss by the global count, so the ranks' gradients add
     up (FSDP sums them) to the unsharded model's. `phase(name)` wraps forward and backward (train.py
     names the phase of an out-of-memory error). documents: packed documents of `tokens`
     (data.Documents: its labels and positions replace the plain ones, and its global boundaries
-    go to the model whole, unsharded)."""
+    go to the model whole, unsharded). n_tokens: the count to divide by instead (train.py's
+    gradient accumulation passes the count of all its micro-batches). order: the token order
+    before the split (`shard_sequence`; 06's zigzag)."""
     positions = cu_seqlens = None
     if documents is not None:
         if labels is not None:
             raise ValueError("pass labels or documents (which carry their labels), not both")
         labels, positions = documents.labels.to(tokens.device), documents.position_ids.to(tokens.device)
         cu_seqlens = documents.cu_seqlens
-    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels, positions)
-    n_tokens = global_token_count(labels, world_group)
+    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels, positions, order)
+    if n_tokens is None:
+        n_tokens = global_token_count(labels, world_group)
     with phase("forward"):
         loss = model(input_ids, positions, labels, cu_seqlens=cu_seqlens) / n_tokens
     with phase("backward"):
@@ -199,11 +208,15 @@ def check_ulysses_shapes(n_heads: int, n_kv_heads: int, sp: int, seq_len: int | 
         check_sequence_split(seq_len, sp)
 
 
-def check_sequence_split(seq_len: int, sp: int) -> None:
-    """The one rule for cutting a sequence over `sp` ranks (every file that shards calls this)."""
+def check_sequence_split(seq_len: int, sp: int, ring: int = 1) -> None:
+    """The one rule for cutting a sequence over `sp` ranks (every file that shards calls this);
+    with a ring of R (06) the sequence is also cut into 2R equal zigzag chunks."""
     if seq_len % sp:
         raise ValueError(f"the sequence length ({seq_len}) must be divisible by the "
                          f"sequence-parallel degree ({sp}) so every rank gets the same tokens")
+    if ring > 1 and seq_len % (2 * ring):
+        raise ValueError(f"the sequence length ({seq_len}) must be divisible by 2R = {2 * ring}: "
+                         f"the ring's zigzag layout cuts it into 2R equal chunks")
 
 
 def check_data_sequence_layout(world: int, sp: int) -> None:

@@ -39,6 +39,7 @@ Without --head-chunk a GPU run takes the fewest stages whose planned step fits (
 """
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -99,6 +100,10 @@ class StageLayout:
     eps: float        # QK-norm's epsilon (unused without QK-norm)
     cu_seqlens: tuple | None = None  # packed documents' global boundaries: every stage holds
                                      # all tokens of its heads, so they apply unchanged
+    # A stage's attention, forward -> (out, lse) and backward from them: None for the kernel
+    # over all tokens, or 06's ring over this rank's share of them (Ulysses x ring).
+    attention_forward: Callable | None = None
+    attention_backward: Callable | None = None
 
     def to_heads(self, t):  # (B, S/P, U, D) -> (B, S, U/P, D): all tokens, this rank's heads
         return _exchange(t, self.group, self.sp, ulysses.TO_HEADS)
@@ -146,7 +151,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             for heads in stages:
                 q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
                                                     q_norm, eps, rope))  # (B, S, U/P, D)
-                stage_out, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=layout.cu_seqlens)
+                attend = layout.attention_forward or kernels.attention_forward_lse
+                stage_out, lse = attend(q, k, v, cu_seqlens=layout.cu_seqlens)
                 del q
                 lses.append(lse)
                 # back to this rank's tokens, into this stage's heads of every rank's block
@@ -209,8 +215,8 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
     q = layout.to_heads(projected_heads(x, wq_rows, layout.head_dim, q_norm, layout.eps, rope))
     stage_out = layout.to_heads(stage_out.flatten(2, 3))
     grad_stage_out = layout.to_heads(grad_stage_out.flatten(2, 3))
-    return kernels.attention_backward_lse(grad_stage_out, q, k, v, stage_out, lse,
-                                          cu_seqlens=layout.cu_seqlens)
+    attend_backward = layout.attention_backward or kernels.attention_backward_lse
+    return attend_backward(grad_stage_out, q, k, v, stage_out, lse, cu_seqlens=layout.cu_seqlens)
 
 
 # The projections of one stage's heads, and their backward.
@@ -295,29 +301,32 @@ def add_stage_rows(grad_weight, grad_rows, n_heads, sp, head_dim, heads: slice) 
             grad_rows.view(n_heads, sp // n_heads, head_dim, dim).sum(1))
 
 
-def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None):
+def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None, attention=()):
     """The model's seam 2 (Attention.attend) for `attn`, its weights read at call time.
-    cu_seqlens: packed documents' global boundaries, applied unchanged in every stage."""
+    cu_seqlens: packed documents' global boundaries, applied unchanged in every stage.
+    attention: a stage's (forward, backward) instead of the kernel's (06's ring)."""
     cos, sin = rope
     sp = 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
     eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps, cu_seqlens)
+    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps, cu_seqlens, *attention)
     return UntiedUlyssesAttention.apply(layout, x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
                                         attn.v_proj.weight, q_norm, k_norm)
 
 
-def apply_untied_ulysses(model, group, head_chunk: int | None = None) -> None:
+def apply_untied_ulysses(model, group, head_chunk: int | None = None, attention=()) -> None:
     """Make every attention layer of `model` Untied-Ulysses sequence-parallel over `group` with
     head chunk U = `head_chunk` (default: P, the least memory). Only the `attend` seam is
-    replaced, so this works on a meta-device model before FSDP shards it."""
+    replaced, so this works on a meta-device model before FSDP shards it. attention: each
+    stage's (forward, backward) with log-sum-exp, if not the kernel's (06 passes its ring's)."""
     args = model.args
     sp = dist.get_world_size(group) if dist.is_initialized() else 1
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
     for block in model.layers:
         attn = block.self_attn
-        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk,
+                              attention=tuple(attention))
 
 
 # ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
@@ -425,7 +434,8 @@ def main():
     rows.append(("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
                  ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
     for head_chunk in valid_head_chunks(args, sp):
-        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk,
+                              attention=tuple(attention))
         measured = measure_stage_memory(attn.attend, x, (rope,))
         planned = untied_attention_bytes(args, seq_len, sp, head_chunk, bytes_per_value)
         rows.append(("Untied Ulysses", head_chunk, args.n_heads // head_chunk, measured, planned))

@@ -37,15 +37,15 @@ Run the demo (attention bytes per rank for R = 1, 2 and, with 4 ranks, 4):
 """
 
 import importlib
-import math
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from support import kernels
+from support import keep_attention, kernels
 
 ulysses = importlib.import_module("02_ulysses")
+untied_ulysses = importlib.import_module("05_untied_ulysses")
 
 MiB = 2**20
 NO_KEY = float("-inf")  # the lse of a query row that has seen no key yet
@@ -217,7 +217,13 @@ def piece_kernel(queries: slice, keys: slice) -> str | None:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, cu_seqlens):
-        out, lse = ring_attention_forward(q, k, v, group, cu_seqlens)
+        block = keep_attention.current_block()  # inside 03's checkpoint with --keep-attention
+        if block is not None and block.recomputing:  # the block's recompute: no ring runs
+            out, lse = block.take()
+        else:
+            out, lse = ring_attention_forward(q, k, v, group, cu_seqlens)
+            if block is not None:
+                block.keep((out, lse))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.cu_seqlens = group, cu_seqlens
         return out
@@ -246,11 +252,18 @@ def ring_ulysses_mesh(device_type: str, sp: int, ring: int):
                             mesh_dim_names=("dp", "ring", "ulysses"))
 
 
-def apply_ring(model, ulysses_group, ring_group) -> None:
+def apply_ring(model, ulysses_group, ring_group, untied: bool = False,
+               head_chunk: int | None = None) -> None:
     """Every attention layer of `model`: Ulysses (02) over `ulysses_group` around ring attention
-    over `ring_group`. The batch must be in zigzag order (`zigzag_order`) before it is split."""
+    over `ring_group`; with untied, Untied Ulysses (05) whose every stage runs the ring. The
+    batch must be in zigzag order (`zigzag_order`) before it is split."""
     ulysses_size, ring = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
     check_ring(ulysses_size * ring, ring)
+    if untied:
+        stage_attention = (partial(ring_attention_forward, group=ring_group),
+                           partial(ring_attention_backward, group=ring_group))
+        untied_ulysses.apply_untied_ulysses(model, ulysses_group, head_chunk, stage_attention)
+        return
     ulysses.check_ulysses_shapes(model.args.n_heads, model.args.n_kv_heads, ulysses_size)
     ring_kernel = partial(ring_attention, group=ring_group)
     for block in model.layers:
@@ -267,11 +280,8 @@ def check_ring(sp: int, ring: int, seq_len: int | None = None) -> None:
     if sp % ring:
         raise ValueError(f"the ring degree R ({ring}) must divide the sequence-parallel degree "
                          f"P ({sp}): Ulysses runs over P/R ranks inside each ring rank")
-    multiple = math.lcm(2 * ring, sp)
-    if seq_len is not None and seq_len % multiple:
-        raise ValueError(f"the sequence length ({seq_len}) must be divisible by {multiple}: the "
-                         f"zigzag layout cuts it into 2R = {2 * ring} equal chunks and the "
-                         f"sequence-parallel degree P = {sp} into equal shards")
+    if seq_len is not None:
+        ulysses.check_sequence_split(seq_len, sp, ring)
 
 
 def ring_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value: int = 2,

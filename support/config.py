@@ -20,7 +20,7 @@ from support.data import parse_tokens
 TECHNIQUES = [("fsdp", 1), ("ulysses", 2), ("checkpoint", 3), ("offload", 3), ("tile_mlp", 4),
               ("tile_loss", 4), ("tile_norm", 4), ("untied", 5)]
 MAX_STACK = 5
-MAX_TOKENS = 2**31  # per data-parallel rank and step
+MAX_TOKENS = 2**31  # per data-parallel rank and micro-batch
 
 
 @dataclass
@@ -29,8 +29,11 @@ class Config:
     seq_len: int = 256
     batch_size: int = 1
     steps: int = 100
-    lr: float = 3e-3
+    grad_accum: int = 1  # micro-batches of batch_size sequences per optimizer step
+    lr: float | None = None  # the peak learning rate; None: default_lr (by model size)
     warmup_steps: int = 0  # the learning rate rises linearly to --lr over this many steps
+    lr_schedule: str = "constant"  # after the warmup: constant, or decaying to min_lr at --steps
+    min_lr: float | None = None  # where cosine/linear end; None: MIN_LR_FRACTION x lr
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
@@ -45,9 +48,11 @@ class Config:
     fsdp: bool = False
     ulysses: bool = False
     sp: int | None = None  # sequence-parallel degree; default: all ranks
+    ring: int | None = None  # 06: ring degree R (Ulysses P/R x ring R); default: the smallest that works
     checkpoint: bool = False
     offload: bool = False
-    keep_attention: bool = False  # 03: attention outputs kept through the checkpoint
+    keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
+    # None: train.py decides on a GPU, from the plan (off on the CPU)
     tile_mlp: bool = False
     tile_loss: bool = False
     tile_norm: bool = False
@@ -72,6 +77,14 @@ class Config:
 
 DEFAULTS = Config(device="cpu")  # the flags' defaults; --device's is Config().device, found when parsing
 
+# --lr's default by model size: the step that trains the tiny model fast diverged Llama-3-8B
+# at its second step. (fewer parameters than, lr); from a pretrained --init-from folder
+# (fine-tuning, context extension) the weights are already good: a small step.
+DEFAULT_LRS = ((1e8, 3e-3), (7e9, 3e-4), (math.inf, 1.5e-4))
+INIT_FROM_LR = 2e-5
+LR_SCHEDULES = ("constant", "cosine", "linear")
+MIN_LR_FRACTION = 0.1  # --min-lr's default: a tenth of --lr (nanoGPT, Chinchilla)
+
 
 # ---------------------------------------------------------------------------------------------
 # The flags, in groups: a command adds the groups it reads.
@@ -79,9 +92,12 @@ DEFAULTS = Config(device="cpu")  # the flags' defaults; --device's is Config().d
 
 def add_model_flags(parser):
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default=DEFAULTS.model, help=f"preset: {', '.join(llama.PRESETS)}")
+    # default None: --model given with --init-from is refused (the folder names the model)
+    group.add_argument("--model", default=None,
+                       help=f"preset: {', '.join(llama.PRESETS)} (default: {DEFAULTS.model})")
     group.add_argument("--init-from", default=None, metavar="DIR",
-                       help="start from a Hugging Face Llama/Qwen3 folder (config.json + safetensors)")
+                       help="start from a Hugging Face Llama/Qwen3 folder (config.json + "
+                            "safetensors); it names the model, so no --model")
 
 
 def add_rotary_flags(parser):
@@ -98,12 +114,20 @@ def add_step_flags(parser):
     group = parser.add_argument_group("the step's shape")
     group.add_argument("--seq-len", default=str(DEFAULTS.seq_len), help="tokens per sequence: 4096, 128K, 3M")
     group.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
-                       help="sequences per data-parallel rank")
+                       help="sequences per data-parallel rank and micro-batch")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     group.add_argument("--attn-kernel", choices=kernels.KERNELS, default=DEFAULTS.attn_kernel,
                        help="attention kernel (default: FlashAttention-4 when installed on the "
                             "GPU, else cuDNN; the run log names it)")
+
+
+def add_accumulation_flags(parser):
+    group = parser.add_argument_group("gradient accumulation")
+    group.add_argument("--grad-accum", type=int, default=DEFAULTS.grad_accum, metavar="N",
+                       help="N micro-batches of --batch-size sequences per optimizer step: the "
+                            "same step as --batch-size x N, holding one micro-batch's "
+                            "activations at a time (the gradients stay between micro-batches)")
 
 
 def add_process_flags(parser):
@@ -131,7 +155,7 @@ def add_document_flags(parser):
 
 
 def add_technique_flags(parser):
-    group = parser.add_argument_group("techniques (01-05)")
+    group = parser.add_argument_group("techniques (01-06)")
     group.add_argument("--stack", type=int, default=None, help="turn on every technique of files 1..N")
     group.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
     group.add_argument("--offload-model-state", action="store_true",
@@ -139,12 +163,18 @@ def add_technique_flags(parser):
                             "memory and step the optimizer there (FSDP2's CPUOffloadPolicy)")
     group.add_argument("--ulysses", action="store_true", help="02: Ulysses sequence parallelism")
     group.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all ranks)")
+    group.add_argument("--ring", type=int, default=None,
+                       help="06: ring attention over R ranks, Ulysses over the P/R inside each "
+                            "(the heads need only divide P/R); default: 1, or the smallest R "
+                            "that works when the heads do not divide P")
     group.add_argument("--checkpoint", action="store_true", help="03: activation checkpointing")
     group.add_argument("--offload", action="store_true", help="03: offload checkpoints to CPU")
-    group.add_argument("--keep-attention", action="store_true",
+    group.add_argument("--keep-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="03: keep each block's attention output (and log-sum-exp) with its "
                             "checkpoint, so backward's recompute skips the attention kernel: "
-                            "faster at long lengths, one more block input's bytes per layer")
+                            "faster at long lengths, one more block input's bytes per layer "
+                            "(default: on for a GPU run that checkpoints when the plan says GPU "
+                            "and host memory fit it; off on the CPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true", help="04: tiled RMSNorms")
@@ -158,10 +188,20 @@ def add_technique_flags(parser):
 
 def add_training_flags(parser):
     group = parser.add_argument_group("training")
-    group.add_argument("--steps", type=int, default=DEFAULTS.steps)
-    group.add_argument("--lr", type=float, default=DEFAULTS.lr)
+    group.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps")
+    counts = [f"{limit / 1e9:g}B" if limit >= 1e9 else f"{limit / 1e6:g}M" for limit, _ in DEFAULT_LRS[:-1]]
+    sizes = ", ".join([f"{lr:g} below {count} parameters" for count, (_, lr) in zip(counts, DEFAULT_LRS)]
+                      + [f"{DEFAULT_LRS[-1][1]:g} from {counts[-1]} (llama3-8b)"])
+    group.add_argument("--lr", type=float, default=None,
+                       help=f"peak learning rate (default by model size: {sizes}; "
+                            f"{INIT_FROM_LR:g} with --init-from)")
     group.add_argument("--warmup-steps", type=int, default=DEFAULTS.warmup_steps,
                        help="raise the learning rate linearly to --lr over the first N steps")
+    group.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=DEFAULTS.lr_schedule,
+                       help="after the warmup: constant, or cosine/linear decay from --lr to "
+                            "--min-lr at --steps")
+    group.add_argument("--min-lr", type=float, default=None,
+                       help=f"where cosine/linear end (default: {MIN_LR_FRACTION:g} x --lr)")
     group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
     group.add_argument("--grad-clip", type=float, default=DEFAULTS.grad_clip, help="0 disables clipping")
     # Not "--log": torchrun's own parser would take it for an abbreviation of its --log-dir.
@@ -203,8 +243,14 @@ def flags_parser(groups, **parser_options) -> argparse.ArgumentParser:
 def config_from_flags(flags: argparse.Namespace) -> Config:
     """The Config of parsed flags, its techniques resolved; a field the command has no flag
     for keeps its default."""
+    if flags.init_from and flags.model is not None:
+        raise ValueError(f"--model {flags.model} and --init-from: the --init-from folder's "
+                         f"config.json names the model, --model would be ignored; drop --model")
+    if getattr(flags, "steps", 1) < 1:  # code may build with steps=0 (benches); a command trains
+        raise ValueError(f"--steps must be at least 1, got {flags.steps}")
     cfg = Config(**{k: v for k, v in vars(flags).items() if k in Config.__dataclass_fields__
-                    and k not in ("seq_len", "dtype")})
+                    and k not in ("seq_len", "dtype", "model")})
+    cfg.model = flags.model or DEFAULTS.model
     cfg.seq_len = parse_tokens(flags.seq_len)
     cfg.dtype = flags.dtype or ("bfloat16" if cfg.device == "cuda" else "float32")
     return resolve_techniques(cfg)
@@ -215,7 +261,8 @@ def config_from_flags(flags: argparse.Namespace) -> Config:
 # ---------------------------------------------------------------------------------------------
 
 def resolve_techniques(cfg: Config) -> Config:
-    """Expand --stack and refuse combinations that cannot work."""
+    """Expand --stack, fill the defaults that follow the model (--lr, --min-lr) and refuse
+    combinations that cannot work."""
     if cfg.stack is not None:
         if not 0 <= cfg.stack <= MAX_STACK:
             raise ValueError(f"--stack must be between 0 and {MAX_STACK}, got {cfg.stack}")
@@ -240,18 +287,37 @@ def resolve_techniques(cfg: Config) -> Config:
                          "--stack 1 or higher")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
-    if cfg.batch_size < 1 or cfg.steps < 0 or cfg.warmup_steps < 0:
-        raise ValueError("--batch-size must be >= 1, --steps and --warmup-steps >= 0")
+    for flag, value, least in (("--steps", cfg.steps, 0), ("--batch-size", cfg.batch_size, 1),
+                               ("--grad-accum", cfg.grad_accum, 1),
+                               ("--warmup-steps", cfg.warmup_steps, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
     if cfg.sp is not None and cfg.sp < 1:  # 0 would silently mean "all ranks"
         raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
+    if cfg.ring is not None and not (cfg.ulysses or cfg.untied):
+        raise ValueError("--ring is a setting of --ulysses or --untied (02/05): add one, or "
+                         "--stack 2 or higher")
     if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
         raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} is more than "
                          f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels)")
-    for flag, value in (("--lr", cfg.lr), ("--weight-decay", cfg.weight_decay),
-                        ("--grad-clip", cfg.grad_clip)):
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
+    if cfg.rope_factor is not None and not (math.isfinite(cfg.rope_factor) and cfg.rope_factor >= 1):
+        raise ValueError(f"--rope-factor must be a finite number >= 1 (llama3 and yarn stretch the "
+                         f"pretrained context by it), got {cfg.rope_factor}")
+    model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
+    if cfg.lr is None:
+        cfg.lr = default_lr(cfg)
+    if cfg.min_lr is None:
+        cfg.min_lr = MIN_LR_FRACTION * cfg.lr
+    for flag, value in (("--lr", cfg.lr), ("--min-lr", cfg.min_lr),
+                        ("--weight-decay", cfg.weight_decay), ("--grad-clip", cfg.grad_clip)):
         if not (math.isfinite(value) and value >= 0):  # a negative clip would silently mean off
             raise ValueError(f"{flag} must be a finite number >= 0, got {value}"
                              + (" (0 turns clipping off)" if flag == "--grad-clip" else ""))
+    if cfg.min_lr > cfg.lr:
+        raise ValueError(f"--min-lr ({cfg.min_lr:g}) must be at most --lr ({cfg.lr:g}): the "
+                         f"schedule decays from --lr to --min-lr")
     if cfg.resume and not cfg.save_dir:
         raise ValueError("--resume needs --save-dir (where the checkpoints are)")
     if cfg.resume and cfg.overwrite:
@@ -260,8 +326,16 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--save-every must be >= 0")
     if cfg.export_hf:
         pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
-    model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
     return cfg
+
+
+def default_lr(cfg: Config) -> float:
+    """--lr when it is not given: by the model's size (DEFAULT_LRS), or INIT_FROM_LR when
+    training starts from pretrained weights."""
+    if cfg.init_from:
+        return INIT_FROM_LR
+    n_params = llama.num_params(model_args(cfg))
+    return next(lr for limit, lr in DEFAULT_LRS if n_params < limit)
 
 
 def model_args(cfg: Config) -> llama.ModelArgs:
@@ -279,8 +353,9 @@ def model_name(cfg: Config) -> str:
     return f"{cfg.init_from} (Hugging Face folder)" if cfg.init_from else cfg.model
 
 
-def techniques_text(cfg: Config, head_chunk) -> str:
+def techniques_text(cfg: Config, head_chunk, ring: int = 1) -> str:
     names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
+    names += [f"ring (R={ring})"] if ring > 1 else []
     names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
     return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"

@@ -21,6 +21,7 @@ from support.config import Config, model_args
 ulysses = importlib.import_module("02_ulysses")
 tiling = importlib.import_module("04_alst_tiling")
 untied = importlib.import_module("05_untied_ulysses")
+ring_attention = importlib.import_module("06_ring_attention")
 
 
 @dataclass
@@ -33,7 +34,20 @@ class Runtime:
     sp_rank: int = 0
     sp: int = 1
     sp_group: object = None
+    ring: int = 1  # 06: the sequence-parallel ranks as Ulysses P/R x ring R
+    ulysses_group: object = None  # the P/R contiguous ranks of one all-to-all
+    ring_group: object = None  # the R ranks at stride P/R that pass K/V around
     fsdp_mesh: object = None
+
+    @property
+    def ulysses(self) -> int:
+        """Ranks of one all-to-all: P, or P/R with a ring."""
+        return self.sp // self.ring
+
+    def token_order(self, seq_len: int):
+        """The order tokens are split over the sequence-parallel ranks in: None (as they come),
+        or 06's zigzag with a ring (each ring rank's two chunks, one early, one late)."""
+        return ring_attention.zigzag_order(seq_len, self.ring) if self.ring > 1 else None
 
 
 def setup_runtime(cfg: Config) -> Runtime:
@@ -58,11 +72,17 @@ def setup_runtime(cfg: Config) -> Runtime:
         rt.rank, rt.world = dist.get_rank(), dist.get_world_size()
     if cfg.device == "cuda":
         rt.device = torch.device("cuda", torch.cuda.current_device())
-    rt.sp, _ = check_layout(cfg, rt.world, model_args(cfg))
+    args = model_args(cfg)
+    rt.sp, _ = check_layout(cfg, rt.world, args)
+    rt.ring = ring_degree(cfg, rt.sp, args)
     if dist.is_initialized():
         mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         rt.sp_rank, rt.sp_group = mesh["sp"].get_local_rank(), mesh["sp"].get_group()
+        rt.ulysses_group = rt.sp_group
+        if rt.ring > 1:  # sp rank = ring rank x P/R + Ulysses rank, as the zigzag data expects
+            grid = ring_attention.ring_ulysses_mesh(cfg.device, rt.sp, rt.ring)
+            rt.ulysses_group, rt.ring_group = grid["ulysses"].get_group(), grid["ring"].get_group()
         if cfg.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,10 +103,29 @@ def check_layout(cfg: Config, world_size: int, args) -> tuple:
     if cfg.sp is not None and not sequence_parallel:
         raise ValueError("--sp needs --ulysses or --untied")
     ulysses.check_data_sequence_layout(world_size, sp)
+    ring = ring_degree(cfg, sp, args) if sequence_parallel else 1
     if sequence_parallel:
-        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, cfg.seq_len)
-    head_chunk = (untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp, cfg.head_chunk)
+        ring_attention.check_ring(sp, ring, cfg.seq_len)
+        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp // ring, cfg.seq_len)
+    head_chunk = (untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp // ring, cfg.head_chunk)
                   if cfg.untied else None)
     tiling.check_tile_tokens("mlp_tile_tokens", cfg.mlp_tile_tokens)
     tiling.check_tile_tokens("loss_tile_tokens", cfg.loss_tile_tokens)
     return sp, head_chunk
+
+
+def ring_degree(cfg: Config, sp: int, args) -> int:
+    """06's ring degree R for `sp` sequence-parallel ranks: --ring, else 1 when Ulysses can use
+    all of them, else the smallest R (dividing P) that lets the heads split over P/R ranks:
+    5 query heads on P = 4 ranks: R = 4; 32 on P = 64: R = 2."""
+    if cfg.ring is not None or not (cfg.ulysses or cfg.untied):
+        return cfg.ring or 1
+    for ring in (r for r in range(1, sp + 1) if sp % r == 0):
+        try:
+            ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp // ring)
+            if cfg.untied:
+                untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp // ring, cfg.head_chunk)
+        except ValueError:
+            continue
+        return ring
+    return 1  # none works: check_layout names why with R = 1

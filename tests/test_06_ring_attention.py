@@ -103,10 +103,10 @@ def test_check_ring_refuses_clearly():
         ring_attn.check_ring(4, 0)
     with pytest.raises(ValueError, match=r"R \(3\) must divide the sequence-parallel degree P \(4\)"):
         ring_attn.check_ring(4, 3)
-    with pytest.raises(ValueError, match=r"sequence length \(36\) must be divisible by 8"):
+    with pytest.raises(ValueError, match=r"sequence length \(36\) must be divisible by the sequence-parallel degree \(8\)"):
         ring_attn.check_ring(8, 2, 36)  # 2R = 4 divides 36, P = 8 does not
-    with pytest.raises(ValueError, match=r"sequence length \(20\) must be divisible by 12"):
-        ring_attn.zigzag_order(20, 6)
+    with pytest.raises(ValueError, match=r"sequence length \(18\) must be divisible by 2R = 12"):
+        ring_attn.zigzag_order(18, 6)  # P = 6 divides 18, 2R = 12 does not
     ring_attn.check_ring(8, 2, 40)
 
 

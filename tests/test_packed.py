@@ -259,9 +259,10 @@ def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", d
                              norm_rtol=None, model_name="tiny"):
     stream = make_stream(lengths)
     world = dist.get_world_size()
-    for stack, sp in cases:
+    for stack, sp, *ring in cases:  # ring: 06's degree R, when the case names one
         # attn_kernel: the one this process was given (with_kernel), as setup_runtime sets it again
-        cfg = train.Config(model=model_name, stack=stack, sp=sp, seq_len=SEQ_LEN,
+        cfg = train.Config(model=model_name, stack=stack, sp=sp, ring=ring[0] if ring else None,
+                           seq_len=SEQ_LEN,
                            batch_size=batch_size, data=path, doc_sep=SEP, mlp_tile_tokens=8,
                            loss_tile_tokens=8, device=device, dtype=dtype,
                            attn_kernel=kernels._requested["kernel"])
@@ -274,24 +275,26 @@ def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", d
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         ref_loss, ref_grads = reference_loss_and_grads(
             reference_fragments(stream, lengths, rt.dp * batch_size), model_name=model_name)
-        what = f"stack {stack}, world {world}, dp {rt.dp} x sp {rt.sp}"
+        what = f"stack {stack}, world {world}, dp {rt.dp} x sp {rt.sp} (ring {rt.ring})"
         # 05 sums its attention in another order (see test_05): compare whole-tensor errors.
         grads = {n: g.float().cpu() for n, g in grads.items()}
         assert_matches(loss.float().cpu(), grads, ref_loss, ref_grads, what=what,
-                       norm_rtol=norm_rtol or (2e-6 if cfg.untied else None))
+                       norm_rtol=norm_rtol or (2e-6 if cfg.untied or rt.ring > 1 else None))
         if rt.rank == 0:
             print(f"{what}: packed == documents alone (loss {float(loss):.6f})")
 
 
 STACKS = {1: [(stack, None) for stack in range(0, 6)],
-          2: [(1, None)] + [(stack, 2) for stack in range(2, 6)],
-          4: [(1, None)] + [(stack, 4) for stack in range(2, 6)] + [(2, 2), (5, 2)]}
+          2: [(1, None)] + [(stack, 2) for stack in range(2, 6)] + [(5, 2, 2)],
+          4: [(1, None)] + [(stack, 4) for stack in range(2, 6)] + [(2, 2), (5, 2)]
+             + [(2, 4, 2), (5, 4, 4)]}  # (--stack, --sp, --ring): 06's ring, Ulysses 2 x 2, 1 x 4
 
 
 @pytest.mark.parametrize("world_size", sorted(STACKS))
 def test_packed_training_equals_each_document_alone(world_size, tmp_path):
     """--stack 0..5 at P = world; at 4 ranks also dp 2 x sp 2 (Ulysses and Untied) and FSDP
-    alone (dp 4). Windows of 2 rows per data-parallel rank, so 2-8 windows."""
+    alone (dp 4); Ulysses x ring (06: 1 x 2, 2 x 2, Untied 1 x 4), whose block pairs mask by
+    document. Windows of 2 rows per data-parallel rank, so 2-8 windows."""
     lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
     path = tmp_path / "packed.bin"
     write_token_file(path, make_stream(lengths))
