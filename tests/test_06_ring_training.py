@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+from reference import (assert_matches, full, make_batch, reference_loss_and_grads,
+                       train_loss_and_grads)
 
 import model as llama
 from support import runtime
@@ -79,3 +80,28 @@ def test_a_ring_degree_that_cannot_work_is_refused_at_start():
     with pytest.raises(ValueError, match=r"query heads \(7\) to be divisible by the sequence-parallel degree \(2\)"):
         runtime.check_layout(train.resolve_techniques(train.Config(model="tiny-7q7kv", stack=2, ring=2,
                                                                    seq_len=24)), 4, args=llama.get_model_args("tiny-7q7kv"))
+
+
+def _keep_attention_through_the_ring():
+    """--keep-attention with a ring: the ring's output and log-sum-exp are kept with 03's
+    checkpoint and the recompute takes them (no second ring), for 02's seam and 05's stages;
+    loss and gradients still equal unsharded training."""
+    for stack, untied in ((3, False), (5, True)):
+        cfg = train.resolve_techniques(train.Config(
+            model="tiny", stack=stack, ring=2, seq_len=SEQ_LEN, keep_attention=True,
+            mlp_tile_tokens=8, loss_tile_tokens=8))
+        rt = train.setup_runtime(cfg)
+        tokens, labels = make_batch(256, 2, SEQ_LEN, ignore_frac=0.2)
+        ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
+        model = train.build_model(cfg, rt)
+        loss = train.forward_backward(model, tokens, rt, labels)
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        assert_matches(loss, grads, ref_loss, ref_grads, what=f"--stack {stack} --keep-attention, ring 2",
+                       norm_rtol=2e-6)
+        stats = model.kept_attention.stats
+        layers = len(model.layers)
+        assert stats["kept"] == layers and stats["taken"] == layers, (untied, stats)
+
+
+def test_keep_attention_keeps_the_rings_output():
+    run_ranks(2, _keep_attention_through_the_ring)
