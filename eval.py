@@ -55,8 +55,9 @@ On GPUs (commands for the GPU machine; the planner gives the longest length per 
         --lengths 128K,512K,1M,2M,3M --depths 0,0.25,0.5,0.75,1 --trials 2 --save-dir runs/8b
 The JSON records seconds per million tokens (median forward) and the peak GPU memory. The
 planner's forward-only counts (within 1% of a 6M-token forward measured on 2 H200s:
-docs/calibration.md) put Llama-3-8B's longest evaluation at --stack 5 at 15.6M tokens on 8 x 80 GiB
-(training: 6.1M) and 7.4M on 2 H200s (training: 1.0M, bound by host memory for the offload).
+docs/calibration.md), with the margin every plan keeps, put Llama-3-8B's longest evaluation at
+--stack 5 at 14.9M tokens on 8 x 80 GiB (training: 5.8M) and 7.1M on 2 H200s (training: 1.0M,
+bound by host memory for the offload).
 """
 
 import argparse
@@ -114,7 +115,8 @@ def token_scores(model, tokens: torch.Tensor, rt, labels=None, documents=None):
     if documents is not None:
         positions, cu_seqlens = documents.position_ids.to(rt.device), documents.cu_seqlens
     input_ids, labels, positions = ulysses.shard_sequence(
-        tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device), positions)
+        tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device), positions,
+        rt.token_order(tokens.shape[1] - 1))
     with train.out_of_memory_names("forward"):
         scores = model(input_ids, positions, labels, per_token=True, cu_seqlens=cu_seqlens)
     return scores.float(), labels, positions
@@ -189,8 +191,9 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
     if data.tokens is not None:
         available = data.tokens.numel() // (cfg.seq_len + 1)
         if first_window + windows > available:
-            raise ValueError(f"{cfg.data} holds {available} windows of {cfg.seq_len + 1:,} tokens; "
-                             f"--first-window {first_window} + --windows {windows} is more")
+            raise ValueError(f"{cfg.data} holds {available} window{'s' if available != 1 else ''} of "
+                             f"{cfg.seq_len + 1:,} tokens; --first-window {first_window} + --windows "
+                             f"{windows} is more")
     edges = bucket_edges(cfg.seq_len, bucket_start)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=rt.device)
     per_forward = rt.dp * cfg.batch_size
@@ -209,7 +212,8 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
         scores, local_labels, positions = token_scores(model, tokens, rt, labels, documents)
         if documents is not None:  # bucket by the context each token saw (module docstring)
             visible = context_positions(documents.cu_seqlens, *labels.shape).to(rt.device)
-            positions = ulysses.shard_sequence(tokens, rt.sp_rank, rt.sp, None, visible)[2]
+            positions = ulysses.shard_sequence(tokens, rt.sp_rank, rt.sp, None, visible,
+                                               rt.token_order(tokens.shape[1] - 1))[2]
         totals += bucket_sums(scores[..., 0], positions, local_labels, edges)
         synchronize(rt)
         times.append(time.perf_counter() - start)
@@ -272,7 +276,11 @@ def passkey_vocabulary(opts, vocab_size: int) -> dict:
                       "alphabet": list(range(low, high)), "prefix": []}
     used = [i for ids in vocabulary.values() for i in ids]
     if max(used) >= vocab_size or min(used) < 0:
-        raise ValueError(f"passkey token ids must lie in [0, {vocab_size}) for this model")
+        source = (f"--tokenizer {opts.tokenizer}" if opts.tokenizer
+                  else "--alphabet, --filler-ids and --marker-ids")
+        raise ValueError(f"passkey token ids must lie in [0, {vocab_size}) for this model; those of "
+                         f"{source} reach {max(used)}"
+                         + (" (a tokenizer of another model?)" if opts.tokenizer else ""))
     return vocabulary
 
 
@@ -324,18 +332,20 @@ def passkey_grid(model, cfg, rt, lengths, depths, trials: int, key_len: int, voc
 
 
 # ---------------------------------------------------------------------------------------------
-# Charts (optional: without matplotlib the JSON is still written)
+# Charts: every result comes with its PNG
 # ---------------------------------------------------------------------------------------------
 
 def pyplot():
+    """matplotlib's pyplot (drawing to files), or a ValueError that says what to install:
+    evaluate() asks before any work, so a long run never ends without its chart."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
-        return None
+    except ImportError as error:
+        raise ValueError("matplotlib is not installed, and eval.py draws every result as a PNG: "
+                         "pip install matplotlib (it is in requirements.txt)") from error
     return plt
 
 
@@ -345,11 +355,9 @@ def tokens_text(n: int) -> str:
     return f"{n // 2**20}M" if n >= 2**20 and n % 2**20 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def plot_losses(results: list[dict], path) -> bool:
+def plot_losses(results: list[dict], path):
     """Mean loss per position bucket, one line per result (two runs or checkpoints)."""
     plt = pyplot()
-    if plt is None:
-        return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for result in results:
         kept = [b for b in result["buckets"] if b["tokens"]]
@@ -367,13 +375,10 @@ def plot_losses(results: list[dict], path) -> bool:
     plt.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
-def plot_passkey(result: dict, path) -> bool:
+def plot_passkey(result: dict, path):
     plt = pyplot()
-    if plt is None:
-        return False
     fig, ax = plt.subplots(figsize=(1.2 * len(result["depths"]) + 3, 0.6 * len(result["lengths"]) + 2))
     image = ax.imshow(result["accuracy"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(result["depths"])), [f"{d:g}" for d in result["depths"]])
@@ -388,7 +393,6 @@ def plot_passkey(result: dict, path) -> bool:
     plt.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +406,10 @@ FLAG_GROUPS = (config.add_model_flags, config.add_rotary_flags, config.add_step_
 
 def parse_eval_args(argv):
     """(eval options, Config): eval's own flags, and those it shares with train.py."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], allow_abbrev=False,
+        epilog="03's --checkpoint, --offload and --keep-attention serve a backward: accepted (as "
+               "in a training command) and switched off. Longest lengths: python plan.py --eval")
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--task", choices=["loss", "passkey"], default="loss")
     evaluation.add_argument("--windows", type=int, default=4, help="loss: windows of --seq-len + 1 tokens")
@@ -450,8 +457,10 @@ def run(opts, cfg) -> dict:
     rt, model, meta = build(cfg)
     if opts.task == "passkey":
         for length in opts.lengths:  # every length splits evenly over the sequence ranks
-            if length % rt.sp:
-                raise ValueError(f"passkey length {length} is not divisible by --sp {rt.sp}")
+            try:
+                ulysses.check_sequence_split(length, rt.sp, rt.ring)
+            except ValueError as error:
+                raise ValueError(f"passkey length {length}: {error}") from None
         vocabulary = passkey_vocabulary(opts, model.args.vocab_size)
         result = passkey_grid(model, cfg, rt, opts.lengths, opts.depths, opts.trials, opts.key_len,
                               vocabulary, cfg.seed)
@@ -467,9 +476,9 @@ def run(opts, cfg) -> dict:
         out = Path(opts.out or f"eval_{opts.task}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
-        drawn = (plot_passkey if opts.task == "passkey" else plot_losses)(
+        (plot_passkey if opts.task == "passkey" else plot_losses)(
             *([result] if opts.task == "passkey" else [[result]]), out.with_suffix(".png"))
-        print(summary(result) + f"\nwrote {out}" + (f" and {out.with_suffix('.png')}" if drawn else ""))
+        print(summary(result) + f"\nwrote {out} and {out.with_suffix('.png')}")
     return result
 
 
@@ -477,13 +486,16 @@ def summary(result: dict) -> str:
     if result["task"] == "loss":
         timing = (f" ({result['s_per_million_tokens']:.2f} s per million tokens)"
                   if "s_per_million_tokens" in result else "")  # a computed bound has none
-        lines = [f"{result['label']}: mean loss {result['mean_loss']:.4f} over {result['windows']} "
-                 f"windows of {result['seq_len']:,} tokens{timing}"]
+        windows = result["windows"]
+        lines = [f"{result['label']}: mean loss {result['mean_loss']:.4f} over {windows} "
+                 f"window{'s' if windows != 1 else ''} of {result['seq_len']:,} tokens{timing}"]
         lines += [f"  [{tokens_text(b['start']):>5}, {tokens_text(b['end']):>5})  "
                   + (f"{b['mean_loss']:.4f}" if b["tokens"] else "-") for b in result["buckets"]]
         return "\n".join(lines)
-    lines = [f"{result['label']}: passkey exact match ({result['trials']} keys of {result['key_len']} "
-             f"tokens, chance {result['chance']:.2g}); rows: length, columns: depth "
+    trials, key_len = result["trials"], result["key_len"]
+    lines = [f"{result['label']}: passkey exact match ({trials} key{'s' if trials != 1 else ''} of "
+             f"{key_len} token{'s' if key_len != 1 else ''}, chance {result['chance']:.2g}); rows: "
+             f"length, columns: depth "
              + " ".join(f"{d:g}" for d in result["depths"])]
     lines += [f"  {tokens_text(n):>6}  " + " ".join(f"{a:.2f}" for a in row)
               for n, row in zip(result["lengths"], result["accuracy"])]
@@ -497,6 +509,7 @@ def main(argv=None):
 
 def evaluate(argv):
     opts, cfg = parse_eval_args(argv)
+    pyplot()  # the chart's library, before any work
     if opts.compare:
         results = []
         for p in opts.compare:
@@ -515,8 +528,8 @@ def evaluate(argv):
             print("note: these results have different position buckets (--bucket-start or "
                   "--seq-len differ): compare the lines with care")
         out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
-        if plot_losses(results, out):
-            print(f"wrote {out}")
+        plot_losses(results, out)
+        print(f"wrote {out}")
         return
     run(opts, cfg)
 

@@ -5,7 +5,11 @@ transformers' on a Hugging Face model; the planner's forward-only mode."""
 import importlib
 import json
 import random
+import re
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ plan = importlib.import_module("plan")
 tiling = importlib.import_module("04_alst_tiling")
 
 SEQ_LEN, WINDOWS, BUCKET_START = 64, 3, 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 def eval_cfg(save_dir, **flags):
@@ -89,7 +94,8 @@ def test_every_stack_level_at_p2_equals_one_process(trained):
     under no_grad), the weights loaded from a one-process checkpoint (resharded on load)."""
     save_dir, expected = trained
     runs = [dict(stack=1), dict(stack=2), dict(stack=2, untied=True), dict(stack=3),
-            dict(stack=4, loss_tile_tokens=5, mlp_tile_tokens=7), dict(stack=5)]
+            dict(stack=4, loss_tile_tokens=5, mlp_tile_tokens=7), dict(stack=5),
+            dict(stack=2, ring=2), dict(stack=5, ring=2)]  # 06: the ring's zigzag positions
     run_ranks(2, _sharded_levels_equal_single_process, save_dir, expected, runs)
 
 
@@ -144,7 +150,7 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
     for got, s, c in zip(result["buckets"], sums, counts):
         assert got["mean_loss"] == pytest.approx(s / c, rel=1e-5)
     run_ranks(2, _sharded_levels_equal_single_process, save_dir, result,
-              [dict(stack=1), dict(stack=2), dict(stack=5)],
+              [dict(stack=1), dict(stack=2), dict(stack=5), dict(stack=5, ring=2)],
               dict(data=packed_file, doc_sep=SEP))
 
 
@@ -314,6 +320,44 @@ def test_command_line_writes_json_png_and_compares(trained, tmp_path, capsys):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_help_lists_the_flags_eval_needs():
+    result = subprocess.run([sys.executable, "eval.py", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for flag in ("--model", "--init-from", "--seq-len", "--data", "--documents", "--stack", "--sp",
+                 "--head-chunk", "--save-dir", "--tokenizer", "--compare", "--out"):
+        assert re.search(rf"^  {flag}\b", result.stdout, re.M), (flag, result.stdout)
+
+
+def test_charts_are_promised_so_no_matplotlib_is_an_error(trained, tmp_path, monkeypatch, capsys):
+    """Without matplotlib, --compare and a run both stop with exit code 1 and say what to
+    install, and the run stops before any work (no JSON without its chart)."""
+    save_dir, _ = trained
+    result = tmp_path / "a.json"
+    evaluate.main(["--seq-len", str(SEQ_LEN), "--windows", "1", "--save-dir", save_dir,
+                   "--out", str(result)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    monkeypatch.delitem(sys.modules, "matplotlib.pyplot", raising=False)
+    for argv in (["--compare", str(result), str(result), "--out", str(tmp_path / "cmp.png")],
+                 ["--seq-len", str(SEQ_LEN), "--windows", "1", "--out", str(tmp_path / "b.json")]):
+        with pytest.raises(SystemExit) as stopped:
+            evaluate.main(argv)
+        assert stopped.value.code == 1
+        err = capsys.readouterr().err
+        assert "matplotlib" in err and "requirements.txt" in err, err
+    assert not (tmp_path / "cmp.png").exists() and not (tmp_path / "b.json").exists()
+
+
+def test_messages_count_in_the_singular():
+    one_window = {"task": "loss", "label": "run", "mean_loss": 1.0, "windows": 1, "seq_len": 64,
+                  "buckets": [{"start": 0, "end": 64, "tokens": 63, "mean_loss": 1.0}]}
+    assert "over 1 window of 64 tokens" in evaluate.summary(one_window)
+    one_key = {"task": "passkey", "label": "run", "trials": 1, "key_len": 1, "chance": 0.1,
+               "depths": [0.5], "lengths": [64], "accuracy": [[1.0]]}
+    assert "(1 key of 1 token," in evaluate.summary(one_key)
+    assert "over 2 windows" in evaluate.summary({**one_window, "windows": 2})
+
+
 def test_command_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["--save-dir", str(tmp_path)])
@@ -366,5 +410,6 @@ def test_passkey_vocabulary_from_a_tokenizer(tmp_path):
     assert vocabulary["alphabet"] == [vocab[str(d)] for d in range(10)]
     assert vocabulary["marker"] == [vocab[w] for w in ("The", "pass", "key", "is")]
     assert vocabulary["prefix"] == [1] and 0 not in vocabulary["filler"]
-    with pytest.raises(ValueError, match="must lie in"):
+    with pytest.raises(ValueError, match="must lie in") as error:
         evaluate.passkey_vocabulary(opts, 8)
+    assert f"--tokenizer {tmp_path}" in str(error.value)  # where the ids came from
