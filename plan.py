@@ -198,10 +198,14 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                 "saved": kept["saved"], "block": block_rest, "fsdp": buffers["during_backward"]}
 
     other_block_grads = (n_layers - 1) * grads * block_params // n_params
+    # --grad-accum: from the second micro-batch on, the gradients so far (sharded under FSDP)
+    # are held through its forward and backward.
+    held_grads = grads if cfg.grad_accum > 1 else 0
+    other_block_grads = max(other_block_grads, held_grads)
     moments = {
-        "end of forward (loss)": {"model_state": params + adam, **forward_kept, "loss": loss,
-                                  "fsdp": buffers["after_forward"]},
-        "backward of the last layer": backward_of(last_layer_kept, params + adam),
+        "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
+                                  "loss": loss, "fsdp": buffers["after_forward"]},
+        "backward of the last layer": backward_of(last_layer_kept, params + adam + held_grads),
         "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
@@ -591,8 +595,9 @@ def out_of_memory_report(error: Exception, cfg: Config, rt: Runtime) -> str:
     return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.sp)}"
 
 
-FLAG_GROUPS = (config.add_model_flags, config.add_step_flags, config.add_document_flags,
-               config.add_technique_flags)  # the flags shared with train.py that the plan reads
+# The flags shared with train.py that the plan reads.
+FLAG_GROUPS = (config.add_model_flags, config.add_step_flags, config.add_accumulation_flags,
+               config.add_document_flags, config.add_technique_flags)
 
 
 def plan_main(argv) -> str:

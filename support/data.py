@@ -36,17 +36,17 @@ DTYPES = {"uint16": 2, "uint32": 4}
 def parse_tokens(text: str) -> int:
     """'4096', '128K', '3M' -> tokens (K = 1024, M = 1024*1024). A count that is not a whole
     number of tokens ('100.7'), not finite ('inf') or not positive is refused, not rounded."""
-    text = str(text).strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
-    number = text[:-1] if scale > 1 else text
+    typed = str(text).strip()  # the messages echo it as typed
+    scale = {"K": 2**10, "M": 2**20}.get(typed[-1:].upper(), 1)
+    number = typed[:-1] if scale > 1 else typed
     try:
         value = float(number) * scale
     except ValueError:
-        raise ValueError(f"cannot read a token count from {text!r} (try 4096, 128K or 3M)")
+        raise ValueError(f"cannot read a token count from {typed!r} (try 4096, 128K or 3M)")
     if not math.isfinite(value) or value != int(value):
-        raise ValueError(f"a token count must be a whole, finite number, got {text!r}")
+        raise ValueError(f"a token count must be a whole, finite number, got {typed!r}")
     if value <= 0:
-        raise ValueError(f"the token count must be positive, got {text!r}")
+        raise ValueError(f"the token count must be positive, got {typed!r}")
     return int(value)
 
 

@@ -33,8 +33,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 def saved_meta(cfg, rt, args, step: int) -> dict:
     return {"step": step, "model": cfg.model, "model_args": asdict(args),
             "world_size": rt.world, "sp": rt.sp, "seed": cfg.seed, "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size, "data": cfg.data, "lr": cfg.lr,
-            "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps}
+            "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "data": cfg.data,
+            "lr": cfg.lr, "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps,
+            "lr_schedule": cfg.lr_schedule, "min_lr": cfg.min_lr, "steps": cfg.steps}
+
+
+# What a meta.json written before these were saved means by their absence.
+OLDER_SAVES = {"warmup_steps": 0, "lr_schedule": "constant", "grad_accum": 1}
+
+
+def saved_value(meta: dict, key: str):
+    return meta.get(key, OLDER_SAVES.get(key))
 
 
 class SaveFailed(RuntimeError):
@@ -146,8 +155,8 @@ def load_state(cfg, rt, model, optimizer) -> int:
     """Restore the newest readable complete save of save_dir; returns the step to continue
     from. A save that cannot be read (truncated shard, bad meta.json) is named and the one
     before it is tried; one written for another model, world, sequence length or batch is refused
-    (those are the command's mistakes, not damage). The command line's lr, weight decay and
-    warmup win over the saved ones."""
+    (those are the command's mistakes, not damage). The command line's lr, weight decay, warmup
+    and schedule win over the saved ones, and a change is said."""
     found = complete_saves(cfg.save_dir)
     if not found:
         raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r}")
@@ -171,13 +180,15 @@ def load_state(cfg, rt, model, optimizer) -> int:
                          f"({', '.join(os.path.basename(p) for p in found)})")
     for group in optimizer.param_groups:  # loading restored the saved values; the flags win
         group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-    given = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "warmup_steps": cfg.warmup_steps}
-    saved = {k: meta.get(k, 0 if k == "warmup_steps" else None) for k in given}  # older: no warmup
+    keys = ["lr", "weight_decay", "warmup_steps"]
+    if (cfg.lr_schedule, saved_value(meta, "lr_schedule")) != ("constant", "constant"):
+        keys += ["lr_schedule", "min_lr", "steps"]  # a decay: to where, and at which step
+    given = {k: getattr(cfg, k) for k in keys}
+    saved = {k: saved_value(meta, k) for k in keys}
     if rt.rank == 0 and saved != given:
-        print(f"resume: using --lr {cfg.lr} --weight-decay {cfg.weight_decay} --warmup-steps "
-              f"{cfg.warmup_steps} from the command line (the checkpoint was saved with lr "
-              f"{saved['lr']}, weight decay {saved['weight_decay']}, warmup steps "
-              f"{saved['warmup_steps']})")
+        flags = " ".join(f"--{k.replace('_', '-')} {given[k]}" for k in keys)
+        values = ", ".join(f"{k.replace('_', ' ')} {saved[k]}" for k in keys)
+        print(f"resume: using {flags} from the command line (the checkpoint was saved with {values})")
     if cfg.steps == meta["step"] and rt.rank == 0:
         print(f"resume: {path} is already at step {meta['step']} = --steps; nothing to train")
     return meta["step"]
@@ -221,13 +232,17 @@ def checked_meta(path: str, args, flag: str) -> dict:
 def check_resumable(cfg, rt, model, path: str, meta: dict) -> None:
     check_model_shape(path, meta, model.args, "--resume")
     if meta.get("world_size") != rt.world or meta.get("sp") != rt.sp:
-        raise ValueError(f"--resume: {path} was saved by {meta.get('world_size')} ranks with sp "
-                         f"{meta.get('sp')}; this run has {rt.world} ranks with sp {rt.sp}")
+        saved_ranks = meta.get("world_size")
+        raise ValueError(f"--resume: {path} was saved by {saved_ranks} rank{'s' if saved_ranks != 1 else ''} "
+                         f"with sp {meta.get('sp')}; this run has {rt.world} "
+                         f"rank{'s' if rt.world > 1 else ''} with sp {rt.sp}")
     # The data position is the step: another length or batch would continue on other tokens.
-    for key, flag in (("seq_len", "--seq-len"), ("batch_size", "--batch-size")):
-        if key in meta and meta[key] != getattr(cfg, key):
-            raise ValueError(f"--resume: {path} was trained with {flag} {meta[key]}, this run asks "
-                             f"for {getattr(cfg, key)}; resume with {flag} {meta[key]}, or start a "
+    for key, flag in (("seq_len", "--seq-len"), ("batch_size", "--batch-size"),
+                      ("grad_accum", "--grad-accum")):
+        saved = saved_value(meta, key)
+        if saved is not None and saved != getattr(cfg, key):
+            raise ValueError(f"--resume: {path} was trained with {flag} {saved}, this run asks "
+                             f"for {getattr(cfg, key)}; resume with {flag} {saved}, or start a "
                              f"new run in another --save-dir")
     if cfg.steps < meta["step"]:
         raise ValueError(f"--resume: {path} is at step {meta['step']}, past --steps {cfg.steps}; "
@@ -290,7 +305,9 @@ def check_outputs(cfg) -> None:
     """Refuse, before anything is written, an output path that would destroy something: the
     --data file (opening it for the log truncates it), an earlier run's saved states or log
     (unless --resume continues them or --overwrite says so), or a place that cannot be written
-    (which would otherwise fail only when the first save comes, after the training)."""
+    (which would otherwise fail only when the first save comes, after the training). One rule
+    for every output: missing folders on its path are fine; they are created when the run
+    claims its outputs (claim_outputs), once every check has passed."""
     inputs = {"--data": cfg.data if cfg.data != "synthetic" else None, "--init-from": cfg.init_from}
     for flag, path in (("--log-file", cfg.log), ("--save-dir", cfg.save_dir),
                        ("--export-hf", cfg.export_hf)):
@@ -303,7 +320,10 @@ def check_outputs(cfg) -> None:
     if cfg.log:
         if os.path.isdir(cfg.log):
             raise ValueError(f"--log-file {cfg.log!r} is a directory; name a file")
-        check_writable("--log-file", cfg.log if os.path.exists(cfg.log) else parent_of(cfg.log))
+        if os.path.exists(cfg.log):
+            check_writable("--log-file", cfg.log)
+        else:
+            check_creatable("--log-file", cfg.log)
         if os.path.getsize(cfg.log) if os.path.isfile(cfg.log) else 0:
             if not (cfg.resume or cfg.overwrite):
                 raise ValueError(f"--log-file {cfg.log!r} already holds an earlier run's log: add "
@@ -312,7 +332,7 @@ def check_outputs(cfg) -> None:
     if cfg.save_dir:
         if os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
             raise ValueError(f"--save-dir {cfg.save_dir!r} is a file, not a directory")
-        check_writable("--save-dir", nearest_existing(cfg.save_dir))
+        check_creatable("--save-dir", cfg.save_dir)
         found = complete_saves(cfg.save_dir)
         if found and not (cfg.resume or cfg.overwrite):
             raise ValueError(f"--save-dir {cfg.save_dir!r} already holds checkpoints (newest: "
@@ -335,6 +355,14 @@ def nearest_existing(path: str) -> str:
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return path
+
+
+def check_creatable(flag: str, path: str) -> None:
+    """An output that may not exist yet: the nearest existing folder on its path takes new files."""
+    existing = nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path!r} cannot be created: {existing!r} is a file")
+    check_writable(flag, existing)
 
 
 def check_writable(flag: str, path: str) -> None:
@@ -362,6 +390,7 @@ def claim_outputs(cfg, rt):
                         if old.startswith("step_"):
                             shutil.rmtree(os.path.join(cfg.save_dir, old))
             if cfg.log:  # append when continuing; otherwise check_outputs found it empty or --overwrite
+                os.makedirs(parent_of(cfg.log), exist_ok=True)
                 log_file = open(cfg.log, "a" if cfg.resume else "w")
         except (OSError, ValueError) as caught:
             error = str(caught)

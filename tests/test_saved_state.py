@@ -159,7 +159,7 @@ def test_resume_with_another_model_or_world_is_refused(tmp_path, capsys):
     meta_path.write_text(json.dumps({**meta, "world_size": 2}))
     with pytest.raises(SystemExit):
         train.main(argv)
-    assert "was saved by 2 ranks with sp 1; this run has 1 ranks with sp 1" in capsys.readouterr().err
+    assert "was saved by 2 ranks with sp 1; this run has 1 rank with sp 1" in capsys.readouterr().err
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
@@ -334,14 +334,14 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path, monkeyp
 
 @pytest.mark.parametrize("setup,flag,needle", [
     ("file", "--save-dir", "is a file, not a directory"),
-    ("missing", "--log-file", "does not exist"),
+    ("under a file", "--log-file", "cannot be created: "),  # a missing folder is created instead
     ("directory", "--log-file", "is a directory; name a file"),
 ])
 def test_bad_output_paths_fail_before_training(tmp_path, setup, flag, needle, capsys):
-    path = {"file": tmp_path / "a_file", "missing": tmp_path / "no" / "log.jsonl",
+    path = {"file": tmp_path / "a_file", "under a file": tmp_path / "a_file" / "log.jsonl",
             "directory": tmp_path}[setup]
-    if setup == "file":
-        path.write_text("x")
+    if setup in ("file", "under a file"):
+        (tmp_path / "a_file").write_text("x")
     with pytest.raises(SystemExit):
         train.main(["--seq-len", "32", "--steps", "1", flag, str(path)])
     out, err = capsys.readouterr()

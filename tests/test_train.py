@@ -60,18 +60,18 @@ def error_of(argv, capsys) -> str:
 @pytest.mark.parametrize("argv,needle", [
     (["--stack", "6"], "--stack must be between 0 and 5"),
     (["--model", "llama5"], "unknown model preset 'llama5'"),
-    (["--seq-len", "lots"], "cannot read a token count from 'LOTS'"),
+    (["--seq-len", "lots"], "cannot read a token count from 'lots'"),
     (["--ulysses", "--sp", "3"], "--sp (3) must divide the number of ranks (1)"),
     (["--sp", "2"], "--sp needs --ulysses or --untied"),
     (["--ulysses", "--untied"], "alternatives for the same seam"),
     # issue 17: once read silently as something else, now refused
     (["--seq-len", "100.7"], "a token count must be a whole, finite number, got '100.7'"),
-    (["--seq-len", "inf"], "a token count must be a whole, finite number, got 'INF'"),
+    (["--seq-len", "inf"], "a token count must be a whole, finite number, got 'inf'"),
     (["--seq-len", "1e12"], "more than 2,147,483,648 tokens"),
     (["--ulysses", "--sp", "0"], "--sp must be at least 1, got 0"),
     (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0, got -1.0 (0 turns clipping off)"),
     (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
-    (["--warmup-steps", "-1"], "--steps and --warmup-steps >= 0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be at least 0, got -1"),
     (["--plan", "--gpu-mem", "infGiB"], "a memory size must be positive and finite, got 'infGiB'"),
 ])
 def test_bad_flags_give_clear_errors(argv, needle, capsys):

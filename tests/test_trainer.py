@@ -1,0 +1,333 @@
+"""What a trainer is expected to do, and the traps of a first run: gradient accumulation, the
+learning-rate schedule and its default per model size, the closing summary and the progress bars,
+--keep-attention decided from the plan, errors printed once under torchrun, one rule for the
+outputs' folders."""
+
+import importlib
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from reference import full
+
+import plan as planner
+from support import config, progress, saved_state
+from support.runtime import Runtime
+
+train = importlib.import_module("train")
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+def run_script(*args, timeout=240):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def error_of(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code != 0
+    return capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Silently accepted flags, now refused; one rule for the outputs' folders
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needle,absent", [
+    (["--init-from", "some/folder", "--model", "tiny"],
+     "--model tiny and --init-from: the --init-from folder's config.json names the model", None),
+    (["--rope-factor", "0.5"], "--rope-factor must be a finite number >= 1", None),
+    (["--steps", "0"], "--steps must be at least 1, got 0", None),
+    (["--steps", "-5"], "--steps must be at least 1, got -5", "--batch-size"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0", "--steps"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0", "--batch-size"),
+    (["--seq-len", "abc"], "cannot read a token count from 'abc'", None),
+    (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr (0.1) must be at most --lr (0.01)", None),
+])
+def test_flags_once_accepted_silently_are_refused(argv, needle, absent, capsys):
+    err = error_of(argv, capsys)
+    assert needle in err, err
+    assert absent is None or absent not in err, err
+
+
+def test_a_resume_already_at_its_steps_still_ends_well(tmp_path, capsys):
+    """--steps 0 is refused; a --resume whose saved state is at --steps already has nothing to do
+    and says so (a scheduler restarting a finished job is not an error)."""
+    argv = ["--seq-len", "32", "--steps", "1", "--save-dir", str(tmp_path)]
+    train.main(argv)
+    capsys.readouterr()
+    train.main(argv + ["--resume"])
+    assert "already at step 1 = --steps; nothing to train" in capsys.readouterr().out
+
+
+def test_the_log_files_folders_are_created_after_every_check(tmp_path, capsys):
+    log = tmp_path / "runs" / "today" / "log.jsonl"
+    # A check that fails (a missing --data file): nothing is created.
+    assert "does not exist" in error_of(["--log-file", str(log), "--data", str(tmp_path / "no.bin")],
+                                        capsys)
+    assert not (tmp_path / "runs").exists()
+    train.main(["--log-file", str(log), "--seq-len", "32", "--steps", "1",
+                "--save-dir", str(tmp_path / "saves" / "a")])
+    assert len(log.read_text().splitlines()) == 2 and (tmp_path / "saves" / "a").is_dir()
+    (tmp_path / "a_file").write_text("x")
+    assert "cannot be created: " in error_of(["--log-file", str(tmp_path / "a_file" / "log.jsonl")],
+                                             capsys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors under torchrun: printed once, first; a rank's own error by that rank
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [["--model", "llama5"], ["--steps", "abc"]])
+def test_an_error_every_rank_meets_is_printed_once_under_torchrun(bad):
+    result = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
+                        "--stack", "1", *bad)
+    assert result.returncode != 0
+    err = result.stderr
+    needle = "unknown model preset 'llama5'" if "llama5" in bad else "invalid int value: 'abc'"
+    assert err.count(needle) == 1, err
+    assert err.index(needle) < err.find("ChildFailedError") or "ChildFailedError" not in err, err
+
+
+@pytest.mark.parametrize("rank,error,printed", [
+    ("1", train.StepOutOfMemory("out of GPU memory in the forward"), "[rank 1] error: out of GPU memory"),
+    ("0", train.StepOutOfMemory("out of GPU memory in the forward"), "[rank 0] error: out of GPU memory"),
+    ("1", ValueError("bad flag"), ""),
+    ("0", ValueError("bad flag"), "error: bad flag"),
+])
+def test_a_ranks_own_error_is_printed_by_that_rank(rank, error, printed, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", rank)
+    monkeypatch.setattr(train.time, "sleep", lambda s: None)
+
+    def fail():
+        raise error
+
+    with pytest.raises(SystemExit):
+        train.exit_on_error(fail)
+    err = capsys.readouterr().err
+    assert (printed in err) if printed else err == "", err
+
+
+def test_one_is_singular():
+    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
+                                                dtype="bfloat16", device="cpu"))
+    assert "this node's 1 rank, " in train.host_memory_error(cfg, 1, 1, 10 * GiB)
+    assert "this node's 2 ranks, " in train.host_memory_error(cfg, 2, 2, 10 * GiB)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient accumulation: --grad-accum N is --batch-size N (every loss and weight)
+# ---------------------------------------------------------------------------------------------
+
+def _grad_accum_equals_the_larger_batch(flags: dict):
+    """Losses and gradient norms within fp32 summation order (the micro-batches' summed losses
+    add in another order than one batch's; at P > 1 the gradients are reduce-scattered twice):
+    1e-5 relative. Weights within 1% of one step's lr: AdamW divides each gradient by its own
+    magnitude, so a component near its eps (1e-8) turns a 1e-10 rounding difference into a
+    thousandth of a step."""
+    base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
+    accumulated = train.train(train.resolve_techniques(train.Config(batch_size=1, grad_accum=2, **base)))
+    larger = train.train(train.resolve_techniques(train.Config(batch_size=2, **base)))
+    assert len(accumulated.history) == len(larger.history) == 3
+    for a, b in zip(accumulated.history, larger.history):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a, b)
+    for (name, a), b in zip(accumulated.model.named_parameters(), larger.model.parameters()):
+        torch.testing.assert_close(full(a), full(b), rtol=0, atol=0.01 * base["lr"], msg=name)
+
+
+@pytest.mark.parametrize("flags", [{}, {"doc_sep": 0}], ids=["plain", "documents"])
+def test_grad_accum_equals_the_larger_batch_one_process(flags):
+    _grad_accum_equals_the_larger_batch(flags)
+
+
+def test_grad_accum_equals_the_larger_batch_two_ranks_stack_5():
+    run_ranks(2, _grad_accum_equals_the_larger_batch, {"stack": 5})
+
+
+def test_grad_accum_equals_the_larger_batch_dp_2_x_sp_2():
+    run_ranks(4, _grad_accum_equals_the_larger_batch, {"stack": 5, "sp": 2})
+
+
+def test_grad_accum_is_saved_and_a_changed_one_refused(tmp_path, capsys):
+    argv = ["--seq-len", "32", "--steps", "1", "--save-dir", str(tmp_path), "--grad-accum", "2"]
+    train.main(argv)
+    meta = json.loads(Path(saved_state.complete_saves(str(tmp_path))[-1], "meta.json").read_text())
+    assert meta["grad_accum"] == 2
+    err = error_of(["--seq-len", "32", "--steps", "2", "--save-dir", str(tmp_path), "--resume"], capsys)
+    assert "was trained with --grad-accum 2, this run asks for 1" in err
+
+
+def test_the_planner_holds_the_gradients_across_micro_batches():
+    """From the second micro-batch on, the gradients so far are held through its forward and
+    backward: the sharded gradients under FSDP; with the model state on the host, none."""
+    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**17, stack=5,
+                                                dtype="bfloat16", device="cpu", head_chunk=8))
+    grads = planner.fsdp.model_state_bytes(planner.model_args(cfg), 8)["gradients"]
+    one, two = (planner.plan_memory(replace(cfg, grad_accum=n), 8) for n in (1, 2))
+    for moment in ("end of forward (loss)", "backward of the last layer"):
+        assert (two["moments"][moment]["model_state"] - one["moments"][moment]["model_state"]
+                == grads), moment
+    assert two["moments"]["backward of layer 0"]["model_state"] == \
+        one["moments"]["end of backward"]["model_state"]  # every gradient, as at the end
+    assert two["peak"] >= one["peak"]
+    on_host = replace(cfg, offload_model_state=True)
+    assert (planner.plan_memory(replace(on_host, grad_accum=2), 8)["peak"]
+            == planner.plan_memory(on_host, 8)["peak"])
+    assert "--grad-accum" in train.planner_argv(["--grad-accum", "2", "--lr", "1e-3"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning rate: its schedule, and its default per model size
+# ---------------------------------------------------------------------------------------------
+
+def test_the_schedule_follows_its_formula():
+    lr, low, warmup, steps = 1e-3, 1e-4, 10, 110
+    for schedule in config.LR_SCHEDULES:
+        cfg = train.resolve_techniques(train.Config(lr=lr, min_lr=low, warmup_steps=warmup,
+                                                    steps=steps, lr_schedule=schedule))
+        for step in (0, 4, 9):
+            assert train.learning_rate(cfg, step) == pytest.approx(lr * (step + 1) / warmup)
+        for step in (10, 35, 60, 85, 109, 110):
+            progress = (step - warmup) / (steps - warmup)
+            expected = {"constant": lr,
+                        "cosine": low + (lr - low) * 0.5 * (1 + math.cos(math.pi * progress)),
+                        "linear": lr - (lr - low) * progress}[schedule]
+            assert train.learning_rate(cfg, step) == pytest.approx(expected, rel=1e-12), (schedule, step)
+    cosine = train.resolve_techniques(train.Config(lr=lr, lr_schedule="cosine", steps=100))
+    assert cosine.min_lr == pytest.approx(0.1 * lr)  # --min-lr's default
+    assert train.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
+
+
+def test_each_log_line_carries_its_lr(tmp_path):
+    log = tmp_path / "log.jsonl"
+    result = run_script("train.py", "--seq-len", "32", "--steps", "4", "--lr", "1e-3",
+                        "--lr-schedule", "linear", "--min-lr", "0", "--log-file", str(log))
+    assert result.returncode == 0, result.stderr
+    steps = [json.loads(line) for line in log.read_text().splitlines()[1:]]
+    assert [s["lr"] for s in steps] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    assert "lr 0.00075 |" in result.stdout
+    assert "lr 0.001, linear to 0 at step 4" in result.stdout.splitlines()[0]
+
+
+def test_a_changed_schedule_on_resume_is_said(tmp_path, capsys):
+    argv = ["--seq-len", "32", "--save-dir", str(tmp_path), "--lr", "1e-3"]
+    train.main(argv + ["--steps", "1"])
+    meta = json.loads(Path(saved_state.complete_saves(str(tmp_path))[-1], "meta.json").read_text())
+    assert (meta["lr_schedule"], meta["min_lr"]) == ("constant", pytest.approx(1e-4))
+    capsys.readouterr()
+    train.main(argv + ["--steps", "2", "--resume", "--lr-schedule", "cosine"])
+    out = capsys.readouterr().out
+    assert "--lr-schedule cosine --min-lr 0.0001 --steps 2 from the command line" in out, out
+    assert "lr schedule constant, min lr 0.0001, steps 1)" in out, out
+
+
+@pytest.mark.parametrize("flags,lr", [
+    ({"model": "tiny"}, 3e-3), ({"model": "small"}, 3e-3), ({"model": "qwen3-0.6b"}, 3e-4),
+    ({"model": "llama3.2-1b"}, 3e-4), ({"model": "llama3-8b"}, 1.5e-4), ({"model": "llama3-70b"}, 1.5e-4),
+    ({"model": "llama3-8b", "lr": 1e-5}, 1e-5),
+])
+def test_the_default_lr_follows_the_model_size(flags, lr):
+    assert train.resolve_techniques(train.Config(**flags)).lr == lr
+
+
+def test_the_default_lr_of_init_from_is_fine_tuning_and_printed(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+                                  max_position_embeddings=256)
+    transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "hf")
+    assert config.default_lr(train.Config(init_from=str(tmp_path / "hf"))) == 2e-5
+    result = run_script("train.py", "--init-from", str(tmp_path / "hf"), "--seq-len", "32",
+                        "--steps", "1")
+    assert result.returncode == 0, result.stderr
+    assert "lr 2e-05 (--lr's default for --init-from)" in result.stdout.splitlines()[0]
+    help_text = run_script("train.py", "--help").stdout
+    assert "default by model size" in " ".join(help_text.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# The closing summary; bars on a terminal only
+# ---------------------------------------------------------------------------------------------
+
+def test_the_summary_closes_the_run_and_no_bar_reaches_a_pipe(tmp_path):
+    result = run_script("train.py", "--seq-len", "32", "--steps", "3", "--save-dir",
+                        str(tmp_path / "saves"))
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("done: 3 steps (0-2) in ") and "tok/s/rank (mean)" in last, last
+    assert "saved state " + str(tmp_path / "saves" / "step_00000003") in last, last
+    assert "--resume" in last
+    for text in (result.stdout, result.stderr):
+        assert "\r" not in text and "it/s" not in text and "layer/s" not in text and "%|" not in text
+
+
+def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
+    """With 03's checkpointing (whose recompute must not count twice) and 2 micro-batches."""
+    counted = {}
+
+    class CountedBar(progress.tqdm):
+        def close(self):  # tqdm may close a bar twice
+            counted[id(self)] = (self.n, self.total)
+            super().close()
+
+    monkeypatch.setattr(progress, "tqdm", CountedBar)
+    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=32, checkpoint=True,
+                                                grad_accum=2))
+    rt = train.setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    optimizer = train.make_optimizer(model, cfg)
+    passes = 2 * 2 * len(model.layers)  # forward and backward of each block, per micro-batch
+    with progress.layer_bars(model, cfg.grad_accum, True, file=io.StringIO()) as start:
+        start(0)
+        train.train_step(model, optimizer, torch.randint(0, 256, (2, 33)), rt, cfg)
+        start(1)  # closes step 0's bar
+    assert list(counted.values()) == [(passes, passes), (0, passes)]
+    assert not any(block._forward_hooks or block._forward_pre_hooks for block in model.layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# --keep-attention decided from the plan
+# ---------------------------------------------------------------------------------------------
+
+def llama_8b(seq_len: int, **flags):
+    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=seq_len, stack=5,
+                                                dtype="bfloat16", device="cpu", **flags))
+    cfg.head_chunk = planner.fewest_stages_that_fit(cfg, 1, int(139.8 * GiB))
+    return cfg
+
+
+@pytest.mark.parametrize("seq_len,gpu,host,fits", [
+    (2**17, 139.8, 125, True),     # one H200 at 128K: measured 1.17x faster with it
+    (2**18, 139.8, 125, False),    # 256K: the kept outputs double the 62 GiB on the host
+    (2**18, 139.8, 2048, True),
+    (2**17, 80, 2048, False),      # the step itself does not fit an 80 GB GPU
+])
+def test_keep_attention_is_on_where_the_plan_fits_it(seq_len, gpu, host, fits):
+    cfg = llama_8b(seq_len)
+    assert train.keep_attention_fits(cfg, 1, int(gpu * GiB), int(host * GiB), 1) is fits
+    assert not train.keep_attention_fits(cfg, 1, int(gpu * GiB), None, 1)  # host unknown
+
+
+def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
+    parse = lambda *flags: train.parse_args(["--stack", "3", *flags]).keep_attention  # noqa: E731
+    assert (parse(), parse("--keep-attention"), parse("--no-keep-attention")) == (None, True, False)
+    cpu = Runtime()
+    assert train.choose_keep_attention(replace(llama_8b(2**17), keep_attention=None), cpu) is False
+    assert train.choose_keep_attention(replace(llama_8b(2**17), keep_attention=True), cpu) is True
+    run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1"]))
+    assert run.model.kept_attention is None  # off on the CPU
