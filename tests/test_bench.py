@@ -308,3 +308,29 @@ def test_the_context_curve_recipe_runs_end_to_end(tmp_path, capsys):
     evaluate.main(["--compare", str(after), str(tmp_path / "coarse.json"),
                    "--out", str(tmp_path / "curve2.png")])
     assert "different position buckets" in capsys.readouterr().out
+
+
+def test_ring_diagram_draws_06s_own_schedule(tmp_path):
+    """bench/ring_diagram.py (the README's picture) reads 06's schedule: over R steps every block
+    pair with keys not after queries is computed once, by the rank holding its query chunk,
+    causal only on the diagonal, and every rank does the same work at every step; the command
+    writes its PNG and refuses a ring it cannot draw."""
+    from bench import ring_diagram
+
+    ring_attention = importlib.import_module("06_ring_attention")
+    for ring in (1, 2, 3, 4):
+        schedule = ring_diagram.ring_schedule(ring)
+        assert sorted((a, b) for *_, a, b, _ in schedule) == \
+            [(a, b) for a in range(2 * ring) for b in range(a + 1)]
+        for step, rank, a, b, causal in schedule:
+            assert a in ring_attention.zigzag_chunks(rank, ring) and causal == (a == b)
+            assert b in ring_attention.zigzag_chunks((rank - step) % ring, ring)
+        assert ring_diagram.work_per_step(schedule, ring) == [[2.0] * ring] * ring
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "ring.png"
+    done = subprocess.run([sys.executable, "-m", "bench.ring_diagram", "--ring", "3", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert out.stat().st_size > 0 and "rank 2 (K/V of rank 0)" in done.stdout
+    with pytest.raises(ValueError, match="between 1 and 8"):
+        ring_diagram.main(["--ring", "9", "--out", str(tmp_path / "no.png")])
