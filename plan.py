@@ -1,7 +1,8 @@
 """plan.py - how much memory a training step needs per GPU, without a GPU.
 
     python plan.py --model llama3-8b --seq-len 3M --stack 5 --gpus 8 --gpu-mem 80GiB
-    python plan.py --model llama3-8b --seq-len max --gpus 8      # longest length per --stack
+    python plan.py --model llama3-8b --gpus 8 --host-mem 2TiB    # longest length per --stack
+                                                                 # (--seq-len max, the default)
     python plan.py --model llama3-8b --seq-len max --stack 5 --scaling   # 8..64 GPUs, with and
                                                                  # without --offload-model-state
     python train.py --plan ...                # a training command's plan (training's own
@@ -13,7 +14,9 @@ Each numbered file states the bytes its technique leaves on the GPU in one funct
 `mlp_temporary_bytes` / `loss_temporary_bytes` in 04, `untied_attention_bytes` in 05); this file
 adds them up at the moments a step can peak. The flags it shares with train.py (one definition,
 support/config.py) mean what they mean there; plan.py imports no train.py, train.py imports it.
-The counts are calibrated against GPU runs (docs/calibration.md: within a few percent).
+The counts are calibrated against GPU runs (docs/calibration.md: within a few percent), and
+"fits" keeps a margin of the worst under-prediction among them (`fits_on_gpu`). The host memory
+assumed (--host-mem, per node) can decide an answer: its first line says what was assumed.
 
 Packed documents (--documents) change the plan very little, so it counts them as dense: the
 attention holds the same q, k, v, output and log-sum-exp whatever the mask, and positions,
@@ -23,17 +26,20 @@ while it concatenates the documents' pieces: up to ~15% of 02's attention peak f
 not counted here (`DOCUMENTS_NOTE`).
 """
 
+import functools
 import importlib
+import json
 import sys
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import model as llama
 from support import config, keep_attention, kernels
-from support.config import (MAX_STACK, TECHNIQUES, Config, model_args, model_name,
+from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
 from support.runtime import Runtime, check_layout
 
@@ -49,6 +55,10 @@ GiB = 2**30
 # allocator's slack. On a 139.8 GiB H200 a step failed to allocate 0.9 GiB with 136.85 GiB
 # allocated (docs/results/progression_llama3-8b_2gpu.json): 2.95 GiB was out of reach.
 PLAN_GPU_RESERVE = 3 * GiB
+# Every GPU measurement next to its plan (tests/test_plan.py keeps it current): "fits" keeps a
+# margin of the planner's worst miss in it (worst_under_prediction).
+CALIBRATION = Path(__file__).resolve().parent / "docs" / "results" / "plan_calibration.json"
+DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
                   "loop adds up to one attention output and one dq/dk/dv while concatenating")
 PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
@@ -298,19 +308,18 @@ def smallest_gpu_memory(rt: Runtime) -> int:
 def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
                            forward_only: bool = False) -> int:
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
-    U (fewest stages) whose planned step stays within 90% of the usable memory, else U = P.
+    U (fewest stages) whose planned step fits (fits_on_gpu, with its margin), else U = P.
     Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges; README,
     throughput); the memory that U = P saves matters only near the longest length that fits, and there
-    only U = P fits. The tenth kept spare covers the planner's error (within 4%, calibration).
-    One stage holds more memory than Ulysses (its backward keeps the output and the input-
-    gradient buffer besides every head's q, k, v): it is chosen only where that fits. Training
-    passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
+    only U = P fits. One stage holds more memory than Ulysses (its backward keeps the output and
+    the input-gradient buffer besides every head's q, k, v): it is chosen only where that fits.
+    Training passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
     args = model_args(cfg)
     sp, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
     for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
         plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
                            forward_only=forward_only)
-        if plan["peak"] <= 0.9 * (gpu_mem - PLAN_GPU_RESERVE):
+        if fits_on_gpu(plan["peak"], gpu_mem):
             return chunk
     return least_memory
 
@@ -319,25 +328,59 @@ def gpus_sharing_a_node(world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> 
     return min(world_size, gpus_per_node)
 
 
+@functools.cache
+def worst_under_prediction(calibration: Path = CALIBRATION) -> float:
+    """The planner's worst under-prediction in its calibration, as a fraction of the measured
+    peak: max((measured - planned) / measured) over the GPU measurements, 0 if it never planned
+    low. An out-of-memory row's measured number is the least that step needed, so it counts
+    where the planner said the step fits. A row that measured code changed since
+    ("measures_changed_code") is not the planner's error."""
+    rows = json.loads(Path(calibration).read_text())["rows"]
+    return max([0.0] + [(row["measured_gib"] - row["predicted_gib"]) / row["measured_gib"]
+                        for row in rows if "measures_changed_code" not in row])
+
+
+def plan_margin() -> float:
+    """What "fits" adds to a planned peak: enough that a step the planner under-predicts as
+    badly as its worst calibration row (a fraction w of the measured peak) still fits:
+    planned x (1 + margin) = planned / (1 - w)."""
+    worst = worst_under_prediction()
+    return worst / (1 - worst)
+
+
+def fits_on_gpu(peak: int, gpu_mem: int) -> bool:
+    """The one definition of "fits" on a GPU (the plan's answer, the longest length, the head
+    chunk and --keep-attention training chooses): the planned peak plus the margin within the
+    GPU less PLAN_GPU_RESERVE."""
+    return peak * (1 + plan_margin()) <= gpu_mem - PLAN_GPU_RESERVE
+
+
+def margin_text() -> str:
+    return (f"a {plan_margin():.1%} margin on each planned peak (the planner's worst "
+            f"under-prediction in calibration: {worst_under_prediction():.1%} of a measured peak)")
+
+
 def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int,
               gpus_per_node: int = GPUS_PER_NODE) -> tuple:
-    """(fits on each GPU, fits in host memory): the peak within the GPU less PLAN_GPU_RESERVE;
-    what each GPU keeps on the host (offloaded checkpoints, model state), times the GPUs of one
+    """(fits on each GPU, fits in host memory): the peak with its margin (fits_on_gpu); what
+    each GPU keeps on the host (offloaded checkpoints, model state), times the GPUs of one
     node, within the node's host memory `host_mem`."""
-    return (plan["peak"] <= gpu_mem - PLAN_GPU_RESERVE,
+    return (fits_on_gpu(plan["peak"], gpu_mem),
             plan["host"] * gpus_sharing_a_node(world_size, gpus_per_node) <= host_mem)
 
 
 def plan_longest_seq_len(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
-                         limit: int = 2**28, gpus_per_node: int = GPUS_PER_NODE,
+                         limit: int | None = None, gpus_per_node: int = GPUS_PER_NODE,
                          forward_only: bool = False):
     """(longest sequence length that fits, its plan): the largest multiple of sp x 1,024 tokens
-    (so every rank gets whole K-token shards) up to `limit` whose plan fits on the GPUs and the
-    host; (0, None) when none does. The plan's "limit" names what one more step of sp x 1,024
-    tokens would not fit: "GPU", "host" or both. Raises training's ValueError for an impossible
+    (so every rank gets whole K-token shards) up to `limit` (default: the 2^31 tokens a step
+    may hold) whose plan fits on the GPUs and the host (plan_fits, with the margin); (0, None)
+    when none does. The plan's "limit" names what one more step of sp x 1,024 tokens would not
+    fit: "GPU", "host" or both, or "length cap". Raises training's ValueError for an impossible
     setup."""
     sp, _ = check_layout(replace(cfg, seq_len=None), world_size, model_args(cfg))
     step = sp * 1024
+    limit = limit or MAX_TOKENS // cfg.batch_size
 
     def fits_at(multiple):
         plan = plan_memory(replace(cfg, seq_len=multiple * step), world_size,
@@ -353,9 +396,9 @@ def plan_longest_seq_len(cfg: Config, world_size: int, gpu_mem: int, host_mem: i
         else:
             low, best = middle, plan
     if best is not None:
-        gpu_fits, host_fits = fits_at(low + 1)[1] if low < limit // step else (False, False)
+        gpu_fits, host_fits = fits_at(low + 1)[1] if low < limit // step else (True, True)
         best["limit"] = " and ".join(name for name, fits in (("GPU", gpu_fits), ("host", host_fits))
-                                     if not fits) or "--seq-len limit"
+                                     if not fits) or "length cap"
     return low * step, best
 
 
@@ -371,22 +414,85 @@ def plan_peak_text(plan: dict) -> str:
     return moment + (f" (at {plan['block_moment']})" if moment.startswith("backward of") else "")
 
 
+def gpus_text(n: int) -> str:
+    return f"{n} GPU{'s' if n != 1 else ''}"
+
+
+def gpu_fit_text(peak: int, gpu_mem: int) -> str:
+    """Whether `peak` fits (fits_on_gpu), with the numbers; "at the edge" where it fits the
+    usable memory only without the margin."""
+    usable, with_margin = gpu_mem - PLAN_GPU_RESERVE, peak * (1 + plan_margin())
+    text = (f"{'fits' if fits_on_gpu(peak, gpu_mem) else 'does NOT fit'} in {usable / GiB:.1f} "
+            f"usable of {gpu_mem / GiB:.1f} (with the {plan_margin():.1%} margin: "
+            f"{with_margin / GiB:.1f})")
+    if peak <= usable < with_margin:
+        text += ": at the edge, where the planner has been a few percent low: it may run out of memory"
+    return text
+
+
+def plan_with_head_chunk(cfg: Config, world_size: int, gpu_mem: int, forward_only: bool = False):
+    """(cfg, its plan) with Untied Ulysses' head chunk as training (or eval.py) on such GPUs
+    would choose it when --head-chunk is not given."""
+    if cfg.untied and cfg.head_chunk is None:
+        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem, forward_only))
+    return cfg, plan_memory(cfg, world_size, forward_only=forward_only)
+
+
+def stack_level(cfg: Config) -> int:
+    """The highest --stack level whose techniques are all on in cfg (05 stands in for 02)."""
+    on = lambda flag: getattr(cfg, flag) or (flag == "ulysses" and cfg.untied)  # noqa: E731
+    return max(level for level in range(MAX_STACK + 1)
+               if all(on(flag) for flag, first in TECHNIQUES if first <= level))
+
+
+def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
+                   gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """For a step that does not fit: the first single change that the planner says fits, tried
+    in this order: more --stack, --offload-model-state, a smaller --head-chunk, no
+    --keep-attention, more GPUs (2x .. 16x), a shorter --seq-len."""
+    changes = [(f"--stack {level}", replace(cfg, stack=level), world_size)
+               for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
+    if cfg.fsdp and not cfg.offload_model_state:
+        changes.append(("--offload-model-state", replace(cfg, offload_model_state=True), world_size))
+    if cfg.untied and cfg.head_chunk:
+        args = model_args(cfg)
+        sp = check_layout(cfg, world_size, args)[0]
+        changes += [(f"--head-chunk {chunk}", replace(cfg, head_chunk=chunk), world_size)
+                    for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True)
+                    if chunk < cfg.head_chunk]
+    if cfg.keep_attention:
+        changes.append(("without --keep-attention", replace(cfg, keep_attention=False), world_size))
+    changes += [(f"--gpus {world_size * k}", cfg, world_size * k) for k in (2, 4, 8, 16)]
+    for change, candidate, gpus in changes:
+        try:
+            candidate, plan = plan_with_head_chunk(resolve_techniques(candidate), gpus, gpu_mem)
+        except ValueError:  # not a setup these GPUs can run
+            continue
+        if all(plan_fits(plan, gpus, gpu_mem, host_mem, gpus_per_node)):
+            return (f"{change} fits (peak {plan['peak'] / GiB:.1f} GiB per GPU, host "
+                    f"{plan['host'] / GiB:.1f} GiB per GPU)")
+    length, plan = plan_longest_seq_len(cfg, world_size, gpu_mem, host_mem,
+                                        gpus_per_node=gpus_per_node)
+    if plan is None:
+        return "nothing fits with one change (with these flags not even sp x 1,024 tokens fit)"
+    return (f"--seq-len {length // 1024}K, the longest that fits these flags (peak "
+            f"{plan['peak'] / GiB:.1f} GiB per GPU)")
+
+
 def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                gpus_per_node: int = GPUS_PER_NODE) -> str:
-    """The per-GPU table of `train.py --plan` for cfg.seq_len."""
-    args = model_args(cfg)
-    if cfg.untied and cfg.head_chunk is None:  # what training on such GPUs would choose
-        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem))
-    plan = plan_memory(cfg, world_size)
+    """The per-GPU table of `train.py --plan` for cfg.seq_len; where it does not fit, the first
+    change that would (what_would_fit)."""
+    args, asked = model_args(cfg), cfg
+    cfg, plan = plan_with_head_chunk(cfg, world_size, gpu_mem)
     gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
     node = gpus_sharing_a_node(world_size, gpus_per_node)
     peak = plan["moments"][plan["peak_moment"]]
-    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    gpus = gpus_text(world_size)
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     label_column = 0 if cfg.checkpoint else 1
     other = {PLAN_COMPONENTS[c][label_column] or PLAN_COMPONENTS[c][0]: peak.get(c, 0)
              for c in PLAN_COMPONENTS if c in peak or c != "optimizer"}
-    usable = gpu_mem - PLAN_GPU_RESERVE
     lines = [
         f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): "
         f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "
@@ -399,13 +505,11 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         row("attention activations", peak.get("attention", 0)),
         row("other", sum(other.values())),
         "    " + "; ".join(f"{label} {n / GiB:.1f}" for label, n in other.items()),
-        row("total at the peak", plan["peak"])
-        + f"   {'fits' if gpu_fits else 'does NOT fit'} in {usable / GiB:.1f} usable of "
-        f"{gpu_mem / GiB:.1f}",
+        row("total at the peak", plan["peak"]) + f"   {gpu_fit_text(plan['peak'], gpu_mem)}",
         f"    peak: {plan_peak_text(plan)}",
         row("host RAM per GPU", plan["host"])
         + f"   {'fits' if host_fits else 'does NOT fit'} in {host_mem / node / GiB:.1f} "
-        f"({host_mem / GiB:.1f} per node / {node} GPU{'s' if node > 1 else ''} per node)",
+        f"({host_mem / GiB:.1f} per node / {gpus_text(node)} per node)",
         "    " + "; ".join(f"{'offloaded checkpoints' if part == 'checkpoints' else part} "
                            f"{n / GiB:.1f}" for part, n in plan["host_parts"].items()),
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
@@ -417,6 +521,8 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
             lines.append(f"--keep-attention fits too (GPU {kept['peak'] / GiB:.1f}, host "
                          f"{kept['host'] / GiB:.1f} per GPU): the recompute skips attention's "
                          f"forward, ~1.2x faster steps at long lengths (README)")
+    if not (gpu_fits and host_fits):
+        lines.append("to fit: " + what_would_fit(asked, world_size, gpu_mem, host_mem, gpus_per_node))
     if cfg.documents:
         lines.append(DOCUMENTS_NOTE)
     return "\n".join(lines)
@@ -425,16 +531,13 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
 def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
     """The per-GPU table of `plan.py --eval`: one evaluation forward at cfg.seq_len."""
     args = model_args(cfg)
-    if cfg.untied and cfg.head_chunk is None:  # what eval.py on such GPUs would choose
-        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem, True))
-    plan = plan_forward_memory(cfg, world_size)
+    cfg, plan = plan_with_head_chunk(cfg, world_size, gpu_mem, forward_only=True)
     peak = plan["moments"][plan["peak_moment"]]
-    usable = gpu_mem - PLAN_GPU_RESERVE
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     return "\n".join([
         f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
         f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
-        f"{cfg.dtype}; {world_size} GPUs (data {plan['dp']} x sequence {plan['sp']}), "
+        f"{cfg.dtype}; {gpus_text(world_size)} (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
         f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'])}",
         f"{'per GPU':<48}{'GiB':>9}",
@@ -443,8 +546,7 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
         row("residual stream of the running block", peak["saved"]),
         row("attention temporaries", peak.get("attention", 0)),
         row("MLP / norm / loss temporaries", peak.get("block", 0) + peak.get("loss", 0)),
-        row("total at the peak", plan["peak"]) + f"   {'fits' if plan['peak'] <= usable else 'does NOT fit'}"
-        f" in {usable / GiB:.1f} usable of {gpu_mem / GiB:.1f}",
+        row("total at the peak", plan["peak"]) + f"   {gpu_fit_text(plan['peak'], gpu_mem)}",
         f"    peak: {plan['peak_moment']}",
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
@@ -470,44 +572,65 @@ def plan_levels(cfg: Config):
 
 def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                        gpus_per_node: int = GPUS_PER_NODE, forward_only: bool = False) -> str:
-    """The table of `train.py --plan --seq-len max`: the longest length per stack level, and
-    what stops it (the GPU's memory or the host's). forward_only: the longest evaluation
-    forward (eval.py), next to the longest training step."""
+    """The table of `plan.py --seq-len max`: the longest length per stack level that fits with
+    the margin, and what stops it (the GPU's memory or the host's). Levels that give the same
+    answer share a row (on one GPU Ulysses has nothing to split). forward_only: the longest
+    evaluation forward (eval.py), next to the longest training step."""
     node = gpus_sharing_a_node(world_size, gpus_per_node)
     offloaded = " --offload-model-state" if cfg.offload_model_state else ""
     what = "evaluation forward" if forward_only else "sequence"
-    lines = [f"longest {what} that fits: {model_name(cfg)}, {world_size} GPUs x {gpu_mem / GiB:.1f} GiB "
-             f"({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), host {host_mem / GiB:.1f} GiB per "
-             f"node of {node} GPUs, {cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of "
-             f"sp x 1,024 tokens" + (f"; every row{offloaded}" if offloaded else ""),
-             f"{'flags':<44}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
-             + (f"  {'training (tokens)':<22}" if forward_only
-                else f"{'host GiB/GPU':>13}  {'limit':<6}") + " peak at"]
+    rows, model_state = {}, {}  # a row's answer -> the flags that give it; level -> its state
+    n_heads, stack_4_length = model_args(cfg).n_heads, None
     for label, level_cfg in plan_levels(cfg):
         try:
             level_cfg = resolve_techniques(level_cfg)
             length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
                                                 gpus_per_node=gpus_per_node,
                                                 forward_only=forward_only)
-            if forward_only and plan is not None:
-                trained = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
-                                               gpus_per_node=gpus_per_node)[0]
-                label = label.replace("--stack 3", "--stack 3 (no 03 in eval)")
-                lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
-                             f"{plan['peak'] / GiB:>9.1f}  {plan_tokens_text(trained):<22}  "
-                             f"{plan['peak_moment']}")
-                continue
         except ValueError as error:
-            lines.append(f"{label:<44}  -  impossible: {error}")
+            cannot = f"{'-':>3}  cannot run on {gpus_text(world_size)}: {error}"
+            rows.setdefault(cannot, []).append(label)
             continue
         if plan is None:
-            lines.append(f"{label:<44}{'':>3}  none fits (not even sp x 1,024 tokens)")
+            rows.setdefault(f"{'':>3}  none fits (not even sp x 1,024 tokens)", []).append(label)
             continue
-        label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
-        lines.append(f"{label:<44}{plan['sp']:>3}  {plan_tokens_text(length):<22}"
-                     f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  {plan['limit']:<6} "
-                     f"{plan_peak_text(plan)}")
-    return "\n".join(lines)
+        if label in ("--stack 0", "--stack 1"):  # the one-GPU note below
+            model_state[label] = plan["model_state"]
+        if forward_only:
+            trained = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
+                                           gpus_per_node=gpus_per_node)[0]
+            answer = (f"{plan['sp']:>3}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}  "
+                      f"{plan_tokens_text(trained):<22}  {plan['peak_moment']}")
+        else:
+            answer = (f"{plan['sp']:>3}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}"
+                      f"{plan['host'] / GiB:>13.1f}  {plan['limit']:<6} {plan_peak_text(plan)}")
+            stack_4_length = length if label == "--stack 4" else stack_4_length
+            if (label == "--stack 5" and plan["head_chunk"] == n_heads
+                    and length < (stack_4_length or 0)):
+                answer += (f"; U = all {n_heads} heads is one stage, which holds more than "
+                           f"Ulysses (05 saves memory with several stages: more heads than GPUs)")
+            label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
+        rows.setdefault(answer, []).append(label)
+    rows = list(rows.items())
+    if world_size == 1 and model_state.get("--stack 1", 0) > model_state.get("--stack 0", 2**62):
+        i = next(i for i, (_, labels) in enumerate(rows) if "--stack 1" in labels)
+        rows[i] = (rows[i][0] + f"; FSDP shards nothing on 1 GPU and keeps its state in fp32: "
+                   f"{model_state['--stack 1'] / GiB:.1f} GiB (--stack 0: "
+                   f"{model_state['--stack 0'] / GiB:.1f} in {cfg.dtype})", rows[i][1])
+    rows = [(answer, ", ".join(labels)) for answer, labels in rows]
+    if forward_only:
+        rows = [(answer, labels.replace("--stack 3", "--stack 3 (no 03 in eval)", 1))
+                for answer, labels in rows]
+    width = max([44] + [len(labels) + 1 for _, labels in rows])
+    header = [f"longest {what} that fits: {model_name(cfg)}, {gpus_text(world_size)} x "
+              f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable) with "
+              f"{margin_text()}, host {host_mem / GiB:.1f} GiB per node of {gpus_text(node)}, "
+              f"{cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of sp x 1,024 tokens"
+              + (f"; every row{offloaded}" if offloaded else ""),
+              f"{'flags':<{width}}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
+              + (f"  {'training (tokens)':<22}" if forward_only
+                 else f"{'host GiB/GPU':>13}  {'limit':<6}") + " peak at"]
+    return "\n".join(header + [f"{labels:<{width}}{answer}" for answer, labels in rows])
 
 
 def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: int,
@@ -520,7 +643,9 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
     args = model_args(cfg)
     techniques = techniques_text(replace(cfg, offload_model_state=False), "P")
     lines = [f"longest sequence per GPU count: {model_name(cfg)}, {techniques}; GPUs of "
-             f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable), nodes of {gpus_per_node} GPUs with {host_mem / GiB:.1f} GiB host memory each",
+             f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable) with "
+             f"{margin_text()}, nodes of {gpus_text(gpus_per_node)} with {host_mem / GiB:.1f} GiB "
+             f"host memory each",
              f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
              f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
     notes = []
@@ -600,43 +725,61 @@ FLAG_GROUPS = (config.add_model_flags, config.add_step_flags, config.add_accumul
                config.add_document_flags, config.add_technique_flags)
 
 
+def host_memory_line(host_mem_flag: str | None, host_mem: int, gpus_sharing: int) -> str:
+    """The first line of every answer: the host memory assumed, which can decide it (offloaded
+    checkpoints and model state live there), and how to change it."""
+    node = f"{host_mem / GiB:.1f} GiB per node, shared by its {gpus_text(gpus_sharing)}"
+    if host_mem_flag is None:
+        return (f"host memory assumed: {node} (the default; it can decide the answer: give your "
+                f"nodes' with --host-mem, e.g. --host-mem 251GiB)")
+    return f"host memory assumed: {node} (--host-mem {host_mem_flag})"
+
+
 def plan_main(argv) -> str:
     """`python plan.py ...` (or `python train.py --plan ...`): the per-GPU table at --seq-len, or
-    with --seq-len max the longest length per stack level. The flags shared with train.py mean
-    what they mean there; the compute dtype defaults to bfloat16 (the GPUs')."""
+    with --seq-len max (the default) the longest length per stack level; the first line says the
+    host memory assumed. The flags shared with train.py mean what they mean there; the compute
+    dtype defaults to bfloat16 (the GPUs')."""
     parser = config.flags_parser(FLAG_GROUPS, description=__doc__.split("\n")[0], allow_abbrev=False)
     planner = parser.add_argument_group(
-        "planner", "--seq-len max: the longest length that fits, per --stack level")
+        "planner", "--seq-len max (the default): the longest length that fits, per --stack level")
     planner.add_argument("--gpus", type=int, default=8, help="GPUs planned for (default 8)")
     planner.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (default 80GiB)")
-    planner.add_argument("--host-mem", default="2TiB", help="host memory per node (default 2TiB)")
+    planner.add_argument("--host-mem", default=None,
+                         help=f"host memory per node (default {DEFAULT_HOST_MEM}; it can decide "
+                              f"the answer: give yours)")
     planner.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
                          help="GPUs that share a node's host memory")
     planner.add_argument("--scaling", type=int, nargs="*", default=None, metavar="GPUS",
                          help="with --seq-len max: the longest length on each GPU count (default "
                               "8 16 32 64), the model state on the GPUs and on the host")
     planner.add_argument("--eval", action="store_true", help="eval.py's forward only")
-    parser.set_defaults(dtype="bfloat16")
+    parser.set_defaults(dtype="bfloat16", seq_len="max")
     opts = parser.parse_args(argv)
     longest = opts.seq_len.strip().lower() == "max"
     if longest:  # each row sets its own length and techniques (plan_levels): the base needs
         # none of them, but --offload-model-state alone is refused without FSDP
         opts.seq_len, opts.fsdp = str(config.DEFAULTS.seq_len), True
     cfg = config.config_from_flags(opts)
-    gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem)
+    gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem or DEFAULT_HOST_MEM)
     if opts.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {opts.gpus_per_node}")
     if opts.scaling is not None:
         if not longest:
             raise ValueError("--scaling compares the longest lengths: add --seq-len max")
-        return plan_scaling_table(cfg, opts.scaling or [8, 16, 32, 64], gpu_mem, host_mem,
-                                  opts.gpus_per_node)
-    if longest:
-        return plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node,
-                                  forward_only=opts.eval)
-    if opts.eval:
-        return plan_forward_table(cfg, opts.gpus, gpu_mem)
-    return plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
+        answer = plan_scaling_table(cfg, opts.scaling or [8, 16, 32, 64], gpu_mem, host_mem,
+                                    opts.gpus_per_node)
+        sharing = opts.gpus_per_node
+    else:
+        if longest:
+            answer = plan_longest_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node,
+                                        forward_only=opts.eval)
+        elif opts.eval:
+            answer = plan_forward_table(cfg, opts.gpus, gpu_mem)
+        else:
+            answer = plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
+        sharing = gpus_sharing_a_node(opts.gpus, opts.gpus_per_node)
+    return host_memory_line(opts.host_mem, host_mem, sharing) + "\n" + answer
 
 
 def main(argv=None):

@@ -114,7 +114,8 @@ def calibration_rows() -> list:
 
 def test_calibration_within_10_percent_of_every_gpu_measurement():
     rows = calibration_rows()
-    sources = {p.name for p in RESULTS.glob("*.json")} - {CALIBRATION.name}
+    not_planned = json.loads(CALIBRATION.read_text()).get("not_planned", {})  # file -> why
+    sources = {p.name for p in RESULTS.glob("*.json")} - {CALIBRATION.name} - set(not_planned)
     assert {r["source"] for r in rows} == sources, "every GPU result file is calibrated against"
     for row in rows:
         measured = measured_gib(row)
@@ -303,7 +304,8 @@ def _training_and_plan_refuse_alike():
                                                        head_dim=8, ffn_dim=64, vocab_size=64)
     bad = [train.Config(model="tiny", seq_len=32),  # several processes without FSDP
            train.Config(model="tiny", seq_len=32, fsdp=True, ulysses=True, sp=3),
-           train.Config(model="plan-odd-heads", seq_len=32, fsdp=True, ulysses=True),
+           # 5 heads over 2 ranks: Ulysses alone (--ring 1) cannot split them
+           train.Config(model="plan-odd-heads", seq_len=32, fsdp=True, ulysses=True, ring=1),
            train.Config(model="tiny", seq_len=33, fsdp=True, ulysses=True),
            train.Config(model="tiny", seq_len=32, fsdp=True, untied=True, head_chunk=3)]
     for cfg in bad:
@@ -385,8 +387,10 @@ def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():
     for stack in (1, 2, 4, 5):
         length, plan = planner.plan_longest_seq_len(_cfg(stack, 1024), 8, 80 * GiB, 2 * 2**40)
         assert plan is not None and plan["peak"] <= 77 * GiB
+        assert planner.fits_on_gpu(plan["peak"], 80 * GiB)  # with the margin
         assert length % (1024 * plan["sp"]) == 0
-        assert planner.plan_memory(_cfg(stack, length + 1024 * plan["sp"]), 8)["peak"] > 77 * GiB
+        longer = planner.plan_memory(_cfg(stack, length + 1024 * plan["sp"]), 8)["peak"]
+        assert not planner.fits_on_gpu(longer, 80 * GiB)
         longest[stack] = length
     assert longest[1] < longest[2] < longest[4] < longest[5], longest
     assert longest[4] > 2 * 2**20 and longest[5] > 2.5 * 2**20  # millions with the full stack
@@ -395,7 +399,7 @@ def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():
 def test_untied_default_runs_the_fewest_stages_that_fit():
     """Without --head-chunk, training on a GPU runs Untied Ulysses in as few stages as fit:
     one stage (U = H) where memory is plentiful, U = P (the least memory) near the longest
-    length that fits, and in between a U whose plan leaves a tenth of the GPU spare."""
+    length that fits, and in between the largest U whose plan fits with the margin."""
     gpu = 141 * GiB
     choose = lambda length: planner.fewest_stages_that_fit(_cfg(5, length), 2, gpu)  # noqa: E731
     assert choose(2**17) == LLAMA8B.n_heads
@@ -404,8 +408,8 @@ def test_untied_default_runs_the_fewest_stages_that_fit():
     middle = choose(2**21)
     assert 2 < middle < LLAMA8B.n_heads
     plan = planner.plan_memory(_cfg(5, 2**21, head_chunk=middle), 2)
-    assert plan["peak"] <= 0.9 * (gpu - planner.PLAN_GPU_RESERVE)
-    assert planner.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)["peak"] > 0.9 * (gpu - planner.PLAN_GPU_RESERVE)
+    assert planner.fits_on_gpu(plan["peak"], gpu)
+    assert not planner.fits_on_gpu(planner.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)["peak"], gpu)
 
 
 def test_host_memory_limits_offload():
@@ -420,7 +424,7 @@ def test_host_memory_limits_offload():
 def test_offloaded_model_state_leaves_the_gpu_for_the_host():
     """--offload-model-state: no moment of the step holds model state or optimizer temporaries
     on the GPU; the host holds 01's offloaded bytes next to the checkpoints; what is freed goes
-    to activations: --stack 5 on 8 x 80 GiB (2 TiB host) reaches 6.6M tokens (6.14M without)."""
+    to activations: --stack 5 on 8 x 80 GiB (2 TiB host) reaches 6.9M tokens (5.8M without)."""
     for stack in range(1, MAX_STACK + 1):
         resident = planner.plan_memory(_cfg(stack, 2**20), 8)
         offloaded = planner.plan_memory(_cfg(stack, 2**20, offload_model_state=True), 8)
@@ -436,8 +440,8 @@ def test_offloaded_model_state_leaves_the_gpu_for_the_host():
         longest[on_host], plan = planner.plan_longest_seq_len(
             _cfg(5, 1024, offload_model_state=on_host), 8, 80 * GiB, 2 * 2**40)
         assert plan["limit"] == "GPU"
-    assert 6.1 * 2**20 < longest[False] < 6.2 * 2**20
-    assert longest[True] >= 6.6 * 2**20, longest
+    assert 5.8 * 2**20 < longest[False] < 5.9 * 2**20
+    assert longest[True] >= 6.9 * 2**20, longest
 
 
 def test_host_memory_is_per_node():
@@ -448,13 +452,126 @@ def test_host_memory_is_per_node():
     assert planner.plan_fits(plan, 32, 80 * GiB, 2 * 2**40)[1]
     assert not planner.plan_fits(plan, 32, 80 * GiB, 2 * 2**40, gpus_per_node=32)[1]
     length, plan = planner.plan_longest_seq_len(_cfg(5, 1024), 32, 80 * GiB, 2 * 2**40)
-    assert length > 16 * 2**20 and plan["limit"] == "GPU"
+    assert length > 15 * 2**20 and plan["limit"] == "GPU"
     bound = {}
     for on_host in (False, True):
         bound[on_host], plan = planner.plan_longest_seq_len(
             _cfg(5, 1024, offload_model_state=on_host), 8, 80 * GiB, 2**40)
         assert plan["limit"] == "host" and plan["host"] * 8 <= 2**40
     assert bound[True] < bound[False]
+
+
+def test_the_margin_is_the_calibrations_worst_under_prediction():
+    """"Fits" keeps a margin over the planned peak: the worst under-prediction of the calibration
+    (in percent of the measured peak; an out-of-memory row counts with the least it needed), here
+    the Ulysses step at 1.5625M on 2 x H200 that needed more than 142.7 GiB where 136.8 was
+    planned. A row of code that has changed since is not the planner's error. With the margin
+    every measured peak of today's code is covered."""
+    rows = [r for r in calibration_rows() if "measures_changed_code" not in r]
+    assert len(rows) == len(calibration_rows()) - 1
+    worst = max((r["measured_gib"] - r["predicted_gib"]) / r["measured_gib"] for r in rows)
+    assert planner.worst_under_prediction() == pytest.approx(worst)
+    assert worst == pytest.approx(1 - 136.816 / 142.71)
+    for row in rows:
+        assert row["predicted_gib"] * (1 + planner.plan_margin()) >= row["measured_gib"] - 1e-9, row["name"]
+    assert planner.fits_on_gpu(100 * GiB, 100 * GiB / (1 - worst) + planner.PLAN_GPU_RESERVE)
+    assert not planner.fits_on_gpu(100 * GiB, 100 * GiB / (1 - worst) + planner.PLAN_GPU_RESERVE - 2**20)
+
+
+def test_longest_on_one_h200_keeps_the_margin():
+    """One H200 (139.8 GiB, 125 GiB host), Llama-3-8B --stack 5: a 292K train.py step ran out of
+    memory with 136.7 GiB planned of 136.8 usable. The longest answer leaves the margin, and the
+    table's header says so."""
+    gpu, host = int(139.8 * GiB), 125 * GiB
+    length, plan = planner.plan_longest_seq_len(_cfg(5, 1024), 1, gpu, host)
+    assert plan["peak"] * (1 + planner.plan_margin()) <= gpu - planner.PLAN_GPU_RESERVE
+    assert 0 < length < 292 * 1024
+    assert not planner.plan_fits(planner.plan_memory(_cfg(5, length + 1024), 1), 1, gpu, host)[0]
+    table = planner.plan_main(["--model", "llama3-8b", "--seq-len", "max", "--gpus", "1",
+                               "--gpu-mem", "139.8GiB", "--host-mem", "125GiB", "--stack", "5"])
+    header = table.splitlines()[1]
+    assert header.startswith("longest sequence that fits") and "4.3% margin" in header, table
+
+
+def test_one_definition_of_fits():
+    """The plan's "fits", the longest length and the head chunk training chooses all ask
+    fits_on_gpu: a plan within the usable memory but not with the margin does not fit."""
+    gpu = 141 * GiB
+    for length in (2**20, 2**21):
+        chunk = planner.fewest_stages_that_fit(_cfg(5, length), 2, gpu)
+        assert planner.fits_on_gpu(planner.plan_memory(_cfg(5, length, head_chunk=chunk), 2)["peak"], gpu)
+        if chunk < LLAMA8B.n_heads:
+            bigger = planner.plan_memory(_cfg(5, length, head_chunk=2 * chunk), 2)
+            assert not planner.fits_on_gpu(bigger["peak"], gpu)
+    at_the_edge = planner.plan_main(["--model", "llama3-8b", "--seq-len", "256K", "--stack", "5",
+                                     "--gpus", "1", "--gpu-mem", "139.8GiB", "--host-mem", "125GiB"])
+    assert re.search(r"total at the peak +134\.8 +does NOT fit in 136\.8 usable of 139\.8", at_the_edge)
+    assert "at the edge" in at_the_edge
+
+
+def test_the_first_line_states_the_host_memory_assumed():
+    """Host memory decides answers (2 x H200: 2.62M at the default 2 TiB, 1.01M with their real
+    251 GiB): every answer starts with the host memory it assumed and how to change it."""
+    commands = (["--model", "llama3-8b", "--seq-len", "1M", "--stack", "5"],
+                ["--model", "llama3-8b", "--seq-len", "max", "--gpus", "2"],
+                ["--model", "llama3-8b", "--seq-len", "max", "--stack", "5", "--scaling", "8"],
+                ["--eval", "--model", "llama3-8b", "--seq-len", "3M", "--stack", "5"],
+                [])
+    for flags in commands:
+        first = planner.plan_main(flags).splitlines()[0]
+        assert "host memory" in first and "2048.0 GiB" in first and "--host-mem" in first, (flags, first)
+    first = planner.plan_main(["--model", "llama3-8b", "--seq-len", "max", "--gpus", "2",
+                               "--host-mem", "251GiB"]).splitlines()[0]
+    assert "251.0 GiB" in first and "--host-mem 251GiB" in first, first
+
+
+def test_no_arguments_answer_the_default_question():
+    """`python plan.py`: every level's longest length for the default model on the default GPUs
+    (what --seq-len max prints), the level that cannot run on 8 processes said in its row."""
+    result = subprocess.run([sys.executable, "plan.py"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == planner.plan_main(["--seq-len", "max"]) + "\n"
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("--stack 0") and "cannot run on 8 GPUs" in line for line in lines)
+    assert sum(line.startswith("--stack") for line in lines) >= 6
+    assert "GPU and host" not in result.stdout  # lengths stopped by the token cap say so
+    # a training command's plan is the plan at its length (train.py's --seq-len default)
+    trained = _run_plan("--model", "tiny", "--stack", "1")
+    assert trained.returncode == 0 and "256 (256) tokens x batch 1" in trained.stdout, trained.stdout
+
+
+def test_does_not_fit_names_the_first_change_that_fits():
+    """A plan that does not fit names the first of: more --stack, --offload-model-state, a
+    smaller --head-chunk, more GPUs, a shorter --seq-len, that the planner says fits."""
+    def advice(*flags):
+        table = planner.plan_main(["--model", "llama3-8b", "--gpu-mem", "80GiB", *flags])
+        assert "does NOT fit" in table, table
+        return [line for line in table.splitlines() if line.startswith("to fit")][0]
+
+    qwen = planner.plan_main(["--model", "qwen3-32b", "--seq-len", "1M", "--stack", "5"])
+    assert "to fit: --offload-model-state fits" in qwen, qwen
+    assert advice("--seq-len", "1M", "--stack", "3").startswith("to fit: --stack 4 fits")
+    assert advice("--seq-len", "5M", "--stack", "5", "--head-chunk", "32").startswith(
+        "to fit: --head-chunk 8 fits")  # the largest that fits (16 does not)
+    assert advice("--seq-len", "9M", "--stack", "5", "--offload-model-state").startswith(
+        "to fit: --gpus 16 fits")
+    on_8 = advice("--seq-len", "9M", "--stack", "5", "--offload-model-state", "--sp", "8")
+    assert on_8.startswith("to fit: --seq-len ")  # more GPUs with --sp 8: only data parallel
+    assert "to fit" not in planner.plan_main(["--model", "llama3-8b", "--seq-len", "1M", "--stack", "5"])
+
+
+def test_one_gpu_rows_say_why_and_do_not_repeat():
+    """On one GPU FSDP shards nothing and keeps fp32 state (--stack 1 is shorter than --stack 0:
+    the row says why), and levels that are the same step there share one row."""
+    table = planner.plan_main(["--model", "llama3-8b", "--seq-len", "max", "--gpus", "1",
+                               "--gpu-mem", "139.8GiB", "--host-mem", "125GiB"])
+    rows = [line for line in table.splitlines() if line.startswith("--stack")]
+    answers = [re.split(r"\s{2,}", line, maxsplit=1)[1] for line in rows]  # the row less its flags
+    assert len(set(answers)) == len(answers), table
+    fsdp_row = next(line for line in rows if line.startswith("--stack 1"))
+    assert "--stack 2" in fsdp_row and "FSDP shards nothing on 1 GPU" in fsdp_row, table
+    assert "1 GPUs" not in table
 
 
 def _run_plan(*flags):
@@ -507,7 +624,7 @@ def test_command_line_offload_and_scaling():
         assert text in result.stdout, (text, result.stdout)
     result = _run_plan("--model", "llama3-8b", "--seq-len", "max", "--offload-model-state")
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^--stack 5 \(U=8\) +8  7,\d+,\d+ \(7\.\d\dM\).* GPU ", result.stdout, re.M), result.stdout
+    assert re.search(r"^--stack 5 \(U=8\) +8  7,\d+,\d+ \(6\.\d\dM\).* GPU ", result.stdout, re.M), result.stdout
     result = _run_plan("--model", "llama3-8b", "--stack", "5", "--seq-len", "max", "--scaling")
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line[:5].strip().isdigit()]
@@ -520,7 +637,8 @@ def test_command_line_offload_and_scaling():
 
 
 def test_command_line_refuses_like_training():
-    result = _run_plan("--model", "llama3-8b", "--stack", "2", "--gpus", "3", "--seq-len", "96K")
+    result = _run_plan("--model", "llama3-8b", "--stack", "2", "--gpus", "3", "--seq-len", "96K",
+                       "--ring", "1")  # Ulysses alone: 32 heads over 3 ranks
     assert result.returncode == 1
     with pytest.raises(ValueError) as training:
         ulysses.check_ulysses_shapes(32, 8, 3)
