@@ -377,16 +377,16 @@ def choose_keep_attention(cfg: Config, rt: Runtime) -> bool:
 def keep_attention_fits(cfg: Config, world: int, gpu_mem: int, host_mem: int | None,
                         local_ranks: int) -> bool:
     """Whether the plan with --keep-attention fits: on the GPU within its usable memory, adding
-    nothing to the step's peak or staying within 90% of it (the tenth spare that
-    choose_head_chunk keeps for the planner's error); on the host, this node's ranks' planned
-    bytes (the kept outputs double the offloaded checkpoints) within 90% of what is available
-    (None: unknown, so no)."""
+    nothing to the step's peak or fitting with the planner's margin (plan.fits_on_gpu, the one
+    definition of "fits"); on the host, this node's ranks' planned bytes (the kept outputs
+    double the offloaded checkpoints) within 90% of what is available (None: unknown, so no)."""
     if host_mem is None:
         return False
     usable = gpu_mem - plan.PLAN_GPU_RESERVE
     kept = plan.plan_memory(replace(cfg, keep_attention=True), world)
     plain = plan.plan_memory(replace(cfg, keep_attention=False), world)
-    gpu_fits = kept["peak"] <= usable and (kept["peak"] <= plain["peak"] or kept["peak"] <= 0.9 * usable)
+    gpu_fits = kept["peak"] <= usable and (kept["peak"] <= plain["peak"]
+                                           or plan.fits_on_gpu(kept["peak"], gpu_mem))
     return gpu_fits and kept["host"] * local_ranks <= 0.9 * host_mem
 
 
