@@ -220,11 +220,12 @@ def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, 
 
 def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: dict) -> Run:
     if rt.ring > 1 and rt.rank == 0:
-        print(f"Ulysses x ring: {rt.sp // rt.ring} x {rt.ring} (06: Ulysses over {rt.sp // rt.ring} "
-              f"rank(s), ring attention over {rt.ring}"
+        print(f"Ulysses x ring: {rt.ulysses} x {rt.ring} (06: Ulysses over {rt.ulysses} "
+              f"rank{'s' if rt.ulysses > 1 else ''}, ring attention over {rt.ring}"
               + ("; --ring picked: the heads do not split over all P ranks)" if cfg.ring is None else ")"))
     if cfg.untied and rt.rank == 0:
-        print(f"Untied Ulysses: {args.n_heads // (cfg.head_chunk or rt.ulysses)} stages of "
+        stages = args.n_heads // (cfg.head_chunk or rt.ulysses)
+        print(f"Untied Ulysses: {stages} stage{'s' if stages > 1 else ''} of "
               f"U = {cfg.head_chunk or rt.ulysses} query heads")
     model = build_model(cfg, rt)
     optimizer = make_optimizer(model, cfg)

@@ -265,8 +265,8 @@ def test_the_default_lr_of_init_from_is_fine_tuning_and_printed(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 def test_the_summary_closes_the_run_and_no_bar_reaches_a_pipe(tmp_path):
-    result = run_script("train.py", "--seq-len", "32", "--steps", "3", "--save-dir",
-                        str(tmp_path / "saves"))
+    result = run_script("train.py", "--seq-len", "32", "--steps", "3", "--device", "cpu",
+                        "--save-dir", str(tmp_path / "saves"))
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("done: 3 steps (0-2) in ") and "tok/s/rank (mean)" in last, last
@@ -329,5 +329,6 @@ def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     cpu = Runtime()
     assert train.choose_keep_attention(replace(llama_8b(2**17), keep_attention=None), cpu) is False
     assert train.choose_keep_attention(replace(llama_8b(2**17), keep_attention=True), cpu) is True
-    run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1"]))
+    run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1",
+                                        "--device", "cpu"]))
     assert run.model.kept_attention is None  # off on the CPU
