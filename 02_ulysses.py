@@ -234,7 +234,8 @@ def data_sequence_mesh(device_type: str, sp: int):
 
 
 def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
-                               saved_only: bool = False, kernel: str = "cudnn") -> int:
+                               saved_only: bool = False, kernel: str = "cudnn",
+                               workspace=kernels.backward_workspace_bytes) -> int:
     """Bytes one attention layer (normed input -> output before o_proj) holds per rank, beyond
     its input and its output gradient: the most at once during forward and backward (default;
     the peak is in backward), or what it keeps from forward for backward (saved_only).
@@ -260,8 +261,10 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
     saved = 2 * q + 2 * kv + lse + exchanged
     if saved_only:
         return saved
-    workspace = kernels.backward_workspace_bytes(seq_len, args.n_heads // sp, kv_heads // sp,
-                                                 args.head_dim, bytes_per_value, kernel)
+    # workspace: the kernel's, over all seq_len tokens; with 06's ring (seq_len = a ring rank's
+    # S/R tokens, sp = P/R) the ring's buffers instead (06's ring_buffer_bytes).
+    workspace = workspace(seq_len, args.n_heads // sp, kv_heads // sp, args.head_dim,
+                          bytes_per_value, kernel)
     return saved + exchanged + q + 2 * kv + workspace
 
 

@@ -371,7 +371,7 @@ def valid_head_chunks(args, sp: int) -> list[int]:
 
 def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
                            bytes_per_value: int = 2, saved_only: bool = False,
-                           kernel: str = "cudnn") -> int:
+                           kernel: str = "cudnn", workspace=kernels.backward_workspace_bytes) -> int:
     """Bytes one Untied Ulysses attention layer holds per rank beyond its input and its output
     gradient, counted like 02's `attention_activation_bytes`: the peak (in backward), or what
     it keeps for backward (saved_only: the output buffer, local tokens x all heads, and every
@@ -408,8 +408,9 @@ def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
     stage = 2 * kv_stage + head_layout * q_stage + q_stage + 2 * kv_stage
     if stages_per_kv_group > 1:
         stage += 2 * kv_stage
-    stage += kernels.backward_workspace_bytes(seq_len, heads_per_rank_per_stage, kv_heads,
-                                              args.head_dim, b, kernel)
+    # The kernel's workspace over all seq_len tokens; with 06's ring (seq_len = a ring rank's
+    # S/R tokens, sp = P/R) the ring's buffers for one stage instead.
+    stage += workspace(seq_len, heads_per_rank_per_stage, kv_heads, args.head_dim, b, kernel)
     return saved + gradients + stage
 
 

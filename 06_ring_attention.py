@@ -287,9 +287,20 @@ def check_ring(sp: int, ring: int, seq_len: int | None = None) -> None:
 def ring_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value: int = 2,
                          kernel: str = "cudnn") -> int:
     """Bytes ring attention allocates per rank beyond its inputs (q, k, v, the output gradient)
-    and results (out, lse, dq, dk, dv), at its peak, in backward; plan.py adds this to Ulysses'
-    attention bytes at S/R tokens. Per rank, after Ulysses' exchange: N = S/R tokens (2 chunks
-    of C = N/2), H/U query heads and max(Hkv, U)/U KV heads, U = P/R:
+    and results (out, lse, dq, dk, dv), at its peak, in backward, for a whole attention layer
+    of Ulysses over U = P/R ranks around the ring: `ring_buffer_bytes` for this rank's S/R
+    tokens, H/U query heads and max(Hkv, U)/U KV heads (replicated up to U, as in 02)."""
+    ulysses_size = sp // ring
+    kv_heads = max(args.n_kv_heads, ulysses_size) // ulysses_size
+    return ring_buffer_bytes(seq_len // ring, args.n_heads // ulysses_size, kv_heads,
+                             args.head_dim, bytes_per_value, kernel)
+
+
+def ring_buffer_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                      bytes_per_value: int = 2, kernel: str = "cudnn") -> int:
+    """What the ring holds in place of one kernel's backward workspace over a ring rank's
+    n_tokens = S/R tokens (2 chunks of C = N/2): the planner passes this to 02's and 05's byte
+    formulas as their `workspace` (same arguments as kernels.backward_workspace_bytes):
       K/V blocks in flight: the one in use and the one arriving (2 K/V blocks);
       dK/dV in flight, fp32: the one sent on and the one arriving (2 blocks);
       dq accumulated in fp32 (N x heads x D x 4);
@@ -298,17 +309,26 @@ def ring_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value
       one block pair's backward: its dq (C tokens) and the kernel's workspace for C tokens.
     The forward holds less: 2 K/V blocks, the fp32 output (N x heads x D x 4), one block's output.
     """
-    ulysses_size = sp // ring
-    tokens, chunk = seq_len // ring, seq_len // ring // 2
-    heads = args.n_heads // ulysses_size
-    kv_heads = max(args.n_kv_heads, ulysses_size) // ulysses_size  # replicated up to P/R (02)
-    kv_values = 2 * tokens * kv_heads * args.head_dim  # k and v of one rank
-    key_grads = 3 * 2 * chunk * kv_heads * args.head_dim * bytes_per_value
-    block_pair = (chunk * heads * args.head_dim * bytes_per_value
-                  + kernels.backward_workspace_bytes(chunk, heads, kv_heads, args.head_dim,
-                                                     bytes_per_value, kernel))
-    return (2 * kv_values * bytes_per_value + 2 * kv_values * 4
-            + tokens * heads * args.head_dim * 4 + key_grads + block_pair)
+    b, chunk = bytes_per_value, n_tokens // 2
+    kv_values = 2 * n_tokens * n_kv_heads * head_dim  # k and v of one rank
+    key_grads = 3 * 2 * chunk * n_kv_heads * head_dim * b
+    block_pair = (chunk * n_heads * head_dim * b
+                  + kernels.backward_workspace_bytes(chunk, n_heads, n_kv_heads, head_dim, b, kernel))
+    return 2 * kv_values * b + 2 * kv_values * 4 + n_tokens * n_heads * head_dim * 4 + key_grads + block_pair
+
+
+def hybrid_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value: int = 2,
+                           saved_only: bool = False, kernel: str = "cudnn", untied: bool = False,
+                           head_chunk: int | None = None) -> int:
+    """02's (or with untied, 05's) attention bytes for Ulysses over P/R ranks that each hold a
+    ring rank's S/R tokens, with the ring's buffers in place of one kernel over them. R = 1:
+    02's and 05's own counts, unchanged."""
+    workspace = ring_buffer_bytes if ring > 1 else kernels.backward_workspace_bytes
+    if untied:
+        return untied_ulysses.untied_attention_bytes(args, seq_len // ring, sp // ring, head_chunk,
+                                                     bytes_per_value, saved_only, kernel, workspace)
+    return ulysses.attention_activation_bytes(args, seq_len // ring, sp // ring, bytes_per_value,
+                                              saved_only, kernel, workspace)
 
 
 def main():

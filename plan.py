@@ -41,13 +41,14 @@ import model as llama
 from support import config, keep_attention, kernels
 from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
-from support.runtime import Runtime, check_layout
+from support.runtime import Runtime, check_layout, ring_degree
 
 # The numbered files start with a digit, so they are imported by name.
 fsdp = importlib.import_module("01_fsdp")
 ulysses = importlib.import_module("02_ulysses")
 checkpointing = importlib.import_module("03_checkpoint_offload")
 tiling = importlib.import_module("04_alst_tiling")
+ring_attention = importlib.import_module("06_ring_attention")
 untied = importlib.import_module("05_untied_ulysses")
 
 GiB = 2**30
@@ -121,6 +122,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         return plan_forward_memory(cfg, world_size, args)
     args = args or model_args(cfg)
     sp, head_chunk = check_layout(cfg, world_size, args)
+    ring = ring_degree(cfg, sp, args)  # 06: Ulysses over sp / ring ranks, a ring over ring
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
     local_tokens = tokens // sp
@@ -145,12 +147,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         buffers = {moment: n + transfers[moment] for moment, n in buffers.items()}
         state, optimizer_temporaries = dict.fromkeys(state, 0), 0
 
-    if cfg.untied:
-        attention = partial(untied.untied_attention_bytes, args, tokens, sp, head_chunk, b,
-                            kernel=planned_kernel(cfg))
-    else:
-        attention = partial(ulysses.attention_activation_bytes, args, tokens, sp, b,
-                            kernel=planned_kernel(cfg))
+    # 02's or 05's count (with a ring: over a ring rank's S/R tokens, the ring's buffers in
+    # place of one kernel's workspace)
+    attention = partial(ring_attention.hybrid_attention_bytes, args, tokens, sp, ring, b,
+                        kernel=planned_kernel(cfg), untied=cfg.untied, head_chunk=head_chunk)
     mlp = partial(tiling.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
@@ -166,7 +166,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # into the head layout, then dropped). Untied Ulysses keeps both: it saved its output and
     # slices the output gradient stage by stage. (Measured at 128K-1M, docs/calibration.md.)
     token_layout = (local_tokens * args.n_heads * args.head_dim * b
-                    if cfg.ulysses and not cfg.untied and sp > 1 else 0)
+                    if cfg.ulysses and not cfg.untied and sp // ring > 1 else 0)
     block_moments = {
         "its MLP": (attention_saved, norms["saved"] + hidden + mlp()),
         "its post-attention RMSNorm": (attention_saved, first_norm + norms["post_norm_input"]
@@ -228,7 +228,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
             "host": host + host_state,
             "host_parts": {"checkpoints": host, "model state": host_state},
             "model_state": sum(state.values()), "local_tokens": local_tokens,
-            "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk}
+            "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk, "ring": ring}
 
 
 def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
@@ -253,6 +253,8 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
     """
     args = args or model_args(cfg)
     sp, head_chunk = check_layout(cfg, world_size, args)
+    ring = ring_degree(cfg, sp, args)
+    ulysses_size = sp // ring  # with 06's ring: the head layout holds S/R tokens, not S
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len
     n = tokens // sp  # local tokens
@@ -267,14 +269,23 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
     q = n * args.n_heads * args.head_dim * b
     lse = n * args.n_heads * 4
     if cfg.untied:
-        u = head_chunk // sp  # query heads per rank and stage
-        kv_heads = max(1, u // (args.n_heads // args.n_kv_heads)) if args.n_kv_heads >= sp else 1
-        q_stage, kv_stage = n * head_chunk * args.head_dim * b, n * sp * kv_heads * args.head_dim * b
+        u = head_chunk // ulysses_size  # query heads per rank and stage
+        kv_heads = (max(1, u // (args.n_heads // args.n_kv_heads))
+                    if args.n_kv_heads >= ulysses_size else 1)
+        q_stage = n * head_chunk * args.head_dim * b
+        kv_stage = n * ulysses_size * kv_heads * args.head_dim * b
         attention = q + lse + 2 * kv_stage + 4 * q_stage
-    elif sp > 1:
-        attention = 5 * q + 4 * n * max(args.n_kv_heads, sp) * args.head_dim * b + lse
+        ring_heads = (u, kv_heads)
+    elif ulysses_size > 1:
+        attention = 5 * q + 4 * n * max(args.n_kv_heads, ulysses_size) * args.head_dim * b + lse
+        ring_heads = (args.n_heads // ulysses_size, max(args.n_kv_heads, ulysses_size) // ulysses_size)
     else:
         attention = 2 * q + 2 * n * args.n_kv_heads * args.head_dim * b + lse
+        ring_heads = (args.n_heads, args.n_kv_heads)
+    if ring > 1:  # the ring's forward: the K/V block arriving, the fp32 output accumulator
+        heads, kv_heads = ring_heads
+        attention += (2 * (tokens // ring) * kv_heads * args.head_dim * b
+                      + (tokens // ring) * heads * args.head_dim * 4)
     mlp_tile = min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n)
     mlp = (hidden + 3 * mlp_tile * args.ffn_dim * b) if cfg.tile_mlp else 3 * n * args.ffn_dim * b
     norm = (hidden + 8 * mlp_tile * args.dim) if cfg.tile_norm else 8 * n * args.dim
@@ -293,7 +304,7 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()), "block_moment": peak_moment, "host": 0,
             "model_state": params, "local_tokens": n, "sp": sp, "dp": world_size // sp,
-            "head_chunk": head_chunk, "forward_only": True}
+            "head_chunk": head_chunk, "ring": ring, "forward_only": True}
 
 
 def smallest_gpu_memory(rt: Runtime) -> int:
@@ -316,7 +327,8 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
     Training passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
     args = model_args(cfg)
     sp, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
-    for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True):
+    ulysses_size = sp // ring_degree(cfg, sp, args)  # U is a multiple of the Ulysses degree
+    for chunk in sorted(untied.valid_head_chunks(args, ulysses_size), reverse=True):
         plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
                            forward_only=forward_only)
         if fits_on_gpu(plan["peak"], gpu_mem):
@@ -457,8 +469,9 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     if cfg.untied and cfg.head_chunk:
         args = model_args(cfg)
         sp = check_layout(cfg, world_size, args)[0]
+        ulysses_size = sp // ring_degree(cfg, sp, args)
         changes += [(f"--head-chunk {chunk}", replace(cfg, head_chunk=chunk), world_size)
-                    for chunk in sorted(untied.valid_head_chunks(args, sp), reverse=True)
+                    for chunk in sorted(untied.valid_head_chunks(args, ulysses_size), reverse=True)
                     if chunk < cfg.head_chunk]
     if cfg.keep_attention:
         changes.append(("without --keep-attention", replace(cfg, keep_attention=False), world_size))
@@ -565,9 +578,29 @@ def plan_levels(cfg: Config):
             label = f"--stack {level}" + (" --untied" if use_untied and level < 5 else "")
             rows.append((label, replace(base, stack=level, untied=use_untied,
                                         sp=cfg.sp if level >= 2 else None,
+                                        ring=cfg.ring if level >= 2 else None,
                                         head_chunk=cfg.head_chunk if use_untied else None)))
-    rows.append(("--stack 4 --sp 1 (no context parallelism)", replace(base, stack=4, sp=1)))
+    rows.append(("--stack 4 --sp 1 (no context parallelism)", replace(base, stack=4, sp=1, ring=None)))
     return rows
+
+
+def best_ring(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
+              gpus_per_node: int = GPUS_PER_NODE):
+    """(length, plan, R) for the ring degree R > 1 (06: Ulysses P/R x ring R) with the longest
+    length that fits, or None. A larger R leaves each GPU S/R tokens of fewer heads in the
+    attention, so memory favours it; speed favours Ulysses inside a node (docs/ring.md)."""
+    sp = cfg.sp or world_size
+    best = None
+    for ring in (r for r in range(2, sp + 1) if sp % r == 0):
+        try:
+            length, plan = plan_longest_seq_len(resolve_techniques(replace(cfg, ring=ring)),
+                                                world_size, gpu_mem, host_mem,
+                                                gpus_per_node=gpus_per_node)
+        except ValueError:  # heads or lengths this ring cannot split
+            continue
+        if plan is not None and (best is None or length > best[0]):
+            best = (length, plan, ring)
+    return best
 
 
 def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
@@ -611,6 +644,16 @@ def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int
                            f"Ulysses (05 saves memory with several stages: more heads than GPUs)")
             label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
         rows.setdefault(answer, []).append(label)
+        if (label.startswith(("--stack 4", "--stack 5")) and "--sp 1" not in label
+                and cfg.ring is None and not forward_only):
+            ringed = best_ring(level_cfg, world_size, gpu_mem, host_mem, gpus_per_node)
+            if ringed is not None and ringed[0] > length:  # 06 reaches further: its own row
+                ring_length, ring_plan, ring = ringed
+                ring_label = label.split(" (U=")[0] + f" --ring {ring}" + (
+                    f" (U={ring_plan['head_chunk']})" if ring_plan["head_chunk"] else "")
+                rows.setdefault(f"{ring_plan['sp']:>3}  {plan_tokens_text(ring_length):<22}"
+                                f"{ring_plan['peak'] / GiB:>9.1f}{ring_plan['host'] / GiB:>13.1f}  "
+                                f"{ring_plan['limit']:<6} {plan_peak_text(ring_plan)}", []).append(ring_label)
     rows = list(rows.items())
     if world_size == 1 and model_state.get("--stack 1", 0) > model_state.get("--stack 0", 2**62):
         i = next(i for i, (_, labels) in enumerate(rows) if "--stack 1" in labels)
@@ -637,18 +680,16 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
                        gpus_per_node: int = GPUS_PER_NODE) -> str:
     """The table of `--seq-len max --scaling`: the longest length of cfg's techniques on each
     GPU count, with the model state on the GPUs and on the host (--offload-model-state). Nodes
-    of `gpus_per_node` GPUs, each with `host_mem`. Where Ulysses cannot split the heads over
-    all GPUs, the row uses the largest sequence-parallel degree that works (the rest data
-    parallel) and a note says what limits it and what a longer sequence would take."""
-    args = model_args(cfg)
+    of `gpus_per_node` GPUs, each with `host_mem`. Each row takes the ring degree R (06: Ulysses
+    P/R x ring R) that reaches furthest, R = 1 (Ulysses alone) when nothing beats it; with
+    --ring given, that one."""
     techniques = techniques_text(replace(cfg, offload_model_state=False), "P")
     lines = [f"longest sequence per GPU count: {model_name(cfg)}, {techniques}; GPUs of "
              f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable) with "
              f"{margin_text()}, nodes of {gpus_text(gpus_per_node)} with {host_mem / GiB:.1f} GiB "
-             f"host memory each",
-             f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'sp x dp':>8}  {'longest (tokens)':<22}"
-             f"{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
-    notes = []
+             f"host memory each; Ulysses x ring: the ring degree that reaches furthest (06)",
+             f"{'GPUs':>5}{'nodes':>6}  {'model state':<12}{'ulysses x ring x dp':>20}  "
+             f"{'longest (tokens)':<22}{'peak GiB':>9}{'host GiB/GPU':>13}  {'limit':<6}"]
     for gpus in gpu_counts:
         nodes = -(-gpus // gpus_per_node)
         for on_host in (False, True):
@@ -656,34 +697,23 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
             where = "host" if on_host else "GPU"
             start = f"{gpus:>5}{nodes:>6}  {where:<12}"
             try:
-                check_layout(replace(row_cfg, seq_len=None), gpus, args)
+                length, plan = plan_longest_seq_len(row_cfg, gpus, gpu_mem, host_mem,
+                                                    gpus_per_node=gpus_per_node)
             except ValueError as error:
-                sp = max((d for d in range(1, args.n_heads + 1) if gpus % d == 0
-                          and args.n_heads % d == 0), default=None)
-                if (row_cfg.sp is not None or not (row_cfg.ulysses or row_cfg.untied)
-                        or sp is None or sp == gpus):
-                    lines.append(f"{start}impossible: {error}")
-                    continue
-                if not on_host:
-                    notes.append(
-                        f"{gpus} GPUs: Ulysses splits the {args.n_heads} query heads over the "
-                        f"sequence-parallel ranks, so sp <= {args.n_heads}. The row runs sp {sp} x "
-                        f"data {gpus // sp} (--sp {sp}): each sequence still lives on {sp} GPUs, so "
-                        f"its longest length is that of {sp} GPUs (a little longer with the model "
-                        f"state on the GPUs, sharded over {gpus}), with {gpus // sp} sequences per "
-                        f"step. A longer sequence needs the {gpus // sp} groups to share it: ring "
-                        f"attention between them around Ulysses within each (Ulysses x ring, as in "
-                        f"USP / LoongTrain), which this repository does not implement.")
-                row_cfg = replace(row_cfg, sp=sp)
-            length, plan = plan_longest_seq_len(row_cfg, gpus, gpu_mem, host_mem,
-                                                gpus_per_node=gpus_per_node)
+                length, plan, error_text = 0, None, f"impossible: {error}"
+            else:
+                error_text = "none fits"
+            if cfg.ring is None and (row_cfg.ulysses or row_cfg.untied):
+                ringed = best_ring(row_cfg, gpus, gpu_mem, host_mem, gpus_per_node)
+                if ringed is not None and ringed[0] > length:
+                    length, plan, _ = ringed
             if plan is None:
-                lines.append(f"{start}none fits")
+                lines.append(f"{start}{error_text}")
                 continue
-            layout = f"{plan['sp']} x {plan['dp']}"
-            lines.append(f"{start}{layout:>8}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}"
+            layout = f"{plan['sp'] // plan['ring']} x {plan['ring']} x {plan['dp']}"
+            lines.append(f"{start}{layout:>20}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}"
                          f"{plan['host'] / GiB:>13.1f}  {plan['limit']:<6}")
-    return "\n".join(lines + notes)
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------

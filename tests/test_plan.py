@@ -30,6 +30,7 @@ from ranks import run_ranks  # noqa: E402
 
 import model as llama  # noqa: E402
 import plan as planner
+from support import kernels
 from support.config import MAX_STACK
 from support.demos import measure_stage_memory
 
@@ -630,9 +631,16 @@ def test_command_line_offload_and_scaling():
     rows = [line.split() for line in result.stdout.splitlines() if line[:5].strip().isdigit()]
     assert [(r[0], r[1], r[2]) for r in rows] == [(g, str(-(-int(g) // 8)), where) for g in
                                                    ("8", "16", "32", "64") for where in ("GPU", "host")]
-    assert all(r[-1] == "GPU" for r in rows)  # 2 TiB per node: the GPUs limit every row
-    assert "64 GPUs: Ulysses splits the 32 query heads" in result.stdout
-    assert "Ulysses x ring" in result.stdout and "sp 32 x data 2" in result.stdout
+    # 64 GPUs share one sequence (Llama-3-8B has 32 query heads): Ulysses x ring (06), and the
+    # planner's reach grows with the GPUs: >= 12M on 16, >= 20M on 32, >= 40M on 64
+    longest = {(int(r[0]), r[2]): int(r[8].replace(",", "")) for r in rows}
+    layouts = {(int(r[0]), r[2]): (int(r[3]), int(r[5]), int(r[7])) for r in rows}
+    assert all(u * ring * dp == gpus for (gpus, _), (u, ring, dp) in layouts.items())
+    assert layouts[(64, "GPU")][1] >= 2 and 32 % layouts[(64, "GPU")][0] == 0
+    M = 2**20
+    assert longest[(16, "GPU")] >= 12 * M and longest[(32, "GPU")] >= 20 * M
+    assert longest[(64, "GPU")] >= 40 * M
+    assert "Ulysses x ring" in result.stdout
     assert _run_plan("--stack", "5", "--seq-len", "1M", "--scaling").returncode == 1
 
 
@@ -651,3 +659,30 @@ def test_command_line_refuses_like_training():
 
 if __name__ == "__main__":
     print(write_calibration())
+
+
+def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
+    """06 in the planner: a ring rank's S/R tokens through 02's / 05's formulas with the ring's
+    buffers (K/V and dK/dV in flight, fp32 accumulators) in place of one kernel's workspace;
+    attention bytes per GPU fall with R; Llama-3-8B (32 query heads) plans on 64 GPUs."""
+    ring_attention = importlib.import_module("06_ring_attention")
+    args = llama.get_model_args("llama3-8b")
+    cfg = train.resolve_techniques(train.Config(model="llama3-8b", stack=5, seq_len=16 * 2**20))
+    plans = {r: planner.plan_memory(replace(cfg, ring=r), 64) for r in (2, 4, 8, 16)}
+    attention = {r: p["moments"]["backward of the last layer"]["attention"] for r, p in plans.items()}
+    assert attention[2] > attention[4] > attention[8] > attention[16]
+    assert all(p["ring"] == r for r, p in plans.items())
+    # R = 1 is 05's own count; with R > 1 the ring's buffers replace one kernel's workspace
+    kernel = planner.planned_kernel(cfg)
+    assert ring_attention.hybrid_attention_bytes(args, 2**24, 32, 1, 2, kernel=kernel, untied=True,
+                                                 head_chunk=32) == untied.untied_attention_bytes(
+        args, 2**24, 32, 32, 2, kernel=kernel)
+    with_ring = ring_attention.hybrid_attention_bytes(args, 2**24, 64, 8, 2, kernel=kernel,
+                                                      untied=True, head_chunk=8)
+    assert with_ring == untied.untied_attention_bytes(args, 2**21, 8, 8, 2, kernel=kernel) - \
+        kernels.backward_workspace_bytes(2**21, 1, 1, args.head_dim, 2, kernel) + \
+        ring_attention.ring_buffer_bytes(2**21, 1, 1, args.head_dim, 2, kernel)
+    assert planner.plan_memory(cfg, 64)["ring"] == 2  # picked: 32 heads cannot split over 64
+    table = planner.plan_main(["--model", "llama3-8b", "--seq-len", "max", "--gpus", "64",
+                               "--gpus-per-node", "8", "--gpu-mem", "80GiB", "--host-mem", "2TiB"])
+    assert re.search(r"^--stack 5 --ring \d+ \(U=\d+\)", table, re.M), table
