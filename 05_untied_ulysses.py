@@ -435,8 +435,7 @@ def main():
     rows.append(("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
                  ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
     for head_chunk in valid_head_chunks(args, sp):
-        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk,
-                              attention=tuple(attention))
+        attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
         measured = measure_stage_memory(attn.attend, x, (rope,))
         planned = untied_attention_bytes(args, seq_len, sp, head_chunk, bytes_per_value)
         rows.append(("Untied Ulysses", head_chunk, args.n_heads // head_chunk, measured, planned))

@@ -41,7 +41,7 @@ def _fsdp_steps_match_single_process(steps, device="cpu", dtype="float32", rtol=
     # (Adam is blind to a wrong gradient *scale*: the grad-norm check above is what catches it.)
     for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(full(param).float().cpu(), ref_param, rtol=rtol,
-                                   atol=max(atol, 10 * cfg.lr * 1e-3),
+                                   atol=max(atol, 10 * train.learning_rate(cfg, 0) * 1e-3),
                                    msg=lambda m: f"{name} after {steps} steps: {m}")
 
 

@@ -337,8 +337,9 @@ def test_planner_bytes_llama3_8b_3m_tokens_8_gpus():
     assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}  # the data
     pinned = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
     assert pinned == moved  # power-of-two pieces: the pinned allocator rounds nothing up
+    # the sequence-split rule lives once, in 02, and the planner checks it before counting
     with pytest.raises(ValueError, match=r"sequence length \(3145728\) must be divisible .*\(7\)"):
-        checkpointing.checkpoint_memory_bytes(args, seq_len, 7, offload=True)
+        importlib.import_module("02_ulysses").check_sequence_split(seq_len, 7)
 
 
 def test_host_buffers_are_power_of_two_pieces_that_round_trip():

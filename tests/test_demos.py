@@ -17,6 +17,7 @@ DEMOS = {  # file -> (launched with torchrun, a line the demo prints)
     "03_checkpoint_offload.py": (True, "checkpoint"),
     "04_alst_tiling.py": (False, "MLP tiled"),
     "05_untied_ulysses.py": (True, "Untied Ulysses"),
+    "06_ring_attention.py": (True, "ring buffers in flight"),
 }
 
 
