@@ -657,10 +657,6 @@ def test_command_line_refuses_like_training():
     assert trained.returncode != 0 and "--plan" in trained.stderr
 
 
-if __name__ == "__main__":
-    print(write_calibration())
-
-
 def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
     """06 in the planner: a ring rank's S/R tokens through 02's / 05's formulas with the ring's
     buffers (K/V and dK/dV in flight, fp32 accumulators) in place of one kernel's workspace;
@@ -686,3 +682,7 @@ def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
     table = planner.plan_main(["--model", "llama3-8b", "--seq-len", "max", "--gpus", "64",
                                "--gpus-per-node", "8", "--gpu-mem", "80GiB", "--host-mem", "2TiB"])
     assert re.search(r"^--stack 5 --ring \d+ \(U=\d+\)", table, re.M), table
+
+
+if __name__ == "__main__":
+    print(write_calibration())
