@@ -432,7 +432,7 @@ def main():
                "gradients" if on_gpu
                else "bytes kept from forward to backward (saved tensors; CPU)")
         print(f"{opts.model} cut to {'/'.join(map(str, opts.layers))} layers, {seq_len:,} "
-              f"tokens over {ranks.world} rank(s) "
+              f"tokens over {ranks.world} rank{'s' if ranks.world > 1 else ''} "
               f"(sp {sp}: {seq_len // sp:,} local), {ranks.dtype} on {ranks.device.type}"
               f"{', FSDP + Ulysses' if ranks.launched else ''}")
         print(f"per rank, {unit_name}: {how}; host = the offloader's host buffers (pinned on a "

@@ -417,7 +417,7 @@ def main():
         how = ("peak allocated above the input (GPU)" if on_gpu
                else "saved-for-backward + output bytes (CPU)")
         print(f"{opts.model or ('llama3-8b' if on_gpu else 'small')}: {local_tokens:,} local tokens "
-              f"({seq_len:,} over {world} rank(s)), {dtype}; MLP tiles of {mlp_tile:,} tokens "
+              f"({seq_len:,} over {world} rank{'s' if world > 1 else ''}), {dtype}; MLP tiles of {mlp_tile:,} tokens "
               f"({tile_count(local_tokens, mlp_tile)} tiles), loss tiles of {loss_tile:,} "
               f"({tile_count(local_tokens, loss_tile)} tiles)")
         print(f"  {'phase, fwd+bwd':<16}{how:>42}{'largest tensor':>18}")

@@ -499,7 +499,7 @@ def exit_on_error(run) -> None:
     try:
         run()
     except (ValueError, FloatingPointError, StepOutOfMemory, saved_state.StopRequested,
-            saved_state.SaveFailed) as error:
+            saved_state.SaveFailed, pretrained.ExportFailed) as error:
         if isinstance(error, StepOutOfMemory) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
             print(f"[rank {os.environ.get('RANK', '?')}] error: {error}", file=sys.stderr, flush=True)
         elif first_rank_of_node():

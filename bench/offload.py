@@ -269,7 +269,7 @@ def main():
 
     if rt.rank == 0:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"\n{opts.model}, FSDP + Ulysses over {rt.world} rank(s){', tiled loss' if tile_loss else ''}; "
+        print(f"\n{opts.model}, FSDP + Ulysses over {rt.world} rank{'s' if rt.world > 1 else ''}{', tiled loss' if tile_loss else ''}; "
               f"peak includes the model state")
         print(f"{'part':>9} {'tokens':>8} {'layers':>6} {'mode':>11} {'peak GiB':>9} "
               f"{'above state':>12} {'step s':>8} {'host GiB':>9}")

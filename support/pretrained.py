@@ -360,6 +360,10 @@ def _local_part(tensor: torch.Tensor):
 # Export: gather one tensor at a time, rank 0 writes; atomic
 # ---------------------------------------------------------------------------------------------
 
+class ExportFailed(RuntimeError):
+    """An export that could not be written (a full disk, say); nothing was replaced."""
+
+
 def check_export_dir(out_dir: str, overwrite: bool = False) -> None:
     """Refuse, before anything is trained or written, an export folder that would destroy
     something (a file of that name, a folder that is not empty unless overwrite) or that can
@@ -510,7 +514,7 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise RuntimeError(f"export to {out_dir!r} failed, nothing was replaced: {error}")
+        raise ExportFailed(f"export to {out_dir!r} failed, nothing was replaced: {error}")
 
 
 def write_tokenizer_config(folder: str, config: dict, eos_token: str | None) -> None:

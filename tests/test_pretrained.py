@@ -595,3 +595,17 @@ def test_export_after_prepared_data_carries_its_tokenizer(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     generated = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
     assert generated.shape[1] <= len(ids) + 3 and hf.generation_config.eos_token_id == info["separator_id"]
+
+
+def test_an_export_that_fails_at_the_end_is_a_clear_error_not_a_traceback(tmp_path):
+    """Should the export fail after training all the same (a full disk), train.py ends with one
+    `error:` line naming it (nothing replaced), not a traceback."""
+    code = ("import sys, safetensors.torch, train\n"
+            "def full(*a, **k): raise OSError(28, 'No space left on device')\n"
+            "safetensors.torch.save_file = full\n"
+            f"train.main(['--steps', '1', '--export-hf', {str(tmp_path / 'out')!r}])\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "error: export to" in done.stderr and "No space left" in done.stderr
+    assert not (tmp_path / "out").exists()
