@@ -53,6 +53,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import re
 import statistics
 import time
 from functools import partial
@@ -85,13 +86,18 @@ KEEP_ATTENTION = "+keep-attention"  # a method's suffix: 03's --keep-attention
 SUFFIXES = {HOST_STATE: "offload_model_state", KEEP_ATTENTION: "keep_attention"}  # -> Config field
 
 
+RING = re.compile(r"\+ring:(\d+)")  # a method's suffix: 06's --ring R (Ulysses P/R x ring R)
+
+
 def parse_method(method: str) -> tuple:
     """'untied:8+host-state@fa4' -> ('untied', 8, 'fa4'): the method, Untied's head chunk (None:
     train.py's choice), the attention kernel (--attn-kernel; 'auto' when not given). The
-    suffixes +host-state (model state on the host, 01's --offload-model-state) and
-    +keep-attention (03's --keep-attention) are read by `method_config`."""
+    suffixes +host-state (model state on the host, 01's --offload-model-state), +keep-attention
+    (03's --keep-attention) and +ring:R (06's ring of R around Ulysses: 'ulysses+ring:2@fa4')
+    are read by `method_config`."""
     for suffix in SUFFIXES:
         method = method.replace(suffix, "")
+    method = RING.sub("", method)
     method, _, kernel = method.partition("@")
     name, _, chunk = method.partition(":")
     return name, int(chunk) if chunk else None, kernel or "auto"
@@ -99,8 +105,10 @@ def parse_method(method: str) -> tuple:
 
 def method_config(base: train.Config, method: str, model_name: str, seq_len: int) -> train.Config:
     name, chunk, kernel = parse_method(method)
+    ring = RING.search(method)
     cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len, attn_kernel=kernel,
                               ulysses=name == "ulysses", untied=name == "untied", head_chunk=chunk,
+                              ring=int(ring.group(1)) if ring else base.ring,
                               **{field: getattr(base, field) or suffix in method
                                  for suffix, field in SUFFIXES.items()})
     return train.resolve_techniques(cfg)

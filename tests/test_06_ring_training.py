@@ -7,13 +7,14 @@ import importlib
 from dataclasses import replace
 
 import pytest
+import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (assert_matches, full, make_batch, reference_loss_and_grads,
-                       train_loss_and_grads)
+from reference import (GPU_KERNELS, assert_matches, full, make_batch, reference_loss_and_grads,
+                       train_loss_and_grads, with_kernel)
 
 import model as llama
-from support import runtime
+from support import kernels, runtime
 
 train = importlib.import_module("train")
 
@@ -105,3 +106,27 @@ def _keep_attention_through_the_ring():
 
 def test_keep_attention_keeps_the_rings_output():
     run_ranks(2, _keep_attention_through_the_ring)
+
+
+def _ring_on_gpus_matches_fp32(stack):
+    """Ulysses 1 x ring 2 on two GPUs over NCCL, bf16, against the fp32 unsharded reference."""
+    cfg = train.resolve_techniques(train.Config(
+        model="tiny-hd64", stack=stack, ring=2, seq_len=64, device="cuda", dtype="bfloat16",
+        mlp_tile_tokens=16, loss_tile_tokens=16, keep_attention=False,
+        attn_kernel=kernels._requested["kernel"]))
+    rt = train.setup_runtime(cfg)
+    assert rt.ring == 2
+    tokens, labels = make_batch(256, 2, cfg.seq_len, seed=stack, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads("tiny-hd64", tokens, labels)
+    loss, grads = train_loss_and_grads(cfg, tokens, labels, rt)
+    grads = {n: g.float().cpu() for n, g in grads.items()}
+    assert_matches(loss.float().cpu(), grads, ref_loss, ref_grads, norm_rtol=3e-2,
+                   what=f"--stack {stack}, ring 2, NCCL bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("stack", [2, 5])
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_ring_training_nccl_bf16_matches_fp32_reference(kernel, stack):
+    run_ranks(2, with_kernel, kernel, _ring_on_gpus_matches_fp32, stack, backend="nccl")

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SMOKE_RUNS = {
     "throughput": ["--device", "cpu", "--model", "tiny", "--seq-lens", "256",
-                   "--methods", "none", "ulysses", "untied:8"],
+                   "--methods", "none", "ulysses", "untied:8", "ulysses+ring:2"],
     "tiling": ["--device", "cpu", "--model", "tiny", "--seq-lens", "512", "--step-seq-lens", "256",
                "--layers", "2", "--repeats", "1"],
     "offload": ["--device", "cpu", "--model", "tiny", "--parts", "fits", "layers", "--fits-seq-len",

@@ -306,8 +306,9 @@ def test_packed_training_equals_each_document_alone(world_size, tmp_path):
 @pytest.mark.parametrize("varlen", [False, True], ids=["loop", "varlen"])
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_path):
-    """02 and 05 (with the rest of --stack 5) on 2 GPUs in bf16 against the fp32 reference, with
-    each GPU kernel through the per-document loop, and with FA4's varlen launch; the tiny shape
+    """02 and 05 (with the rest of --stack 5), and both as Ulysses 1 x ring 2 (06), on 2 GPUs in
+    bf16 against the fp32 reference, with each GPU kernel through the per-document loop, and with
+    FA4's varlen launch; the tiny shape
     with real models' head size (tests/reference.py)."""
     if varlen and kernel != "fa4":
         pytest.skip("varlen is FlashAttention-4's")
@@ -315,7 +316,8 @@ def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_pa
     path = tmp_path / "packed.bin"
     write_token_file(path, make_stream(lengths))
     run_ranks(2, with_kernel, kernel, _with_varlen, varlen, _packed_equals_documents,
-              [(2, 2), (4, 2), (5, 2)], str(path), lengths, 2, "cuda", "bfloat16", 3e-2,
+              [(2, 2), (4, 2), (5, 2), (2, 2, 2), (5, 2, 2)], str(path), lengths, 2, "cuda",
+              "bfloat16", 3e-2,
               "tiny-hd64", backend="nccl")
 
 
