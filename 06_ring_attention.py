@@ -288,8 +288,8 @@ def ring_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value
                          kernel: str = "cudnn") -> int:
     """Bytes ring attention allocates per rank beyond its inputs (q, k, v, the output gradient)
     and results (out, lse, dq, dk, dv), at its peak, in backward, for a whole attention layer
-    of Ulysses over U = P/R ranks around the ring: `ring_buffer_bytes` for this rank's S/R
-    tokens, H/U query heads and max(Hkv, U)/U KV heads (replicated up to U, as in 02)."""
+    of Ulysses over P/R ranks around the ring: `ring_buffer_bytes` for this rank's S/R tokens,
+    H/(P/R) query heads and max(Hkv, P/R)/(P/R) KV heads (replicated up to P/R, as in 02)."""
     ulysses_size = sp // ring
     kv_heads = max(args.n_kv_heads, ulysses_size) // ulysses_size
     return ring_buffer_bytes(seq_len // ring, args.n_heads // ulysses_size, kv_heads,
@@ -339,9 +339,13 @@ def main():
     demo = attention_demo_setup("06_ring_attention.py")
     args, device, dtype, world, rank = demo.args, demo.device, demo.dtype, demo.world, demo.rank
     rings = [r for r in (1, 2, 4) if world % r == 0]
+    try:  # every ring degree, before any work
+        for ring in rings:
+            check_ring(ring, ring, demo.seq_len)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}")
     measured = {}
     for ring in rings:
-        check_ring(ring, ring, demo.seq_len)
         groups = [dist.new_group(list(range(start, start + ring))) for start in range(0, world, ring)]
         group = groups[rank // ring]
         local = demo.seq_len // ring

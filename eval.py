@@ -56,8 +56,8 @@ On GPUs (commands for the GPU machine; the planner gives the longest length per 
 The JSON records seconds per million tokens (median forward) and the peak GPU memory. The
 planner's forward-only counts (within 1% of a 6M-token forward measured on 2 H200s:
 docs/calibration.md), with the margin every plan keeps, put Llama-3-8B's longest evaluation at
---stack 5 at 14.9M tokens on 8 x 80 GiB (training: 5.8M) and 7.1M on 2 H200s (training: 1.0M,
-bound by host memory for the offload).
+--stack 5 at 14.9M tokens on 8 x 80 GiB (training: 5.8M) and 7.1M on 2 H200s (training: 1.0M
+with their 256 GiB of host memory, which the offload fills first: --host-mem 256GiB).
 """
 
 import argparse
@@ -468,7 +468,7 @@ def run(opts, cfg) -> dict:
         result = loss_by_position(model, cfg, rt, opts.windows, opts.first_window, opts.bucket_start)
     result.update(label=opts.label or (meta["path"] if meta else cfg.init_from or "random init"),
                   checkpoint=meta and {"path": meta["path"], "step": meta["step"]},
-                  config=asdict(cfg), world_size=rt.world, sp=rt.sp, dp=rt.dp,
+                  config=asdict(cfg), world_size=rt.world, sp=rt.sp, ring=rt.ring, dp=rt.dp,
                   head_chunk=cfg.head_chunk, torch=torch.__version__,
                   peak_gpu_mem_gib=(round(torch.cuda.max_memory_allocated() / 2**30, 3)
                                     if rt.device.type == "cuda" else None))

@@ -510,7 +510,7 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): "
         f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "
         f"(data {plan['dp']} x sequence {plan['sp']}), {plan['local_tokens']:,} tokens per GPU",
-        f"techniques: {techniques_text(cfg, plan['head_chunk'])}",
+        f"techniques: {techniques_text(cfg, plan['head_chunk'], plan['ring'])}",
         f"{'per GPU':<48}{'GiB':>9}",
         row("model state (params, grads, Adam) at the peak", peak["model_state"])
         + (f"   (all of it on the host: {plan['host_parts']['model state'] / GiB:.1f})"
@@ -552,7 +552,7 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
         f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
         f"{cfg.dtype}; {gpus_text(world_size)} (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
-        f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'])}",
+        f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'], plan['ring'])}",
         f"{'per GPU':<48}{'GiB':>9}",
         row("parameters (no gradients, no optimizer state)", peak["model_state"]),
         row("FSDP gathered params (root + 2 blocks)", peak["fsdp"]),
@@ -747,7 +747,7 @@ def out_of_memory_report(error: Exception, cfg: Config, rt: Runtime) -> str:
         summary = (f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
                    f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB; "
                    f"allocator summary:\n{torch.cuda.memory_summary(rt.device, abbreviated=True)}")
-    return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.sp)}"
+    return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.ulysses)}"
 
 
 # The flags shared with train.py that the plan reads.

@@ -1,4 +1,4 @@
-"""train.py - compose the techniques of 01..05 and train.
+"""train.py - compose the techniques of 01..06 and train.
 
     python train.py                                   # tiny model, synthetic data, CPU or GPU
     torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M --stack 5
@@ -9,8 +9,8 @@ data-parallel x sequence-parallel ranks (support/runtime.py), the runtime a mode
 techniques applied, then steps in a loop. `--stack N` turns on everything up to file N (0 =
 plain training); each technique also has its own switch. They are applied to the model in this
 order, on the meta device, before any weight is allocated:
-  attention seam (02 Ulysses or 05 Untied Ulysses) -> tiling (04) -> checkpointing/offload (03)
-  -> FSDP (01: each block, then the root)
+  attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
+  -> tiling (04) -> checkpointing/offload (03) -> FSDP (01: each block, then the root)
 which is the order torchtitan uses (checkpoint inside, FSDP outside).
 """
 
@@ -231,7 +231,7 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
     optimizer = make_optimizer(model, cfg)
     first_step = saved_state.load_state(cfg, rt, model, optimizer) if cfg.resume else 0
     is_main = rt.rank == 0
-    header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
+    header = {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp, "ring": rt.ring,
               "torch": torch.__version__,
               "attention_kernel": attention_kernel(cfg, rt, args),
               "parameters": llama.num_params(args), "first_step": first_step}
@@ -338,11 +338,12 @@ def schedule_text(cfg: Config) -> str:
 
 
 def attention_kernel(cfg: Config, rt: Runtime, args) -> str:
-    """The kernel attention runs (for the log); 05 and --keep-attention call its forward and
-    backward separately."""
+    """The kernel attention runs (for the log); 05, 06's ring and --keep-attention call its
+    forward and backward separately."""
     name = kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype), args.head_dim)
-    if cfg.untied or cfg.keep_attention:
-        name += f" (forward and backward with log-sum-exp, {'05' if cfg.untied else '03'})"
+    users = [f for f, on in (("05", cfg.untied), ("06", rt.ring > 1), ("03", cfg.keep_attention)) if on]
+    if users:
+        name += f" (forward and backward with log-sum-exp, {', '.join(users)})"
     return name
 
 
@@ -461,7 +462,7 @@ FLAG_GROUPS = (config.add_model_flags, config.add_rotary_flags, config.add_step_
 
 def parse_args(argv=None) -> Config:
     parser = config.flags_parser(
-        FLAG_GROUPS, description="Train a Llama on long sequences with 01..05.",
+        FLAG_GROUPS, description="Train a Llama on long sequences with 01..06.",
         epilog="the memory a run needs, without a GPU: python plan.py --help")
     with quiet_unless_first_rank():  # argparse's own errors and --help: once under torchrun
         flags, unknown = parser.parse_known_args(argv)

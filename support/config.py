@@ -1,6 +1,6 @@
 """config.py - what a run is: the Config, the flags that fill it, and which techniques they mean.
 
-Data and parsing only: nothing here imports a technique (01-05); support/runtime.py checks a
+Data and parsing only: nothing here imports a technique (01-06); support/runtime.py checks a
 Config against the ranks and the techniques' own constraints. Each flag is defined once, in one
 of the groups below; each command (train.py, eval.py, plan.py) adds the groups it reads, so its
 --help lists only its own flags. `--stack N` turns on every technique of files 1..N.
@@ -294,6 +294,8 @@ def resolve_techniques(cfg: Config) -> Config:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if cfg.sp is not None and cfg.sp < 1:  # 0 would silently mean "all ranks"
         raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
+    if cfg.ring is not None and cfg.ring < 1:  # 0 would silently mean "picked"
+        raise ValueError(f"--ring must be at least 1, got {cfg.ring}")
     if cfg.ring is not None and not (cfg.ulysses or cfg.untied):
         raise ValueError("--ring is a setting of --ulysses or --untied (02/05): add one, or "
                          "--stack 2 or higher")

@@ -5,7 +5,7 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
 
   causal_attention(q, k, v) -> out                 the model's seam 1 and Ulysses' (02) kernel:
                                                    autograd does the backward.
-  attention_forward_lse(q, k, v) -> (out, lse)     Untied Ulysses (05) runs its own backward
+  attention_forward_lse(q, k, v) -> (out, lse)     Untied Ulysses (05) and the ring (06) run their own backward
   attention_backward_lse(dout, q, k, v, out, lse)  per stage from the saved log-sum-exp, so it
                                                    needs the forward and the backward kernel
                                                    separately; no attention forward is re-run.
@@ -232,7 +232,7 @@ def document_attention(q, k, v, cu_seqlens, sdpa_only: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention that returns its log-sum-exp, and a backward that takes it (05).
+# Attention that returns its log-sum-exp, and a backward that takes it (05, 06, --keep-attention).
 # ---------------------------------------------------------------------------------------------
 # lse: fp32, (B, H, S) or (B, H, S, 1) depending on the kernel, (H, B*S) from FA4's varlen
 # launch for packed documents - only ever handed back to `attention_backward_lse`. The kernels

@@ -1,9 +1,11 @@
-"""runtime.py - the processes of a run: world = data-parallel x sequence-parallel ranks.
+"""runtime.py - the processes of a run: world = data-parallel x sequence-parallel ranks, and the
+sequence-parallel ranks as Ulysses P/R x ring R (06).
 
 `check_layout` holds a Config against a number of ranks and the techniques' own constraints
-(02's heads and sequence split, 05's head chunk, 04's tile sizes): training runs it before
-building anything, plan.py runs the same for the GPUs it plans. `setup_runtime` joins the
-process group (or starts a group of one) and builds the meshes. Above the techniques it checks,
+(02's heads and sequence split, 05's head chunk, 06's ring, 04's tile sizes): training runs it
+before building anything, plan.py runs the same for the GPUs it plans. `ring_degree` picks R
+when --ring is not given. `setup_runtime` joins the process group (or starts a group of one)
+and builds the meshes. Above the techniques it checks,
 below the commands that use it (train.py, eval.py, plan.py).
 """
 

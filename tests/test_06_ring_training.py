@@ -73,6 +73,8 @@ def test_a_ring_degree_that_cannot_work_is_refused_at_start():
     cfg = train.resolve_techniques(train.Config(model="tiny", stack=2, ring=2, seq_len=20))
     with pytest.raises(ValueError, match=r"sequence length \(20\) must be divisible by 2R = 8"):
         runtime.check_layout(replace(cfg, ring=4), 4, args)
+    with pytest.raises(ValueError, match=r"--ring must be at least 1, got 0"):  # not "picked"
+        train.resolve_techniques(train.Config(model="tiny", stack=2, ring=0))
     with pytest.raises(ValueError, match="--ring is a setting of --ulysses or --untied"):
         train.resolve_techniques(train.Config(model="tiny", fsdp=True, ring=2))
     # heads that split over no P/R: named with the Ulysses rule (7 heads, 2 KV, P = 4: R = 4
