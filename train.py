@@ -43,7 +43,7 @@ ulysses = importlib.import_module("02_ulysses")
 checkpointing = importlib.import_module("03_checkpoint_offload")
 tiling = importlib.import_module("04_alst_tiling")
 untied = importlib.import_module("05_untied_ulysses")
-ring = importlib.import_module("06_ring_attention")
+ring_attention = importlib.import_module("06_ring_attention")
 
 
 @dataclass
@@ -81,7 +81,8 @@ def build_model(cfg: Config, rt: Runtime):
 
     def apply_techniques(model):  # the composition order: seam (02/05, 06) -> 04 -> 03; then 01
         if rt.ring > 1:  # Ulysses over P/R ranks around a ring over R (06), for 02 or 05
-            ring.apply_ring(model, rt.ulysses_group, rt.ring_group, cfg.untied, cfg.head_chunk)
+            ring_attention.apply_ring(model, rt.ulysses_group, rt.ring_group, cfg.untied,
+                                      cfg.head_chunk)
         elif cfg.ulysses:
             ulysses.apply_ulysses(model, rt.sp_group)
         elif cfg.untied:
