@@ -221,9 +221,8 @@ def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, 
 
 def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: dict) -> Run:
     if rt.ring > 1 and rt.rank == 0:
-        print(f"Ulysses x ring: {rt.ulysses} x {rt.ring} (06: Ulysses over {rt.ulysses} "
-              f"rank{'s' if rt.ulysses > 1 else ''}, ring attention over {rt.ring}"
-              + ("; --ring picked: the heads do not split over all P ranks)" if cfg.ring is None else ")"))
+        print(f"Ulysses x ring: {rt.ulysses} x {rt.ring} (06)" + ("; --ring picked: the heads do "
+              "not split over all P ranks" if cfg.ring is None else ""))
     if cfg.untied and rt.rank == 0:
         stages = args.n_heads // (cfg.head_chunk or rt.ulysses)
         print(f"Untied Ulysses: {stages} stage{'s' if stages > 1 else ''} of "
@@ -303,7 +302,6 @@ def train_loop(cfg: Config, rt: Runtime, args, data: TokenData, log_file, stop: 
         pretrained.export_hf(model, args, cfg.export_hf, overwrite=cfg.overwrite_export,
                              dtype=getattr(torch, cfg.dtype), source_dir=cfg.init_from,
                              data_path=None if cfg.data == "synthetic" else cfg.data,
-                             # the context it was trained for
                              max_position_embeddings=max(cfg.seq_len, args.rope_original_context))
         if is_main:
             print(f"exported {cfg.export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")
