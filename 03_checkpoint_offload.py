@@ -283,22 +283,6 @@ def check_model(model) -> None:
         raise ValueError("checkpointing is already applied to this model")
 
 
-# The offloader's log of one step (it restarts when block 0 saves its input): tensors and bytes
-# moved to the host and brought back, how many came back through a prefetch, and the order of
-# events ("offload 0", ..., "keep 3", "prefetch 2", "use 3", ...). Tests and bench.offload read it.
-
-def new_stats() -> dict:
-    return {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "kept_bytes": 0,
-            "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": []}
-
-
-def log(stats: dict, event: str, layer: int, counter: str | None = None, nbytes: int = 0) -> None:
-    stats["events"].append(f"{event} {layer}")
-    if counter is not None:
-        stats[counter] += 1
-        stats[f"{counter}_bytes"] += nbytes
-
-
 def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
                             bytes_per_value: int = 2, pinned: bool = False,
                             also_kept: list[int] = ()) -> dict:
@@ -343,6 +327,22 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> 
     return {"saved": 2 * one_norm * local_tokens, "first_norm": one_norm * local_tokens,
             "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * local_tokens}
 
+
+
+# The offloader's log of one step (it restarts when block 0 saves its input): tensors and bytes
+# moved to the host and brought back, how many came back through a prefetch, and the order of
+# events ("offload 0", ..., "keep 3", "prefetch 2", "use 3", ...). Tests and bench.offload read it.
+
+def new_stats() -> dict:
+    return {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "kept_bytes": 0,
+            "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": []}
+
+
+def log(stats: dict, event: str, layer: int, counter: str | None = None, nbytes: int = 0) -> None:
+    stats["events"].append(f"{event} {layer}")
+    if counter is not None:
+        stats[counter] += 1
+        stats[f"{counter}_bytes"] += nbytes
 
 
 # Demo: memory vs number of layers, without checkpointing, with it, with offload.
