@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from ranks import run_ranks
 from reference import full
+from test_train import error_of  # the one helper: run train.main, return its error text
 
 import plan as planner
 from support import config, progress, saved_state
@@ -32,13 +33,6 @@ def run_script(*args, timeout=240):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
-
-
-def error_of(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(argv)
-    assert exit_info.value.code != 0
-    return capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
