@@ -41,7 +41,7 @@ import model as llama
 from support import config, keep_attention, kernels
 from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
-from support.runtime import Runtime, check_layout, ring_degree
+from support.runtime import Runtime, check_layout
 
 # The numbered files start with a digit, so they are imported by name.
 fsdp = importlib.import_module("01_fsdp")
@@ -121,8 +121,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     if forward_only:
         return plan_forward_memory(cfg, world_size, args)
     args = args or model_args(cfg)
-    sp, head_chunk = check_layout(cfg, world_size, args)
-    ring = ring_degree(cfg, sp, args)  # 06: Ulysses over sp / ring ranks, a ring over ring
+    sp, ring, head_chunk = check_layout(cfg, world_size, args)  # 06: Ulysses P/R x ring R
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len  # per data-parallel rank
     local_tokens = tokens // sp
@@ -252,8 +251,7 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
         tiled: one tile's (the scores themselves: 8 bytes per token). Rotary tables are left out.
     """
     args = args or model_args(cfg)
-    sp, head_chunk = check_layout(cfg, world_size, args)
-    ring = ring_degree(cfg, sp, args)
+    sp, ring, head_chunk = check_layout(cfg, world_size, args)
     ulysses_size = sp // ring  # with 06's ring: the head layout holds S/R tokens, not S
     b = getattr(torch, cfg.dtype).itemsize
     tokens = cfg.batch_size * cfg.seq_len
@@ -326,8 +324,8 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
     the input-gradient buffer besides every head's q, k, v): it is chosen only where that fits.
     Training passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
     args = model_args(cfg)
-    sp, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
-    ulysses_size = sp // ring_degree(cfg, sp, args)  # U is a multiple of the Ulysses degree
+    sp, ring, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
+    ulysses_size = sp // ring  # U is a multiple of the Ulysses degree
     for chunk in sorted(untied.valid_head_chunks(args, ulysses_size), reverse=True):
         plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
                            forward_only=forward_only)
@@ -390,7 +388,7 @@ def plan_longest_seq_len(cfg: Config, world_size: int, gpu_mem: int, host_mem: i
     when none does. The plan's "limit" names what one more step of sp x 1,024 tokens would not
     fit: "GPU", "host" or both, or "length cap". Raises training's ValueError for an impossible
     setup."""
-    sp, _ = check_layout(replace(cfg, seq_len=None), world_size, model_args(cfg))
+    sp, _, _ = check_layout(replace(cfg, seq_len=None), world_size, model_args(cfg))
     step = sp * 1024
     limit = limit or MAX_TOKENS // cfg.batch_size
 
@@ -468,8 +466,8 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         changes.append(("--offload-model-state", replace(cfg, offload_model_state=True), world_size))
     if cfg.untied and cfg.head_chunk:
         args = model_args(cfg)
-        sp = check_layout(cfg, world_size, args)[0]
-        ulysses_size = sp // ring_degree(cfg, sp, args)
+        sp, ring, _ = check_layout(cfg, world_size, args)
+        ulysses_size = sp // ring
         changes += [(f"--head-chunk {chunk}", replace(cfg, head_chunk=chunk), world_size)
                     for chunk in sorted(untied.valid_head_chunks(args, ulysses_size), reverse=True)
                     if chunk < cfg.head_chunk]

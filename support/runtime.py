@@ -75,8 +75,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     if cfg.device == "cuda":
         rt.device = torch.device("cuda", torch.cuda.current_device())
     args = model_args(cfg)
-    rt.sp, _ = check_layout(cfg, rt.world, args)
-    rt.ring = ring_degree(cfg, rt.sp, args)
+    rt.sp, rt.ring, _ = check_layout(cfg, rt.world, args)
     if dist.is_initialized():
         mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -93,8 +92,8 @@ def setup_runtime(cfg: Config) -> Runtime:
 
 
 def check_layout(cfg: Config, world_size: int, args) -> tuple:
-    """(sequence-parallel degree, head chunk) of `cfg` on `world_size` ranks, or a ValueError
-    naming the constraint. Training runs it before building anything; plan.py runs the same."""
+    """(sequence-parallel degree P, ring degree R, head chunk U) of `cfg` on `world_size` ranks,
+    or a ValueError naming the constraint. Training runs it before building anything; plan.py runs the same."""
     if world_size < 1:
         raise ValueError(f"--gpus must be at least 1, got {world_size}")
     if world_size > 1 and not cfg.fsdp:
@@ -113,7 +112,7 @@ def check_layout(cfg: Config, world_size: int, args) -> tuple:
                   if cfg.untied else None)
     tiling.check_tile_tokens("mlp_tile_tokens", cfg.mlp_tile_tokens)
     tiling.check_tile_tokens("loss_tile_tokens", cfg.loss_tile_tokens)
-    return sp, head_chunk
+    return sp, ring, head_chunk
 
 
 def ring_degree(cfg: Config, sp: int, args) -> int:
