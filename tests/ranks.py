@@ -6,6 +6,12 @@ Each rank gets a free TCP port rendezvous, one CPU thread, and a clean teardown.
 raises, the others are killed at once (they would otherwise wait forever in a collective) and the
 test fails with every rank's traceback; if nothing finishes within `timeout`, the test fails
 instead of hanging CI. `body` must be a module-level function (it is pickled into the children).
+
+RANKS_SHARE_GPU=1 (opt-in, for a machine with one GPU): every NCCL rank runs on cuda:0, each
+with its own NCCL_HOSTID, so NCCL takes the ranks for separate hosts and joins them over its
+socket transport instead of refusing "Duplicate GPU detected". NCCL does not support this: the
+numerics are real, the timings mean nothing, and it may hang (the timeout below still ends it).
+conftest.py then counts the one GPU as two, so the 2-GPU tests run.
 """
 
 import multiprocessing
@@ -25,13 +31,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def sharing_one_gpu() -> bool:
+    return os.environ.get("RANKS_SHARE_GPU") == "1"
+
+
 def _entry(rank, world_size, port, backend, body, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
         if "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (host-resident model state)
-            torch.cuda.set_device(rank)
+            if sharing_one_gpu():
+                os.environ.update(NCCL_HOSTID=f"shared-gpu-rank-{rank}", NCCL_P2P_DISABLE="1",
+                                  NCCL_SHM_DISABLE="1", NCCL_SOCKET_IFNAME="lo")
+            torch.cuda.set_device(0 if sharing_one_gpu() else rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         body(*args)
