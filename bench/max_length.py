@@ -88,12 +88,14 @@ def allocate_ballast(nbytes: dict, device: torch.device, on_host: bool) -> list:
 
 
 def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = False,
-          run_step=None, host_ballast: bool = True) -> dict:
+          run_step=None, host_ballast: bool = True, ballast_parts=None) -> dict:
     """One optimizer step of a `layers`-deep model plus the ballast: completed or OOM. With
     forward_only, one evaluation forward instead (eval.py's: no checkpointing, no gradients),
     the ballast holding only the missing layers' parameters. run_step(model, optimizer, tokens,
     rt, cfg): the step (default train.train_step; bench/rehearse.py's skips the finite check).
-    host_ballast=False: no host ballast with --offload-model-state (the GPU peak needs none)."""
+    host_ballast=False: no host ballast with --offload-model-state (the GPU peak needs none).
+    ballast_parts: the parts of the missing layers' state allocated before the step (default
+    all; bench/rehearse.py's step allocates their gradients when full depth would have them)."""
     started = time.perf_counter()
     args = llama.get_model_args(base.model)
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
@@ -109,6 +111,8 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
         missing = ballast_bytes(args, layers, rt.world, on_host)
         if on_host and not host_ballast:
             missing = {}
+        if ballast_parts is not None:
+            missing = {part: n for part, n in missing.items() if part in ballast_parts}
         if forward_only:  # evaluation holds the parameters alone
             missing = {"parameters": missing["parameters"]} if missing else {}
         ballast = allocate_ballast(missing, rt.device, on_host)

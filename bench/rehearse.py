@@ -14,12 +14,24 @@ all-gather copies the local input into each chunk; all-to-all, reduce-scatter, a
 the ring's sends and receives leave their outputs as they were allocated). The process then runs
 rank r's own part of the N-rank step: the same shapes, allocations and kernels. The step is the
 project's own, unchanged: train.build_model and train.make_optimizer through bench.max_length's
-trial (its depth, 1 layer or 2 with --offload-model-state, with the missing layers' model state
-as ballast and Adam's moments allocated), then 02's loss_and_backward and the optimizer step as
-train.train_step runs them, less its finite check (the values are garbage by design; the check
-is off in this script's step only). The allocator is capped at the rehearsed GPU's memory less
-what a real rank loses outside PyTorch (`torch.cuda.set_per_process_memory_fraction`), so a step
-that would not fit that GPU runs out of memory here too.
+trial (the missing layers' model state as ballast, Adam's moments allocated), then 02's
+loss_and_backward and the optimizer step as train.train_step runs them, less its finite check
+(the values are garbage by design; the check is off in this script's step only). The allocator
+is capped at the rehearsed GPU's memory less what a real rank loses outside PyTorch
+(`torch.cuda.set_per_process_memory_fraction`), so a step that would not fit that GPU runs out
+of memory here too.
+
+Depth: 2 layers by default, and the missing layers stand above them. Their parameters and Adam
+moments are ballast from the start; their gradients (on the GPU) are allocated when the
+backward reaches the top block, as full depth has made them by then, and freed with the
+others after the optimizer step. So the top block's backward is full depth's layer 1: its
+input and the prefetched input of the block below (03's offload), with 30 layers' gradients;
+and the bottom block's is full depth's layer 0 (one input, 31 layers' gradients). Layer 1's
+moment is the larger whenever a block input outweighs one layer's gradients (Llama-3-8B: S/N
+tokens x 8 KiB against 4 bytes x 218M / N, from S = 106K on, whatever N). --layers 1 gives
+bench.max_length's depth (layer 0's moment only); with --offload-model-state the gradients are
+on the host (ballast there, or none with --no-host-ballast) and 2 layers are what
+bench.max_length uses.
 
 Where it peaked: hooks on the blocks and the step's phases mark moments (forward of each layer,
 the loss, backward of each layer, gradient clipping, the optimizer step); at each mark the
@@ -250,11 +262,19 @@ def _gib(nbytes):
 
 
 @contextlib.contextmanager
-def layer_marks(model, trace: PeakTrace):
+def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
     """Marks at each block's forward, after the last one (the final norm and the loss), and at
     each block's backward (when the gradient of its output arrives), as support/progress.py's
-    bars count them (03's recompute calls the inner forward: it is not marked twice)."""
+    bars count them (03's recompute calls the inner forward: it is not marked twice).
+    top_backward() runs when the backward reaches the top block, before its mark."""
     layers, hooks = len(model.layers), []
+
+    def backward_of(i):
+        def reached(_grad):
+            if i == layers - 1:
+                top_backward()
+            trace.mark(f"backward of layer {i} of {layers}")
+        return reached
 
     def forward_hooks(i):
         def before(*_):
@@ -264,7 +284,7 @@ def layer_marks(model, trace: PeakTrace):
             if i == layers - 1:
                 trace.mark("forward: final norm and loss")
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(lambda grad: trace.mark(f"backward of layer {i} of {layers}"))
+                output.register_hook(backward_of(i))
         return before, after
 
     for i, block in enumerate(model.layers):
@@ -353,10 +373,12 @@ class Traffic:
 # ---------------------------------------------------------------------------------------------
 
 def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic: Traffic,
-                   window: int) -> None:
+                   window: int, late_gradient_bytes: int = 0) -> None:
     """train.train_step's step (learning rate, forward and backward, gradient clipping, AdamW)
     with its moments marked, its collectives counted and attention over `window` keys; no
-    finite check: the values are garbage by design."""
+    finite check: the values are garbage by design. late_gradient_bytes: the missing layers'
+    gradients, allocated when the backward reaches the top block (at full depth the layers
+    above it have made theirs by then) and held through the optimizer step."""
     if window:  # the kernel check compares with the full formula: run it before the window
         probe = torch.empty(1, 1, 1, model.args.head_dim, device=rt.device, dtype=getattr(torch, cfg.dtype))
         kernel = kernels.lse_kernel(probe)[0]
@@ -368,7 +390,14 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
     world_group = dist.group.WORLD if rt.world > 1 else None
     tokens = tokens.to(rt.device)
     order = rt.token_order(tokens.shape[1] - 1)
-    with layer_marks(model, trace), windowed_attention(window), traffic.counting():
+    late_gradients = []
+
+    def allocate_late_gradients():
+        if late_gradient_bytes:
+            late_gradients.append(torch.empty(late_gradient_bytes, dtype=torch.uint8, device=rt.device))
+
+    with (layer_marks(model, trace, allocate_late_gradients), windowed_attention(window),
+          traffic.counting()):
         ulysses_sp.loss_and_backward(model, tokens, rt.sp_rank, rt.sp, world_group,
                                      phase=trace.phase, order=order)
         trace.mark("gradient clipping")
@@ -378,6 +407,7 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
         with train.out_of_memory_names("optimizer step"):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        late_gradients.clear()  # as zero_grad frees the gradients of full depth
         trace.mark("after the step")
         trace.mark(None)
 
@@ -439,12 +469,18 @@ def rehearse_length(opts, seq_len: int, window: int) -> dict:
     head_chunk = choose_head_chunk(opts, seq_len)
     device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
     trace, traffic = PeakTrace(device), Traffic()
+    # The missing layers' gradients wait on the GPU (not with the model state on the host) for
+    # the moment full depth makes them: allocated by the step, not as ballast before it.
+    late = 0 if opts.offload_model_state else max_length.ballast_bytes(
+        llama.get_model_args(opts.model), opts.layers, opts.gpus)["gradients"]
 
     def step(model, optimizer, tokens, rt, cfg):
-        rehearsal_step(model, optimizer, tokens, rt, cfg, trace, traffic, window)
+        rehearsal_step(model, optimizer, tokens, rt, cfg, trace, traffic, window, late)
 
     row = max_length.trial(base_config(opts), method_of(opts, head_chunk), seq_len, opts.layers,
-                           run_step=step, host_ballast=not opts.no_host_ballast)
+                           run_step=step, host_ballast=not opts.no_host_ballast,
+                           ballast_parts=None if opts.offload_model_state else ("parameters", "optimizer"))
+    row["late_gradient_ballast_gib"] = late / GiB
     if trace.current is not None:  # out of memory inside this moment
         row["oom_in"] = trace.current
         trace.mark(None)
@@ -461,6 +497,8 @@ def rehearse_length(opts, seq_len: int, window: int) -> dict:
     plan = planner.plan_memory(cfg, opts.gpus)
     row.update(train_args=train_args(opts, seq_len, head_chunk),
                planned_peak_gib=round(plan["peak"] / GiB, 4), planned_peak_at=planner.plan_peak_text(plan),
+               planned_moments_gib={moment: round(sum(parts.values()) / GiB, 4)
+                                    for moment, parts in plan["moments"].items()},
                planned_kernel=planner.planned_kernel(cfg),
                planned_fits=planner.fits_on_gpu(plan["peak"], opts.gpu_mem_bytes))
     measured = row.get("peak_bytes") if row["status"] == "completed" else None
@@ -577,8 +615,9 @@ def make_parser(suppress: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--keep-attention", action=argparse.BooleanOptionalAction,
                         default=default(False), help="03's --keep-attention (default off)")
     parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default=default("auto"))
-    parser.add_argument("--layers", type=int, default=default(None),
-                        help="depth (default as bench.max_length: 1, 2 with --offload-model-state)")
+    parser.add_argument("--layers", type=int, default=default(2),
+                        help="depth (default 2: the top block's backward is full depth's layer "
+                             "1: two block inputs on the GPU and the layers above's gradients)")
     parser.add_argument("--no-host-ballast", action="store_true", default=default(False),
                         help="--offload-model-state without the missing layers' state on the "
                              "host (one GPU whose host cannot hold it: the GPU peak needs none)")
@@ -655,8 +694,6 @@ def check_rehearsal(opts) -> None:
     if opts.no_host_ballast and not opts.offload_model_state:
         raise ValueError("--no-host-ballast is a setting of --offload-model-state (the ballast "
                          "is on the GPU otherwise)")
-    if opts.layers is None:
-        opts.layers = 2 if opts.offload_model_state else 1
     if not 1 <= opts.layers <= llama.get_model_args(opts.model).n_layers:
         raise ValueError(f"--layers must be 1..{llama.get_model_args(opts.model).n_layers}")
     on_gpu_fa4 = opts.device == "cuda" and kernels.fa4_installed()

@@ -31,11 +31,14 @@ def rows_of(result: dict) -> list:
 
 def test_rank_0_of_8_ulysses_untied_and_ring(tmp_path, no_group):
     """--stack 4 (Ulysses), --stack 5 (Untied) and each with --ring 2 (06), rank 0 of 8: each
-    step completes with a peak, where it was, the planner's peak, and its collectives' bytes."""
+    step completes with a peak, where it was, the planner's peak, and its collectives' bytes.
+    The tiny model has 2 layers (the default depth: no ballast); at 1 layer the missing one's
+    gradients come late, when the backward reaches the top block."""
     all_to_all = dist.all_to_all_single
     rehearse.main(["--device", "cpu", "--model", "tiny", "--gpus", "8", "--stack", "4",
                    "--seq-lens", "1K", "--then", "--ring", "2", "--then", "--stack", "5",
-                   "--then", "--stack", "5", "--ring", "2", "--out", str(tmp_path), "--name", "r"])
+                   "--then", "--stack", "5", "--ring", "2", "--layers", "1",
+                   "--out", str(tmp_path), "--name", "r"])
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["real"] and result["not_real"]
     runs = result["runs"]
@@ -46,7 +49,10 @@ def test_rank_0_of_8_ulysses_untied_and_ring(tmp_path, no_group):
         assert row["status"] == "completed" and row["rank"] == 0 and row["gpus"] == 8
         assert row["peak_gib"] > 0 and row["peak_at"] and row["planned_peak_gib"] > 0
         assert row["moments"][0]["moment"] == "forward: embedding"
-        assert "backward of layer 0 of 1" in [m["moment"] for m in row["moments"]]
+        layers = run["layers"]
+        assert [m["moment"] for m in row["moments"] if m["moment"].startswith("backward of")] == [
+            f"backward of layer {i} of {layers}" for i in reversed(range(layers))]
+        assert (row["late_gradient_ballast_gib"] > 0) == (layers == 1)
         sent = row["sent_bytes"]
         assert {"all-to-all", "all-gather", "reduce-scatter"} <= set(sent)
         assert ("ring P2P" in sent) == bool(run["ring"])
@@ -63,9 +69,8 @@ def test_the_fake_group_lives_only_inside(no_group):
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:  # never joined to, nor replacing, a real group
-        with pytest.raises(RuntimeError, match="only group"):
-            with rehearse.fake_group(8, 0):
-                pass
+        with pytest.raises(RuntimeError, match="only group"), rehearse.fake_group(8, 0):
+            pass
         assert dist.get_backend() == "gloo"
     finally:
         dist.destroy_process_group()
