@@ -392,8 +392,8 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
     order = rt.token_order(tokens.shape[1] - 1)
     late_gradients = []
 
-    def allocate_late_gradients():
-        if late_gradient_bytes:
+    def allocate_late_gradients():  # on a GPU: a CPU run holds no ballast (bench.max_length)
+        if late_gradient_bytes and rt.device.type == "cuda":
             late_gradients.append(torch.empty(late_gradient_bytes, dtype=torch.uint8, device=rt.device))
 
     with (layer_marks(model, trace, allocate_late_gradients), windowed_attention(window),
