@@ -134,9 +134,9 @@ def fake_group(world: int, rank: int):
 def cap_allocator(device: torch.device, gpu_mem: int, outside: int) -> dict:
     """Cap PyTorch's allocator at what a rank on the rehearsed GPU could have: its memory less
     what lives outside the allocator there (CUDA context, NCCL). A GPU rehearsing itself (as
-    much memory as it has, or more) is not capped: its own context is real."""
+    much memory as it has, to within 0.5%) is not capped: its own context is real."""
     total = torch.cuda.get_device_properties(device).total_memory
-    if gpu_mem >= total:
+    if gpu_mem >= 0.995 * total:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         return {"cap_gib": total / GiB, "this_gpu_gib": total / GiB, "capped": False,
                 "note": "the rehearsed GPU is this one: no cap, its context is real"}
@@ -254,7 +254,7 @@ class PeakTrace:
         reserved = [m["peak_reserved_gib"] for m in known if m["peak_reserved_gib"] is not None]
         return {"peak_bytes": top["peak_bytes"], "peak_gib": top["peak_gib"], "peak_at": top["moment"],
                 **({"peak_reserved_gib": max(reserved)} if reserved else {}),
-                "moments": [{k: v for k, v in m.items() if k != "peak_bytes"} for m in self.moments]}
+                "moments": self.moments}
 
 
 def _gib(nbytes):
@@ -463,10 +463,11 @@ def method_of(opts, head_chunk: int | None) -> str:
             + (f"@{opts.attn_kernel}" if opts.attn_kernel != "auto" else ""))
 
 
-def rehearse_length(opts, seq_len: int, window: int) -> dict:
+def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None = None) -> dict:
     """One row: rank r's step at `seq_len` (bench.max_length's trial with this script's step),
-    with its moments, its collectives' bytes and the planner's peak for the same configuration."""
-    head_chunk = choose_head_chunk(opts, seq_len)
+    with its moments, its collectives' bytes and the planner's peak for the same configuration.
+    head_chunk_of: a length whose head chunk to use (the warm-up's: the first row's)."""
+    head_chunk = choose_head_chunk(opts, head_chunk_of or seq_len)
     device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
     trace, traffic = PeakTrace(device), Traffic()
     # The missing layers' gradients wait on the GPU (not with the model state on the host) for
@@ -523,15 +524,24 @@ def rehearse(opts, result: dict, save, started: float) -> None:
     run["planner_longest"] = {"gpu_only": gpu_longest, "with_host_mem": host_longest,
                               "host_mem_gib": opts.host_mem_bytes / GiB,
                               "limit": host_plan["limit"] if host_plan else None}
+    if time.perf_counter() - started >= opts.budget_s:
+        run["skipped"] = "--budget-s spent before it"
+        save()
+        return
     device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         run["allocator"] = {**cap_allocator(device, opts.gpu_mem_bytes, opts.outside_bytes),
                             "outside_allocator_gib": opts.outside_bytes / GiB}
     save()
 
-    def room_for(seq_len: int) -> bool:
-        expected = max_length.expected_seconds([r for r in run["rows"] if r.get("window") == 0]
-                                               or run["rows"], seq_len)
+    def room_for(seq_len: int, window: int) -> bool:
+        """Whether the row would end within --budget-s, as the last completed row with the same
+        kernel says: its time x the length ratio squared (full kernel) or the ratio (window)."""
+        done = [r for r in run["rows"] if r.get("status") == "completed" and r["window"] == window]
+        expected = 0.0
+        if done:
+            power = 1 if window else 2
+            expected = done[-1]["trial_s"] * (seq_len / done[-1]["seq_len"]) ** power
         return time.perf_counter() - started + expected < opts.budget_s
 
     def add(row):
@@ -541,18 +551,20 @@ def rehearse(opts, result: dict, save, started: float) -> None:
         save()
 
     with fake_group(opts.gpus, opts.rank):
+        first = (opts.compare_window or (opts.seq_lens or [0])[0]
+                 or opts.first_length or gpu_longest or opts.granularity)
         if opts.warmup and device.type == "cuda":  # FA4 compiles its kernels at the first call
             warm = opts.gpus * 2048 * (opts.ring or 1)
             for window in sorted({opts.window, 0 if opts.compare_window else opts.window}):
                 begun = time.perf_counter()
-                rehearse_length(opts, warm, window)
+                rehearse_length(opts, warm, window, head_chunk_of=first)
                 run.setdefault("warmup", []).append({"seq_len": warm, "window": window,
                                                      "s": time.perf_counter() - begun})
         if opts.compare_window:
             length = opts.compare_window
             rows = []
             for window in (0, opts.window):
-                if not room_for(length):
+                if not room_for(length, window):
                     break
                 rows.append(rehearse_length(opts, length, window))
                 add(rows[-1])
@@ -561,10 +573,14 @@ def rehearse(opts, result: dict, save, started: float) -> None:
                                        "full_kernel_peak_bytes": rows[0]["peak_bytes"],
                                        "windowed_peak_bytes": rows[1]["peak_bytes"],
                                        "difference_bytes": rows[1]["peak_bytes"] - rows[0]["peak_bytes"],
-                                       "equal": rows[1]["peak_bytes"] == rows[0]["peak_bytes"]}
+                                       "equal": rows[1]["peak_bytes"] == rows[0]["peak_bytes"],
+                                       "moments_difference_bytes": {
+                                           full["moment"]: cut["peak_bytes"] - full["peak_bytes"]
+                                           for full, cut in zip(rows[0]["moments"], rows[1]["moments"])
+                                           if full["moment"] == cut["moment"]}}
                 save()
         for length in opts.seq_lens:
-            if not room_for(length):
+            if not room_for(length, opts.window):
                 add({"seq_len": length, "window": opts.window, "status": "skipped (budget)"})
                 continue
             add(rehearse_length(opts, length, opts.window))
@@ -572,7 +588,7 @@ def rehearse(opts, result: dict, save, started: float) -> None:
             start = opts.first_length or gpu_longest or opts.granularity
             fits, fails, _ = max_length.search(
                 None, None, start, opts.granularity, 0.1, opts.layers, opts.max_trials,
-                in_budget=lambda length, trials: room_for(length),
+                in_budget=lambda length, trials: room_for(length, opts.window),
                 after_trial=lambda fits, fails, trials: add(trials[-1]),
                 run_trial=lambda _base, _method, length, _layers, _forward: rehearse_length(
                     opts, length, opts.window))
