@@ -574,6 +574,8 @@ def rehearse(opts, result: dict, save, started: float) -> None:
                                        "windowed_peak_bytes": rows[1]["peak_bytes"],
                                        "difference_bytes": rows[1]["peak_bytes"] - rows[0]["peak_bytes"],
                                        "equal": rows[1]["peak_bytes"] == rows[0]["peak_bytes"],
+                                       "within_2mib": abs(rows[1]["peak_bytes"]
+                                                          - rows[0]["peak_bytes"]) <= 2**21,
                                        "moments_difference_bytes": {
                                            full["moment"]: cut["peak_bytes"] - full["peak_bytes"]
                                            for full, cut in zip(rows[0]["moments"], rows[1]["moments"])
@@ -717,6 +719,9 @@ def check_rehearsal(opts) -> None:
         opts.window = 256 if on_gpu_fa4 and opts.attn_kernel in ("auto", "fa4") else 0
     if opts.window < 0:
         raise ValueError(f"--window must be >= 0 (0: the full kernel), got {opts.window}")
+    if opts.window and opts.attn_kernel not in ("auto", "fa4"):
+        raise ValueError(f"--window {opts.window} cuts FlashAttention-4's work; --attn-kernel "
+                         f"{opts.attn_kernel} runs another kernel (--window 0: the full one)")
     if opts.window and not on_gpu_fa4:
         raise ValueError(f"--window {opts.window} cuts FlashAttention-4's work: it needs FA4 on "
                          f"a GPU (here: {opts.device}, FA4 "
