@@ -479,7 +479,7 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
         rehearsal_step(model, optimizer, tokens, rt, cfg, trace, traffic, window, late)
 
     row = max_length.trial(base_config(opts), method_of(opts, head_chunk), seq_len, opts.layers,
-                           run_step=step, host_ballast=not opts.no_host_ballast,
+                           run_step=step, host_ballast=opts.host_ballast,
                            ballast_parts=None if opts.offload_model_state else ("parameters", "optimizer"))
     row["late_gradient_ballast_gib"] = late / GiB
     if trace.current is not None:  # out of memory inside this moment
@@ -514,7 +514,7 @@ def rehearse(opts, result: dict, save, started: float) -> None:
     run = {"flags": opts.flags, "gpus": opts.gpus, "rank": opts.rank, "model": opts.model,
            "stack": opts.stack, "ring": opts.ring, "offload_model_state": opts.offload_model_state,
            "keep_attention": opts.keep_attention, "layers": opts.layers, "window": opts.window,
-           "host_ballast": not opts.no_host_ballast, "gpu_mem_gib": opts.gpu_mem_bytes / GiB,
+           "host_ballast": opts.host_ballast, "gpu_mem_gib": opts.gpu_mem_bytes / GiB,
            "rows": []}
     result["runs"].append(run)
     longest_cfg = full_config(opts, opts.gpus * 2048)
@@ -629,16 +629,19 @@ def make_parser(suppress: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--ring", type=int, default=default(None))
     parser.add_argument("--head-chunk", type=int, default=default(None),
                         help="05's U (default: train.py's choice for the rehearsed GPU)")
-    parser.add_argument("--offload-model-state", action="store_true", default=default(False))
+    parser.add_argument("--offload-model-state", action=argparse.BooleanOptionalAction,
+                        default=default(False), help="01's --offload-model-state")
     parser.add_argument("--keep-attention", action=argparse.BooleanOptionalAction,
                         default=default(False), help="03's --keep-attention (default off)")
     parser.add_argument("--attn-kernel", choices=kernels.KERNELS, default=default("auto"))
     parser.add_argument("--layers", type=int, default=default(2),
                         help="depth (default 2: the top block's backward is full depth's layer "
                              "1: two block inputs on the GPU and the layers above's gradients)")
-    parser.add_argument("--no-host-ballast", action="store_true", default=default(False),
-                        help="--offload-model-state without the missing layers' state on the "
-                             "host (one GPU whose host cannot hold it: the GPU peak needs none)")
+    parser.add_argument("--host-ballast", action=argparse.BooleanOptionalAction,
+                        default=default(True),
+                        help="with --offload-model-state, the missing layers' state on the host "
+                             "(--no-host-ballast: one GPU whose host cannot hold it; the GPU "
+                             "peak needs none)")
     parser.add_argument("--window", type=int, default=default(None),
                         help="attention over a local window of W keys (FA4; default 256 with "
                              "FA4 on a GPU, else 0 = the full kernel)")
@@ -666,7 +669,7 @@ def parse_rehearsals(argv=None) -> tuple:
     """(the process's options, one namespace per rehearsal, checked), or a parser error. The
     flags before the first --then are a rehearsal (if they say what to run) and every later
     one's defaults; each --then's flags change those (giving --seq-lens, --longest or
-    --compare-window replaces all three)."""
+    --compare-window replaces all three; a switch is turned off by its --no- form)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     chunks = [[]]
     for arg in argv:
@@ -709,7 +712,7 @@ def check_rehearsal(opts) -> None:
         raise ValueError(f"unknown --model {opts.model!r}: one of {', '.join(llama.PRESETS)}")
     if not 1 <= opts.stack <= 5:
         raise ValueError(f"--stack must be 1..5 for N ranks (FSDP at least), got {opts.stack}")
-    if opts.no_host_ballast and not opts.offload_model_state:
+    if not opts.host_ballast and not opts.offload_model_state:
         raise ValueError("--no-host-ballast is a setting of --offload-model-state (the ballast "
                          "is on the GPU otherwise)")
     if not 1 <= opts.layers <= llama.get_model_args(opts.model).n_layers:
