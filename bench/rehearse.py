@@ -34,7 +34,9 @@ on the host (ballast there, or none with --no-host-ballast) and 2 layers are wha
 bench.max_length uses.
 
 Where it peaked: hooks on the blocks and the step's phases mark moments (forward of each layer,
-the loss, backward of each layer, gradient clipping, the optimizer step); at each mark the
+the loss, backward of each layer and within it of its MLP, its post-attention RMSNorm, its
+attention and its input RMSNorm, as the planner names them; gradient clipping, the optimizer
+step); at each mark the
 allocator's peak since the last one is read and reset, so every moment has its own peak. On the
 CPU the process's resident set (VmHWM, reset through /proc/self/clear_refs) stands in for it:
 tensors plus the interpreter's own memory, a rough figure.
@@ -82,7 +84,7 @@ from bench import max_length
 from bench.report import release, synchronize, write_result
 from support import kernels
 from support.data import parse_tokens
-from support.lessons import ulysses_sp
+from support.lessons import checkpointing, ulysses_sp
 from support.runtime import check_layout
 
 train = importlib.import_module("train")
@@ -261,35 +263,44 @@ def _gib(nbytes):
     return None if nbytes is None else round(nbytes / GiB, 4)
 
 
+# A block's parts in the order its backward reaches them (the planner's names for the moments
+# of a block's backward: "its MLP", "its post-attention RMSNorm", "its attention").
+BLOCK_PARTS = (("mlp", "its MLP"), ("post_attention_layernorm", "its post-attention RMSNorm"),
+               ("self_attn", "its attention"), ("input_layernorm", "its input RMSNorm"))
+
+
 @contextlib.contextmanager
 def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
-    """Marks at each block's forward, after the last one (the final norm and the loss), and at
-    each block's backward (when the gradient of its output arrives), as support/progress.py's
-    bars count them (03's recompute calls the inner forward: it is not marked twice).
-    top_backward() runs when the backward reaches the top block, before its mark."""
+    """Marks at each block's forward, after the last one (the final norm and the loss), and in
+    backward when the gradient of a block's output, then of each of its parts' outputs, arrives
+    (as support/progress.py's bars count them; 03's recompute in backward is not marked: the
+    block's own runs its inner forward, and the parts' are skipped while 03 says it recomputes;
+    it happens within the block's first part, its MLP). top_backward() runs when the backward
+    reaches the top block, before its mark."""
     layers, hooks = len(model.layers), []
 
-    def backward_of(i):
-        def reached(_grad):
-            if i == layers - 1:
-                top_backward()
-            trace.mark(f"backward of layer {i} of {layers}")
-        return reached
+    def when_grad_arrives(moment, before=lambda: None):
+        def arrived(_grad):
+            before()
+            trace.mark(moment)
 
-    def forward_hooks(i):
-        def before(*_):
-            trace.mark(f"forward of layer {i} of {layers}")
-
-        def after(_module, _inputs, output):
-            if i == layers - 1:
-                trace.mark("forward: final norm and loss")
-            if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(backward_of(i))
-        return before, after
+        def forward_hook(_module, _inputs, output):
+            if (torch.is_tensor(output) and output.requires_grad
+                    and not checkpointing.is_recomputing()):
+                output.register_hook(arrived)
+        return forward_hook
 
     for i, block in enumerate(model.layers):
-        before, after = forward_hooks(i)
-        hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+        name = f"layer {i} of {layers}"
+        hooks.append(block.register_forward_pre_hook(lambda *_, name=name: trace.mark(f"forward of {name}")))
+        if i == layers - 1:
+            hooks.append(block.register_forward_hook(lambda *_: trace.mark("forward: final norm and loss")))
+        top = top_backward if i == layers - 1 else (lambda: None)
+        hooks.append(block.register_forward_hook(when_grad_arrives(f"backward of {name}", top)))
+        for part, label in BLOCK_PARTS:
+            if isinstance(getattr(block, part, None), torch.nn.Module):
+                hooks.append(getattr(block, part).register_forward_hook(
+                    when_grad_arrives(f"backward of {name}: {label}")))
     try:
         yield
     finally:

@@ -49,9 +49,10 @@ def test_rank_0_of_8_ulysses_untied_and_ring(tmp_path, no_group):
         assert row["status"] == "completed" and row["rank"] == 0 and row["gpus"] == 8
         assert row["peak_gib"] > 0 and row["peak_at"] and row["planned_peak_gib"] > 0
         assert row["moments"][0]["moment"] == "forward: embedding"
-        layers = run["layers"]
+        layers, parts = run["layers"], [label for _, label in rehearse.BLOCK_PARTS]
         assert [m["moment"] for m in row["moments"] if m["moment"].startswith("backward of")] == [
-            f"backward of layer {i} of {layers}" for i in reversed(range(layers))]
+            f"backward of layer {i} of {layers}{part}" for i in reversed(range(layers))
+            for part in ["", *(f": {label}" for label in parts)]]
         assert (row["late_gradient_ballast_gib"] > 0) == (layers == 1)
         sent = row["sent_bytes"]
         assert {"all-to-all", "all-gather", "reduce-scatter"} <= set(sent)
