@@ -565,7 +565,7 @@ def rehearse(opts, result: dict, save, started: float) -> None:
         first = (opts.compare_window or (opts.seq_lens or [0])[0]
                  or opts.first_length or gpu_longest or opts.granularity)
         if opts.warmup and device.type == "cuda":  # FA4 compiles its kernels at the first call
-            warm = opts.gpus * 2048 * (opts.ring or 1)
+            warm = opts.gpus * 2048  # the shortest length whole K-token shards and 2R chunks take
             for window in sorted({opts.window, 0 if opts.compare_window else opts.window}):
                 begun = time.perf_counter()
                 rehearse_length(opts, warm, window, head_chunk_of=first)
@@ -611,7 +611,7 @@ def rehearse(opts, result: dict, save, started: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The command line: one rehearsal from the flags, more with --runs.
+# The command line: one rehearsal from the flags, more after each --then.
 # ---------------------------------------------------------------------------------------------
 
 WHAT_TO_RUN = ("seq_lens", "longest", "compare_window")
