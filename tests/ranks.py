@@ -7,11 +7,11 @@ raises, the others are killed at once (they would otherwise wait forever in a co
 test fails with every rank's traceback; if nothing finishes within `timeout`, the test fails
 instead of hanging CI. `body` must be a module-level function (it is pickled into the children).
 
-RANKS_SHARE_GPU=1 (opt-in, for a machine with one GPU): every NCCL rank runs on cuda:0, each
-with its own NCCL_HOSTID, so NCCL takes the ranks for separate hosts and joins them over its
-socket transport instead of refusing "Duplicate GPU detected". NCCL does not support this: the
-numerics are real, the timings mean nothing, and it may hang (the timeout below still ends it).
-conftest.py then counts the one GPU as two, so the 2-GPU tests run.
+RANKS_ON_ONE_GPU=1 (opt-in, for a machine with one GPU): NCCL ranks all run on cuda:0, each
+told it is a host of its own (NCCL_HOSTID), so NCCL connects them over its socket transport on
+the loopback instead of refusing two ranks on one GPU. NCCL does not support this; it may hang
+(the timeout ends it). tests/conftest.py then lifts the "needs 2 GPUs" skips:
+    RANKS_ON_ONE_GPU=1 python -m pytest -k nccl tests/
 """
 
 import multiprocessing
@@ -31,8 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sharing_one_gpu() -> bool:
-    return os.environ.get("RANKS_SHARE_GPU") == "1"
+ON_ONE_GPU = os.environ.get("RANKS_ON_ONE_GPU") == "1"
 
 
 def _entry(rank, world_size, port, backend, body, args, errors):
@@ -40,11 +39,13 @@ def _entry(rank, world_size, port, backend, body, args, errors):
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        if "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (host-resident model state)
-            if sharing_one_gpu():
-                os.environ.update(NCCL_HOSTID=f"shared-gpu-rank-{rank}", NCCL_P2P_DISABLE="1",
-                                  NCCL_SHM_DISABLE="1", NCCL_SOCKET_IFNAME="lo")
-            torch.cuda.set_device(0 if sharing_one_gpu() else rank)
+        if "nccl" in backend and ON_ONE_GPU:  # each rank a host of its own (module docstring)
+            os.environ.update(NCCL_HOSTID=f"rank{rank}-of-{world_size}", NCCL_IB_DISABLE="1",
+                              NCCL_NVLS_ENABLE="0")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            torch.cuda.set_device(0)
+        elif "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (host-resident model state)
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         body(*args)
