@@ -66,6 +66,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import importlib
 import inspect
@@ -175,6 +176,10 @@ def windowed_attention(window: int):
         call.arguments.update(causal=True, window_size_left=window, window_size_right=0)
         return full_backward(*call.args, **call.kwargs)
 
+    # FA4 keeps its compiled kernels on the functions themselves (`_flash_attn_bwd.compile_cache`,
+    # read through the module global that is patched here): the wrappers carry those attributes.
+    functools.update_wrapper(forward, full_forward)
+    functools.update_wrapper(backward, full_backward)
     patched = [(fa4, "flash_attn_func", forward), (interface, "_flash_attn_bwd", backward)]
     if getattr(interface, "flash_attn_func", None) is full_forward:
         patched.append((interface, "flash_attn_func", forward))
