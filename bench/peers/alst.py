@@ -54,8 +54,10 @@ def join_group_of_one() -> None:
                         ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
     nvcc = shutil.which("nvcc")
-    if "CUDA_HOME" not in os.environ and nvcc:
-        os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    homes = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    for home in homes + ["/usr/local/cuda"]:  # nvcc may be a wrapper script outside its home
+        if "CUDA_HOME" not in os.environ and os.path.exists(f"{home}/include/cuda_runtime.h"):
+            os.environ["CUDA_HOME"] = home
 
 
 def tiled_mlp_forward(self, x):
@@ -73,20 +75,21 @@ def tiled_mlp_forward(self, x):
     return TiledMLP.apply(mlp, self, x, shards, weights)
 
 
-def attention_implementation(device: torch.device) -> str:
+def attention_implementations(device: torch.device, variant: str) -> list:
     """The recipe's FlashAttention-3 where installed, else FA4 or FA2 where transformers has
-    them, else sdpa."""
-    if device.type != "cuda":
-        return "sdpa"
+    them, then sdpa (@sdpa: sdpa alone): the first that builds is used."""
+    if device.type != "cuda" or variant == "sdpa":
+        return ["sdpa"]
     from transformers import utils
 
+    found = []
     for name, check in (("flash_attention_3", "is_flash_attn_3_available"),
                         ("flash_attention_4", "is_flash_attn_4_available"),
                         ("flash_attention_2", "is_flash_attn_2_available")):
         with contextlib.suppress(Exception):  # a broken install: the next one
             if getattr(utils, check, lambda: False)():
-                return name
-    return "sdpa"
+                found.append(name)
+    return found + ["sdpa"]
 
 
 def ds_config(spec: Spec, bf16: bool) -> dict:
@@ -141,10 +144,9 @@ class Stack:
         dtype = torch.bfloat16 if bf16 else torch.float32
         self.config = ds_config(spec, bf16)
         modeling_llama.LlamaMLP.forward = tiled_mlp_forward  # before the model is built
-        self.liger = (spec.variant == "liger" and device.type == "cuda"
+        self.liger = (spec.variant != "tiledloss" and device.type == "cuda"
                       and _liger_importable())
-        self.attention = attention_implementation(device)
-        options = {"attn_implementation": self.attention, "dtype": dtype}
+        options = {"dtype": dtype}
         if self.liger:
             from liger_kernel.transformers import AutoLigerKernelForCausalLM as auto_class
 
@@ -152,11 +154,23 @@ class Stack:
         else:
             auto_class = AutoModelForCausalLM
         self._keep_alive = HfDeepSpeedConfig(self.config)  # zero.Init while the model is built
-        torch.manual_seed(seed)
-        if init_from:
-            model_ = auto_class.from_pretrained(init_from, **options)
-        else:
-            model_ = auto_class.from_config(llama_config(model, dtype), **options)
+        self.attention_refused = {}
+        for attention in attention_implementations(device, spec.variant):
+            torch.manual_seed(seed)
+            try:  # transformers refuses an implementation it cannot run before building
+                if init_from:
+                    model_ = auto_class.from_pretrained(init_from, attn_implementation=attention,
+                                                        **options)
+                else:
+                    model_ = auto_class.from_config(llama_config(model, dtype),
+                                                    attn_implementation=attention, **options)
+            except (ImportError, ValueError) as error:
+                self.attention_refused[attention] = str(error).splitlines()[0][:200]
+                print(f"alst: {attention} refused ({self.attention_refused[attention]})",
+                      flush=True)
+                continue
+            self.attention = attention
+            break
         model_.config.use_cache = False
         enable_checkpointing(model_)
         model_.enable_input_require_grads()  # as ArcticTraining does for checkpointing
@@ -190,7 +204,8 @@ class Stack:
         self.offloaded_bytes = self.offload.stats.offloaded_bytes
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
-        return {"loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
+        return {"loss": float(loss.detach()),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
                 "checkpoints_offloaded_gib": round(self.offloaded_bytes / 2**30, 3)}
 
     def tiled_loss(self, input_ids, labels, positions) -> torch.Tensor:
@@ -220,7 +235,7 @@ class Stack:
             "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
             "liger_kernel": _liger_version() if self.liger else None,
             "zero_optimization": self.config["zero_optimization"],
-            "attention": self.attention,
+            "attention": self.attention, "attention_refused": self.attention_refused,
             "mlp": "DeepSpeed TiledMLP, ceil(seq_len / hidden) shards",
             "loss": ("Liger fused linear cross-entropy" if self.liger
                      else "DeepSpeed TiledFusedLogitsLoss, ~1 GiB fp32 logit shards"),

@@ -15,7 +15,8 @@ GRAD_CLIP = 1.0
 SPEC = re.compile(r"^(?P<name>ours|alst|hf)(:(?P<level>\d+))?(@(?P<variant>[\w.-]+))?"
                   r"(?P<offload>\+offload)?$")
 VARIANTS = {"ours": ("auto", "fa4", "cudnn", "flash", "math"),  # --attn-kernel
-            "alst": ("liger", "tiledloss"),  # the loss: Liger's fused linear CE, or DeepSpeed's
+            # alst's loss: Liger's fused linear CE, or DeepSpeed's tiled one; @sdpa: Liger, sdpa
+            "alst": ("liger", "tiledloss", "sdpa"),
             "hf": ("bf16", "fp32")}  # the weights and AdamW state: bf16, or fp32 + autocast
 
 
@@ -34,7 +35,7 @@ def parse_spec(text: str) -> Spec:
     match = SPEC.match(text)
     if not match:
         raise ValueError(f"stack {text!r}: expected ours:N[@KERNEL][+offload], "
-                         f"alst[@liger|@tiledloss][+offload] or hf[@bf16|@fp32]")
+                         f"alst[@liger|@tiledloss|@sdpa][+offload] or hf[@bf16|@fp32]")
     name, level, variant = match["name"], match["level"], match["variant"]
     if (name == "ours") != (level is not None):
         raise ValueError(f"stack {text!r}: ours takes a --stack level (ours:4, ours:5), "
