@@ -210,21 +210,27 @@ class Stack:
 
     def tiled_loss(self, input_ids, labels, positions) -> torch.Tensor:
         """DeepSpeed's TiledFusedLogitsLoss: the decoder's hidden states, then logits and loss
-        one ~1 GiB shard of fp32 logits at a time, its backward done in the forward."""
+        one ~1 GiB shard of fp32 logits at a time, its backward done in the forward.
+
+        Reduced as "mean" over equal shards (the fewest that divide the sequence): the shards'
+        weight gradients are made in the forward with the reduction's own factor, so a "sum"
+        divided afterwards (as ArcticTraining's trainer does) would leave lm_head's gradient
+        undivided: the CPU check measured a gradient norm of 125 against ours' 0.77."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
         model = self.engine.module
         hidden = model.model(input_ids=input_ids, position_ids=positions).last_hidden_state
         shards = max(1, math.ceil(labels.numel() * self.vocab_size * 4 / LOSS_SHARD_BYTES))
+        while labels.shape[1] % shards:
+            shards += 1
 
-        def loss_sum(module, hidden_part, labels_part):
+        def shard_loss(module, hidden_part, labels_part):
             logits = module.lm_head(hidden_part)
             return module.loss_function(logits=logits, labels=None, vocab_size=self.vocab_size,
-                                        shift_labels=labels_part) * labels_part.numel()
+                                        shift_labels=labels_part)
 
-        total = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, labels, None, shards,
-                                           [model.lm_head.weight], "sum")
-        return total / labels.numel()
+        return TiledFusedLogitsLoss.apply(shard_loss, model, hidden, labels, None, shards,
+                                          [model.lm_head.weight], "mean")
 
     def about(self) -> dict:
         import deepspeed
@@ -238,7 +244,8 @@ class Stack:
             "attention": self.attention, "attention_refused": self.attention_refused,
             "mlp": "DeepSpeed TiledMLP, ceil(seq_len / hidden) shards",
             "loss": ("Liger fused linear cross-entropy" if self.liger
-                     else "DeepSpeed TiledFusedLogitsLoss, ~1 GiB fp32 logit shards"),
+                     else "DeepSpeed TiledFusedLogitsLoss, equal shards of <= ~1 GiB fp32 "
+                          "logits, mean"),
             "checkpointing": "transformers' gradient checkpointing, non-reentrant, inputs "
                              "offloaded by DeepSpeed's CheckpointHiddenStatesOffload",
             "weights": "bf16 params, fp32 master and AdamW state (ZeRO-3 bf16)",

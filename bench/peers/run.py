@@ -419,10 +419,10 @@ def longest_ok(rows: list, specs) -> dict:
 def print_table(result: dict) -> None:
     print(f"\n{result['model']}: {'stack':<22} {'tokens':>8} {'tok/s':>10} {'peak GiB':>9}  status")
     for row in result["rows"]:
-        ok = row.get("status") == "ok"
+        ok = row.get("status") == "ok" and "tokens_per_s" in row
         tok = f"{row['tokens_per_s']:,.0f}" if ok else "-"
         peak = f"{row['peak_gib']:.1f}" if ok and row.get("peak_gib") is not None else "-"
-        status = "ok" if ok else row.get("status", "?")[:70]
+        status = row.get("status", "?")[:70]
         print(f"{'':{len(result['model']) + 2}}{row['stack']:<22} {row['seq_len']:>8} {tok:>10} "
               f"{peak:>9}  {status}")
     for ratio in result.get("ratios", []):
