@@ -53,6 +53,9 @@ def join_group_of_one() -> None:
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                         ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
+    # torch's CUDA and nvcc's may differ in their minor version (13.0 and 13.x): DeepSpeed's
+    # builder refuses that unless told; the ops it builds here use nothing version-specific.
+    os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")
     nvcc = shutil.which("nvcc")
     homes = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
     for home in homes + ["/usr/local/cuda"]:  # nvcc may be a wrapper script outside its home

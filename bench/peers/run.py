@@ -11,10 +11,11 @@ with --steps 1 its own time), peak GiB = the largest torch.cuda.max_memory_alloc
 row's steps (reset before each), or OOM / error with the first line of the message. Each stack's
 process runs the lengths in the order given (the model built once where the stack allows) and
 stops at its first failure: the longer lengths are marked skipped. The JSON (--out) is written
-again after every row. --budget-s: each stack gets an equal share of what is left when it starts;
-a row whose estimated time (the last row's step time, scaled by (S / S_last)^1.6, x --steps)
-does not fit the stack's share is skipped, and a process still running at the end of its share
-is stopped.
+again after every row. --budget-s: a stack may use what is left of it when it starts, less
+--reserve-s for each stack after it (the stacks go in the order given: put first what matters
+most); a row whose estimated time (the last row's step time, scaled by (S / S_last)^1.6, x
+--steps) does not fit the stack's share is skipped, and a process still running at the end of
+its share is stopped.
 
 --check-loss LEN: one process writes a Hugging Face folder of our model (support/build.py's
 random init, support/pretrained.export_hf, bf16) and computes its loss on the check's tokens in
@@ -66,13 +67,18 @@ def main(argv=None):
         check_loss(opts, specs, result, started)
     else:
         for index, spec in enumerate(specs):
-            share = (opts.budget_s - (time.perf_counter() - started)) / (len(specs) - index)
-            run_child(opts, spec.text, opts.seq_lens, opts.steps, share, result)
+            run_child(opts, spec.text, opts.seq_lens, opts.steps,
+                      share(opts, started, len(specs) - index - 1), result)
         result["ratios"] = ratios(result["rows"], specs)
         result["longest_ok"] = longest_ok(result["rows"], specs)
     write(opts.out, result)
     print_table(result)
     return result
+
+
+def share(opts, started: float, stacks_after: int) -> float:
+    """Seconds the next stack may use: the budget left, less a reserve for each after it."""
+    return opts.budget_s - (time.perf_counter() - started) - opts.reserve_s * stacks_after
 
 
 def parse_args(argv=None):
@@ -84,6 +90,8 @@ def parse_args(argv=None):
     parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=parse_tokens)
     parser.add_argument("--steps", type=int, default=3, help="steps per row (the first warms up)")
     parser.add_argument("--budget-s", type=float, default=540.0)
+    parser.add_argument("--reserve-s", type=float, default=60.0,
+                        help="the budget kept for each stack still to run")
     parser.add_argument("--lr", type=float, default=None,
                         help="every stack's learning rate (default: train.py's for the model)")
     parser.add_argument("--seed", type=int, default=0)
@@ -109,6 +117,10 @@ def parse_args(argv=None):
                 parser.error(str(error))
         if opts.out is None:
             opts.out = str(Path(os.environ.get("OUT", ".")) / "peers.json")
+        if opts.lr is None:  # train.py's for the model, passed to every stack
+            from support.config import Config, default_lr
+
+            opts.lr = default_lr(Config(model=opts.model))
     return opts
 
 
@@ -316,14 +328,13 @@ def check_loss(opts, specs, result: dict, started: float) -> None:
     folder = opts.check_dir or tempfile.mkdtemp(prefix="peers-check-")
     check = {"seq_len": opts.check_loss, "folder": folder, "lr": CHECK_LR, "stacks": {}}
     result["loss_check"] = check
-    budget = lambda n: (opts.budget_s - (time.perf_counter() - started)) / n
-    export_rows = run_child(opts, "export", [opts.check_loss], 1, budget(len(specs) + 1),
-                            result, init_from=folder)
+    export_rows = run_child(opts, "export", [opts.check_loss], 1,
+                            share(opts, started, len(specs)), result, init_from=folder)
     reference = export_rows[0] if export_rows else {}
     check["reference"] = {k: reference.get(k) for k in ("status", "loss_fp32", "control_loss")}
     for index, spec in enumerate(specs):
-        rows = run_child(opts, spec.text, [opts.check_loss], 2, budget(len(specs) - index),
-                         result, init_from=folder)
+        rows = run_child(opts, spec.text, [opts.check_loss], 2,
+                         share(opts, started, len(specs) - index - 1), result, init_from=folder)
         row = rows[0] if rows else {}
         check["stacks"][spec.text] = {k: row.get(k) for k in ("status", "losses", "grad_norms")}
     check.update(compare_losses(check, specs))
