@@ -29,6 +29,7 @@ Each rank of a real run agrees on the MLP's shard count with an all-reduce; one 
 """
 
 import contextlib
+import glob
 import math
 import os
 import shutil
@@ -61,6 +62,18 @@ def join_group_of_one() -> None:
     for home in homes + ["/usr/local/cuda"]:  # nvcc may be a wrapper script outside its home
         if "CUDA_HOME" not in os.environ and os.path.exists(f"{home}/include/cuda_runtime.h"):
             os.environ["CUDA_HOME"] = home
+
+
+def clear_stale_build_locks() -> None:
+    """torch's extension builds (DeepSpeed's ops) take a lock file in their build folder; a
+    process stopped mid-build (run.py's budget) leaves it, and the next build would wait on it
+    forever. The stacks run one at a time, so a lock found now is stale."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    for lock in glob.glob(f"{root}/*/lock") + glob.glob(f"{root}/*/*/lock"):
+        with contextlib.suppress(OSError):
+            os.remove(lock)
 
 
 def tiled_mlp_forward(self, x):
@@ -132,6 +145,7 @@ class Stack:
                  lr: float | None, seed: int):
         started = time.perf_counter()
         join_group_of_one()
+        clear_stale_build_locks()
         import deepspeed
         from deepspeed.utils import logger as ds_logger
         from transformers import AutoModelForCausalLM
@@ -139,8 +153,6 @@ class Stack:
         from transformers.models.llama import modeling_llama
 
         ds_logger.setLevel("WARNING")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         self.device, self.spec = device, spec
         bf16 = device.type == "cuda"

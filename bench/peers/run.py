@@ -230,8 +230,16 @@ def make_stack(spec, opts, device):
 
 
 def child_main(opts) -> None:
-    if opts.child == "export":
-        return export_main(opts)
+    try:
+        if opts.child == "export":
+            return export_main(opts)
+        return run_stack(opts)
+    finally:
+        if torch.distributed.is_initialized():  # ours and alst join a group of one
+            torch.distributed.destroy_process_group()
+
+
+def run_stack(opts) -> None:
     spec = parse_spec(opts.child)
     device = torch.device(opts.device)
     if device.type == "cuda":
