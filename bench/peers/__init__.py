@@ -9,9 +9,11 @@ config (our preset; transformers' LlamaConfig made from it by support/pretrained
 
   ours:N[@KERNEL][+offload]  train.py --stack N through its own functions (bench/peers/ours.py);
                              @KERNEL its --attn-kernel, +offload its --offload-model-state.
-  alst[@tiledloss][+offload] DeepSpeed's Arctic Long Sequence Training as ArcticTraining's
+  alst[@VARIANT][+offload]   DeepSpeed's Arctic Long Sequence Training as ArcticTraining's
                              one-GPU recipe sets it up: ZeRO-3, TiledMLP, Liger's fused linear
-                             cross-entropy, checkpoints offloaded to the CPU (bench/peers/alst.py);
+                             cross-entropy, checkpoints offloaded to the CPU, FlashAttention where
+                             transformers has it (bench/peers/alst.py); @tiledloss: DeepSpeed's
+                             TiledFusedLogitsLoss instead of Liger's, @sdpa: attention by SDPA;
                              +offload: ZeRO's optimizer and parameter offload, as the recipe.
   hf[@fp32]                  transformers alone: SDPA, gradient checkpointing, torch AdamW
                              (bench/peers/hf.py; bf16 weights and moments, @fp32: fp32 + autocast).
