@@ -46,6 +46,7 @@ from support.data import parse_tokens
 GiB = 2**30
 GROWTH = 1.6  # a step's time grows about as S^1.6 between 64K and 256K (attention dominates)
 CHECK_LR = 1e-3
+ALLOCATOR = "expandable_segments:True"  # ALST's recommended setting, for every stack alike
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ def main(argv=None):
     result = {"what": "peers: ours vs DeepSpeed ALST vs transformers, one GPU",
               "model": opts.model, "seq_lens": opts.seq_lens, "steps": opts.steps,
               "stacks": opts.stacks, "budget_s": opts.budget_s, "rows": [], "stack_info": {},
-              "lr": opts.lr, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+              "lr": opts.lr, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)}
     started = time.perf_counter()
     if opts.check_loss:
         result.update(seq_lens=[opts.check_loss], steps=2, lr=CHECK_LR)
@@ -150,7 +151,7 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
     rows_file = tempfile.mktemp(prefix="peers-rows-", suffix=".jsonl")
     deadline = time.time() + share_s
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # ALST's setting
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)
     print(f"== {spec}: {', '.join(map(str, seq_lens))} tokens, {share_s:.0f} s", flush=True)
     process = subprocess.Popen(
         child_argv(opts, spec, seq_lens, steps, rows_file, deadline, init_from),
