@@ -86,7 +86,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stacks", nargs="+", default=["ours:5", "alst", "hf"],
-                        help="ours:N[@KERNEL][+offload], alst[@tiledloss][+offload], hf[@fp32]")
+                        help="ours:N[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], hf[@fp32]")
     parser.add_argument("--model", default="llama3.2-3b", help="a preset of model.py")
     parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=parse_tokens)
     parser.add_argument("--steps", type=int, default=3, help="steps per row (the first warms up)")
