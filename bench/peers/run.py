@@ -1,0 +1,462 @@
+"""Run the stacks one process each, one after another, and compare them (bench/peers/__init__.py
+says what each stack is and how to install DeepSpeed and Liger-Kernel).
+
+    python -m bench.peers.run --stacks ours:4 ours:5 ours:5@cudnn alst hf \\
+        --model llama3.2-3b --seq-lens 64K 128K --steps 3 --budget-s 420 --out peers.json
+    python -m bench.peers.run --check-loss 4K --stacks ours:5 alst hf --model llama3.2-3b \\
+        --out peers_check.json
+
+A row: tokens/s = S / the median step time after the first (the first compiles and warms up;
+with --steps 1 its own time), peak GiB = the largest torch.cuda.max_memory_allocated of the
+row's steps (reset before each), or OOM / error with the first line of the message. Each stack's
+process runs the lengths in the order given (the model built once where the stack allows) and
+stops at its first failure: the longer lengths are marked skipped. The JSON (--out) is written
+again after every row. --budget-s: a stack may use what is left of it when it starts, less
+--reserve-s for each stack after it (the stacks go in the order given: put first what matters
+most); a row whose estimated time (the last row's step time, scaled by (S / S_last)^1.6, x
+--steps) does not fit the stack's share is skipped, and a process still running at the end of
+its share is stopped.
+
+--check-loss LEN: one process writes a Hugging Face folder of our model (support/build.py's
+random init, support/pretrained.export_hf, bf16) and computes its loss on the check's tokens in
+fp32 as the reference, and the loss of a model of another seed as the control; each stack then
+starts from that folder (ours: --init-from; hf and alst: from_pretrained) and takes two steps on
+the same tokens at --lr 1e-3. Recorded: each stack's two losses and first gradient norm, their
+differences from ours and from the reference, and the control's distance (what a difference of
+weights looks like at this length: agreement well inside it means the same weights).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.peers.common import parse_spec, synchronize, window
+from support.data import parse_tokens
+
+GiB = 2**30
+GROWTH = 1.6  # a step's time grows about as S^1.6 between 64K and 256K (attention dominates)
+CHECK_LR = 1e-3
+ALLOCATOR = "expandable_segments:True"  # ALST's recommended setting, for every stack alike
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: one child process per stack, the JSON after every row, the table at the end.
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    opts = parse_args(argv)
+    if opts.child:
+        return child_main(opts)
+    specs = [parse_spec(text) for text in opts.stacks]
+    result = {"what": "peers: ours vs DeepSpeed ALST vs transformers, one GPU",
+              "model": opts.model, "seq_lens": opts.seq_lens, "steps": opts.steps,
+              "stacks": opts.stacks, "budget_s": opts.budget_s, "rows": [], "stack_info": {},
+              "lr": opts.lr, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)}
+    started = time.perf_counter()
+    if opts.check_loss:
+        result.update(seq_lens=[opts.check_loss], steps=2, lr=CHECK_LR)
+        check_loss(opts, specs, result, started)
+    else:
+        for index, spec in enumerate(specs):
+            run_child(opts, spec.text, opts.seq_lens, opts.steps,
+                      share(opts, started, len(specs) - index - 1), result)
+        result["ratios"] = ratios(result["rows"], specs)
+        result["longest_ok"] = longest_ok(result["rows"], specs)
+    write(opts.out, result)
+    print_table(result)
+    return result
+
+
+def share(opts, started: float, stacks_after: int) -> float:
+    """Seconds the next stack may use: the budget left, less a reserve for each after it."""
+    return opts.budget_s - (time.perf_counter() - started) - opts.reserve_s * stacks_after
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stacks", nargs="+", default=["ours:5", "alst", "hf"],
+                        help="ours:N[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], hf[@fp32]")
+    parser.add_argument("--model", default="llama3.2-3b", help="a preset of model.py")
+    parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=parse_tokens)
+    parser.add_argument("--steps", type=int, default=3, help="steps per row (the first warms up)")
+    parser.add_argument("--budget-s", type=float, default=540.0)
+    parser.add_argument("--reserve-s", type=float, default=60.0,
+                        help="the budget kept for each stack still to run")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="every stack's learning rate (default: train.py's for the model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-loss", type=parse_tokens, default=None, metavar="LEN",
+                        help="instead of timing: the stacks' first losses from the same weights")
+    parser.add_argument("--check-dir", default=None,
+                        help="where --check-loss writes the shared weights (default: a temp dir)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="the JSON file (default: $OUT/peers.json)")
+    # The child's own arguments (run by the parent, one process per stack):
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-s", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--init-from", default=None, help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.steps < 1:
+        parser.error("--steps must be at least 1")
+    if opts.child is None:
+        for text in opts.stacks:
+            try:
+                parse_spec(text)
+            except ValueError as error:
+                parser.error(str(error))
+        if opts.out is None:
+            opts.out = str(Path(os.environ.get("OUT", ".")) / "peers.json")
+        if opts.lr is None:  # train.py's for the model, passed to every stack
+            from support.config import Config, default_lr
+
+            opts.lr = default_lr(Config(model=opts.model))
+    return opts
+
+
+def child_argv(opts, spec: str, seq_lens, steps: int, rows_file: str, deadline_s: float,
+               init_from: str | None = None) -> list:
+    argv = [sys.executable, "-m", "bench.peers.run", "--child", spec, "--model", opts.model,
+            "--seq-lens", *map(str, seq_lens), "--steps", str(steps), "--seed", str(opts.seed),
+            "--device", opts.device, "--rows-file", rows_file, "--deadline-s", str(deadline_s)]
+    lr = CHECK_LR if opts.check_loss else opts.lr
+    if lr is not None:
+        argv += ["--lr", str(lr)]
+    if init_from:
+        argv += ["--init-from", init_from]
+    return argv
+
+
+def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dict,
+              init_from: str | None = None) -> list:
+    """One stack's process: its rows into result["rows"] (and the JSON) as they come; a row
+    for every length it did not report. Returns this child's rows."""
+    if share_s <= 0:
+        rows = [{"stack": spec, "seq_len": s, "status": "skipped: no budget left"}
+                for s in seq_lens]
+        result["rows"] += rows
+        write(opts.out, result)
+        return rows
+    rows_file = tempfile.mktemp(prefix="peers-rows-", suffix=".jsonl")
+    deadline = time.time() + share_s
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)
+    print(f"== {spec}: {', '.join(map(str, seq_lens))} tokens, {share_s:.0f} s", flush=True)
+    process = subprocess.Popen(
+        child_argv(opts, spec, seq_lens, steps, rows_file, deadline, init_from),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+    stopped = threading.Event()
+
+    def stop_at_deadline():
+        if process.poll() is None:
+            stopped.set()
+            print(f"== {spec}: its {share_s:.0f} s are up; stopping it", flush=True)
+            os.killpg(process.pid, 9)  # the child and what it started (DeepSpeed's compiles)
+
+    timer = threading.Timer(max(0.0, deadline - time.time()) + 5, stop_at_deadline)
+    timer.start()
+    tail, rows, info = [], [], {}
+    for line in process.stdout:
+        print(f"[{spec}] {line}", end="", flush=True)
+        tail = (tail + [line.strip()])[-30:]
+        rows, info = read_rows(rows_file, rows, info, result, opts.out, spec)
+    process.wait()
+    timer.cancel()
+    rows, info = read_rows(rows_file, rows, info, result, opts.out, spec)
+    reported = {row["seq_len"] for row in rows}
+    why = ("stopped at the end of its budget share" if stopped.is_set()
+           else f"process ended (exit code {process.returncode}): {last_error(tail)}")
+    missing = [{"stack": spec, "seq_len": s, "status": f"not run: {why}"}
+               for s in seq_lens if s not in reported]
+    result["rows"] += missing
+    write(opts.out, result)
+    if os.path.exists(rows_file):
+        os.remove(rows_file)
+    return rows + missing
+
+
+def read_rows(rows_file: str, rows: list, info: dict, result: dict, out: str, spec: str):
+    """The child's new lines: rows (into result, JSON rewritten) and its description."""
+    if not os.path.exists(rows_file):
+        return rows, info
+    with open(rows_file) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    new = [line for line in lines if "row" in line][len(rows):]
+    described = [line["about"] for line in lines if "about" in line]
+    if described:
+        info = described[-1]
+        result["stack_info"][spec] = info
+    if new:
+        result["rows"] += [line["row"] for line in new]
+        write(out, result)
+    return rows + [line["row"] for line in new], info
+
+
+def last_error(tail: list) -> str:
+    errors = [line for line in tail if "Error" in line or "error" in line]
+    return (errors or tail or ["no output"])[-1][:300]
+
+
+def write(path: str, result: dict) -> None:
+    from bench.report import environment
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The child: one stack, its lengths in order.
+# ---------------------------------------------------------------------------------------------
+
+def make_stack(spec, opts, device):
+    if spec.name == "ours":
+        from bench.peers import ours as module
+    elif spec.name == "hf":
+        from bench.peers import hf as module
+    else:
+        from bench.peers import alst as module
+    return module.Stack(spec, opts.model, device, opts.init_from, opts.lr, opts.seed)
+
+
+def child_main(opts) -> None:
+    try:
+        if opts.child == "export":
+            return export_main(opts)
+        return run_stack(opts)
+    finally:
+        if torch.distributed.is_initialized():  # ours and alst join a group of one
+            torch.distributed.destroy_process_group()
+
+
+def run_stack(opts) -> None:
+    spec = parse_spec(opts.child)
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    emit = rows_writer(opts.rows_file)
+    started = time.perf_counter()
+    try:
+        stack = make_stack(spec, opts, device)
+    except Exception as error:  # noqa: BLE001 - recorded as the rows' status
+        traceback.print_exc()
+        status = failure_status(error)
+        for seq_len in opts.seq_lens:
+            emit({"row": {"stack": spec.text, "seq_len": seq_len, "status": status}})
+        return
+    print(f"built in {time.perf_counter() - started:.1f} s", flush=True)
+    last = None  # (seq_len, step time) of the last completed row: the next one's estimate
+    failed = None
+    for seq_len in opts.seq_lens:
+        row = {"stack": spec.text, "seq_len": seq_len}
+        left = opts.deadline_s - time.time() if opts.deadline_s else float("inf")
+        estimate = None if last is None else opts.steps * last[1] * (seq_len / last[0]) ** GROWTH
+        if failed:
+            row["status"] = f"skipped: {failed} at a shorter length"
+        elif estimate is not None and estimate > left:
+            row.update(status=f"skipped: budget (estimated {estimate:.0f} s, {left:.0f} s left)")
+        else:
+            row.update(measure(stack, spec, seq_len, opts, device))
+            if row["status"] == "ok":
+                last = (seq_len, row["step_time_s"])
+            else:
+                failed = row["status"].split(":")[0]
+        emit({"row": row})
+        emit({"about": stack.about()})
+        print(f"{spec.text} {seq_len}: {summary(row)}", flush=True)
+
+
+def measure(stack, spec, seq_len: int, opts, device) -> dict:
+    """One row: --steps steps on the length's tokens."""
+    tokens = window(stack.vocab_size, seq_len, opts.seed)
+    times, peaks, metrics = [], [], []
+    try:
+        stack.prepare(seq_len)
+        for _ in range(opts.steps):
+            synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            metrics.append(stack.step(tokens))
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+            if device.type == "cuda":
+                peaks.append(torch.cuda.max_memory_allocated() / GiB)
+            print(f"  step {len(times) - 1}: {times[-1]:.2f} s, loss {metrics[-1]['loss']:.4f}"
+                  + (f", peak {peaks[-1]:.1f} GiB" if peaks else ""), flush=True)
+    except Exception as error:  # noqa: BLE001 - OOM and the rest, recorded as the status
+        traceback.print_exc()
+        return {"status": failure_status(error), "step_times_s": times,
+                "peak_gib": max(peaks) if peaks else None}
+    step_time = statistics.median(times[1:] or times)
+    return {"status": "ok", "tokens_per_s": round(seq_len / step_time, 1),
+            "step_time_s": round(step_time, 3), "step_times_s": [round(t, 3) for t in times],
+            "peak_gib": round(max(peaks), 3) if peaks else None,
+            "losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+            **{k: v for k, v in metrics[-1].items() if k not in ("loss", "grad_norm")}}
+
+
+def failure_status(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0][:400]
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in first.lower():
+        return f"OOM: {first}"
+    return f"error: {type(error).__name__}: {first}"
+
+
+def rows_writer(path: str | None):
+    def emit(line: dict) -> None:
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(line, default=str) + "\n")
+    return emit
+
+
+def summary(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    peak = f", peak {row['peak_gib']:.1f} GiB" if row.get("peak_gib") is not None else ""
+    return f"{row['tokens_per_s']:,.0f} tok/s ({row['step_time_s']:.2f} s/step){peak}"
+
+
+# ---------------------------------------------------------------------------------------------
+# --check-loss: the same weights through every stack.
+# ---------------------------------------------------------------------------------------------
+
+def check_loss(opts, specs, result: dict, started: float) -> None:
+    folder = opts.check_dir or tempfile.mkdtemp(prefix="peers-check-")
+    check = {"seq_len": opts.check_loss, "folder": folder, "lr": CHECK_LR, "stacks": {}}
+    result["loss_check"] = check
+    export_rows = run_child(opts, "export", [opts.check_loss], 1,
+                            share(opts, started, len(specs)), result, init_from=folder)
+    reference = export_rows[0] if export_rows else {}
+    check["reference"] = {k: reference.get(k) for k in ("status", "loss_fp32", "control_loss")}
+    for index, spec in enumerate(specs):
+        rows = run_child(opts, spec.text, [opts.check_loss], 2,
+                         share(opts, started, len(specs) - index - 1), result, init_from=folder)
+        row = rows[0] if rows else {}
+        check["stacks"][spec.text] = {k: row.get(k) for k in ("status", "losses", "grad_norms")}
+    check.update(compare_losses(check, specs))
+
+
+def compare_losses(check: dict, specs) -> dict:
+    """Each stack's losses minus the first ours stack's, and its first loss minus the fp32
+    reference; the control's distance from the reference, for scale."""
+    stacks = check["stacks"]
+    ok = {s: v for s, v in stacks.items() if v.get("status") == "ok" and v.get("losses")}
+    ours = next((s.text for s in specs if s.name == "ours" and s.text in ok), None)
+    reference = (check.get("reference") or {}).get("loss_fp32")
+    control = (check.get("reference") or {}).get("control_loss")
+    out = {"versus": ours, "differences": {}}
+    if reference is not None and control is not None:
+        out["control_distance"] = abs(control - reference)
+    for name, values in ok.items():
+        diff = {}
+        if ours and name != ours:
+            diff["first_loss_minus_ours"] = values["losses"][0] - ok[ours]["losses"][0]
+            if len(values["losses"]) > 1 and len(ok[ours]["losses"]) > 1:
+                diff["second_loss_minus_ours"] = values["losses"][1] - ok[ours]["losses"][1]
+        if reference is not None:
+            diff["first_loss_minus_reference"] = values["losses"][0] - reference
+        out["differences"][name] = diff
+    return out
+
+
+def export_main(opts) -> None:
+    """The check's shared weights: our model (support/build.py, seeded), exported bf16 as a
+    Hugging Face folder; its fp32 loss on the check's tokens (weights rounded to bf16, as every
+    stack loads them) and a control model's (another seed)."""
+    import model as llama
+    from support import build, pretrained
+
+    emit = rows_writer(opts.rows_file)
+    seq_len = opts.seq_lens[0]
+    row = {"stack": "export", "seq_len": seq_len}
+    try:
+        device = torch.device(opts.device)
+        args = llama.get_model_args(opts.model)
+        tokens = window(args.vocab_size, seq_len, opts.seed).to(device)
+        positions = torch.arange(seq_len, device=device)[None]
+        losses = []
+        for seed in (opts.seed, opts.seed + 1):
+            model = build.build_model(args, device, seed=seed,
+                                      exact_init=llama.num_params(args) < 2e8)
+            if seed == opts.seed:
+                pretrained.export_hf(model, args, opts.init_from, overwrite=True,
+                                     dtype=torch.bfloat16)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16).float())
+                loss = model(tokens[:, :-1], positions, tokens[:, 1:]) / seq_len
+            losses.append(float(loss))
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row.update(status="ok", loss_fp32=losses[0], control_loss=losses[1])
+    except Exception as error:  # noqa: BLE001
+        traceback.print_exc()
+        row["status"] = failure_status(error)
+    emit({"row": row})
+    print(f"export: {row}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison.
+# ---------------------------------------------------------------------------------------------
+
+def ratios(rows: list, specs) -> list:
+    """ours / peer at each length where both completed, with the model state in the same place
+    (both on the GPU, or both on the host): tokens/s and peak memory."""
+    ok = {(r["stack"], r["seq_len"]): r for r in rows if r.get("status") == "ok"}
+    out = []
+    for ours in (s for s in specs if s.name == "ours"):
+        for peer in (s for s in specs if s.name != "ours" and s.offload == ours.offload):
+            for seq_len in sorted({s for _, s in ok}):
+                a, b = ok.get((ours.text, seq_len)), ok.get((peer.text, seq_len))
+                if a and b:
+                    out.append({"ours": ours.text, "peer": peer.text, "seq_len": seq_len,
+                                "tokens_per_s_ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
+                                "peak_ratio": (round(a["peak_gib"] / b["peak_gib"], 3)
+                                               if a.get("peak_gib") and b.get("peak_gib") else None)})
+    return out
+
+
+def longest_ok(rows: list, specs) -> dict:
+    return {s.text: max([r["seq_len"] for r in rows if r["stack"] == s.text
+                         and r.get("status") == "ok"], default=None) for s in specs}
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['model']}: {'stack':<22} {'tokens':>8} {'tok/s':>10} {'peak GiB':>9}  status")
+    for row in result["rows"]:
+        ok = row.get("status") == "ok" and "tokens_per_s" in row
+        tok = f"{row['tokens_per_s']:,.0f}" if ok else "-"
+        peak = f"{row['peak_gib']:.1f}" if ok and row.get("peak_gib") is not None else "-"
+        status = row.get("status", "?")[:70]
+        print(f"{'':{len(result['model']) + 2}}{row['stack']:<22} {row['seq_len']:>8} {tok:>10} "
+              f"{peak:>9}  {status}")
+    for ratio in result.get("ratios", []):
+        peak = f"x{ratio['peak_ratio']:.2f}" if ratio["peak_ratio"] else "-"
+        print(f"  {ratio['ours']} / {ratio['peer']} at {ratio['seq_len']}: tokens/s x"
+              f"{ratio['tokens_per_s_ratio']:.2f}, peak {peak}")
+    if result.get("loss_check"):
+        check = result["loss_check"]
+        print(f"  loss check at {check['seq_len']}: reference {check.get('reference')}")
+        for name, values in check["stacks"].items():
+            print(f"    {name}: {values.get('status')} losses {values.get('losses')} "
+                  f"{check.get('differences', {}).get(name, '')}")
+        print(f"    control distance (another seed): {check.get('control_distance')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""bench/peers on the CPU: the runner's rows, ratios and loss check with the tiny model (fp32).
+ALST only where DeepSpeed is importable (never in CI: it is no requirement of the project)."""
+
+import importlib.util
+import json
+
+import pytest
+
+from bench.peers import run
+from bench.peers.common import parse_spec
+
+
+def test_specs_parse_and_refuse():
+    assert parse_spec("ours:5@cudnn+offload").__dict__ == {
+        "text": "ours:5@cudnn+offload", "name": "ours", "level": 5, "variant": "cudnn",
+        "offload": True}
+    assert parse_spec("alst").variant == "liger" and parse_spec("hf").variant == "bf16"
+    for bad in ("ours", "alst:3", "hf+offload", "hf@fp16", "ring:5"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+
+
+def test_rows_and_ratios_on_cpu(tmp_path):
+    out = tmp_path / "peers.json"
+    run.main(["--stacks", "ours:4", "hf", "--model", "tiny", "--seq-lens", "256", "--steps", "2",
+              "--device", "cpu", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = {(r["stack"], r["seq_len"]): r for r in result["rows"]}
+    for stack in ("ours:4", "hf"):
+        row = rows[(stack, 256)]
+        assert row["status"] == "ok", row
+        assert row["tokens_per_s"] > 0 and len(row["step_times_s"]) == 2
+        assert 5.0 < row["losses"][0] < 6.0  # ln(256) = 5.55 from a random init
+    assert result["stack_info"]["ours:4"]["stack"] == "train.py --stack 4"
+    assert [(r["ours"], r["peer"]) for r in result["ratios"]] == [("ours:4", "hf")]
+    assert result["longest_ok"] == {"ours:4": 256, "hf": 256}
+
+
+def test_loss_check_same_weights_same_losses(tmp_path):
+    """From one exported folder ours and transformers compute the same losses in fp32, before
+    and after one AdamW step; the control (another seed) is much further away."""
+    out = tmp_path / "check.json"
+    run.main(["--check-loss", "256", "--stacks", "ours:4", "hf", "--model", "tiny",
+              "--device", "cpu", "--check-dir", str(tmp_path / "weights"), "--out", str(out)])
+    check = json.loads(out.read_text())["loss_check"]
+    assert check["reference"]["status"] == "ok"
+    assert check["stacks"]["ours:4"]["status"] == "ok" and check["stacks"]["hf"]["status"] == "ok"
+    hf = check["differences"]["hf"]
+    assert abs(hf["first_loss_minus_ours"]) < 1e-4
+    assert abs(hf["second_loss_minus_ours"]) < 1e-3
+    assert abs(check["differences"]["ours:4"]["first_loss_minus_reference"]) < 1e-4
+    assert check["control_distance"] > 10 * abs(hf["first_loss_minus_ours"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is a benchmark dependency only (bench/peers/__init__.py)")
+def test_alst_on_cpu(tmp_path):
+    out = tmp_path / "alst.json"
+    run.main(["--stacks", "alst", "--model", "tiny", "--seq-lens", "256", "--steps", "2",
+              "--device", "cpu", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["status"] == "ok", row
