@@ -403,8 +403,8 @@ def main():
         kernel = kernels.lse_kernel(probe)[0]
         unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
         print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
-              f"one attention layer per rank; measured: {how}; planned: the GPU peak by 02/05's "
-              f"byte functions")
+              f"one attention layer per rank; measured: {how}; planned: the GPU peak by "
+              f"support/byte_counts.py")
         print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
               f"{'planned ' + unit_name:>13}")
         for name, head_chunk, n_stages, measured, planned in rows:

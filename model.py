@@ -8,11 +8,13 @@ without editing this file:
   2. `Attention.attend(x, rope, cu_seqlens)` the whole sub-layer from normed input to pre-`o_proj`
                                            output (B, S, heads * D). 05_untied_ulysses.py replaces
                                            it, because it projects Q/K/V one head chunk at a time.
-  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
+  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the
+                                           sequence.
   4. `RMSNorm.forward(x)`                  04_alst_tiling.py (--tile-norm) tiles each block's norms,
                                            whose fp32 copies would span the whole sequence.
   5. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
-                                           04_alst_tiling.py tiles it so seq x vocab logits never exist.
+                                           04_alst_tiling.py tiles it so seq x vocab logits never
+                                           exist.
      `Transformer.token_scores(h, labels)` its per-token sibling for evaluation (eval.py): each
                                            token's loss and greedy prediction; 04 tiles it too.
 
@@ -64,7 +66,8 @@ class ModelArgs:
     rope_original_context: int = 8192  # llama3, yarn: the context length of pretraining
     rope_beta_fast: float = 32.0  # yarn: rotations per original context above which a
     rope_beta_slow: float = 1.0  # yarn:   frequency is kept, and below which it is stretched
-    rope_attention_factor: float | None = None  # yarn: multiplies cos and sin; None: 0.1 ln(factor) + 1
+    # yarn: multiplies cos and sin; None: 0.1 ln(factor) + 1
+    rope_attention_factor: float | None = None
     rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight (one Parameter)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary

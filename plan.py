@@ -97,7 +97,7 @@ def planned_kernel(cfg: Config) -> str:
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
-    the step can peak, by component; every count comes from a numbered file's byte function.
+    the step can peak, by component; every count comes from support/byte_counts.py.
 
       end of forward (loss):      what forward keeps (checkpoints, or every layer's
                                   activations) and the loss's temporaries;
@@ -149,9 +149,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     mlp = partial(byte_counts.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
-    norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b) if cfg.tile_norm
-             else byte_counts.block_recompute_bytes(args, local_tokens, b))
-    loss = byte_counts.loss_temporary_bytes(args, local_tokens, cfg.tile_loss, cfg.loss_tile_tokens, b)
+    norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b)
+             if cfg.tile_norm else byte_counts.block_recompute_bytes(args, local_tokens, b))
+    loss = byte_counts.loss_temporary_bytes(args, local_tokens, cfg.tile_loss,
+                                            cfg.loss_tile_tokens, b)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.
@@ -174,7 +175,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
     if cfg.checkpoint:
-        kept_tensors = byte_counts.kept_attention_bytes(args, tokens, sp, b) if cfg.keep_attention else []
+        kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
+                        if cfg.keep_attention else [])
         checkpoints = byte_counts.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
                                                             pinned=True, also_kept=kept_tensors)
         host = checkpoints["host"]
@@ -444,9 +446,9 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         args = model_args(cfg)
         sp, ring, _ = check_layout(cfg, world_size, args)
         ulysses_size = sp // ring
+        chunks = sorted(untied_sp.valid_head_chunks(args, ulysses_size), reverse=True)
         changes += [(f"--head-chunk {chunk}", replace(cfg, head_chunk=chunk), world_size)
-                    for chunk in sorted(untied_sp.valid_head_chunks(args, ulysses_size), reverse=True)
-                    if chunk < cfg.head_chunk]
+                    for chunk in chunks if chunk < cfg.head_chunk]
     if cfg.keep_attention:
         changes.append(("without --keep-attention", replace(cfg, keep_attention=False), world_size))
     changes += [(f"--gpus {world_size * k}", cfg, world_size * k) for k in (2, 4, 8, 16)]
@@ -522,8 +524,8 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
     peak = plan["moments"][plan["peak_moment"]]
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     return "\n".join([
-        f"{model_name(cfg)} ({model.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
-        f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
+        f"{model_name(cfg)} ({model.num_params(args) / 1e9:.2f}B parameters): evaluation forward "
+        f"(no gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
         f"{cfg.dtype}; {gpus_text(world_size)} (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
         f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'], plan['ring'])}",

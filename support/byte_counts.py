@@ -96,7 +96,8 @@ def backward_workspace_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_
     grouped = n_heads > n_kv_heads
     if kernel == "fa4":
         return 4 * q_values + (2 * 4 * kv_values if grouped else 0) + 2 * 4 * n_tokens * n_heads
-    return 4 * q_values + (2 * q_values * bytes_per_value if grouped else 0) + 4 * n_tokens * n_heads
+    grouped_grads = 2 * q_values * bytes_per_value if grouped else 0
+    return 4 * q_values + grouped_grads + 4 * n_tokens * n_heads
 
 
 # ---- 02_ulysses.py: one attention layer's activations per rank -----------------------------
