@@ -15,18 +15,14 @@ gather and free), then one on the root for the embeddings, final norm and lm_hea
 sharded on the meta device, before any rank allocates its shard (support/build.py).
 
 Past 5M tokens: the model state on the host (`--offload-model-state`). Near the longest length
-activations fill what the model state leaves, so 15 GiB per GPU on 8 x 80 GB (60 GiB on 2 GPUs)
-is worth moving. FSDP2's `CPUOffloadPolicy` keeps each rank's shards of the fp32 parameters,
-gradients and Adam moments in host memory; the optimizer steps there (ALST's 3.7M-token Llama-8B
-recipe does the same). What the GPU keeps: only the gathered bf16 blocks, as before. The costs:
-  - host memory, 16 bytes per parameter / GPUs per rank (Llama-3-8B on 8 GPUs: 15.0 GiB; 15.7
-    as the pinned allocator rounds parameter and gradient shards up to powers of two), in the
-    same host memory as 03's offloaded checkpoints;
-  - step time: every step copies each block's fp32 shard to the GPU twice (forward, and again
-    in backward; 8 bytes per parameter / GPUs) and each gradient shard back (4 bytes), ~12 GB
-    per GPU for Llama-3-8B on 8 GPUs, ~0.5 s at 25 GB/s; and AdamW runs on the CPU: 1.7 s per
-    1B parameters on one thread with the fused CPU kernel (measured on an H200 host), so each rank
-    gets its share of the host's cores. Small beside a step of minutes at millions of tokens.
+activations fill what the model state leaves, so 15 GiB per GPU on 8 GPUs (60 GiB on 2) is worth
+moving. FSDP2's `CPUOffloadPolicy` keeps each rank's shards of the fp32 parameters, gradients and
+Adam moments in host memory, and the optimizer steps there; the GPU keeps only the gathered bf16
+blocks. The price, per rank: 16 bytes per parameter / GPUs of host memory (Llama-3-8B on 8 GPUs:
+15.0 GiB, 15.7 as the pinned allocator rounds parameter and gradient shards up to powers of two),
+next to 03's offloaded checkpoints; and per step each block's fp32 shard copied to the GPU twice
+(forward and backward, 8 bytes per parameter / GPUs) and each gradient shard back (4): ~12 GB for
+Llama-3-8B on 8 GPUs, small beside a step of minutes at millions of tokens.
 
 Run the demo (CPU or GPUs; it allocates nothing model-sized, the 8B model is built on the meta
 device and sharded there):
@@ -36,13 +32,12 @@ device and sharded there):
 """
 
 import argparse
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from model import Transformer, get_model_args, num_params
+from model import Transformer
 
 GiB = 2**30
 
@@ -82,75 +77,7 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
     return model
 
 
-# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
-
-# What this file removes, in bytes.
-
-def model_state_bytes(args, world_size: int) -> dict:
-    """Per-rank bytes of model state with AdamW in mixed precision, sharded over `world_size`.
-
-    fp32 parameters, fp32 gradients and two fp32 Adam moments are sharded; the bf16 copy of one
-    block gathered for compute (and its gradient before reduce-scatter) is not, but is small.
-    """
-    n = num_params(args)
-    per_rank = -(-n // world_size)  # ceil: FSDP pads the last shard
-    return {"parameters": 4 * per_rank, "gradients": 4 * per_rank, "optimizer": 8 * per_rank}
-
-
-def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
-    """Per-rank bytes of the unsharded copies FSDP2 makes, in the compute dtype, at three moments
-    of a step. The "root" holds the embeddings, the final norm and lm_head; apply_fsdp keeps it
-    (and the last block) gathered from forward to backward.
-
-      after_forward:   the root's and the last block's gathered parameters;
-      during_backward: the root's, two blocks' (the one in backward and the next, prefetched;
-                       one in a one-layer model),
-                       the running block's unsharded gradients, and lm_head's unsharded gradient
-                       (the root's gradients are reduce-scattered only when backward ends);
-      end_of_backward: the root's unsharded gradients and their fp32 copy for the reduce-scatter
-                       (the root's parameters are already resharded by then).
-
-    For Llama-3-8B in bf16: root 1.96 GiB, one block 0.41 GiB; on any number of GPUs.
-    """
-    root = num_params(replace(args, n_layers=0))
-    block = (num_params(args) - root) // max(args.n_layers, 1)
-    gathered_blocks = min(args.n_layers, 2)
-    return {"after_forward": bytes_per_value * (root + block),
-            "during_backward": bytes_per_value * (root + (gathered_blocks + 1) * block
-                                                  + args.vocab_size * args.dim),
-            "end_of_backward": (bytes_per_value + 4) * root}
-
-
-def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> dict:
-    """Per-rank host bytes of the model state with --offload-model-state: the same shards as
-    model_state_bytes, in host memory. pinned=True: parameters and gradients as the pinned
-    allocator reserves them, each shard rounded up to a power of two (FSDP2 pins each
-    parameter's shard; the gradient shards arrive by non-blocking copies into pinned memory);
-    Adam's moments are ordinary (pageable) host memory, exact."""
-    with torch.device("meta"):  # one block and the root; the shapes alone, no memory
-        shapes = {n: p.shape for n, p in Transformer(replace(args, n_layers=1)).named_parameters()}
-    round_up = (lambda n: 1 << (n - 1).bit_length()) if pinned else (lambda n: n)
-    held = 0  # one rank's pinned fp32 shards: dim 0 split over the ranks (padded)
-    for name, shape in shapes.items():
-        rows, cols = shape[0], (shape.numel() // shape[0] if shape[0] else 0)
-        shard = round_up(4 * -(-rows // world_size) * cols)
-        held += shard * (args.n_layers if name.startswith("layers.") else 1)
-    return {"parameters": held, "gradients": held,
-            "optimizer": model_state_bytes(args, world_size)["optimizer"]}
-
-
-def offload_transfer_bytes(args, world_size: int) -> dict:
-    """Per-rank GPU bytes in flight with --offload-model-state, at fsdp_buffer_bytes' moments:
-    a group's fp32 shard copied in (and cast) for its all-gather, and a gradient shard after
-    its reduce-scatter, before it is copied to the host. Nothing after forward, and nothing at
-    a block's backward peak: the copy-in is freed once the prefetched all-gather has its input,
-    and the running block's gradient shard does not exist yet (measured on 2 x H200 at 512K-3.5M:
-    counting both put the planner 1 GiB high; docs/calibration.md). At the end of backward the
-    root's gradient shard."""
-    root = num_params(replace(args, n_layers=0))
-    return {"after_forward": 0, "during_backward": 0,
-            "end_of_backward": 4 * -(-root // world_size)}
-
+# ---- below: the demo -----------------------------------------------------------------------------
 
 # Demo: per-rank bytes with and without sharding.
 
@@ -163,14 +90,16 @@ def sharded_numel_on_meta(args, mesh) -> int:
 
 
 def main():
+    from model import get_model_args, num_params
+    from support.byte_counts import model_state_bytes, offloaded_model_state_bytes
+    from support.demos import end_ranks, start_ranks
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to compute for (default: this run's world size)")
     opts = parser.parse_args()
     args = get_model_args(opts.model)
-
-    from support.demos import end_ranks, start_ranks
 
     ranks = start_ranks()
     launched, rank = ranks.launched, ranks.rank
@@ -194,8 +123,7 @@ def main():
         print(f"--offload-model-state: the GPU keeps none of it (only the gathered bf16 "
               f"blocks). Costs per rank: {host['total'] / GiB:.1f} GiB of host memory, "
               f"next to 03's offloaded checkpoints; per step {8 * shard / 1e9:.1f} GB to the GPU "
-              f"and {4 * shard / 1e9:.1f} GB back (~{12 * shard / 25e9:.1f} s at 25 GB/s), and "
-              f"AdamW on the CPU (~{1.7 * shard / 1e9:.1f} s on one core, fused; less on more)")
+              f"and {4 * shard / 1e9:.1f} GB back, and AdamW on the host's cores")
 
     if launched:
         from torch.distributed.device_mesh import init_device_mesh

@@ -113,14 +113,6 @@ class AllToAll(torch.autograd.Function):
         return all_to_all(grad.contiguous(), ctx.group, INVERSE[ctx.patterns]), None, None
 
 
-def apply_ulysses(model, group) -> None:
-    """Make every attention layer of `model` sequence-parallel over `group`."""
-    args = model.args
-    check_ulysses_shapes(args.n_heads, args.n_kv_heads, dist.get_world_size(group))
-    for block in model.layers:
-        block.self_attn.core = partial(ulysses_attention, group=group)
-
-
 # Data: shift, then shard; the loss as a global token mean.
 
 def shard_sequence(tokens: torch.Tensor, sp_rank: int, sp: int, labels=None, positions=None,
@@ -175,7 +167,8 @@ def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, la
     if documents is not None:
         if labels is not None:
             raise ValueError("pass labels or documents (which carry their labels), not both")
-        labels, positions = documents.labels.to(tokens.device), documents.position_ids.to(tokens.device)
+        labels = documents.labels.to(tokens.device)
+        positions = documents.position_ids.to(tokens.device)
         cu_seqlens = documents.cu_seqlens
     input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels, positions, order)
     if n_tokens is None:
@@ -190,7 +183,26 @@ def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, la
     return loss
 
 
-# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+# Applying it: every attention layer's core; the ranks as a (data, sequence) grid.
+
+def apply_ulysses(model, group) -> None:
+    """Make every attention layer of `model` sequence-parallel over `group`."""
+    args = model.args
+    check_ulysses_shapes(args.n_heads, args.n_kv_heads, dist.get_world_size(group))
+    for block in model.layers:
+        block.self_attn.core = partial(ulysses_attention, group=group)
+
+
+def data_sequence_mesh(device_type: str, sp: int):
+    """Ranks as a (dp, sp) grid; sequence-parallel groups are contiguous ranks (one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    check_data_sequence_layout(world, sp)
+    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+
+
+# The checks, before any work.
 
 def check_ulysses_shapes(n_heads: int, n_kv_heads: int, sp: int, seq_len: int | None = None):
     """Raise ValueError naming the numbers when Ulysses cannot split this model over `sp` ranks."""
@@ -224,53 +236,11 @@ def check_data_sequence_layout(world: int, sp: int) -> None:
         raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
 
 
-def data_sequence_mesh(device_type: str, sp: int):
-    """Ranks as a (dp, sp) grid; sequence-parallel groups are contiguous ranks (one node)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    check_data_sequence_layout(world, sp)
-    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
-
-
-def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2,
-                               saved_only: bool = False, kernel: str = "cudnn",
-                               workspace=kernels.backward_workspace_bytes) -> int:
-    """Bytes one attention layer (normed input -> output before o_proj) holds per rank, beyond
-    its input and its output gradient: the most at once during forward and backward (default;
-    the peak is in backward), or what it keeps from forward for backward (saved_only).
-    sp=1 is plain attention, no exchange.
-
-    Per rank, local tokens N = seq_len / sp; Q = N x H x D and K = N x max(Hkv, sp) x D values
-    take the same bytes in the token layout and in the head layout (all tokens, 1/sp of heads):
-      kept for backward: q, k, v and the output in the head layout (the kernel's inputs and
-        output), its fp32 log-sum-exp (N x H), and with sp > 1 the output back in the token
-        layout (o_proj's input): 2Q + 2K + lse (+ Q);
-      added in backward: the output gradient in the head layout (sp > 1: + Q); dq, dk, dv
-        (Q + 2K); the kernel's workspace (`kernels.backward_workspace_bytes`: 2Q for the fp32
-        dq, 2Q for grouped dk/dv, an lse-sized row sum).
-    In all 10Q + 2 lse for Llama-3-8B (32 query, 8 KV heads) with sp > 1: 30 GiB per GPU at 3M
-    tokens on 8 GPUs (checked against GPU runs: docs/calibration.md).
-    """
-    local_tokens = seq_len // sp
-    kv_heads = max(args.n_kv_heads, sp) if sp > 1 else args.n_kv_heads  # replicated up to sp
-    q = local_tokens * args.n_heads * args.head_dim * bytes_per_value
-    kv = local_tokens * kv_heads * args.head_dim * bytes_per_value
-    lse = local_tokens * args.n_heads * 4
-    exchanged = q if sp > 1 else 0
-    saved = 2 * q + 2 * kv + lse + exchanged
-    if saved_only:
-        return saved
-    # workspace: the kernel's, over all seq_len tokens; with 06's ring (seq_len = a ring rank's
-    # S/R tokens, sp = P/R) the ring's buffers instead (06's ring_buffer_bytes).
-    workspace = workspace(seq_len, args.n_heads // sp, kv_heads // sp, args.head_dim,
-                          bytes_per_value, kernel)
-    return saved + exchanged + q + 2 * kv + workspace
-
+# ---- below: the demo -----------------------------------------------------------------------------
 
 def main():
-    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
     from model import rope_cos_sin
+    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
 
     demo = attention_demo_setup("02_ulysses.py")
     check_ulysses_shapes(demo.args.n_heads, demo.args.n_kv_heads, demo.sp, demo.seq_len)
@@ -282,7 +252,8 @@ def main():
             attn.core = partial(ulysses_attention, group=dist.group.WORLD)
         positions = torch.arange(demo.rank * tokens, (demo.rank + 1) * tokens, device=device)[None]
         x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
-        measured[name] = measure_stage_memory(attn.attend, x, (rope_cos_sin(positions, args, dtype),))
+        rope = rope_cos_sin(positions, args, dtype)
+        measured[name] = measure_stage_memory(attn.attend, x, (rope,))
         del x
     if demo.rank == 0:
         how = "peak allocated (GPU)" if demo.on_gpu else "saved-for-backward + output bytes (CPU)"

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from support.host_buffers import HostBuffer, HostBufferPool, power_of_two_pieces
+from support.host_buffers import HostBuffer, HostBufferPool
 
 GiB, MiB = 2**30, 2**20
 
@@ -273,7 +273,7 @@ def apply_checkpointing(model, offload: bool = False, keep_attention=None) -> No
         block.forward = partial(checkpointed_forward, block.forward, layer, offloader, contexts)
 
 
-# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+# ---- below: checks, demo -------------------------------------------------------------------------
 
 def check_model(model) -> None:
     if not hasattr(model, "layers"):
@@ -281,52 +281,6 @@ def check_model(model) -> None:
                          f"got {type(model).__name__}")
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("checkpointing is already applied to this model")
-
-
-def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
-                            bytes_per_value: int = 2, pinned: bool = False,
-                            also_kept: list[int] = ()) -> dict:
-    """Per-rank bytes of saved block inputs between forward and backward: {"gpu", "host"}.
-
-    Each block input is local tokens x dim. Without offload all n_layers stay on the GPU; with
-    offload only the last block's does, and n_layers - 1 live in pinned host memory. (During
-    backward the GPU holds two at a time: the one the current block recomputes from and the next
-    one coming back.) The recompute of one block's activations is `block_recompute_bytes`.
-    pinned=True: the host bytes as the pinned allocator reserves them for the offloader's
-    power-of-two pieces (support/host_buffers.py): the data, to within 2 MiB per tensor.
-    also_kept: the bytes of each other tensor a block keeps where its input is kept
-    (--keep-attention: keep_attention.kept_attention_bytes).
-    """
-    per_layer = [seq_len // sp * args.dim * bytes_per_value, *also_kept]
-    host_buffer = sum(sum(power_of_two_pieces(n)) if pinned else n for n in per_layer)
-    on_host = (args.n_layers - 1) * host_buffer if offload else 0
-    on_gpu = sum(per_layer) * (1 if offload else args.n_layers)
-    return {"gpu": on_gpu, "host": on_host}
-
-
-def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> dict:
-    """What one block keeps for its backward besides attention (02/05) and the MLP (04), and
-    the peak of one RMSNorm's backward: the part of "one block's recompute" that model.py's
-    RMSNorm costs. Checkpointing rebuilds this for one block at a time; without it every block
-    keeps its "saved" until backward reaches it. Per token:
-
-      saved: each of the two RMSNorms keeps an fp32 copy of its input (4 x dim), the
-        normalized copy in the compute dtype and 1/rms (4), and its output is kept by the
-        projections (or the MLP) that read it: 2 x (dim x (4 + 2 x bytes) + 4);
-      first_norm: the first norm's share of it, kept until the block's input gradient is done;
-      norm_backward: an RMSNorm's backward peaks in the gradient of x^2, with its fp32 input
-        copy and five fp32 token-sized tensors alive (gradients and pow's temporaries):
-        24 x dim bytes, 12 times its bf16 input (counted on CPU; GPU kernels allocate the same).
-    (Neither norm keeps its bf16 input: post_norm_input and block_input are 0 here; 04's tiled
-    norms do keep theirs.)
-
-    Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 24 GiB, norm backward 36 GiB.
-    """
-    dim = args.dim
-    one_norm = dim * (4 + 2 * bytes_per_value) + 4
-    return {"saved": 2 * one_norm * local_tokens, "first_norm": one_norm * local_tokens,
-            "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * local_tokens}
-
 
 
 # The offloader's log of one step (it restarts when block 0 saves its input): tensors and bytes
@@ -392,9 +346,10 @@ def measure_mode(ranks, mesh, args, tokens, checkpointing: bool, offload: bool) 
 
 
 def main():
+    from model import get_model_args
+    from support.byte_counts import checkpoint_memory_bytes
     from support.data import parse_tokens
     from support.demos import end_ranks, start_ranks
-    from model import get_model_args
 
     on_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -454,7 +409,8 @@ def main():
               f"measurement also holds what the model keeps for backward outside its blocks\n"
               f"(the final norm, the loss's tokens x vocab log-probabilities: plan.py counts them "
               f"as the loss, 04's tiled loss removes them)"
-              + ("; on a GPU also the peak of one block's recompute and backward" if on_gpu else ""))
+              + ("; on a GPU also the peak of one block's recompute and backward"
+                 if on_gpu else ""))
     end_ranks()
 
 

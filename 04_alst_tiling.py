@@ -253,7 +253,7 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
                 norm.forward = partial(tiled_norm_forward, norm, tile_tokens=mlp_tile_tokens)
 
 
-# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+# ---- below: checks, demo -------------------------------------------------------------------------
 
 # Tile sizes, from shapes only (so every rank cuts the same number of tiles).
 
@@ -286,63 +286,6 @@ def loss_tile_size(vocab_size: int, n_tokens: int, tile_tokens: int | None = Non
     return tile_tokens or even_tile_tokens(n_tokens, max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size)))
 
 
-# What this file removes, in bytes.
-
-def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
-                        bytes_per_value: int = 2, saved_only: bool = False) -> int:
-    """Bytes of the MLP's own tensors while one layer runs forward and backward, beyond its input
-    and output gradient: the peak, in backward (default), or what it keeps for backward.
-
-    Untiled: autograd keeps gate, silu(gate), up and their product, ffn_dim values per token
-    each (4 x tokens x ffn_dim); when the product's gradient splits into the gradients of
-    silu(gate) and up, six such tensors exist at once. Tiled: nothing is kept but the input; backward holds the input-gradient
-    buffer (tokens x dim), one tile's six intermediates, and the weight gradients added up in
-    fp32 plus one tile's in the compute dtype (3 x dim x ffn_dim x (4 + bytes)).
-    Llama-3-8B, 393,216 tokens per GPU: 63 GiB untiled, 4.6 GiB tiled (4,096-token tiles).
-    """
-    ffn, dim, b = args.ffn_dim, args.dim, bytes_per_value
-    if not tiled:
-        return (4 if saved_only else 6) * local_tokens * ffn * b
-    if saved_only:
-        return 0
-    tile = min(mlp_tile_size(dim, local_tokens, tile_tokens), local_tokens)
-    return local_tokens * dim * b + 6 * tile * ffn * b + 3 * dim * ffn * (4 + b)
-
-
-def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2) -> int:
-    """Bytes the loss seam (final norm + lm_head + cross-entropy) holds at its peak, in backward.
-
-    Untiled: the final RMSNorm keeps an fp32 copy of its input, the normalized copy and its
-    output (lm_head's input), dim x (4 + 2 x bytes) per token; then the logits, tokens x vocab
-    in fp32: at the log-softmax's backward its output, the incoming gradient and the input
-    gradient exist at once, 3 x 4 bytes per logit. Tiled: the input kept for backward and the
-    input-gradient buffer (2 x tokens x dim), one tile's three fp32 logits-sized tensors, and
-    lm_head's weight gradient added up in fp32 plus one tile's in the compute dtype
-    (vocab x dim x (4 + bytes)). Both counts are checked against GPU runs: docs/calibration.md.
-    Llama-3-8B, 393,216 tokens per GPU: 576 GiB untiled, 11.9 GiB tiled.
-    """
-    vocab, dim, b = args.vocab_size, args.dim, bytes_per_value
-    if not tiled:
-        return local_tokens * (3 * vocab * 4 + dim * (4 + 2 * b))
-    tile = min(loss_tile_size(vocab, local_tokens, tile_tokens), local_tokens)
-    return 2 * local_tokens * dim * b + 3 * tile * vocab * 4 + vocab * dim * (4 + b)
-
-
-def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2) -> dict:
-    """The tiled counterpart of 03's block_recompute_bytes (untiled RMSNorms), same keys. Per
-    block: the two norms' outputs, kept by the projections and the MLP that read them, and the
-    inputs the tiled norms keep (SequenceTiledRecompute saves its input): the post-attention
-    norm's input, the residual stream h (post_norm_input, until that norm's backward), and the
-    first norm's input, the block input (block_input: with checkpointing it is the checkpoint
-    itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors."""
-    tile = min(mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
-    hidden = bytes_per_value * args.dim * local_tokens
-    return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
-            "block_input": hidden, "norm_backward": 24 * args.dim * tile}
-
-
 # Demo: one MLP and the loss at a long length, untiled vs tiled.
 
 def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_tile=None):
@@ -362,7 +305,8 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
 
     results = {}
     for name, run in phases.items():
-        x = torch.randn(1, local_tokens, dim, generator=generator).to(device, dtype).requires_grad_()
+        x = torch.randn(1, local_tokens, dim, generator=generator).to(device, dtype)
+        x.requires_grad_()
         try:
             with LargestTensor() as largest:
                 nbytes = measure_stage_memory(run, x, ())
@@ -379,9 +323,10 @@ def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_til
 def main():
     from dataclasses import replace
 
+    from model import Transformer, get_model_args
+    from support import byte_counts
     from support.data import parse_tokens
     from support.demos import end_ranks, start_ranks
-    from model import Transformer, get_model_args
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: small on CPU, llama3-8b on GPU")
@@ -410,14 +355,16 @@ def main():
     torch.manual_seed(0)
     with torch.device(device):  # one block (for its MLP), the final norm and lm_head
         model = Transformer(replace(args, n_layers=1)).to(dtype)
-    results = demo_phases(model, local_tokens, device, dtype, opts.mlp_tile_tokens, opts.loss_tile_tokens)
+    results = demo_phases(model, local_tokens, device, dtype, opts.mlp_tile_tokens,
+                          opts.loss_tile_tokens)
     if rank == 0:
         mlp_tile = mlp_tile_size(args.dim, local_tokens, opts.mlp_tile_tokens)
         loss_tile = loss_tile_size(args.vocab_size, local_tokens, opts.loss_tile_tokens)
         how = ("peak allocated above the input (GPU)" if on_gpu
                else "saved-for-backward + output bytes (CPU)")
-        print(f"{opts.model or ('llama3-8b' if on_gpu else 'small')}: {local_tokens:,} local tokens "
-              f"({seq_len:,} over {world} rank{'s' if world > 1 else ''}), {dtype}; MLP tiles of {mlp_tile:,} tokens "
+        print(f"{opts.model or ('llama3-8b' if on_gpu else 'small')}: {local_tokens:,} local "
+              f"tokens ({seq_len:,} over {world} rank{'s' if world > 1 else ''}), {dtype}; "
+              f"MLP tiles of {mlp_tile:,} tokens "
               f"({tile_count(local_tokens, mlp_tile)} tiles), loss tiles of {loss_tile:,} "
               f"({tile_count(local_tokens, loss_tile)} tiles)")
         print(f"  {'phase, fwd+bwd':<16}{how:>42}{'largest tensor':>18}")
@@ -426,11 +373,13 @@ def main():
                 print(f"  {name:<16}{'OOM':>42}{'-':>18}")
             else:
                 print(f"  {name:<16}{result[0] / GiB:>38.3f} GiB{result[1] / GiB:>14.3f} GiB")
-        print(f"  planner estimate in this dtype (GPU peak in backward): MLP "
-              f"{mlp_temporary_bytes(args, local_tokens, False, bytes_per_value=dtype.itemsize) / GiB:.3f} -> "
-              f"{mlp_temporary_bytes(args, local_tokens, True, opts.mlp_tile_tokens, dtype.itemsize) / GiB:.3f} GiB;"
-              f" loss {loss_temporary_bytes(args, local_tokens, False, bytes_per_value=dtype.itemsize) / GiB:.3f} -> "
-              f"{loss_temporary_bytes(args, local_tokens, True, opts.loss_tile_tokens, dtype.itemsize) / GiB:.3f} GiB")
+        b, n = dtype.itemsize, local_tokens
+        mlp = [byte_counts.mlp_temporary_bytes(args, n, tiled, opts.mlp_tile_tokens, b) / GiB
+               for tiled in (False, True)]
+        loss = [byte_counts.loss_temporary_bytes(args, n, tiled, opts.loss_tile_tokens, b) / GiB
+                for tiled in (False, True)]
+        print(f"  planner estimate in this dtype (GPU peak in backward): MLP {mlp[0]:.3f} -> "
+              f"{mlp[1]:.3f} GiB; loss {loss[0]:.3f} -> {loss[1]:.3f} GiB")
     end_ranks()
 
 

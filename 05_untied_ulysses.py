@@ -329,7 +329,7 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None, attention=
                               attention=tuple(attention))
 
 
-# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+# ---- below: checks, demo -------------------------------------------------------------------------
 
 def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | None) -> int:
     """The head chunk U (the query heads of one stage over all ranks); default P = least memory.
@@ -369,56 +369,12 @@ def valid_head_chunks(args, sp: int) -> list[int]:
     return head_chunks
 
 
-def untied_attention_bytes(args, seq_len: int, sp: int, head_chunk: int | None,
-                           bytes_per_value: int = 2, saved_only: bool = False,
-                           kernel: str = "cudnn", workspace=kernels.backward_workspace_bytes) -> int:
-    """Bytes one Untied Ulysses attention layer holds per rank beyond its input and its output
-    gradient, counted like 02's `attention_activation_bytes`: the peak (in backward), or what
-    it keeps for backward (saved_only: the output buffer, local tokens x all heads, and every
-    stage's fp32 log-sum-exp). The backward also holds the input-gradient buffer and the zeroed
-    q/k/v weight gradients, and at one stage's attention kernel, with q_s = U heads x local
-    tokens and kv_s = its KV heads:
-      its KV group's k and v (2 kv_s); the stage's q, output and output gradient in the head
-        layout (3 q_s; with one rank only q: the others are views); dq, dk, dv (q_s + 2 kv_s);
-        the kernel's workspace (02); and when a KV group spans several stages, its K/V
-        gradients summed over them (2 kv_s).
-    Llama-3-8B, 3M tokens on 8 GPUs, U = 8: 15.1 GiB (Ulysses: 30.1); checked against GPU
-    runs for U = 2, 4, 8, 16 (docs/calibration.md).
-    """
-    head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
-    local_tokens = seq_len // sp
-    b = bytes_per_value
-    heads_per_rank_per_stage = head_chunk // sp
-    group_size = args.n_heads // args.n_kv_heads
-    if args.n_kv_heads >= sp:
-        kv_heads = max(1, heads_per_rank_per_stage // group_size)  # per rank and stage
-        stages_per_kv_group = max(1, group_size // heads_per_rank_per_stage)
-    else:  # one replicated KV head per rank, shared by all stages
-        kv_heads, stages_per_kv_group = 1, args.n_heads // head_chunk
-    q_stage = local_tokens * head_chunk * args.head_dim * b
-    kv_stage = local_tokens * sp * kv_heads * args.head_dim * b
-    saved = local_tokens * args.n_heads * args.head_dim * b + local_tokens * args.n_heads * 4
-    if saved_only:
-        return saved
-    gradients = (local_tokens * args.dim * b
-                 + (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.dim * b)
-    # With one rank the exchanges copy nothing: the stage's output and output gradient in the
-    # head layout are views of the saved output and the incoming gradient, so only q is new.
-    head_layout = 3 if sp > 1 else 1
-    stage = 2 * kv_stage + head_layout * q_stage + q_stage + 2 * kv_stage
-    if stages_per_kv_group > 1:
-        stage += 2 * kv_stage
-    # The kernel's workspace over all seq_len tokens; with 06's ring (seq_len = a ring rank's
-    # S/R tokens, sp = P/R) the ring's buffers for one stage instead.
-    stage += workspace(seq_len, heads_per_rank_per_stage, kv_heads, args.head_dim, b, kernel)
-    return saved + gradients + stage
-
-
 # Demo: attention memory per rank for every head chunk U, next to Ulysses.
 
 def main():
-    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
     from model import rope_cos_sin
+    from support import byte_counts
+    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
 
     demo = attention_demo_setup("05_untied_ulysses.py")
     args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
@@ -433,28 +389,33 @@ def main():
     rows = []
     attn.core = partial(ulysses.ulysses_attention, group=group)
     rows.append(("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
-                 ulysses.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
+                 byte_counts.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
     for head_chunk in valid_head_chunks(args, sp):
         attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
         measured = measure_stage_memory(attn.attend, x, (rope,))
-        planned = untied_attention_bytes(args, seq_len, sp, head_chunk, bytes_per_value)
+        planned = byte_counts.untied_attention_bytes(args, seq_len, sp, head_chunk,
+                                                     bytes_per_value)
         rows.append(("Untied Ulysses", head_chunk, args.n_heads // head_chunk, measured, planned))
     if rank == 0:
         how = ("allocator peak above the input, forward + backward" if on_gpu else
                "bytes kept from forward to backward (saved tensors + output)")
-        kernel = kernels.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
+        probe = torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype)
+        kernel = kernels.lse_kernel(probe)[0]
         unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
         print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
-              f"one attention layer per rank; measured: {how}; planned: the GPU peak by 02/05's "
-              f"byte functions")
+              f"one attention layer per rank; measured: {how}; planned: the GPU peak by "
+              f"support/byte_counts.py")
         print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
               f"{'planned ' + unit_name:>13}")
         for name, head_chunk, n_stages, measured, planned in rows:
-            print(f"  {name:<16}{head_chunk:>4}{n_stages:>8}{measured / unit:>14.2f}{planned / unit:>13.2f}")
+            print(f"  {name:<16}{head_chunk:>4}{n_stages:>8}{measured / unit:>14.2f}"
+                  f"{planned / unit:>13.2f}")
         if not on_gpu:
             # The CPU stand-in and the planner count different things, so the columns differ.
-            print("  On a CPU the measured column is what a stage keeps between forward and backward:\n"
-                  "  for Untied Ulysses its output and the log-sum-exps, the same for every U. U shrinks\n"
+            print("  On a CPU the measured column is what a stage keeps between forward and "
+                  "backward:\n"
+                  "  for Untied Ulysses its output and the log-sum-exps, the same for every U. "
+                  "U shrinks\n"
                   "  the transient peak inside backward (the planned column), which needs a GPU's\n"
                   "  allocator to measure (tests/test_05_untied_ulysses.py counts it on a CPU).")
     end_ranks()

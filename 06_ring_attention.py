@@ -271,7 +271,7 @@ def apply_ring(model, ulysses_group, ring_group, untied: bool = False,
                                        kernel=ring_kernel)
 
 
-# ---- below: checks, byte formulas (plan.py reads these), demo --------------------------------
+# ---- below: checks, demo -------------------------------------------------------------------------
 
 def check_ring(sp: int, ring: int, seq_len: int | None = None) -> None:
     """Raise ValueError naming the numbers when a ring of `ring` ranks cannot split this run."""
@@ -284,56 +284,10 @@ def check_ring(sp: int, ring: int, seq_len: int | None = None) -> None:
         ulysses.check_sequence_split(seq_len, sp, ring)
 
 
-def ring_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value: int = 2,
-                         kernel: str = "cudnn") -> int:
-    """Bytes ring attention allocates per rank beyond its inputs (q, k, v, the output gradient)
-    and results (out, lse, dq, dk, dv), at its peak, in backward, for a whole attention layer
-    of Ulysses over P/R ranks around the ring: `ring_buffer_bytes` for this rank's S/R tokens,
-    H/(P/R) query heads and max(Hkv, P/R)/(P/R) KV heads (replicated up to P/R, as in 02)."""
-    ulysses_size = sp // ring
-    kv_heads = max(args.n_kv_heads, ulysses_size) // ulysses_size
-    return ring_buffer_bytes(seq_len // ring, args.n_heads // ulysses_size, kv_heads,
-                             args.head_dim, bytes_per_value, kernel)
-
-
-def ring_buffer_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                      bytes_per_value: int = 2, kernel: str = "cudnn") -> int:
-    """What the ring holds in place of one kernel's backward workspace over a ring rank's
-    n_tokens = S/R tokens (2 chunks of C = N/2): the planner passes this to 02's and 05's byte
-    formulas as their `workspace` (same arguments as kernels.backward_workspace_bytes):
-      K/V blocks in flight: the one in use and the one arriving (2 K/V blocks);
-      dK/dV in flight, fp32: the one sent on and the one arriving (2 blocks);
-      dq accumulated in fp32 (N x heads x D x 4);
-      one step's K/V gradients from the kernel, kept until the travelling dK/dV arrives: up to
-        3 block pairs of C keys (step 0);
-      one block pair's backward: its dq (C tokens) and the kernel's workspace for C tokens.
-    The forward holds less: 2 K/V blocks, the fp32 output (N x heads x D x 4), one block's output.
-    """
-    b, chunk = bytes_per_value, n_tokens // 2
-    kv_values = 2 * n_tokens * n_kv_heads * head_dim  # k and v of one rank
-    key_grads = 3 * 2 * chunk * n_kv_heads * head_dim * b
-    block_pair = (chunk * n_heads * head_dim * b
-                  + kernels.backward_workspace_bytes(chunk, n_heads, n_kv_heads, head_dim, b, kernel))
-    return 2 * kv_values * b + 2 * kv_values * 4 + n_tokens * n_heads * head_dim * 4 + key_grads + block_pair
-
-
-def hybrid_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_value: int = 2,
-                           saved_only: bool = False, kernel: str = "cudnn", untied: bool = False,
-                           head_chunk: int | None = None) -> int:
-    """02's (or with untied, 05's) attention bytes for Ulysses over P/R ranks that each hold a
-    ring rank's S/R tokens, with the ring's buffers in place of one kernel over them. R = 1:
-    02's and 05's own counts, unchanged."""
-    workspace = ring_buffer_bytes if ring > 1 else kernels.backward_workspace_bytes
-    if untied:
-        return untied_ulysses.untied_attention_bytes(args, seq_len // ring, sp // ring, head_chunk,
-                                                     bytes_per_value, saved_only, kernel, workspace)
-    return ulysses.attention_activation_bytes(args, seq_len // ring, sp // ring, bytes_per_value,
-                                              saved_only, kernel, workspace)
-
-
 def main():
     """Attention bytes per rank at one sequence length, ring degrees 1, 2, 4 (as ranks allow):
     each ring of R ranks runs one attention over the whole sequence, S/R tokens per rank."""
+    from support.byte_counts import ring_attention_bytes
     from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
 
     demo = attention_demo_setup("06_ring_attention.py")
@@ -346,7 +300,8 @@ def main():
         raise SystemExit(f"error: {error}")
     measured = {}
     for ring in rings:
-        groups = [dist.new_group(list(range(start, start + ring))) for start in range(0, world, ring)]
+        groups = [dist.new_group(list(range(start, start + ring)))
+                  for start in range(0, world, ring)]
         group = groups[rank // ring]
         local = demo.seq_len // ring
         q = torch.randn(1, local, args.n_heads, args.head_dim, device=device, dtype=dtype,
@@ -360,11 +315,13 @@ def main():
         how = "peak allocated (GPU)" if demo.on_gpu else "saved-for-backward + output bytes (CPU)"
         print(f"{demo.model} heads ({args.n_heads} query, {args.n_kv_heads} KV), "
               f"{demo.seq_len:,} tokens, {dtype}; one ring attention forward + backward, {how}")
-        print(f"  {'ring R':>6} {'tokens/rank':>12} {'measured MiB':>13} {'+ ring buffers in flight (planned) MiB':>40}")
+        planned_title = "+ ring buffers in flight (planned) MiB"
+        print(f"  {'ring R':>6} {'tokens/rank':>12} {'measured MiB':>13} {planned_title:>40}")
         for ring, nbytes in measured.items():
             planned = ring_attention_bytes(args, demo.seq_len, ring, ring,
                                            torch.finfo(dtype).bits // 8)
-            print(f"  {ring:>6} {demo.seq_len // ring:>12,} {nbytes / MiB:>13.1f} {planned / MiB:>40.1f}")
+            print(f"  {ring:>6} {demo.seq_len // ring:>12,} {nbytes / MiB:>13.1f} "
+                  f"{planned / MiB:>40.1f}")
     end_ranks()
 
 

@@ -8,11 +8,13 @@ without editing this file:
   2. `Attention.attend(x, rope, cu_seqlens)` the whole sub-layer from normed input to pre-`o_proj`
                                            output (B, S, heads * D). 05_untied_ulysses.py replaces
                                            it, because it projects Q/K/V one head chunk at a time.
-  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the sequence.
+  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the
+                                           sequence.
   4. `RMSNorm.forward(x)`                  04_alst_tiling.py (--tile-norm) tiles each block's norms,
                                            whose fp32 copies would span the whole sequence.
   5. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
-                                           04_alst_tiling.py tiles it so seq x vocab logits never exist.
+                                           04_alst_tiling.py tiles it so seq x vocab logits never
+                                           exist.
      `Transformer.token_scores(h, labels)` its per-token sibling for evaluation (eval.py): each
                                            token's loss and greedy prediction; 04 tiles it too.
 
@@ -64,7 +66,8 @@ class ModelArgs:
     rope_original_context: int = 8192  # llama3, yarn: the context length of pretraining
     rope_beta_fast: float = 32.0  # yarn: rotations per original context above which a
     rope_beta_slow: float = 1.0  # yarn:   frequency is kept, and below which it is stretched
-    rope_attention_factor: float | None = None  # yarn: multiplies cos and sin; None: 0.1 ln(factor) + 1
+    # yarn: multiplies cos and sin; None: 0.1 ln(factor) + 1
+    rope_attention_factor: float | None = None
     rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
     tie_word_embeddings: bool = False  # lm_head.weight is embed_tokens.weight (one Parameter)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
@@ -274,16 +277,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             # One Parameter in both places: its gradient sums both uses, FSDP2 shards it once
-            # (both are on the root module) and named_parameters() lists it once.
+            # (both are on the root module) and named_parameters() lists it once. A model moved
+            # off the meta device gets a new Parameter per module: support/build.py ties again.
             self.lm_head.weight = self.embed_tokens.weight
-
-    def _apply(self, fn, recurse=True):
-        # `to_empty` (meta -> device, as support/build.py does) and some `.to` calls give each
-        # module a new Parameter: tie again, or lm_head would silently become a second matrix.
-        super()._apply(fn, recurse)
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        return self
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels=None,
                 per_token: bool = False, cu_seqlens=None):
@@ -326,40 +322,37 @@ def token_scores(h, labels, norm_weight, lm_head_weight, *, eps: float) -> torch
     return torch.stack((losses, logits.argmax(-1).float()), dim=-1)
 
 
+INIT_STD = 0.02  # the weights' initial standard deviation (norms start at 1)
+
+
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int = 0, exact: bool = True) -> None:
-    """Random init (normal 0.02, norms at 1).
+    """Random init (normal 0.02, norms at 1), from `seed`.
 
-    exact=True: each parameter is drawn whole from a seeded CPU generator and only this rank's
-    FSDP shard is kept, so a sharded model starts bit-identical to the unsharded one (tests).
-    exact=False: each rank draws its own shard on its device, fast enough for the 8B-70B presets
-    (which would take minutes to draw whole on a CPU); for real training load a checkpoint.
+    exact=True: parameter after parameter from one seeded CPU generator, so the values do not
+    depend on the device (support/build.py keeps a shard's rows of these same draws).
+    exact=False: each parameter from its own stream on its own device (`own_stream`), fast
+    enough for the 8B-70B presets, which would take minutes to draw on a CPU; for real
+    training load a checkpoint.
     """
     generator = torch.Generator().manual_seed(seed)
     for index, (name, param) in enumerate(model.named_parameters()):
-        local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2 DTensor shard
-        if name.endswith("norm.weight"):
-            local.fill_(1.0)
-        elif not exact:
-            # Every rank, every parameter its own stream: the device's default generator starts
-            # from the same state on every GPU and would give each rank identical shards.
-            shard = param.device_mesh.get_local_rank() if hasattr(param, "device_mesh") else 0
-            own = torch.Generator(device=local.device)
-            own.manual_seed(seed * 1_000_003 + index * 1_009 + shard)
-            local.normal_(0.0, 0.02, generator=own)
+        if is_norm(name):
+            param.fill_(1.0)
+        elif exact:
+            param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
         else:
-            full = torch.randn(param.shape, generator=generator) * 0.02
-            local.copy_(_local_rows(full, param))
+            param.normal_(0.0, INIT_STD, generator=own_stream(seed, index, param.device))
 
 
-def _local_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The rows of `full` that this rank holds: FSDP2 shards dim 0 like torch.chunk."""
-    if not hasattr(param, "device_mesh"):
-        return full
-    mesh = param.device_mesh
-    chunks = full.chunk(mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    return chunks[rank] if rank < len(chunks) else full[:0]
+def is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def own_stream(seed: int, index: int, device, part: int = 0) -> torch.Generator:
+    """Parameter `index`'s own generator on `device`; `part`: which piece of it is drawn, for a
+    model held in pieces. A device's default generator starts alike on every device."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index * 1_009 + part)
 
 
 def num_params(args: ModelArgs) -> int:

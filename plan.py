@@ -9,13 +9,14 @@
                                               # flags, --lr, --save-dir, ..., left out)
     python plan.py --eval --model llama3-8b --seq-len max --gpus 8  # eval.py's forward only
 
-Each numbered file states the bytes its technique leaves on the GPU in one function
-(`model_state_bytes` in 01, `attention_activation_bytes` in 02, `checkpoint_memory_bytes` in 03,
-`mlp_temporary_bytes` / `loss_temporary_bytes` in 04, `untied_attention_bytes` in 05); this file
-adds them up at the moments a step can peak. The flags it shares with train.py (one definition,
+The bytes each technique leaves on the GPU are counted in support/byte_counts.py, a section per
+numbered file (`model_state_bytes` for 01, `attention_activation_bytes` for 02,
+`checkpoint_memory_bytes` for 03, `mlp_temporary_bytes` / `loss_temporary_bytes` for 04,
+`untied_attention_bytes` for 05, `ring_buffer_bytes` for 06); this file adds them up at the
+moments a step can peak. The flags it shares with train.py (one definition,
 support/config.py) mean what they mean there; plan.py imports no train.py, train.py imports it.
 The counts are calibrated against GPU runs (docs/calibration.md: within a few percent), and
-"fits" keeps a margin of the worst under-prediction among them (`fits_on_gpu`). The host memory
+"fits" keeps a margin of the worst under-prediction among them (`PLAN_MARGIN`). The host memory
 assumed (--host-mem, per node) can decide an answer: its first line says what was assumed.
 
 Packed documents (--documents) change the plan very little, so it counts them as dense: the
@@ -26,39 +27,34 @@ while it concatenates the documents' pieces: up to ~15% of 02's attention peak f
 not counted here (`DOCUMENTS_NOTE`).
 """
 
-import functools
-import importlib
-import json
 import sys
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import model as llama
-from support import config, keep_attention, kernels
+import model
+from support import byte_counts, config, kernels
 from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
+from support.lessons import tiling, untied_sp
 from support.runtime import Runtime, check_layout
-
-# The numbered files start with a digit, so they are imported by name.
-fsdp = importlib.import_module("01_fsdp")
-ulysses = importlib.import_module("02_ulysses")
-checkpointing = importlib.import_module("03_checkpoint_offload")
-tiling = importlib.import_module("04_alst_tiling")
-ring_attention = importlib.import_module("06_ring_attention")
-untied = importlib.import_module("05_untied_ulysses")
 
 GiB = 2**30
 # What a GPU cannot hand to tensors: the CUDA context, NCCL and cuBLAS workspaces, the
 # allocator's slack. On a 139.8 GiB H200 a step failed to allocate 0.9 GiB with 136.85 GiB
 # allocated (docs/results/progression_llama3-8b_2gpu.json): 2.95 GiB was out of reach.
 PLAN_GPU_RESERVE = 3 * GiB
-# Every GPU measurement next to its plan (tests/test_plan.py keeps it current): "fits" keeps a
-# margin of the planner's worst miss in it (worst_under_prediction).
-CALIBRATION = Path(__file__).resolve().parent / "docs" / "results" / "plan_calibration.json"
+# The planner's worst under-prediction in its calibration (docs/results/plan_calibration.json:
+# every GPU measurement next to its plan), as a fraction of the measured peak: the Ulysses step
+# at 1.5625M tokens on 2 x H200 that needed more than 142.71 GiB where 136.816 were planned.
+# tests/test_plan.py holds it to the calibration's worst row.
+WORST_UNDER_PREDICTION = (142.71 - 136.816) / 142.71
+# What "fits" adds to a planned peak: enough that a step the planner under-predicts as badly as
+# its worst calibration row (a fraction w of the measured peak) still fits:
+# planned x (1 + margin) = planned / (1 - w).
+PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
                   "loop adds up to one attention output and one dq/dk/dv while concatenating")
@@ -101,7 +97,7 @@ def planned_kernel(cfg: Config) -> str:
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
-    the step can peak, by component; every count comes from a numbered file's byte function.
+    the step can peak, by component; every count comes from support/byte_counts.py.
 
       end of forward (loss):      what forward keeps (checkpoints, or every layer's
                                   activations) and the loss's temporaries;
@@ -127,12 +123,12 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     local_tokens = tokens // sp
     hidden = local_tokens * args.dim * b  # a block's input or output, or its gradient
     n_layers = args.n_layers
-    n_params = llama.num_params(args)
-    block_params = (n_params - llama.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
+    n_params = model.num_params(args)
+    block_params = (n_params - model.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
     largest = max(args.vocab_size, args.ffn_dim, args.n_heads * args.head_dim) * args.dim
     if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
-        state = fsdp.model_state_bytes(args, world_size)
-        buffers = fsdp.fsdp_buffer_bytes(args, b)
+        state = byte_counts.model_state_bytes(args, world_size)
+        buffers = byte_counts.fsdp_buffer_bytes(args, b)
         optimizer_temporaries = 2 * 4 * -(-largest // world_size)
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
         state = {"parameters": b * n_params, "gradients": b * n_params, "optimizer": 2 * b * n_params}
@@ -141,21 +137,22 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
     host_state = 0
     if cfg.offload_model_state:  # 01: the same shards in host memory; AdamW steps there (fused)
-        host_state = sum(fsdp.offloaded_model_state_bytes(args, world_size).values())
-        transfers = fsdp.offload_transfer_bytes(args, world_size)
+        host_state = sum(byte_counts.offloaded_model_state_bytes(args, world_size).values())
+        transfers = byte_counts.offload_transfer_bytes(args, world_size)
         buffers = {moment: n + transfers[moment] for moment, n in buffers.items()}
         state, optimizer_temporaries = dict.fromkeys(state, 0), 0
 
     # 02's or 05's count (with a ring: over a ring rank's S/R tokens, the ring's buffers in
     # place of one kernel's workspace)
-    attention = partial(ring_attention.hybrid_attention_bytes, args, tokens, sp, ring, b,
+    attention = partial(byte_counts.hybrid_attention_bytes, args, tokens, sp, ring, b,
                         kernel=planned_kernel(cfg), untied=cfg.untied, head_chunk=head_chunk)
-    mlp = partial(tiling.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
+    mlp = partial(byte_counts.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
-    norms = (tiling.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b) if cfg.tile_norm
-             else checkpointing.block_recompute_bytes(args, local_tokens, b))
-    loss = tiling.loss_temporary_bytes(args, local_tokens, cfg.tile_loss, cfg.loss_tile_tokens, b)
+    norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b)
+             if cfg.tile_norm else byte_counts.block_recompute_bytes(args, local_tokens, b))
+    loss = byte_counts.loss_temporary_bytes(args, local_tokens, cfg.tile_loss,
+                                            cfg.loss_tile_tokens, b)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.
@@ -178,8 +175,9 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
     if cfg.checkpoint:
-        kept_tensors = keep_attention.kept_attention_bytes(args, tokens, sp, b) if cfg.keep_attention else []
-        checkpoints = checkpointing.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
+        kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
+                        if cfg.keep_attention else [])
+        checkpoints = byte_counts.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
                                                             pinned=True, also_kept=kept_tensors)
         host = checkpoints["host"]
         forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
@@ -257,13 +255,13 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
     tokens = cfg.batch_size * cfg.seq_len
     n = tokens // sp  # local tokens
     hidden = n * args.dim * b
-    root = llama.num_params(replace(args, n_layers=0))
-    block = (llama.num_params(args) - root) // max(args.n_layers, 1)
+    root = model.num_params(replace(args, n_layers=0))
+    block = (model.num_params(args) - root) // max(args.n_layers, 1)
     if cfg.fsdp:
-        params = fsdp.model_state_bytes(args, world_size)["parameters"]
+        params = byte_counts.model_state_bytes(args, world_size)["parameters"]
         gathered = b * (root + min(args.n_layers, 2) * block)
     else:
-        params, gathered = b * llama.num_params(args), 0
+        params, gathered = b * model.num_params(args), 0
     q = n * args.n_heads * args.head_dim * b
     lse = n * args.n_heads * 4
     if cfg.untied:
@@ -326,7 +324,7 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
     args = model_args(cfg)
     sp, ring, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
     ulysses_size = sp // ring  # U is a multiple of the Ulysses degree
-    for chunk in sorted(untied.valid_head_chunks(args, ulysses_size), reverse=True):
+    for chunk in sorted(untied_sp.valid_head_chunks(args, ulysses_size), reverse=True):
         plan = plan_memory(replace(cfg, head_chunk=chunk), world_size, args,
                            forward_only=forward_only)
         if fits_on_gpu(plan["peak"], gpu_mem):
@@ -338,36 +336,16 @@ def gpus_sharing_a_node(world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> 
     return min(world_size, gpus_per_node)
 
 
-@functools.cache
-def worst_under_prediction(calibration: Path = CALIBRATION) -> float:
-    """The planner's worst under-prediction in its calibration, as a fraction of the measured
-    peak: max((measured - planned) / measured) over the GPU measurements, 0 if it never planned
-    low. An out-of-memory row's measured number is the least that step needed, so it counts
-    where the planner said the step fits. A row that measured code changed since
-    ("measures_changed_code") is not the planner's error."""
-    rows = json.loads(Path(calibration).read_text())["rows"]
-    return max([0.0] + [(row["measured_gib"] - row["predicted_gib"]) / row["measured_gib"]
-                        for row in rows if "measures_changed_code" not in row])
-
-
-def plan_margin() -> float:
-    """What "fits" adds to a planned peak: enough that a step the planner under-predicts as
-    badly as its worst calibration row (a fraction w of the measured peak) still fits:
-    planned x (1 + margin) = planned / (1 - w)."""
-    worst = worst_under_prediction()
-    return worst / (1 - worst)
-
-
 def fits_on_gpu(peak: int, gpu_mem: int) -> bool:
     """The one definition of "fits" on a GPU (the plan's answer, the longest length, the head
     chunk and --keep-attention training chooses): the planned peak plus the margin within the
     GPU less PLAN_GPU_RESERVE."""
-    return peak * (1 + plan_margin()) <= gpu_mem - PLAN_GPU_RESERVE
+    return peak * (1 + PLAN_MARGIN) <= gpu_mem - PLAN_GPU_RESERVE
 
 
 def margin_text() -> str:
-    return (f"a {plan_margin():.1%} margin on each planned peak (the planner's worst "
-            f"under-prediction in calibration: {worst_under_prediction():.1%} of a measured peak)")
+    return (f"a {PLAN_MARGIN:.1%} margin on each planned peak (the planner's worst "
+            f"under-prediction in calibration: {WORST_UNDER_PREDICTION:.1%} of a measured peak)")
 
 
 def plan_fits(plan: dict, world_size: int, gpu_mem: int, host_mem: int,
@@ -431,9 +409,9 @@ def gpus_text(n: int) -> str:
 def gpu_fit_text(peak: int, gpu_mem: int) -> str:
     """Whether `peak` fits (fits_on_gpu), with the numbers; "at the edge" where it fits the
     usable memory only without the margin."""
-    usable, with_margin = gpu_mem - PLAN_GPU_RESERVE, peak * (1 + plan_margin())
+    usable, with_margin = gpu_mem - PLAN_GPU_RESERVE, peak * (1 + PLAN_MARGIN)
     text = (f"{'fits' if fits_on_gpu(peak, gpu_mem) else 'does NOT fit'} in {usable / GiB:.1f} "
-            f"usable of {gpu_mem / GiB:.1f} (with the {plan_margin():.1%} margin: "
+            f"usable of {gpu_mem / GiB:.1f} (with the {PLAN_MARGIN:.1%} margin: "
             f"{with_margin / GiB:.1f})")
     if peak <= usable < with_margin:
         text += ": at the edge, where the planner has been a few percent low: it may run out of memory"
@@ -468,9 +446,9 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         args = model_args(cfg)
         sp, ring, _ = check_layout(cfg, world_size, args)
         ulysses_size = sp // ring
+        chunks = sorted(untied_sp.valid_head_chunks(args, ulysses_size), reverse=True)
         changes += [(f"--head-chunk {chunk}", replace(cfg, head_chunk=chunk), world_size)
-                    for chunk in sorted(untied.valid_head_chunks(args, ulysses_size), reverse=True)
-                    if chunk < cfg.head_chunk]
+                    for chunk in chunks if chunk < cfg.head_chunk]
     if cfg.keep_attention:
         changes.append(("without --keep-attention", replace(cfg, keep_attention=False), world_size))
     changes += [(f"--gpus {world_size * k}", cfg, world_size * k) for k in (2, 4, 8, 16)]
@@ -505,7 +483,7 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     other = {PLAN_COMPONENTS[c][label_column] or PLAN_COMPONENTS[c][0]: peak.get(c, 0)
              for c in PLAN_COMPONENTS if c in peak or c != "optimizer"}
     lines = [
-        f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): "
+        f"{model_name(cfg)} ({model.num_params(args) / 1e9:.2f}B parameters): "
         f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "
         f"(data {plan['dp']} x sequence {plan['sp']}), {plan['local_tokens']:,} tokens per GPU",
         f"techniques: {techniques_text(cfg, plan['head_chunk'], plan['ring'])}",
@@ -546,8 +524,8 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
     peak = plan["moments"][plan["peak_moment"]]
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     return "\n".join([
-        f"{model_name(cfg)} ({llama.num_params(args) / 1e9:.2f}B parameters): evaluation forward (no "
-        f"gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
+        f"{model_name(cfg)} ({model.num_params(args) / 1e9:.2f}B parameters): evaluation forward "
+        f"(no gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
         f"{cfg.dtype}; {gpus_text(world_size)} (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
         f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'], plan['ring'])}",

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 import model as llama
 import plan as planner
+from support import byte_counts
 from bench.offload import allocate_adam_state
 from bench.report import (end_distributed, refuse_without_gpu, release, synchronize, within_budget,
                           write_result)
@@ -58,8 +59,6 @@ from bench.throughput import method_config
 from support.data import parse_tokens
 
 train = importlib.import_module("train")
-fsdp = importlib.import_module("01_fsdp")
-checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
 evaluate = importlib.import_module("eval")
 GiB = 2**30
@@ -68,7 +67,7 @@ GiB = 2**30
 def ballast_bytes(args, layers: int, world: int, on_host: bool = False) -> dict:
     """Per-GPU model state of the layers a `layers`-deep model leaves out, by part: on the GPU
     (FSDP's shards), or with on_host as 01 keeps it in host memory (pinned shards rounded up)."""
-    count = fsdp.offloaded_model_state_bytes if on_host else fsdp.model_state_bytes
+    count = byte_counts.offloaded_model_state_bytes if on_host else byte_counts.model_state_bytes
     full = count(args, world)
     shallow = count(dataclasses.replace(args, n_layers=layers), world)
     return {part: full[part] - shallow[part] for part in full}
@@ -140,9 +139,9 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
         row.update(status="OOM", error=str(error).split("\n")[0])
     # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU (training).
     host = (0 if forward_only else
-            checkpointing.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"])
+            byte_counts.checkpoint_memory_bytes(args, seq_len, rt.sp, True, 2, pinned=True)["host"])
     if cfg.offload_model_state:  # and its model state
-        host += sum(fsdp.offloaded_model_state_bytes(args, rt.world).values())
+        host += sum(byte_counts.offloaded_model_state_bytes(args, rt.world).values())
     row["full_depth_host_gib_per_gpu"] = host / GiB
     del model, optimizer, ballast
     release(rt.device)

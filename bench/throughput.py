@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from support import host_buffers, keep_attention, kernels
+from support import byte_counts, host_buffers, kernels
 import model as llama
 import plan as planner
 from bench import ring
@@ -123,7 +123,8 @@ def warm_pinned_cache(cfg: train.Config, rt) -> None:
     args, dtype = llama.get_model_args(cfg.model), getattr(torch, cfg.dtype)
     sizes = [cfg.batch_size * cfg.seq_len // rt.sp * args.dim * dtype.itemsize]
     if cfg.keep_attention:
-        sizes += keep_attention.kept_attention_bytes(args, cfg.batch_size * cfg.seq_len, rt.sp, dtype.itemsize)
+        sizes += byte_counts.kept_attention_bytes(args, cfg.batch_size * cfg.seq_len, rt.sp,
+                                                  dtype.itemsize)
     buffers = [host_buffers.HostBuffer((n,), torch.uint8, pinned=True)
                for _ in range(args.n_layers - 1) for n in sizes]
     del buffers

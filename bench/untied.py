@@ -28,7 +28,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from support import kernels
+from support import byte_counts, kernels
 import model as llama
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
 from support.data import parse_tokens
@@ -143,10 +143,10 @@ def main():
             if method == "ulysses":
                 attn.core = partial(ulysses.ulysses_attention, group=group)
                 attend = attn.attend
-                planned = ulysses.attention_activation_bytes(args, seq_len, sp)
+                planned = byte_counts.attention_activation_bytes(args, seq_len, sp)
             else:
                 attend = partial(untied.untied_attend, attn=attn, group=group, head_chunk=chunk)
-                planned = untied.untied_attention_bytes(args, seq_len, sp, chunk)
+                planned = byte_counts.untied_attention_bytes(args, seq_len, sp, chunk)
             row = {"seq_len": seq_len, "local_tokens": local, "method": method,
                    "head_chunk": chunk, "stages": None if chunk is None else args.n_heads // chunk,
                    "planned_gib": planned / GiB}

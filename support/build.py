@@ -3,16 +3,15 @@
 The model is created on the meta device (shapes, no memory), the techniques rewrite its seams,
 01's FSDP shards it, and only then does each rank allocate and initialize its own shard: an 8B
 model is never materialized whole. train.py builds this way; so do support/pretrained.py (whose
-weights then fill the shards from a Hugging Face folder) and 03's demo.
+weights then fill the shards from a Hugging Face folder) and 03's demo. What of this is about
+distribution lives here, so that model.py knows nothing of it: allocating the shards, tying the
+embeddings again after that, and drawing each rank's rows of the initial weights.
 """
-
-import importlib
 
 import torch
 
-from model import Transformer, init_weights
-
-fsdp = importlib.import_module("01_fsdp")  # the numbered files start with a digit
+import model
+from support.lessons import sharding
 
 
 def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float32,
@@ -26,15 +25,56 @@ def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float
     buffers to place). exact_init: initialize as the unsharded model would (model.init_weights).
     """
     with torch.device("meta"):
-        model = Transformer(args)
+        transformer = model.Transformer(args)
     if before_sharding is not None:
-        before_sharding(model)
+        before_sharding(transformer)
     if mesh is not None:
-        fsdp.apply_fsdp(model, mesh, compute_dtype, offload_model_state)
+        sharding.apply_fsdp(transformer, mesh, compute_dtype, offload_model_state)
     elif offload_model_state:
         raise ValueError("--offload-model-state is a setting of FSDP (01): add --fsdp")
-    model.to_empty(device="cpu" if offload_model_state else device)
-    init_weights(model, seed, exact=exact_init)
+    allocate(transformer, "cpu" if offload_model_state else device)
+    if mesh is None:
+        model.init_weights(transformer, seed, exact=exact_init)
+    else:
+        init_sharded_weights(transformer, seed, exact=exact_init)
     if mesh is None and compute_dtype != torch.float32:
-        model.to(compute_dtype)  # single process, no FSDP: plain low-precision training
-    return model
+        transformer.to(compute_dtype)  # single process, no FSDP: plain low-precision training
+    return transformer
+
+
+def allocate(transformer, device) -> None:
+    """Give the parameters of a model built on the meta device memory on `device` (each rank
+    only its shards), uninitialized. `to_empty` gives every module a new Parameter, so tied
+    embeddings would become two matrices: lm_head takes embed_tokens' Parameter again."""
+    transformer.to_empty(device=device)
+    if transformer.args.tie_word_embeddings:
+        transformer.lm_head.weight = transformer.embed_tokens.weight
+
+
+@torch.no_grad()
+def init_sharded_weights(transformer, seed: int = 0, exact: bool = True) -> None:
+    """model.init_weights for a model FSDP2 has sharded: each rank fills only its shards.
+
+    exact=True: each parameter is drawn whole (model.init_weights' draws, in its order) and
+    only this rank's rows are kept, so a sharded model starts bit-identical to the unsharded
+    one (tests). exact=False: each rank draws its own shard on its device from its own stream.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for index, (name, param) in enumerate(transformer.named_parameters()):
+        local = param.to_local()  # this rank's shard of the DTensor
+        if model.is_norm(name):
+            local.fill_(1.0)
+        elif exact:
+            full = torch.randn(param.shape, generator=generator) * model.INIT_STD
+            local.copy_(local_rows(full, param.device_mesh))
+        else:
+            shard = param.device_mesh.get_local_rank()
+            stream = model.own_stream(seed, index, local.device, part=shard)
+            local.normal_(0.0, model.INIT_STD, generator=stream)
+
+
+def local_rows(full: torch.Tensor, mesh) -> torch.Tensor:
+    """The rows of `full` that this rank holds: FSDP2 shards dim 0 like torch.chunk."""
+    chunks = full.chunk(mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]

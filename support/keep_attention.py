@@ -21,7 +21,7 @@ what they are handed):
     02's kernel) with `AttentionFromKept`, for the kernels that return a log-sum-exp.
   - 05 runs its own stages and backward: it asks `current_block()` and keeps its output buffer
     and every stage's log-sum-exp itself.
-`kept_attention_bytes` is what plan.py adds per block.
+What plan.py adds per block: support/byte_counts.py's `kept_attention_bytes`.
 """
 
 import contextlib
@@ -172,13 +172,3 @@ class AttentionFromKept(torch.autograd.Function):
         grads = kernels.attention_backward_lse(grad_out.contiguous(), q, k, v, out, lse,
                                                cu_seqlens=ctx.cu_seqlens)
         return (*grads, None, None)
-
-
-def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) -> list[int]:
-    """The bytes of what one block keeps besides its input, per tensor: the attention output (a
-    rank's share of seq x heads x head_dim; the size of the block input when heads x head_dim =
-    dim, as in Llama) and its fp32 log-sum-exp, one per head and token (1/64 of the output for
-    head_dim 128 in bf16). 05 keeps the latter as one tensor per stage; the same bytes."""
-    local_tokens = seq_len // sp
-    return [local_tokens * args.n_heads * args.head_dim * bytes_per_value,
-            local_tokens * args.n_heads * 4]

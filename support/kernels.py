@@ -22,7 +22,7 @@ Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   math    the plain formula (tests, debugging).
   auto    on a GPU in 16-bit the first of fa4 > cudnn > flash that passes a small check against
           the math kernel (once per dtype and head size); on the CPU torch's CPU kernel.
-`backward_workspace_bytes` is what the chosen backward allocates for itself, for the planner.
+What the chosen backward allocates for itself: support/byte_counts.py's `backward_workspace_bytes`.
 
 Packed documents (data.py): every entry point takes `cu_seqlens`, the document boundaries of the
 batch as global token offsets: the B*S tokens of q taken as one stream (row b starts at b*S), a
@@ -537,24 +537,3 @@ def _check_varlen(device, dtype, head_dim, n_heads, n_kv_heads,
         if not error <= 3e-2 * (1 + want.abs().max().item()):
             raise RuntimeError(f"{name} differs from the math kernel per document by {error:.3g}")
 
-
-# ---------------------------------------------------------------------------------------------
-# What the backward kernel allocates for itself (the planner counts it).
-# ---------------------------------------------------------------------------------------------
-
-def backward_workspace_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                             bytes_per_value: int = 2, kernel: str = "cudnn") -> int:
-    """What the attention backward kernel allocates for itself, beyond its inputs and its dq,
-    dk, dv, over `n_tokens` tokens with `n_heads` query and `n_kv_heads` KV heads.
-
-    cuDNN (and FlashAttention-2): dq accumulated in fp32; with grouped-query attention dk and
-    dv per query head before they are summed over the group; an fp32 row sum of dO * O
-    (inferred from the peaks measured on H200s, docs/calibration.md).
-    FlashAttention-4 (read from its backward's allocations): dq accumulated in fp32; with
-    grouped-query attention dk and dv accumulated in fp32 per KV head (not per query head);
-    two fp32 rows (dO * O and the log-sum-exp in base 2). A CPU kernel differs."""
-    q_values, kv_values = n_tokens * n_heads * head_dim, n_tokens * n_kv_heads * head_dim
-    grouped = n_heads > n_kv_heads
-    if kernel == "fa4":
-        return 4 * q_values + (2 * 4 * kv_values if grouped else 0) + 2 * 4 * n_tokens * n_heads
-    return 4 * q_values + (2 * q_values * bytes_per_value if grouped else 0) + 4 * n_tokens * n_heads

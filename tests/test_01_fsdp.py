@@ -9,9 +9,10 @@ from ranks import run_ranks
 from reference import full, make_batch
 
 import model as llama
+from support import byte_counts
 from support.config import MAX_STACK
+from support.lessons import sharding
 
-fsdp = importlib.import_module("01_fsdp")
 train = importlib.import_module("train")
 
 ROWS_PER_RANK, SEQ_LEN = 2, 32
@@ -55,8 +56,8 @@ def _local_numel_matches_formula(preset):
 
     args = llama.get_model_args(preset)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    local = fsdp.sharded_numel_on_meta(args, mesh)
-    per_rank = fsdp.model_state_bytes(args, dist.get_world_size())["parameters"] // 4
+    local = sharding.sharded_numel_on_meta(args, mesh)
+    per_rank = byte_counts.model_state_bytes(args, dist.get_world_size())["parameters"] // 4
     # FSDP pads each parameter's dim 0 to a multiple of the world size; the formula pads once.
     assert abs(local - per_rank) <= args.n_layers * 16 * args.dim, (local, per_rank)
     assert local < llama.num_params(args) / dist.get_world_size() * 1.001
@@ -70,8 +71,8 @@ def test_sharded_bytes_match_the_formula():
 
 def test_llama3_8b_model_state_per_gpu():
     args = llama.get_model_args("llama3-8b")
-    assert sum(fsdp.model_state_bytes(args, 1).values()) / 2**30 == pytest.approx(119.7, abs=0.1)
-    assert sum(fsdp.model_state_bytes(args, 8).values()) / 2**30 == pytest.approx(15.0, abs=0.05)
+    assert sum(byte_counts.model_state_bytes(args, 1).values()) / 2**30 == pytest.approx(119.7, abs=0.1)
+    assert sum(byte_counts.model_state_bytes(args, 8).values()) / 2**30 == pytest.approx(15.0, abs=0.05)
 
 
 @pytest.mark.gpu
@@ -158,7 +159,7 @@ def _state_lives_on_the_host():
     for param in model.parameters():  # Adam's moments were created next to their parameters
         assert all(t.device.type == "cpu" for t in optimizer.state[param].values())
     if torch.cuda.is_available():  # and the device holds none of it between steps
-        assert torch.cuda.memory_allocated() < sum(fsdp.model_state_bytes(
+        assert torch.cuda.memory_allocated() < sum(byte_counts.model_state_bytes(
             llama.get_model_args("tiny"), dist.get_world_size()).values())
 
 
@@ -180,9 +181,9 @@ def test_host_bytes_of_offloaded_llama3_8b():
     """16 bytes per parameter / GPUs, the pinned parameter and gradient shards rounded up to
     powers of two (w1: 28 MiB -> 32 MiB per rank on 8)."""
     args = llama.get_model_args("llama3-8b")
-    host = fsdp.offloaded_model_state_bytes(args, 8)
-    exact = fsdp.offloaded_model_state_bytes(args, 8, pinned=False)
-    assert sum(exact.values()) == pytest.approx(sum(fsdp.model_state_bytes(args, 8).values()), rel=1e-3)
+    host = byte_counts.offloaded_model_state_bytes(args, 8)
+    exact = byte_counts.offloaded_model_state_bytes(args, 8, pinned=False)
+    assert sum(exact.values()) == pytest.approx(sum(byte_counts.model_state_bytes(args, 8).values()), rel=1e-3)
     assert host["optimizer"] == exact["optimizer"]
     assert sum(host.values()) / 2**30 == pytest.approx(15.7, abs=0.05)
 
@@ -208,7 +209,7 @@ def _gpu_holds_no_model_state():
         losses[offload] = [m["loss"] for m in metrics]
         del model, optimizer, held
         torch.cuda.empty_cache()
-    state = sum(fsdp.model_state_bytes(args, dist.get_world_size()).values())
+    state = sum(byte_counts.model_state_bytes(args, dist.get_world_size()).values())
     assert on_gpu[False] >= 0.7 * state, on_gpu  # (gradients may be freed after the step)
     assert on_gpu[True] == 0, on_gpu
     assert losses[True] == pytest.approx(losses[False], rel=2e-2)

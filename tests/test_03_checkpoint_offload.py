@@ -21,6 +21,7 @@ from support import host_buffers, keep_attention as keeping, kernels
 import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward
+from support import byte_counts
 
 checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
@@ -116,7 +117,7 @@ def _repeated_steps_do_not_grow(keep_attention: bool):
     optimizer = train.make_optimizer(model, cfg)
     data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
     # --keep-attention: each block's output and log-sum-exp have host buffers of their own
-    kept = keeping.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4) if keep_attention else []
+    kept = byte_counts.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4) if keep_attention else []
     live, buffers = [], []
     for step in range(5):
         train.train_step(model, optimizer, data.batch(step), rt, cfg)
@@ -179,7 +180,7 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
                 assert step_calls == L * stages, (what, step_calls)
                 kept = model.kept_attention.stats
                 assert kept["kept"] == kept["taken"] == L, (what, kept)
-                planned = sum(keeping.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
+                planned = sum(byte_counts.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
                 assert kept["kept_bytes"] == L * planned, (what, kept, planned)
                 if offloading:  # moved like the block inputs: out, and back one block ahead
                     assert (kept["offloaded_bytes"] == kept["restored_bytes"]
@@ -280,7 +281,7 @@ def test_offload_acts_on_memory_kept_for_backward():
     assert host["offload"] == (L - 1) * block_input and host["checkpoint"] == 0
     # A block saves many times its input for backward; checkpointing keeps only the input.
     assert kept["none"] - kept["checkpoint"] > 5 * L * block_input, kept
-    planned = checkpointing.checkpoint_memory_bytes(ARGS, SEQ, 1, offload=True, bytes_per_value=4)
+    planned = byte_counts.checkpoint_memory_bytes(ARGS, SEQ, 1, offload=True, bytes_per_value=4)
     assert planned == {"gpu": block_input // ROWS, "host": (L - 1) * block_input // ROWS}
 
 
@@ -331,11 +332,11 @@ def test_parameter_names_unchanged_and_applied_once():
 def test_planner_bytes_llama3_8b_3m_tokens_8_gpus():
     args = llama.get_model_args("llama3-8b")
     seq_len = 3 * 2**20
-    plain = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=False)
-    moved = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=True)
+    plain = byte_counts.checkpoint_memory_bytes(args, seq_len, 8, offload=False)
+    moved = byte_counts.checkpoint_memory_bytes(args, seq_len, 8, offload=True)
     assert plain == {"gpu": 96 * 2**30, "host": 0}  # 32 layers x 3 GiB
     assert moved == {"gpu": 3 * 2**30, "host": 93 * 2**30}  # the data
-    pinned = checkpointing.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
+    pinned = byte_counts.checkpoint_memory_bytes(args, seq_len, 8, offload=True, pinned=True)
     assert pinned == moved  # power-of-two pieces: the pinned allocator rounds nothing up
     # the sequence-split rule lives once, in 02, and the planner checks it before counting
     with pytest.raises(ValueError, match=r"sequence length \(3145728\) must be divisible .*\(7\)"):

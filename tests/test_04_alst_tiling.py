@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
 from support.demos import LargestTensor
+from support import byte_counts
 
 tiling = importlib.import_module("04_alst_tiling")
 train = importlib.import_module("train")
@@ -308,18 +309,18 @@ def test_planner_bytes():
     llama8b = llama.get_model_args("llama3-8b")
     local = 3 * 2**20 // 8  # 3M tokens on 8 GPUs
     # Untiled: three fp32 logits-sized tensors at the log-softmax backward, plus the final norm.
-    assert tiling.loss_temporary_bytes(llama8b, local, tiled=False) == local * (128_256 * 12 + 4096 * 8)
+    assert byte_counts.loss_temporary_bytes(llama8b, local, tiled=False) == local * (128_256 * 12 + 4096 * 8)
     # Tiled: a tile's logits are at most 1 GiB; the input and its gradient stay sequence-wide.
-    tiled_loss = tiling.loss_temporary_bytes(llama8b, local, tiled=True)
+    tiled_loss = byte_counts.loss_temporary_bytes(llama8b, local, tiled=True)
     lm_head_grads = 128_256 * 4096 * (4 + 2)
     assert 2 * local * 4096 * 2 + lm_head_grads < tiled_loss <= 2 * local * 4096 * 2 + lm_head_grads + 3 * 2**30
-    assert tiling.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True) == 42 * 2**30
-    assert tiling.mlp_temporary_bytes(llama8b, local, tiled=False) == 63 * 2**30
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True) == 42 * 2**30
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False) == 63 * 2**30
     weight_grads = 3 * 4096 * 14336 * (4 + 2)
-    assert tiling.mlp_temporary_bytes(llama8b, local, tiled=True) == (local * 4096 * 2 + 6 * 4096 * 14336 * 2
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True) == (local * 4096 * 2 + 6 * 4096 * 14336 * 2
                                                                       + weight_grads)
-    assert tiling.mlp_temporary_bytes(llama8b, local, tiled=True, saved_only=True) == 0
-    assert (tiling.mlp_temporary_bytes(llama8b, 100, tiled=True, tile_tokens=1000)
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True, saved_only=True) == 0
+    assert (byte_counts.mlp_temporary_bytes(llama8b, 100, tiled=True, tile_tokens=1000)
             == 100 * 4096 * 2 + 6 * 100 * 14336 * 2 + weight_grads)
 
 

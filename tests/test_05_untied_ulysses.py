@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from support import kernels
+from support import byte_counts
 import model as llama
 
 untied = importlib.import_module("05_untied_ulysses")
@@ -396,11 +397,11 @@ def test_kernel_wrapper_repeats_kv_heads_for_kernels_without_gqa(monkeypatch):
 def test_planner_bytes():
     args = llama.get_model_args("llama3-8b")
     seq_len, sp = 3 * 2**20, 8
-    ulysses_bytes = ulysses.attention_activation_bytes(args, seq_len, sp)
-    per_chunk = [untied.untied_attention_bytes(args, seq_len, sp, chunk) for chunk in (8, 16, 32)]
+    ulysses_bytes = byte_counts.attention_activation_bytes(args, seq_len, sp)
+    per_chunk = [byte_counts.untied_attention_bytes(args, seq_len, sp, chunk) for chunk in (8, 16, 32)]
     assert per_chunk == sorted(per_chunk)
     assert per_chunk[0] < 0.65 * ulysses_bytes
-    assert untied.untied_attention_bytes(args, seq_len, sp, 8, saved_only=True) == (
+    assert byte_counts.untied_attention_bytes(args, seq_len, sp, 8, saved_only=True) == (
         seq_len // sp * (32 * 128 * 2 + 32 * 4))  # the output buffer and every stage's lse
     # tiny by hand, U = P = 2 (one query head per rank per stage, 4 stages per KV head),
     # 16 local tokens, fp32: what the forward keeps, the gradient buffers, one stage.
@@ -411,7 +412,7 @@ def test_planner_bytes():
     # k, v; q, out, grad out; dq, dk, dv; K/V gradients summed over the stages of the group
     stage = (2 + 3 + 3 + 2) * per_stage_tensor
     workspace = 32 * 1 * 8 * 4 + 32 * 1 * 4  # fp32 dq over 32 tokens, 1 head; dO*O row sums
-    assert untied.untied_attention_bytes(tiny, 32, 2, 2, 4) == saved + gradients + stage + workspace
+    assert byte_counts.untied_attention_bytes(tiny, 32, 2, 2, 4) == saved + gradients + stage + workspace
 
 
 # ---------------------------------------------------------------------------------------------

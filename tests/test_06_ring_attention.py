@@ -17,6 +17,7 @@ from ranks import run_ranks
 import model as llama
 from support import kernels
 from support.demos import LargestTensor, measure_stage_memory
+from support import byte_counts
 
 ring_attn = importlib.import_module("06_ring_attention")
 ulysses = importlib.import_module("02_ulysses")
@@ -112,7 +113,7 @@ def test_check_ring_refuses_clearly():
 
 def test_planned_ring_bytes_fall_with_the_ring():
     args = llama.get_model_args("llama3-8b")
-    planned = [ring_attn.ring_attention_bytes(args, 3 * 2**20, 8 * ring, ring) for ring in (1, 2, 4, 8)]
+    planned = [byte_counts.ring_attention_bytes(args, 3 * 2**20, 8 * ring, ring) for ring in (1, 2, 4, 8)]
     assert planned == sorted(planned, reverse=True), planned
     for ring, nbytes in zip((2, 4, 8), planned[1:]):  # every buffer holds S/R tokens
         assert abs(nbytes * ring / planned[0] - 1) < 0.01, planned

@@ -76,10 +76,12 @@ def test_tied_embeddings_are_one_parameter_even_after_to_empty():
     module a new Parameter: the tie must survive it."""
     from dataclasses import replace
 
+    from support import build
+
     args = replace(llama.get_model_args("tiny"), tie_word_embeddings=True)
     with torch.device("meta"):
         model = llama.Transformer(args)
-    model.to_empty(device="cpu")
+    build.allocate(model, "cpu")  # to_empty, and the tie again
     llama.init_weights(model)
     assert model.lm_head.weight is model.embed_tokens.weight
     assert sum(p.numel() for p in model.parameters()) == llama.num_params(args)
@@ -150,6 +152,8 @@ def test_fast_init_gives_every_shard_its_own_values():
     parameter, or two parameters of one shape, must not repeat each other, and the seed counts."""
     from types import SimpleNamespace
 
+    from support import build
+
     args = llama.get_model_args("tiny")
     model = llama.Transformer(args)
     llama.init_weights(model, seed=5, exact=False)
@@ -162,7 +166,7 @@ def test_fast_init_gives_every_shard_its_own_values():
         param = SimpleNamespace(to_local=lambda local=local: local,
                                 device_mesh=SimpleNamespace(get_local_rank=lambda rank=rank: rank))
         fake = SimpleNamespace(named_parameters=lambda param=param: [("w.weight", param)])
-        llama.init_weights(fake, seed=5, exact=False)
+        build.init_sharded_weights(fake, seed=5, exact=False)
         shards.append(local)
     assert not torch.equal(shards[0], shards[1])
     again = llama.Transformer(args)

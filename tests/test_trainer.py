@@ -171,7 +171,7 @@ def test_the_planner_holds_the_gradients_across_micro_batches():
     backward: the sharded gradients under FSDP; with the model state on the host, none."""
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**17, stack=5,
                                                 dtype="bfloat16", device="cpu", head_chunk=8))
-    grads = planner.fsdp.model_state_bytes(planner.model_args(cfg), 8)["gradients"]
+    grads = planner.byte_counts.model_state_bytes(planner.model_args(cfg), 8)["gradients"]
     one, two = (planner.plan_memory(replace(cfg, grad_accum=n), 8) for n in (1, 2))
     for moment in ("end of forward (loss)", "backward of the last layer"):
         assert (two["moments"][moment]["model_state"] - one["moments"][moment]["model_state"]
