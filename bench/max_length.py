@@ -76,8 +76,9 @@ def ballast_bytes(args, layers: int, world: int, on_host: bool = False) -> dict:
 
 def allocate_ballast(nbytes: dict, device: torch.device, on_host: bool) -> list:
     """The ballast tensors: one GPU tensor, or on the host the pinned parameter and gradient
-    shards and the written (so resident) pageable Adam moments. Nothing on a CPU smoke run."""
-    if device.type != "cuda":
+    shards and the written (so resident) pageable Adam moments. Nothing on a CPU smoke run,
+    nor for no bytes."""
+    if device.type != "cuda" or not nbytes:
         return []
     if not on_host:
         return [torch.empty(sum(nbytes.values()), dtype=torch.uint8, device=device)]
@@ -86,10 +87,15 @@ def allocate_ballast(nbytes: dict, device: torch.device, on_host: bool) -> list:
             torch.zeros(nbytes.get("optimizer", 0), dtype=torch.uint8)]
 
 
-def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = False) -> dict:
+def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = False,
+          run_step=None, host_ballast: bool = True, ballast_parts=None) -> dict:
     """One optimizer step of a `layers`-deep model plus the ballast: completed or OOM. With
     forward_only, one evaluation forward instead (eval.py's: no checkpointing, no gradients),
-    the ballast holding only the missing layers' parameters."""
+    the ballast holding only the missing layers' parameters. run_step(model, optimizer, tokens,
+    rt, cfg): the step (default train.train_step; bench/rehearse.py's skips the finite check).
+    host_ballast=False: no host ballast with --offload-model-state (the GPU peak needs none).
+    ballast_parts: the parts of the missing layers' state allocated before the step (default
+    all; bench/rehearse.py's step allocates their gradients when full depth would have them)."""
     started = time.perf_counter()
     args = llama.get_model_args(base.model)
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
@@ -103,8 +109,12 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
     try:
         on_host = cfg.offload_model_state
         missing = ballast_bytes(args, layers, rt.world, on_host)
+        if on_host and not host_ballast:
+            missing = {}
+        if ballast_parts is not None:
+            missing = {part: n for part, n in missing.items() if part in ballast_parts}
         if forward_only:  # evaluation holds the parameters alone
-            missing = {"parameters": missing["parameters"]}
+            missing = {"parameters": missing["parameters"]} if missing else {}
         ballast = allocate_ballast(missing, rt.device, on_host)
         model = train.build_model(cfg, rt)
         if forward_only and cfg.tile_loss:  # as eval.py builds it
@@ -121,7 +131,7 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
         if forward_only:
             evaluate.token_scores(model, tokens, rt)
         else:
-            train.train_step(model, optimizer, tokens, rt, cfg)
+            (run_step or train.train_step)(model, optimizer, tokens, rt, cfg)
         synchronize(rt.device)
         row.update(status="completed", **{"forward_time_s" if forward_only else "step_time_s":
                                           time.perf_counter() - start},
@@ -155,15 +165,16 @@ def expected_seconds(trials: list, seq_len: int) -> float:
 
 def search(base, method: str, start: int, granularity: int, step: float, layers: int,
            max_trials: int, in_budget, after_trial=lambda fits, fails, trials: None,
-           forward_only: bool = False) -> tuple:
+           forward_only: bool = False, run_trial=None) -> tuple:
     """(longest completed length or None, shortest OOM length or None, trials): step from
     `start` until the status flips, then bisect to `granularity`. after_trial(fits, fails,
-    trials) runs after each trial (the script saves what it has: a trial can take minutes)."""
+    trials) runs after each trial (the script saves what it has: a trial can take minutes).
+    run_trial: what runs one trial, with `trial`'s first five arguments (default `trial`)."""
     rounded = lambda n: max(granularity, n // granularity * granularity)  # noqa: E731
     trials, fits, fails = [], None, None
     length = rounded(start)
     while len(trials) < max_trials and in_budget(length, trials):
-        row = trial(base, method, length, layers, forward_only)
+        row = (run_trial or trial)(base, method, length, layers, forward_only)
         trials.append(row)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print({k: v for k, v in row.items() if k != "error"}, flush=True)

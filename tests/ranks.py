@@ -6,6 +6,12 @@ Each rank gets a free TCP port rendezvous, one CPU thread, and a clean teardown.
 raises, the others are killed at once (they would otherwise wait forever in a collective) and the
 test fails with every rank's traceback; if nothing finishes within `timeout`, the test fails
 instead of hanging CI. `body` must be a module-level function (it is pickled into the children).
+
+RANKS_ON_ONE_GPU=1 (opt-in, for a machine with one GPU): NCCL ranks all run on cuda:0, each
+told it is a host of its own (NCCL_HOSTID), so NCCL connects them over its socket transport on
+the loopback instead of refusing two ranks on one GPU. NCCL does not support this; it may hang
+(the timeout ends it). tests/conftest.py then lifts the "needs 2 GPUs" skips:
+    RANKS_ON_ONE_GPU=1 python -m pytest -k nccl tests/
 """
 
 import multiprocessing
@@ -25,12 +31,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ON_ONE_GPU = os.environ.get("RANKS_ON_ONE_GPU") == "1"
+
+
 def _entry(rank, world_size, port, backend, body, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        if "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (host-resident model state)
+        if "nccl" in backend and ON_ONE_GPU:  # each rank a host of its own (module docstring)
+            os.environ.update(NCCL_HOSTID=f"rank{rank}-of-{world_size}", NCCL_IB_DISABLE="1",
+                              NCCL_NVLS_ENABLE="0")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            torch.cuda.set_device(0)
+        elif "nccl" in backend:  # "nccl", or "cpu:gloo,cuda:nccl" (host-resident model state)
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
