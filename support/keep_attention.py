@@ -1,4 +1,4 @@
-"""keep_attention.py - each block keeps its attention output through its checkpoint (--keep-attention).
+"""keep_attention.py - each block keeps its attention output through 03's checkpoint.
 
 A speed technique on top of 03, not a memory one. 03's recompute reruns the whole block in
 backward, attention included: causal attention's forward is 1 of the 4.5 passes over S^2 that
