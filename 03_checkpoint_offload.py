@@ -20,18 +20,17 @@ The idea, in two steps.
 The copies must not slow training down. They run on a side CUDA stream: in forward it waits only
 for the block input to be computed and copies it out while the compute stream runs the next
 block; in backward, when block i's input is unpacked, block i-1's starts coming back, so its copy
-overlaps block i's recompute and backward (pinned memory copies at ~55 GB/s on an H200: 3 GiB in
-~60 ms, against tens of seconds of attention per block at these lengths).
+overlaps block i's recompute and backward, which at these lengths take far longer than moving
+3 GiB over the host link.
 
 The engine is PyTorch's: `checkpoint(..., use_reentrant=False)` saves the block's inputs through
 the saved-tensors mechanism, outside the region it recomputes, so `saved_tensors_hooks(pack,
 unpack)` around the call sees exactly the block's inputs: `pack` moves the hidden state to the
 host and returns a small handle, `unpack` returns it on the GPU. FSDP2, applied after this (one
 `fully_shard` per block), gathers the block's parameters around its forward and its recompute.
-
-With --keep-attention each block also keeps its attention output, so the recompute skips the
-attention kernel: support/keep_attention.py, a speed technique that hooks in here (the object
-handed to `apply_checkpointing`), its kept tensors moved with the block inputs.
+Ops inside a block can ask which block runs and whether it is the recompute
+(support/checkpointed.py), and keep more of it through the checkpoint: the offloader's `hold`
+moves such tensors with the block input (--keep-attention's, support/keep_attention.py).
 
     python 03_checkpoint_offload.py                       # CPU: small model, bytes kept
     torchrun --nproc-per-node 2 03_checkpoint_offload.py  # CPU/gloo or GPUs: FSDP + Ulysses
@@ -40,8 +39,6 @@ handed to `apply_checkpointing`), its kept tensors moved with the block inputs.
 """
 
 import argparse
-import contextlib
-import contextvars
 import gc
 import importlib
 import weakref
@@ -52,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from support import checkpointed
 from support.host_buffers import HostBuffer, HostBufferPool
 
 GiB, MiB = 2**30, 2**20
@@ -59,13 +57,14 @@ GiB, MiB = 2**30, 2**20
 
 # Checkpointing: each block keeps its input and runs again in backward.
 
-def checkpointed_forward(forward, layer: int, offloader, contexts, x: torch.Tensor, rope,
+def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
                          cu_seqlens=None) -> torch.Tensor:
     """A block's forward under `checkpoint`: only x (and the rotary tables) are saved for
     backward, the rest is rebuilt by running `forward` again; with an offloader, x waits on
     the host in between."""
     if not torch.is_grad_enabled():  # no backward coming: nothing to save or recompute
         return forward(x, rope, cu_seqlens)
+    contexts = partial(block_contexts, layer, offloader)
     if offloader is None:
         return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False, context_fn=contexts)
     # These hooks see what checkpoint saves outside its region: the block's inputs. The rotary
@@ -79,43 +78,24 @@ def checkpointed_forward(forward, layer: int, offloader, contexts, x: torch.Tens
         return checkpoint(forward, x, rope, cu_seqlens, use_reentrant=False, context_fn=contexts)
 
 
-# checkpoint runs the block's forward a second time in backward, only to rebuild what its ops
-# save. An op whose output nothing in that rerun reads can skip its work there (04's tiled MLP,
-# the last op of a block, does): this flag tells it when it runs inside the recompute.
-_recomputing = contextvars.ContextVar("recomputing", default=False)
+def block_contexts(layer: int, offloader):
+    """checkpoint's context_fn: (around the block's forward, around its recompute), each saying
+    which block runs and which of its two runs this is (support/checkpointed.py)."""
+    return (checkpointed.running(layer, False, offloader),
+            checkpointed.running(layer, True, offloader))
 
 
-def is_recomputing() -> bool:
-    return _recomputing.get()
-
-
-def block_contexts(layer: int, keep_attention):
-    """checkpoint's context_fn: (around the block's forward, around its recompute)."""
-    return _in_block(layer, keep_attention, False), _in_block(layer, keep_attention, True)
-
-
-@contextlib.contextmanager
-def _in_block(layer: int, keep_attention, recomputing: bool):
-    """Marks the recompute; with --keep-attention, also tells the attention which block it runs
-    in and whether this is the recompute (support/keep_attention.py)."""
-    token = _recomputing.set(recomputing)
-    try:
-        with (contextlib.nullcontext() if keep_attention is None
-              else keep_attention.in_block(layer, recomputing)):
-            yield
-    finally:
-        _recomputing.reset(token)
-
-
-# Offloading: pack (copy to the host), unpack (and prefetch the next one back).
+# Offloading: pack (copy to the host), unpack (and prefetch the previous block's back).
 
 @dataclass
-class SavedBlockInput:
-    """What autograd holds instead of a block input between forward and backward (and what the
-    offloader holds for any other tensor a block keeps with its input: --keep-attention's)."""
+class HeldTensor:
+    """What the offloader holds for one tensor a block keeps for backward: its input (autograd
+    holds this handle instead of it) or another tensor the block keeps with it."""
     layer: int
+    name: str | None                       # None for the block input; else the caller's name
+    nbytes: int
     device: torch.device
-    pool: object = None                    # its host buffer's key: the layer, or (layer, i)
+    pool: object = None                    # its host buffer's key
     host: HostBuffer | None = None         # the copy in host memory while it waits
     on_device: torch.Tensor | None = None  # kept (last block) or brought back, until used
     copied_back: object = None             # CUDA event on the side stream: the copy back is done
@@ -124,117 +104,126 @@ class SavedBlockInput:
 
 
 class BlockInputOffloader:
-    """Moves checkpointed block inputs to host memory in forward and back in backward.
-    keep_attention: --keep-attention's object or None; when block i's input is unpacked, block
-    i-1's kept attention tensors start coming back too (its `prefetch`)."""
+    """Moves checkpointed block inputs to host memory in forward and back in backward, one block
+    ahead of their use; other tensors a block keeps (`hold`, named) travel with its input."""
 
-    def __init__(self, n_layers: int, keep_attention=None):
+    def __init__(self, n_layers: int):
         self.n_layers = n_layers
-        self.keep_attention = keep_attention
         self.host_buffers = HostBufferPool()  # pinned host memory by layer, reused every step
-        self.waiting = {}                     # layer -> SavedBlockInput on the host, not yet coming back
-        self.stream = None                    # the side CUDA stream for every copy, made on first use
-        self.stats = new_stats()              # this step's: what moved, in which order (below)
+        self.waiting = {}       # layer -> its groups of HeldTensors on the host, input's first
+        self.stream = None      # the side CUDA stream for every copy, made on first use
+        self.stats = new_step_record()  # this step's: what moved, in which order (below)
 
-    # --- forward: pack ----------------------------------------------------------------------
+    # --- forward: pack, and what a block keeps with its input ------------------------------
 
     def pack(self, layer: int, x_ref: weakref.ref, t: torch.Tensor):
         if not is_block_input(t, x_ref):
-            return t  # older torch also saves an empty placeholder tensor: leave it
+            return t  # anything else checkpoint saves (an empty placeholder, in some versions)
         if layer == 0:  # a new step: a step whose backward never ran gives its buffers back
-            self.stats = new_stats()
-            for saved in self.waiting.values():
-                self.let_go(saved)
+            self.stats = new_step_record()
+            for group in (g for groups in self.waiting.values() for g in groups):
+                for held in group:
+                    self.let_go(held)
             self.waiting.clear()
-        saved = self.hold(layer, t, pool=layer)
-        if not saved.kept:
-            self.waiting[layer] = saved
-        log(self.stats, "keep" if saved.kept else "offload", layer,
-            "kept" if saved.kept else "offloaded", t.numel() * t.element_size())
-        return saved
+        return self.hold(layer, [t])[0]
 
-    def hold(self, layer: int, t: torch.Tensor, pool) -> SavedBlockInput:
-        """t held for backward: on the device for the last block (backward starts with it, so
-        copying it out would only make backward wait), else copied to a host buffer of `pool`."""
+    def hold(self, layer: int, tensors, name: str | None = None) -> list[HeldTensor]:
+        """Block `layer`'s input ([t], from `pack`), or other tensors the block keeps for its
+        backward (`name`: theirs in the events; `take_back` returns them): kept on the device
+        for the last block (backward starts with it, so copying out would only make backward
+        wait), else copied to host buffers, to come back with the block input."""
+        group = [self.hold_one(layer, t, name, i) for i, t in enumerate(tensors)]
+        if not group[0].kept:
+            self.waiting.setdefault(layer, []).append(group)
+        record(self.stats, "keep" if group[0].kept else "offload", group[0])
+        return group
+
+    def hold_one(self, layer: int, t: torch.Tensor, name, i: int) -> HeldTensor:
+        held = HeldTensor(layer, name, t.numel() * t.element_size(), t.device)
         if layer == self.n_layers - 1:
-            return SavedBlockInput(layer, t.device, on_device=t, kept=True)
-        saved = SavedBlockInput(layer, t.device, pool=pool, host=self.host_buffers.take(pool, t))
+            held.on_device, held.kept = t, True
+            return held
+        held.pool = layer if name is None else (layer, name, i)
+        held.host = self.host_buffers.take(held.pool, t)
         t = t.contiguous()  # (block inputs are; a copy would be recorded below like t)
         if not t.is_cuda:
-            saved.host.copy_from(t)
-            return saved
+            held.host.copy_from(t)
+            return held
         stream = self.side_stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t must be computed first
         with torch.cuda.stream(stream):
-            saved.host.copy_from(t, non_blocking=True)
+            held.host.copy_from(t, non_blocking=True)
         # The compute stream runs on. When forward drops t, its memory must not be handed to
         # another tensor before the side stream has read it.
         t.record_stream(stream)
-        return saved
+        return held
 
     # --- backward: unpack, prefetch ---------------------------------------------------------
 
-    def unpack(self, saved):
-        if isinstance(saved, torch.Tensor):
-            return saved
-        if saved.on_device is None:
-            if saved.host is None:
-                raise RuntimeError(f"block {saved.layer}'s offloaded input was already used; a "
+    def unpack(self, held):
+        if isinstance(held, torch.Tensor):
+            return held
+        if held.on_device is None:
+            if held.host is None:
+                raise RuntimeError(f"block {held.layer}'s offloaded input was already used; a "
                                    f"second backward through the same graph is not supported")
-            self.waiting.pop(saved.layer, None)
-            self.copy_back(saved)  # nobody prefetched it: fetch it now
-            log(self.stats, "fetch", saved.layer)
-        x = self.hand_over(saved)  # now the recompute holds the only reference
-        # Backward runs the blocks in reverse: start bringing back the previous block's input,
-        # so its copy overlaps this block's recompute and backward (and its kept attention).
-        if self.keep_attention is not None:
-            self.keep_attention.prefetch(saved.layer - 1)
-        previous = self.waiting.pop(saved.layer - 1, None)
-        if previous is not None:
-            previous.prefetched = True
-            self.copy_back(previous)
-            log(self.stats, "prefetch", previous.layer)
-        if saved.kept:
-            log(self.stats, "use", saved.layer)
-        else:
-            self.stats["prefetched"] += saved.prefetched
-            log(self.stats, "use", saved.layer, "restored", x.numel() * x.element_size())
+            self.bring_back(held.layer, "fetch")  # nobody prefetched it: fetch it now
+        x = self.hand_over(held)  # now the recompute holds the only reference
+        # Backward runs the blocks in reverse: start bringing back the previous block's input
+        # (and what it keeps with it), so the copies overlap this block's recompute and backward.
+        self.bring_back(held.layer - 1, "prefetch")
+        record(self.stats, "use", held)
         return x
 
-    def copy_back(self, saved: SavedBlockInput) -> None:
-        """Start the copy from the host into a new device tensor, `saved.on_device`."""
-        host = saved.host
-        if saved.device.type != "cuda":
-            saved.on_device = torch.empty(host.shape, dtype=host.dtype)  # new, as on a GPU:
-            host.copy_into(saved.on_device)                               # the buffer is reused
+    def take_back(self, group: list[HeldTensor]) -> tuple:
+        """What `hold` held under a name, on the device (its block's recompute runs)."""
+        if group[0].host is not None:  # its block input is not back yet either
+            self.bring_back(group[0].layer, "fetch")
+        record(self.stats, "use", group[0])
+        return tuple(self.hand_over(held) for held in group)
+
+    def bring_back(self, layer: int, event: str) -> None:
+        """Start the copies back of everything block `layer` has waiting on the host."""
+        for group in self.waiting.pop(layer, []):
+            for held in group:
+                held.prefetched = event == "prefetch"
+                self.copy_back(held)
+            record(self.stats, event, group[0])
+
+    def copy_back(self, held: HeldTensor) -> None:
+        """Start the copy from the host into a new device tensor, `held.on_device`."""
+        host = held.host
+        if held.device.type != "cuda":
+            held.on_device = torch.empty(host.shape, dtype=host.dtype)  # new, as on a GPU:
+            host.copy_into(held.on_device)                               # the buffer is reused
         else:
-            compute = torch.cuda.current_stream(saved.device)
+            compute = torch.cuda.current_stream(held.device)
             # Allocated for the compute stream, which will use and free it. Its memory may have
             # been released by compute work still queued, so the side stream waits for that.
-            saved.on_device = torch.empty(host.shape, dtype=host.dtype, device=saved.device)
-            stream = self.side_stream(saved.device)
+            held.on_device = torch.empty(host.shape, dtype=host.dtype, device=held.device)
+            stream = self.side_stream(held.device)
             stream.wait_stream(compute)
             with torch.cuda.stream(stream):
-                host.copy_into(saved.on_device, non_blocking=True)
-                saved.copied_back = torch.cuda.Event()
-                saved.copied_back.record(stream)
+                host.copy_into(held.on_device, non_blocking=True)
+                held.copied_back = torch.cuda.Event()
+                held.copied_back.record(stream)
         # Every copy into or out of a host buffer is on the one side stream, in order: the next
         # step's copy out cannot overtake this copy back, so the buffer is free again now.
-        self.host_buffers.give_back(saved.pool, host)
-        saved.host = None
+        self.host_buffers.give_back(held.pool, host)
+        held.host = None
 
-    def hand_over(self, saved: SavedBlockInput) -> torch.Tensor:
+    def hand_over(self, held: HeldTensor) -> torch.Tensor:
         """The tensor on the device; the compute stream, not the host, waits for its copy back."""
-        if saved.copied_back is not None:
-            torch.cuda.current_stream(saved.device).wait_event(saved.copied_back)
-        t, saved.on_device = saved.on_device, None
+        if held.copied_back is not None:
+            torch.cuda.current_stream(held.device).wait_event(held.copied_back)
+        t, held.on_device = held.on_device, None
         return t
 
-    def let_go(self, saved: SavedBlockInput) -> None:
-        """A saved tensor whose backward never ran: its host buffer goes back to the pool."""
-        if saved.host is not None:
-            self.host_buffers.give_back(saved.pool, saved.host)
-            saved.host = None
+    def let_go(self, held: HeldTensor) -> None:
+        """A held tensor whose backward never ran: its host buffer goes back to the pool."""
+        if held.host is not None:
+            self.host_buffers.give_back(held.pool, held.host)
+            held.host = None
 
     def side_stream(self, device: torch.device):
         if self.stream is None:
@@ -243,34 +232,27 @@ class BlockInputOffloader:
 
 
 def is_block_input(t: torch.Tensor, x_ref: weakref.ref) -> bool:
-    # Recent torch hands the hook the tensor itself; older versions may hand a new Python
-    # object over the same memory.
+    # The hook may be handed x itself or another Python object over the same memory.
     x = x_ref()
     return x is not None and (t is x or (t.data_ptr() == x.data_ptr() and t.shape == x.shape
                                          and t.dtype == x.dtype))
 
 
-def apply_checkpointing(model, offload: bool = False, keep_attention=None) -> None:
+def apply_checkpointing(model, offload: bool = False) -> None:
     """Recompute every block in backward from its saved input; with offload, that input waits
     in host memory between forward and backward (all blocks but the last).
 
-    keep_attention: None, or --keep-attention's object (support/keep_attention.KeptAttention(),
-    built by the caller): this runs its `in_block(layer, recomputing)` around each block's
-    forward and recompute, hands it the offloader (`.offloader`) and asks its `prefetch(layer)`
-    in backward. Runs on the meta-device model before FSDP: only the blocks' forward functions
-    are replaced (instance attributes, so parameter names are unchanged) and no parameter is
-    captured. The offloader is `model.checkpoint_offload` (None without offload), the
-    keep-attention object `model.kept_attention`.
+    Runs on the meta-device model before FSDP: only the blocks' forward functions are replaced
+    (instance attributes, so parameter names are unchanged) and no parameter is captured. The
+    offloader is `model.checkpoint_offload` (None without offload).
     """
     check_model(model)
-    offloader = BlockInputOffloader(len(model.layers), keep_attention) if offload else None
-    if keep_attention is not None:
-        keep_attention.offloader = offloader  # its kept tensors travel with the block inputs
-    model.checkpoint_offload, model.kept_attention = offloader, keep_attention
+    offloader = BlockInputOffloader(len(model.layers)) if offload else None
+    model.checkpoint_offload = offloader
     for layer, block in enumerate(model.layers):
-        # block.forward is read now: the model's own, or a technique applied before this one.
-        contexts = partial(block_contexts, layer, keep_attention)
-        block.forward = partial(checkpointed_forward, block.forward, layer, offloader, contexts)
+        # block.forward is read now: the model's own, or what a technique applied before this
+        # one made of it (it runs inside the checkpoint: in the forward and in the recompute).
+        block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
 
 
 # ---- below: checks, demo -------------------------------------------------------------------------
@@ -287,16 +269,23 @@ def check_model(model) -> None:
 # moved to the host and brought back, how many came back through a prefetch, and the order of
 # events ("offload 0", ..., "keep 3", "prefetch 2", "use 3", ...). Tests and bench.offload read it.
 
-def new_stats() -> dict:
+def new_step_record() -> dict:
     return {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "kept_bytes": 0,
             "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": []}
 
 
-def log(stats: dict, event: str, layer: int, counter: str | None = None, nbytes: int = 0) -> None:
-    stats["events"].append(f"{event} {layer}")
-    if counter is not None:
-        stats[counter] += 1
-        stats[f"{counter}_bytes"] += nbytes
+COUNTED = {"offload": "offloaded", "keep": "kept", "use": "restored"}  # a block input's moves
+
+
+def record(stats: dict, event: str, held) -> None:
+    """Append "event layer" (or "event name layer" for tensors kept with the input) to the step's
+    events; a block input's offload, keep and use from the host also count, with their bytes."""
+    stats["events"].append(f"{event} {held.layer}" if held.name is None
+                           else f"{event} {held.name} {held.layer}")
+    if held.name is None and event in COUNTED and not (event == "use" and held.kept):
+        stats[COUNTED[event]] += 1
+        stats[f"{COUNTED[event]}_bytes"] += held.nbytes
+        stats["prefetched"] += event == "use" and held.prefetched
 
 
 # Demo: memory vs number of layers, without checkpointing, with it, with offload.

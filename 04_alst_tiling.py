@@ -37,9 +37,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from model import IGNORE_INDEX, rms_norm, token_scores
-
-checkpointing = importlib.import_module("03_checkpoint_offload")  # is_recomputing
+from model import IGNORE_INDEX, rms_norm
+from support import checkpointed  # is_recomputing: 03 marks its recompute
 
 GiB = 2**30
 MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits
@@ -82,8 +81,9 @@ class TiledMLP(torch.autograd.Function):
 
 
 def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
-    """Consecutive slices of `tile_tokens` tokens; the last one is shorter when they don't divide."""
-    return [slice(start, min(start + tile_tokens, n_tokens)) for start in range(0, n_tokens, tile_tokens)]
+    """Consecutive slices of `tile_tokens` tokens; the last is shorter when they don't divide."""
+    return [slice(start, min(start + tile_tokens, n_tokens))
+            for start in range(0, n_tokens, tile_tokens)]
 
 
 # The same loop made general: token arguments (labels), per-tile sums (the loss), the recompute
@@ -114,7 +114,7 @@ class SequenceTiledRecompute(torch.autograd.Function):
         ctx.tiling = tiling
         # Only the input, labels and weights: nothing per tile survives the forward.
         ctx.save_for_backward(x, *tensors)
-        if tiling.skip_in_recompute and checkpointing.is_recomputing():
+        if tiling.skip_in_recompute and checkpointed.is_recomputing():
             # In 03's recompute the block is rerun only to rebuild what its ops save; this output
             # (same shape as x) feeds nothing but the residual add that ends the block, and our
             # backward recomputes every tile anyway: computing it here would be a third forward.
@@ -138,7 +138,8 @@ class SequenceTiledRecompute(torch.autograd.Function):
         _, x_needs_grad, *tensors_need_grad = ctx.needs_input_grad
         weight_needs_grad = tensors_need_grad[tiling.n_token_args:]
         # Fresh leaves, so each tile's graph ends here and autograd.grad returns the pieces.
-        weight_leaves = [w.detach().requires_grad_(need) for w, need in zip(weights, weight_needs_grad)]
+        weight_leaves = [w.detach().requires_grad_(need)
+                         for w, need in zip(weights, weight_needs_grad)]
         wanted_weights = [w for w in weight_leaves if w.requires_grad]
         grad_x = torch.empty_like(x) if x_needs_grad else None
         # Weight gradients are added up in fp32: in bf16 every one of a hundred additions
@@ -152,7 +153,8 @@ class SequenceTiledRecompute(torch.autograd.Function):
             with torch.enable_grad():
                 piece = tiling.fn(x_tile, *(t[tile] for t in token_args), *weight_leaves)
             wanted = ([x_tile] if x_needs_grad else []) + wanted_weights
-            grads = list(torch.autograd.grad(piece, wanted, grad_out if tiling.sum_tiles else grad_out[tile]))
+            grad_piece = grad_out if tiling.sum_tiles else grad_out[tile]
+            grads = list(torch.autograd.grad(piece, wanted, grad_piece))
             if x_needs_grad:
                 grad_x[tile] = grads.pop(0)
             for i, grad in enumerate(grads):
@@ -217,23 +219,12 @@ def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: in
     return tiled_over_tokens(loss_fn, tokens, (flat_labels,), weights, tile, sum_tiles=True)
 
 
-def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: int | None = None):
-    """model.Transformer.token_scores (evaluation: each token's loss and greedy prediction),
-    `tile_tokens` tokens at a time: the same tiles as the loss, one output row of 2 per token.
-    Under torch.no_grad (eval.py) the Function only runs its forward loop: no recompute."""
-    tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
-    tile = loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
-    scores = tiled_over_tokens(partial(token_scores, eps=model.norm.eps), tokens, (flat_labels,),
-                               weights, tile, sum_tiles=False)
-    return scores.view(*labels.shape, 2)
-
-
 def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
                  mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None,
                  tile_norm: bool = False) -> None:
     """Replace every block's MLP forward, its two RMSNorms' forwards and/or the model's
-    loss_sum (and token_scores, evaluation's per-token sibling) with their tiled versions (norm tiles are as long as MLP tiles).
+    loss_sum with their tiled versions (norm tiles are as long as MLP tiles; eval.py tiles the
+    loss's per-token sibling, token_scores, the same way).
 
     Only forward functions are replaced (on the instances; parameter names are unchanged) and
     no parameter is captured, so this works on the meta device before checkpointing and FSDP.
@@ -246,7 +237,6 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
             block.mlp.forward = partial(tiled_mlp_forward, block.mlp, tile_tokens=mlp_tile_tokens)
     if tile_loss:
         model.loss_sum = partial(tiled_loss_sum, model, tile_tokens=loss_tile_tokens)
-        model.token_scores = partial(tiled_token_scores, model, tile_tokens=loss_tile_tokens)
     if tile_norm:
         for block in model.layers:
             for norm in (block.input_layernorm, block.post_attention_layernorm):
@@ -258,8 +248,8 @@ def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
 # Tile sizes, from shapes only (so every rank cuts the same number of tiles).
 
 def check_tile_tokens(name: str, tile_tokens) -> None:
-    if tile_tokens is not None and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int)
-                                    or tile_tokens < 1):
+    if tile_tokens is not None and (isinstance(tile_tokens, bool)
+                                    or not isinstance(tile_tokens, int) or tile_tokens < 1):
         raise ValueError(f"{name} must be a positive whole number of tokens, got {tile_tokens!r}")
 
 
@@ -283,7 +273,8 @@ def mlp_tile_size(dim: int, n_tokens: int, tile_tokens: int | None = None) -> in
 def loss_tile_size(vocab_size: int, n_tokens: int, tile_tokens: int | None = None) -> int:
     """Tokens per loss tile: `tile_tokens` if set, else so that a tile's fp32 logits are at most
     1 GiB (2,092 tokens for a 128,256-entry vocabulary)."""
-    return tile_tokens or even_tile_tokens(n_tokens, max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size)))
+    max_tile_tokens = max(1, MAX_LOSS_TILE_LOGIT_BYTES // (4 * vocab_size))
+    return tile_tokens or even_tile_tokens(n_tokens, max_tile_tokens)
 
 
 # Demo: one MLP and the loss at a long length, untiled vs tiled.

@@ -98,12 +98,11 @@ class StageLayout:
     head_chunk: int   # U: the query heads of one stage, over all ranks
     head_dim: int
     eps: float        # QK-norm's epsilon (unused without QK-norm)
-    cu_seqlens: tuple | None = None  # packed documents' global boundaries: every stage holds
-                                     # all tokens of its heads, so they apply unchanged
-    # A stage's attention, forward -> (out, lse) and backward from them: None for the kernel
-    # over all tokens, or 06's ring over this rank's share of them (Ulysses x ring).
-    attention_forward: Callable | None = None
-    attention_backward: Callable | None = None
+    cu_seqlens: tuple | None  # packed documents' global boundaries: every stage holds all
+                              # tokens of its heads, so they apply unchanged
+    # A stage's attention: (forward -> (out, lse), backward from them), the kernel's over all
+    # tokens, or 06's ring over this rank's share of them (Ulysses x ring).
+    attention: tuple[Callable, Callable]
 
     def to_heads(self, t):  # (B, S/P, U, D) -> (B, S, U/P, D): all tokens, this rank's heads
         return _exchange(t, self.group, self.sp, ulysses.TO_HEADS)
@@ -124,26 +123,23 @@ class UntiedUlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
-        block = keep_attention.current_block()  # inside 03's checkpoint with --keep-attention
-        if block is not None and block.recomputing:  # the block's recompute: no stage runs
-            out, *lses = block.take()
-        else:
-            out, lses = UntiedUlyssesAttention.stages(layout, x, cos, sin, wq, wk, wv, q_norm, k_norm)
-            if block is not None:
-                block.keep((out, *lses))
+        # (--keep-attention: kept through 03's checkpoint, no stage reruns in its recompute)
+        out, *lses = keep_attention.forward_or_kept(UntiedUlyssesAttention.stages, layout, x,
+                                                    cos, sin, wq, wk, wv, q_norm, k_norm)
         ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
         ctx.layout = layout
         return out
 
     @staticmethod
     def stages(layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
-        """The forward's work: (output, every stage's log-sum-exp)."""
-        head_dim, eps, rope = layout.head_dim, layout.eps, (cos, sin)
+        """The forward's work: (output, *every stage's log-sum-exp)."""
+        head_dim, eps, rope, sp = layout.head_dim, layout.eps, (cos, sin), layout.sp
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
         out = x.new_empty(*x.shape[:2], n_heads * head_dim)  # the one output buffer
         out_blocks = layout.head_blocks(out)
+        attention_forward, _ = layout.attention
         lses = []
-        for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, layout.sp, layout.head_chunk)):
+        for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, sp, layout.head_chunk)):
             k = v = None  # free the previous group's K/V before making the next
             k = layout.to_heads(projected_heads(x, layout.rows(wk, n_kv_heads, kv_heads), head_dim,
                                                 k_norm, eps, rope))
@@ -151,14 +147,13 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             for heads in stages:
                 q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
                                                     q_norm, eps, rope))  # (B, S, U/P, D)
-                attend = layout.attention_forward or kernels.attention_forward_lse
-                stage_out, lse = attend(q, k, v, cu_seqlens=layout.cu_seqlens)
+                stage_out, lse = attention_forward(q, k, v, cu_seqlens=layout.cu_seqlens)
                 del q
                 lses.append(lse)
                 # back to this rank's tokens, into this stage's heads of every rank's block
-                out_blocks[:, :, :, heads] = layout.to_tokens(stage_out).unflatten(2, (layout.sp, -1))
+                out_blocks[:, :, :, heads] = layout.to_tokens(stage_out).unflatten(2, (sp, -1))
                 del stage_out
-        return out, lses
+        return (out, *lses)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -176,7 +171,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
 
         for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, sp, layout.head_chunk)):
             # The KV group's K and V, recomputed once for all its stages.
-            wk_rows, wv_rows = layout.rows(wk, n_kv_heads, kv_heads), layout.rows(wv, n_kv_heads, kv_heads)
+            wk_rows = layout.rows(wk, n_kv_heads, kv_heads)
+            wv_rows = layout.rows(wv, n_kv_heads, kv_heads)
             k = layout.to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
             v = layout.to_heads(project(x, wv_rows, head_dim))
             grad_k = grad_v = None
@@ -215,8 +211,8 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
     q = layout.to_heads(projected_heads(x, wq_rows, layout.head_dim, q_norm, layout.eps, rope))
     stage_out = layout.to_heads(stage_out.flatten(2, 3))
     grad_stage_out = layout.to_heads(grad_stage_out.flatten(2, 3))
-    attend_backward = layout.attention_backward or kernels.attention_backward_lse
-    return attend_backward(grad_stage_out, q, k, v, stage_out, lse, cu_seqlens=layout.cu_seqlens)
+    _, attention_backward = layout.attention
+    return attention_backward(grad_stage_out, q, k, v, stage_out, lse, cu_seqlens=layout.cu_seqlens)
 
 
 # The projections of one stage's heads, and their backward.
@@ -310,9 +306,10 @@ def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None, attention=(
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
     eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
-    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps, cu_seqlens, *attention)
-    return UntiedUlyssesAttention.apply(layout, x, cos, sin, attn.q_proj.weight, attn.k_proj.weight,
-                                        attn.v_proj.weight, q_norm, k_norm)
+    attention = attention or (kernels.attention_forward_lse, kernels.attention_backward_lse)
+    layout = StageLayout(group, sp, head_chunk, attn.head_dim, eps, cu_seqlens, attention)
+    return UntiedUlyssesAttention.apply(layout, x, cos, sin, attn.q_proj.weight,
+                                        attn.k_proj.weight, attn.v_proj.weight, q_norm, k_norm)
 
 
 def apply_untied_ulysses(model, group, head_chunk: int | None = None, attention=()) -> None:
@@ -345,8 +342,8 @@ def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | N
                          f"multiple of the sequence-parallel degree ({sp}): every stage gives "
                          f"each rank U/{sp} query heads (try U = {sp})")
     if n_heads % head_chunk:
-        raise ValueError(f"Untied Ulysses needs the head chunk U ({head_chunk}) to divide the query "
-                         f"heads ({n_heads}) so the stages cover every head once")
+        raise ValueError(f"Untied Ulysses needs the head chunk U ({head_chunk}) to divide the "
+                         f"query heads ({n_heads}) so the stages cover every head once")
     group_size = n_heads // n_kv_heads  # query heads per KV head (G)
     heads_per_rank_per_stage = head_chunk // sp
     if (n_kv_heads >= sp and group_size % heads_per_rank_per_stage

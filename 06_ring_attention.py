@@ -182,29 +182,30 @@ def zigzag_order(seq_len: int, ring: int) -> torch.Tensor:
 def block_pairs(shape, rank, owner, ring, cu_seqlens=None) -> list:
     """What meets in one step: (batch rows, query positions, key positions, causal) in the local
     tensors of this rank (queries) and of `owner` (keys), shape (B, 2C, ...). Query chunk a meets
-    key chunk b fully if b < a, causally if b == a, not at all if b > a (keys after queries).
-    Packed documents: per document, its part of chunk a against its part of chunk b only."""
+    key chunk b fully if b < a, causally if b == a, not at all if b > a (keys after queries),
+    and only within a span of the sequence: the whole rows, or each packed document."""
     batch, chunk = shape[0], shape[1] // 2
-    spans = None if cu_seqlens is None else kernels.document_spans(cu_seqlens, batch, 2 * ring * chunk)
+    seq_len = 2 * ring * chunk
+    spans = ([(slice(None), 0, seq_len)] if cu_seqlens is None else  # (rows, start, end)
+             [(slice(r, r + 1), start, end)
+              for r, start, end in kernels.document_spans(cu_seqlens, batch, seq_len)])
     pairs = []
     for q_slot, a in enumerate(zigzag_chunks(rank, ring)):
         for k_slot, b in enumerate(zigzag_chunks(owner, ring)):
-            if b > a:
-                continue
-            if spans is None:
-                pairs.append((slice(None), slice(q_slot * chunk, (q_slot + 1) * chunk),
-                              slice(k_slot * chunk, (k_slot + 1) * chunk), b == a))
-                continue
-            for row, start, end in spans:  # positions within the row, original order
-                q_start, q_end = max(start, a * chunk), min(end, (a + 1) * chunk)
-                k_start, k_end = max(start, b * chunk), min(end, (b + 1) * chunk)
-                if q_start < q_end and k_start < k_end:  # the document is in both chunks
-                    to_local = lambda pos, slot, c: pos - c * chunk + slot * chunk
-                    pairs.append((slice(row, row + 1),
-                                  slice(to_local(q_start, q_slot, a), to_local(q_end, q_slot, a)),
-                                  slice(to_local(k_start, k_slot, b), to_local(k_end, k_slot, b)),
-                                  b == a))
+            for rows, start, end in spans if b <= a else ():
+                queries = local_part(start, end, a, q_slot, chunk)
+                keys = local_part(start, end, b, k_slot, chunk)
+                if queries.start < queries.stop and keys.start < keys.stop:  # span in both
+                    pairs.append((rows, queries, keys, b == a))
     return pairs
+
+
+def local_part(start: int, end: int, chunk_index: int, slot: int, chunk: int) -> slice:
+    """Positions [start, end) of the original order that fall into chunk `chunk_index`, as
+    positions of the local tensor that holds that chunk in `slot` (0 or 1)."""
+    first = chunk_index * chunk
+    return slice(max(start, first) - first + slot * chunk,
+                 min(end, first + chunk) - first + slot * chunk)
 
 
 def piece_kernel(queries: slice, keys: slice) -> str | None:
@@ -217,13 +218,9 @@ def piece_kernel(queries: slice, keys: slice) -> str | None:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, cu_seqlens):
-        block = keep_attention.current_block()  # inside 03's checkpoint with --keep-attention
-        if block is not None and block.recomputing:  # the block's recompute: no ring runs
-            out, lse = block.take()
-        else:
-            out, lse = ring_attention_forward(q, k, v, group, cu_seqlens)
-            if block is not None:
-                block.keep((out, lse))
+        # (--keep-attention: kept through 03's checkpoint, no ring reruns in its recompute)
+        out, lse = keep_attention.forward_or_kept(ring_attention_forward, q, k, v, group,
+                                                  cu_seqlens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.cu_seqlens = group, cu_seqlens
         return out

@@ -67,6 +67,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,6 +78,7 @@ import train
 from support import config, saved_state
 from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
+from support.lessons import tiling
 from support.runtime import setup_runtime
 
 ulysses = importlib.import_module("02_ulysses")  # shard_sequence: each rank's positions
@@ -100,9 +102,31 @@ def build(cfg: Config):
     # the fewest stages whose forward fits (a forward needs less than a training step)
     cfg.head_chunk = train.choose_head_chunk(cfg, rt, forward_only=True)
     model = train.build_model(cfg, rt)
+    if cfg.tile_loss:
+        tile_token_scores(model, cfg.loss_tile_tokens)
     meta = saved_state.load_model_state(cfg.save_dir, model) if cfg.save_dir else None
     model.eval()
     return rt, model, meta
+
+
+def tile_token_scores(model, tile_tokens: int | None = None) -> None:
+    """The model's token_scores seam (each token's loss and greedy prediction), tiled like 04's
+    loss (--tile-loss): `tile_tokens` tokens at a time, the loss's tiles by default, so seq x
+    vocab logits never exist."""
+    model.token_scores = partial(tiled_token_scores, model, tile_tokens=tile_tokens)
+
+
+def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor,
+                       tile_tokens: int | None = None) -> torch.Tensor:
+    """model.Transformer.token_scores, `tile_tokens` tokens at a time: the same tiles as 04's
+    loss, one output row of 2 per token. Under torch.no_grad 04's Function only runs its forward
+    loop: no recompute."""
+    tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
+    tile = tiling.loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
+    scores = tiling.tiled_over_tokens(partial(llama.token_scores, eps=model.norm.eps), tokens,
+                                      (flat_labels,), weights, tile, sum_tiles=False)
+    return scores.view(*labels.shape, 2)
 
 
 @torch.no_grad()

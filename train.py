@@ -92,8 +92,8 @@ def build_model(cfg: Config, rt: Runtime):
                                 mlp_tile_tokens=cfg.mlp_tile_tokens,
                                 loss_tile_tokens=cfg.loss_tile_tokens, tile_norm=cfg.tile_norm)
         if cfg.checkpoint:
-            kept = keep_attention.KeptAttention() if cfg.keep_attention else None
-            checkpointing.apply_checkpointing(model, offload=cfg.offload, keep_attention=kept)
+            keep_attention.apply_keep_attention(model, cfg.keep_attention)  # before: 03 wraps it
+            checkpointing.apply_checkpointing(model, offload=cfg.offload)
 
     mesh = rt.fsdp_mesh if cfg.fsdp else None  # 01's apply_fsdp shards over it (support/build.py)
     if cfg.init_from:

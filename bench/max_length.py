@@ -116,6 +116,8 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
             missing = {"parameters": missing["parameters"]} if missing else {}
         ballast = allocate_ballast(missing, rt.device, on_host)
         model = train.build_model(cfg, rt)
+        if forward_only and cfg.tile_loss:  # as eval.py builds it
+            evaluate.tile_token_scores(model, cfg.loss_tile_tokens)
         tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
         if forward_only:
             model.eval()

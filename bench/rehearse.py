@@ -83,9 +83,9 @@ import model as llama
 import plan as planner
 from bench import max_length
 from bench.report import release, synchronize, write_result
-from support import kernels
+from support import checkpointed, kernels
 from support.data import parse_tokens
-from support.lessons import checkpointing, ulysses_sp
+from support.lessons import ulysses_sp
 from support.runtime import check_layout
 
 train = importlib.import_module("train")
@@ -291,7 +291,7 @@ def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
 
         def forward_hook(_module, _inputs, output):
             if (torch.is_tensor(output) and output.requires_grad
-                    and not checkpointing.is_recomputing()):
+                    and not checkpointed.is_recomputing()):
                 output.register_hook(arrived)
         return forward_hook
 

@@ -174,6 +174,7 @@ def test_tiled_scores_equal_untiled_and_keep_no_graph():
         untiled = model(tokens[:, :-1], positions, labels, per_token=True)
         tiling.apply_tiling(model, tile_mlp=True, tile_loss=True, mlp_tile_tokens=6,
                             loss_tile_tokens=9, tile_norm=True)
+        evaluate.tile_token_scores(model, 9)
         tiled = model(tokens[:, :-1], positions, labels, per_token=True)
     assert tiled.shape == (2, 40, 2) and not tiled.requires_grad
     torch.testing.assert_close(tiled, untiled, rtol=1e-5, atol=1e-5)
@@ -278,6 +279,7 @@ def test_per_token_loss_equals_transformers(tmp_path):
     for tiled in (False, True):
         if tiled:
             tiling.apply_tiling(ours, loss_tile_tokens=10, mlp_tile_tokens=16, tile_norm=True)
+            evaluate.tile_token_scores(ours, 10)
         scores, labels, positions = evaluate.token_scores(ours, tokens, train.Runtime())
         torch.testing.assert_close(scores[..., 0], expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(scores[..., 1].long(), logits.argmax(-1))
