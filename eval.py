@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 import model as llama
 import train
-from support import config, saved_state
+from support import choices, config, saved_state
 from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
 from support.runtime import setup_runtime
@@ -98,7 +98,7 @@ def build(cfg: Config):
     """(runtime, model, saved state's meta or None) for evaluation."""
     rt = setup_runtime(cfg)
     # the fewest stages whose forward fits (a forward needs less than a training step)
-    cfg.head_chunk = train.choose_head_chunk(cfg, rt, forward_only=True)
+    cfg.head_chunk = choices.choose_head_chunk(cfg, rt, forward_only=True)
     model = train.build_model(cfg, rt)
     meta = saved_state.load_model_state(cfg.save_dir, model) if cfg.save_dir else None
     model.eval()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-import model as llama
+from model import PRESETS, ROPE_SCALINGS, ModelArgs, get_model_args, num_params
 from support import kernels, pretrained
 from support.data import parse_tokens
 
@@ -94,7 +94,7 @@ def add_model_flags(parser):
     group = parser.add_argument_group("model")
     # default None: --model given with --init-from is refused (the folder names the model)
     group.add_argument("--model", default=None,
-                       help=f"preset: {', '.join(llama.PRESETS)} (default: {DEFAULTS.model})")
+                       help=f"preset: {', '.join(PRESETS)} (default: {DEFAULTS.model})")
     group.add_argument("--init-from", default=None, metavar="DIR",
                        help="start from a Hugging Face Llama/Qwen3 folder (config.json + "
                             "safetensors); it names the model, so no --model")
@@ -103,7 +103,7 @@ def add_model_flags(parser):
 def add_rotary_flags(parser):
     group = parser.add_argument_group("rotary positions (context extension changes these, not the weights)")
     group.add_argument("--rope-theta", type=float, default=None, help="rotary base (context extension)")
-    group.add_argument("--rope-scaling", choices=llama.ROPE_SCALINGS, default=None,
+    group.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
                        help="rotary scaling, with Hugging Face's meaning (default: the model's)")
     group.add_argument("--rope-factor", type=float, default=None, help="llama3/yarn: stretch factor")
     group.add_argument("--rope-original-context", type=int, default=None,
@@ -336,15 +336,15 @@ def default_lr(cfg: Config) -> float:
     training starts from pretrained weights."""
     if cfg.init_from:
         return INIT_FROM_LR
-    n_params = llama.num_params(model_args(cfg))
+    n_params = num_params(model_args(cfg))
     return next(lr for limit, lr in DEFAULT_LRS if n_params < limit)
 
 
-def model_args(cfg: Config) -> llama.ModelArgs:
+def model_args(cfg: Config) -> ModelArgs:
     """The model's shape: --init-from's config.json, else the --model preset; with the rotary
     settings of the --rope-* flags (context extension changes these, not the weights)."""
     args = (pretrained.model_args_from_hf(cfg.init_from) if cfg.init_from
-            else llama.get_model_args(cfg.model))
+            else get_model_args(cfg.model))
     rope = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
             "rope_factor": cfg.rope_factor, "rope_original_context": cfg.rope_original_context}
     return replace(args, **{k: v for k, v in rope.items() if v is not None})
