@@ -222,7 +222,8 @@ def test_host_memory_is_checked_before_a_gpu_run_builds_anything():
     kept = replace(cfg, keep_attention=True)
     error = host_memory.host_memory_error(kept, 2, 2, 251 * GiB)
     assert "499.9 GiB" in error and "251.0 GiB available" in error and "--keep-attention" in error
-    assert host_memory.host_memory_error(replace(cfg, offload=False), 2, 2, 1) is None  # nothing offloaded
+    nothing_offloaded = replace(cfg, offload=False)
+    assert host_memory.host_memory_error(nothing_offloaded, 2, 2, 1) is None
     assert host_memory.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
 
 

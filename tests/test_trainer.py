@@ -96,8 +96,10 @@ def test_an_error_every_rank_meets_is_printed_once_under_torchrun(bad):
 
 
 @pytest.mark.parametrize("rank,error,printed", [
-    ("1", errors.StepOutOfMemory("out of GPU memory in the forward"), "[rank 1] error: out of GPU memory"),
-    ("0", errors.StepOutOfMemory("out of GPU memory in the forward"), "[rank 0] error: out of GPU memory"),
+    ("1", errors.StepOutOfMemory("out of GPU memory in the forward"),
+     "[rank 1] error: out of GPU memory"),
+    ("0", errors.StepOutOfMemory("out of GPU memory in the forward"),
+     "[rank 0] error: out of GPU memory"),
     ("1", ValueError("bad flag"), ""),
     ("0", ValueError("bad flag"), "error: bad flag"),
 ])
@@ -321,8 +323,9 @@ def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     parse = lambda *flags: train.parse_args(["--stack", "3", *flags]).keep_attention  # noqa: E731
     assert (parse(), parse("--keep-attention"), parse("--no-keep-attention")) == (None, True, False)
     cpu = Runtime()
-    assert choices.choose_keep_attention(replace(llama_8b(2**17), keep_attention=None), cpu) is False
-    assert choices.choose_keep_attention(replace(llama_8b(2**17), keep_attention=True), cpu) is True
+    undecided, given = (replace(llama_8b(2**17), keep_attention=k) for k in (None, True))
+    assert choices.choose_keep_attention(undecided, cpu) is False
+    assert choices.choose_keep_attention(given, cpu) is True
     run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1",
                                         "--device", "cpu"]))
     assert run.model.kept_attention is None  # off on the CPU
