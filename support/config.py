@@ -48,7 +48,7 @@ class Config:
     fsdp: bool = False
     ulysses: bool = False
     sp: int | None = None  # sequence-parallel degree; default: all ranks
-    ring: int | None = None  # 06: ring degree R (Ulysses P/R x ring R); default: runtime.ring_degree
+    ring: int | None = None  # 06: ring degree R (Ulysses P/R x ring R); default: ring_degree
     checkpoint: bool = False
     offload: bool = False
     keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
