@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 import model as llama
 import train
-from support import config, saved_state
+from support import choices, config, saved_state
 from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
 from support.lessons import tiling
@@ -100,7 +100,7 @@ def build(cfg: Config):
     """(runtime, model, saved state's meta or None) for evaluation."""
     rt = setup_runtime(cfg)
     # the fewest stages whose forward fits (a forward needs less than a training step)
-    cfg.head_chunk = train.choose_head_chunk(cfg, rt, forward_only=True)
+    cfg.head_chunk = choices.choose_head_chunk(cfg, rt, forward_only=True)
     model = train.build_model(cfg, rt)
     if cfg.tile_loss:
         tile_token_scores(model, cfg.loss_tile_tokens)

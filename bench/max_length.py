@@ -57,6 +57,7 @@ from bench.report import (end_distributed, refuse_without_gpu, release, synchron
 from bench.step import with_layers
 from bench.throughput import method_config
 from support.data import parse_tokens
+from support.progress import attention_kernel
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
@@ -241,7 +242,7 @@ def main():
               "attention_kernel": {}}
     for method in opts.methods:  # the kernel each method's ranks run, for the record
         cfg = method_config(base, method, opts.model, 1024)
-        result["attention_kernel"][method] = train.attention_kernel(
+        result["attention_kernel"][method] = attention_kernel(
             cfg, train.setup_runtime(cfg), llama.get_model_args(opts.model))
     name = (f"max_length_{opts.model}_{rt.world}gpu"
             + ("_offload_model_state" if opts.offload_model_state else "")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import model as llama
-from support import pretrained
+from support import choices, pretrained, progress
 from bench.report import default_out_dir, end_distributed, refuse_without_gpu, write_result
 from support.data import parse_tokens
 
@@ -108,7 +108,7 @@ def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir
     rt = train.setup_runtime(cfg)
     args = train.model_args(cfg)
     cuda = rt.device.type == "cuda"
-    cfg.head_chunk = train.choose_head_chunk(cfg, rt)
+    cfg.head_chunk = choices.choose_head_chunk(cfg, rt)
     host_before = host_peak_gib()
     start = time.perf_counter()
     model = train.build_model(cfg, rt)
@@ -152,7 +152,7 @@ def run(folder: str, export_dir: str, train_argv: list[str], short: int, out_dir
                   "parameters": llama.num_params(args),
                   "train_args": train_argv, "config": dataclasses.asdict(cfg), "dp": rt.dp,
                   "sp": rt.sp, "head_chunk": cfg.head_chunk,
-                  "attention_kernel": train.attention_kernel(cfg, rt, args),
+                  "attention_kernel": progress.attention_kernel(cfg, rt, args),
                   "load_s": load_s, "step_s": step_s, "export_s": export_s,
                   "first_step_loss": metrics["loss"], "seq_len": cfg.seq_len,
                   "short_tokens": short, "short_loss_before_step": before,

@@ -25,7 +25,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from support import kernels
+from support import errors, kernels
 import model as llama
 
 train = importlib.import_module("train")
@@ -73,9 +73,9 @@ def ring_forward_backward(model, tokens: torch.Tensor, rt, cp_mesh, labels=None)
     buffers = [input_ids, positions, labels]
     with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                           no_restore_buffers=set(buffers)):
-        with train.out_of_memory_names("forward"):
+        with errors.out_of_memory_names("forward"):
             loss = model(input_ids, positions, labels) / n_tokens
-        with train.out_of_memory_names("backward"):
+        with errors.out_of_memory_names("backward"):
             loss.backward()
     loss = loss.detach()
     dist.all_reduce(loss)  # every rank's share of the mean, added up

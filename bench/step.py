@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from support import kernels
+from support import choices, kernels
 import model as llama
 from bench import snapshot
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
@@ -61,7 +61,7 @@ def main():
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
-    cfg.head_chunk = train.choose_head_chunk(cfg, rt)  # as train.py does
+    cfg.head_chunk = choices.choose_head_chunk(cfg, rt)  # as train.py does
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-import model as llama
+from model import PRESETS, ROPE_SCALINGS, ModelArgs, get_model_args, num_params
 from support import kernels, pretrained
 from support.data import parse_tokens
 
@@ -48,11 +48,11 @@ class Config:
     fsdp: bool = False
     ulysses: bool = False
     sp: int | None = None  # sequence-parallel degree; default: all ranks
-    ring: int | None = None  # 06: ring degree R (Ulysses P/R x ring R); default: the smallest that works
+    ring: int | None = None  # 06: ring degree R (Ulysses P/R x ring R); default: ring_degree
     checkpoint: bool = False
     offload: bool = False
     keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
-    # None: train.py decides on a GPU, from the plan (off on the CPU)
+    # None: decided on a GPU, from the plan (support/choices.py; off on the CPU)
     tile_mlp: bool = False
     tile_loss: bool = False
     tile_norm: bool = False
@@ -75,7 +75,8 @@ class Config:
     rope_original_context: int | None = None
 
 
-DEFAULTS = Config(device="cpu")  # the flags' defaults; --device's is Config().device, found when parsing
+# The flags' defaults; --device's is Config().device, found when parsing.
+DEFAULTS = Config(device="cpu")
 
 # --lr's default by model size: the step that trains the tiny model fast diverged Llama-3-8B
 # at its second step. (fewer parameters than, lr); from a pretrained --init-from folder
@@ -94,25 +95,29 @@ def add_model_flags(parser):
     group = parser.add_argument_group("model")
     # default None: --model given with --init-from is refused (the folder names the model)
     group.add_argument("--model", default=None,
-                       help=f"preset: {', '.join(llama.PRESETS)} (default: {DEFAULTS.model})")
+                       help=f"preset: {', '.join(PRESETS)} (default: {DEFAULTS.model})")
     group.add_argument("--init-from", default=None, metavar="DIR",
                        help="start from a Hugging Face Llama/Qwen3 folder (config.json + "
                             "safetensors); it names the model, so no --model")
 
 
 def add_rotary_flags(parser):
-    group = parser.add_argument_group("rotary positions (context extension changes these, not the weights)")
-    group.add_argument("--rope-theta", type=float, default=None, help="rotary base (context extension)")
-    group.add_argument("--rope-scaling", choices=llama.ROPE_SCALINGS, default=None,
+    group = parser.add_argument_group(
+        "rotary positions (context extension changes these, not the weights)")
+    group.add_argument("--rope-theta", type=float, default=None,
+                       help="rotary base (context extension)")
+    group.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
                        help="rotary scaling, with Hugging Face's meaning (default: the model's)")
-    group.add_argument("--rope-factor", type=float, default=None, help="llama3/yarn: stretch factor")
+    group.add_argument("--rope-factor", type=float, default=None,
+                       help="llama3/yarn: stretch factor")
     group.add_argument("--rope-original-context", type=int, default=None,
                        help="llama3/yarn: the context length the model was pretrained at")
 
 
 def add_step_flags(parser):
     group = parser.add_argument_group("the step's shape")
-    group.add_argument("--seq-len", default=str(DEFAULTS.seq_len), help="tokens per sequence: 4096, 128K, 3M")
+    group.add_argument("--seq-len", default=str(DEFAULTS.seq_len),
+                       help="tokens per sequence: 4096, 128K, 3M")
     group.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
                        help="sequences per data-parallel rank and micro-batch")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -138,7 +143,8 @@ def add_process_flags(parser):
 
 def add_data_flags(parser):
     group = parser.add_argument_group("data")
-    group.add_argument("--data", default=DEFAULTS.data, help="'synthetic' or a flat binary file of token ids")
+    group.add_argument("--data", default=DEFAULTS.data,
+                       help="'synthetic' or a flat binary file of token ids")
     group.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
                        help="token id type of --data (default: its .json sidecar, else uint16)")
 
@@ -156,13 +162,15 @@ def add_document_flags(parser):
 
 def add_technique_flags(parser):
     group = parser.add_argument_group("techniques (01-06)")
-    group.add_argument("--stack", type=int, default=None, help="turn on every technique of files 1..N")
+    group.add_argument("--stack", type=int, default=None,
+                       help="turn on every technique of files 1..N")
     group.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
     group.add_argument("--offload-model-state", action="store_true",
                        help="01: keep the sharded parameters, gradients and optimizer in host "
                             "memory and step the optimizer there (FSDP2's CPUOffloadPolicy)")
     group.add_argument("--ulysses", action="store_true", help="02: Ulysses sequence parallelism")
-    group.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all ranks)")
+    group.add_argument("--sp", type=int, default=None,
+                       help="sequence-parallel degree (default: all ranks)")
     group.add_argument("--ring", type=int, default=None,
                        help="06: ring attention over R ranks, Ulysses over the P/R inside each "
                             "(the heads need only divide P/R); default: 1, or the smallest R "
@@ -189,8 +197,10 @@ def add_technique_flags(parser):
 def add_training_flags(parser):
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps")
-    counts = [f"{limit / 1e9:g}B" if limit >= 1e9 else f"{limit / 1e6:g}M" for limit, _ in DEFAULT_LRS[:-1]]
-    sizes = ", ".join([f"{lr:g} below {count} parameters" for count, (_, lr) in zip(counts, DEFAULT_LRS)]
+    counts = [f"{limit / 1e9:g}B" if limit >= 1e9 else f"{limit / 1e6:g}M"
+              for limit, _ in DEFAULT_LRS[:-1]]
+    sizes = ", ".join([f"{lr:g} below {count} parameters"
+                       for count, (_, lr) in zip(counts, DEFAULT_LRS)]
                       + [f"{DEFAULT_LRS[-1][1]:g} from {counts[-1]} (llama3-8b)"])
     group.add_argument("--lr", type=float, default=None,
                        help=f"peak learning rate (default by model size: {sizes}; "
@@ -203,7 +213,8 @@ def add_training_flags(parser):
     group.add_argument("--min-lr", type=float, default=None,
                        help=f"where cosine/linear end (default: {MIN_LR_FRACTION:g} x --lr)")
     group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
-    group.add_argument("--grad-clip", type=float, default=DEFAULTS.grad_clip, help="0 disables clipping")
+    group.add_argument("--grad-clip", type=float, default=DEFAULTS.grad_clip,
+                       help="0 disables clipping")
     # Not "--log": torchrun's own parser would take it for an abbreviation of its --log-dir.
     group.add_argument("--log-file", dest="log", default=None, help="write JSON lines here")
 
@@ -216,7 +227,8 @@ def add_saved_state_flags(parser, writes: bool = True):
                            help="the model weights of a run's saved state: its newest complete "
                                 "step_N, or one step_N folder (default: random init)")
         return
-    group.add_argument("--save-dir", default=None, help="save the training state here (step_N folders)")
+    group.add_argument("--save-dir", default=None,
+                       help="save the training state here (step_N folders)")
     group.add_argument("--save-every", type=int, default=DEFAULTS.save_every,
                        help="save every N steps (default: only at the end and on SIGTERM)")
     group.add_argument("--resume", action="store_true", help="continue from --save-dir's latest")
@@ -303,8 +315,10 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} is more than "
                          f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels)")
     if cfg.lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
-    if cfg.rope_factor is not None and not (math.isfinite(cfg.rope_factor) and cfg.rope_factor >= 1):
+        raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                         f"got {cfg.lr_schedule!r}")
+    if cfg.rope_factor is not None and not (math.isfinite(cfg.rope_factor)
+                                            and cfg.rope_factor >= 1):
         raise ValueError(f"--rope-factor must be a finite number >= 1 (llama3 and yarn stretch the "
                          f"pretrained context by it), got {cfg.rope_factor}")
     model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
@@ -336,15 +350,15 @@ def default_lr(cfg: Config) -> float:
     training starts from pretrained weights."""
     if cfg.init_from:
         return INIT_FROM_LR
-    n_params = llama.num_params(model_args(cfg))
+    n_params = num_params(model_args(cfg))
     return next(lr for limit, lr in DEFAULT_LRS if n_params < limit)
 
 
-def model_args(cfg: Config) -> llama.ModelArgs:
+def model_args(cfg: Config) -> ModelArgs:
     """The model's shape: --init-from's config.json, else the --model preset; with the rotary
     settings of the --rope-* flags (context extension changes these, not the weights)."""
     args = (pretrained.model_args_from_hf(cfg.init_from) if cfg.init_from
-            else llama.get_model_args(cfg.model))
+            else get_model_args(cfg.model))
     rope = {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
             "rope_factor": cfg.rope_factor, "rope_original_context": cfg.rope_original_context}
     return replace(args, **{k: v for k, v in rope.items() if v is not None})

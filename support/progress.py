@@ -1,16 +1,108 @@
-"""progress.py - what a training run shows of itself: a bar within each step, a closing summary.
+"""progress.py - what a training run shows of itself: its first lines, a line per step, a bar
+within each step, a closing summary.
 
-A step at a million tokens takes minutes, so on a terminal a bar counts the step's layer passes
-(each block's forward, then its backward). It never reaches a file: written into a redirected
-log, a bar's carriage returns would garble the step lines. The summary line closes every run:
-steps, wall time, first -> last loss, mean throughput, peak GPU memory, the last saved state.
+The first lines say what runs: 06's and 05's layout, then the model, the tokens, the ranks, the
+learning rate, the attention kernel and the techniques (the log file's first record holds the
+same, with the whole Config). Each step prints one line and logs one record (support/saved_state
+writes the log). A step at a million tokens takes minutes, so on a terminal a bar counts the
+step's layer passes (each block's forward, then its backward). It never reaches a file: written
+into a redirected log, a bar's carriage returns would garble the step lines. The summary line
+closes every run: steps, wall time, first -> last loss, mean throughput, peak GPU memory, the
+last saved state.
 """
 
 import contextlib
 import sys
+from dataclasses import asdict
 
+import torch
 from tqdm import tqdm
 
+from model import num_params
+from support import config, kernels
+from support.config import model_name, techniques_text
+
+# The run's first lines and its log's first record.
+
+def layout_lines(cfg, rt, n_heads: int) -> list:
+    """06's and 05's layout, said before the model is built (rank 0 prints them)."""
+    lines = []
+    if rt.ring > 1:
+        lines.append(f"Ulysses x ring: {rt.ulysses} x {rt.ring} (06)" + (
+            "; --ring picked: the heads do not split over all P ranks" if cfg.ring is None else ""))
+    if cfg.untied:
+        stages = n_heads // (cfg.head_chunk or rt.ulysses)
+        lines.append(f"Untied Ulysses: {stages} stage{'s' if stages > 1 else ''} of "
+                     f"U = {cfg.head_chunk or rt.ulysses} query heads")
+    return lines
+
+
+def run_header(cfg, rt, args, first_step: int) -> dict:
+    """The log's first record: the Config, the ranks, torch, the kernel, the size, the start."""
+    return {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
+            "ring": rt.ring, "torch": torch.__version__,
+            "attention_kernel": attention_kernel(cfg, rt, args),
+            "parameters": num_params(args), "first_step": first_step}
+
+
+def opening_text(cfg, rt, header: dict, data) -> str:
+    """The run's first line (and a note where --documents was left out of a documents file)."""
+    documents = ("separator " + str(data.separator) if data.separator is not None
+                 else "boundary index")
+    text = (f"{model_name(cfg)}: {header['parameters'] / 1e6:.1f}M params, {cfg.seq_len:,} tokens"
+            + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
+            + f", world {rt.world} (dp {rt.dp} x sp {rt.sp}), {cfg.dtype} on {cfg.device}, "
+            f"{schedule_text(cfg)}, attention: {header['attention_kernel']}, techniques: "
+            f"{techniques_text(cfg, cfg.head_chunk or rt.ulysses, rt.ring)}"
+            + (f", packed documents ({documents})" if cfg.documents else "")
+            + (f", resumed at step {header['first_step']}" if cfg.resume else ""))
+    if data.documents_ignored:
+        text += (f"\nnote: {cfg.data} lists its documents (sidecar or .docs index), but without "
+                 f"--documents each window trains as one sequence: documents attend to each other")
+    return text
+
+
+def schedule_text(cfg) -> str:
+    """The learning rate as the run's first line says it: peak, warmup, schedule."""
+    default = cfg.lr == config.default_lr(cfg)
+    size = "--init-from" if cfg.init_from else "this size"
+    return (f"lr {cfg.lr:g}" + (f" (--lr's default for {size})" if default else "")
+            + (f" after {cfg.warmup_steps} warmup steps" if cfg.warmup_steps else "")
+            + (f", {cfg.lr_schedule} to {cfg.min_lr:g} at step {cfg.steps}"
+               if cfg.lr_schedule != "constant" else ""))
+
+
+def attention_kernel(cfg, rt, args) -> str:
+    """The kernel attention runs (for the log); 05, 06's ring and --keep-attention call its
+    forward and backward separately."""
+    name = kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype), args.head_dim)
+    users = [number for number, on in (("05", cfg.untied), ("06", rt.ring > 1),
+                                       ("03", cfg.keep_attention)) if on]
+    if users:
+        name += f" (forward and backward with log-sum-exp, {', '.join(users)})"
+    return name
+
+
+# A line per step.
+
+def step_record(step: int, metrics: dict, step_time: float, tokens_per_gpu: float, documents,
+                rt) -> dict:
+    """A step's line of the log: its metrics (loss, grad_norm, lr), time, throughput, memory."""
+    return {"step": step, **metrics, "step_time_s": round(step_time, 4),
+            **({"documents": documents.count} if documents is not None else {}),
+            "tokens_per_s_per_gpu": round(tokens_per_gpu / step_time, 1),
+            "peak_gpu_mem_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                                 if rt.device.type == "cuda" else None)}
+
+
+def step_text(record: dict, per: str) -> str:
+    mem = f" | peak {record['peak_gpu_mem_gib']:.2f} GiB" if record["peak_gpu_mem_gib"] else ""
+    return (f"step {record['step']:4d} | loss {record['loss']:.4f} | lr {record['lr']:.3g} | "
+            f"{record['tokens_per_s_per_gpu']:,.0f} tok/s/{per} | "
+            f"{record['step_time_s']:.3f}s{mem}")
+
+
+# A bar within each step, and the closing summary.
 
 @contextlib.contextmanager
 def layer_bars(model, micro_batches: int, enabled: bool, file=None):

@@ -9,7 +9,6 @@ and builds the meshes. Above the techniques it checks,
 below the commands that use it (train.py, eval.py, plan.py).
 """
 
-import importlib
 import os
 from dataclasses import dataclass
 
@@ -18,12 +17,7 @@ import torch.distributed as dist
 
 from support import kernels
 from support.config import Config, model_args
-
-# The numbered files start with a digit, so they are imported by name.
-ulysses = importlib.import_module("02_ulysses")
-tiling = importlib.import_module("04_alst_tiling")
-untied = importlib.import_module("05_untied_ulysses")
-ring_attention = importlib.import_module("06_ring_attention")
+from support.lessons import ring_sp, tiling, ulysses_sp, untied_sp
 
 
 @dataclass
@@ -49,7 +43,7 @@ class Runtime:
     def token_order(self, seq_len: int):
         """The order tokens are split over the sequence-parallel ranks in: None (as they come),
         or 06's zigzag with a ring (each ring rank's two chunks, one early, one late)."""
-        return ring_attention.zigzag_order(seq_len, self.ring) if self.ring > 1 else None
+        return ring_sp.zigzag_order(seq_len, self.ring) if self.ring > 1 else None
 
 
 def setup_runtime(cfg: Config) -> Runtime:
@@ -77,12 +71,12 @@ def setup_runtime(cfg: Config) -> Runtime:
     args = model_args(cfg)
     rt.sp, rt.ring, _ = check_layout(cfg, rt.world, args)
     if dist.is_initialized():
-        mesh = ulysses.data_sequence_mesh(cfg.device, rt.sp)
+        mesh = ulysses_sp.data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         rt.sp_rank, rt.sp_group = mesh["sp"].get_local_rank(), mesh["sp"].get_group()
         rt.ulysses_group = rt.sp_group
         if rt.ring > 1:  # sp rank = ring rank x P/R + Ulysses rank, as the zigzag data expects
-            grid = ring_attention.ring_ulysses_mesh(cfg.device, rt.sp, rt.ring)
+            grid = ring_sp.ring_ulysses_mesh(cfg.device, rt.sp, rt.ring)
             rt.ulysses_group, rt.ring_group = grid["ulysses"].get_group(), grid["ring"].get_group()
         if cfg.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
@@ -93,7 +87,8 @@ def setup_runtime(cfg: Config) -> Runtime:
 
 def check_layout(cfg: Config, world_size: int, args) -> tuple:
     """(sequence-parallel degree P, ring degree R, head chunk U) of `cfg` on `world_size` ranks,
-    or a ValueError naming the constraint. Training runs it before building anything; plan.py runs the same."""
+    or a ValueError naming the constraint. Training runs it before building anything; plan.py
+    runs the same."""
     if world_size < 1:
         raise ValueError(f"--gpus must be at least 1, got {world_size}")
     if world_size > 1 and not cfg.fsdp:
@@ -103,13 +98,13 @@ def check_layout(cfg: Config, world_size: int, args) -> tuple:
     sp = (cfg.sp or world_size) if sequence_parallel else 1
     if cfg.sp is not None and not sequence_parallel:
         raise ValueError("--sp needs --ulysses or --untied")
-    ulysses.check_data_sequence_layout(world_size, sp)
+    ulysses_sp.check_data_sequence_layout(world_size, sp)
     ring = ring_degree(cfg, sp, args) if sequence_parallel else 1
     if sequence_parallel:
-        ring_attention.check_ring(sp, ring, cfg.seq_len)
-        ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp // ring, cfg.seq_len)
-    head_chunk = (untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp // ring, cfg.head_chunk)
-                  if cfg.untied else None)
+        ring_sp.check_ring(sp, ring, cfg.seq_len)
+        ulysses_sp.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp // ring, cfg.seq_len)
+    head_chunk = (untied_sp.check_head_chunk(args.n_heads, args.n_kv_heads, sp // ring,
+                                             cfg.head_chunk) if cfg.untied else None)
     tiling.check_tile_tokens("mlp_tile_tokens", cfg.mlp_tile_tokens)
     tiling.check_tile_tokens("loss_tile_tokens", cfg.loss_tile_tokens)
     return sp, ring, head_chunk
@@ -123,9 +118,10 @@ def ring_degree(cfg: Config, sp: int, args) -> int:
         return cfg.ring or 1
     for ring in (r for r in range(1, sp + 1) if sp % r == 0):
         try:
-            ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp // ring)
+            ulysses_sp.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp // ring)
             if cfg.untied:
-                untied.check_head_chunk(args.n_heads, args.n_kv_heads, sp // ring, cfg.head_chunk)
+                untied_sp.check_head_chunk(args.n_heads, args.n_kv_heads, sp // ring,
+                                           cfg.head_chunk)
         except ValueError:
             continue
         return ring

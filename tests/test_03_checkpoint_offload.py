@@ -17,7 +17,7 @@ from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
                        train_loss_and_grads, with_kernel)
 
-from support import host_buffers, keep_attention as keeping, kernels
+from support import host_buffers, host_memory, keep_attention as keeping, kernels
 import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward
@@ -218,13 +218,14 @@ def test_host_memory_is_checked_before_a_gpu_run_builds_anything():
     GiB = 2**30
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
                                                 device="cpu", dtype="bfloat16"))
-    assert train.host_memory_error(cfg, 2, 2, 251 * GiB) is None
-    assert "248.0 GiB" in train.host_memory_error(cfg, 2, 2, 200 * GiB)
+    assert host_memory.host_memory_error(cfg, 2, 2, 251 * GiB) is None
+    assert "248.0 GiB" in host_memory.host_memory_error(cfg, 2, 2, 200 * GiB)
     kept = replace(cfg, keep_attention=True)
-    error = train.host_memory_error(kept, 2, 2, 251 * GiB)
+    error = host_memory.host_memory_error(kept, 2, 2, 251 * GiB)
     assert "499.9 GiB" in error and "251.0 GiB available" in error and "--keep-attention" in error
-    assert train.host_memory_error(replace(cfg, offload=False), 2, 2, 1) is None  # nothing offloaded
-    assert train.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
+    nothing_offloaded = replace(cfg, offload=False)
+    assert host_memory.host_memory_error(nothing_offloaded, 2, 2, 1) is None
+    assert host_memory.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
 
 
 @pytest.mark.parametrize("keep_attention", [False, True])

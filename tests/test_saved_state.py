@@ -18,7 +18,7 @@ from test_train import ROOT
 
 import model as llama
 import plan as planner
-from support import saved_state
+from support import errors, saved_state
 from support.config import MAX_STACK
 
 train = importlib.import_module("train")
@@ -185,10 +185,10 @@ def test_named_out_of_memory_is_still_torchs_and_named_once():
     """Code that catches torch.OutOfMemoryError (the benchmarks) catches the named one too, and
     an inner phase's name is not wrapped again by an outer one."""
     with pytest.raises(torch.OutOfMemoryError) as caught:
-        with train.out_of_memory_names("step"):
-            with train.out_of_memory_names("backward"):
+        with errors.out_of_memory_names("step"):
+            with errors.out_of_memory_names("backward"):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-    assert isinstance(caught.value, train.StepOutOfMemory)
+    assert isinstance(caught.value, errors.StepOutOfMemory)
     assert str(caught.value) == "out of GPU memory in the backward: CUDA out of memory. Tried to allocate 1.00 GiB"
 
 

@@ -21,7 +21,7 @@ from reference import full
 from test_train import error_of  # the one helper: run train.main, return its error text
 
 import plan as planner
-from support import config, progress, saved_state
+from support import choices, config, errors, host_memory, progress, saved_state
 from support.runtime import Runtime
 
 train = importlib.import_module("train")
@@ -96,8 +96,10 @@ def test_an_error_every_rank_meets_is_printed_once_under_torchrun(bad):
 
 
 @pytest.mark.parametrize("rank,error,printed", [
-    ("1", train.StepOutOfMemory("out of GPU memory in the forward"), "[rank 1] error: out of GPU memory"),
-    ("0", train.StepOutOfMemory("out of GPU memory in the forward"), "[rank 0] error: out of GPU memory"),
+    ("1", errors.StepOutOfMemory("out of GPU memory in the forward"),
+     "[rank 1] error: out of GPU memory"),
+    ("0", errors.StepOutOfMemory("out of GPU memory in the forward"),
+     "[rank 0] error: out of GPU memory"),
     ("1", ValueError("bad flag"), ""),
     ("0", ValueError("bad flag"), "error: bad flag"),
 ])
@@ -105,13 +107,13 @@ def test_a_ranks_own_error_is_printed_by_that_rank(rank, error, printed, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", rank)
-    monkeypatch.setattr(train.time, "sleep", lambda s: None)
+    monkeypatch.setattr(errors.time, "sleep", lambda s: None)
 
     def fail():
         raise error
 
     with pytest.raises(SystemExit):
-        train.exit_on_error(fail)
+        errors.exit_on_error(fail)
     err = capsys.readouterr().err
     assert (printed in err) if printed else err == "", err
 
@@ -119,8 +121,8 @@ def test_a_ranks_own_error_is_printed_by_that_rank(rank, error, printed, monkeyp
 def test_one_is_singular():
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
                                                 dtype="bfloat16", device="cpu"))
-    assert "this node's 1 rank, " in train.host_memory_error(cfg, 1, 1, 10 * GiB)
-    assert "this node's 2 ranks, " in train.host_memory_error(cfg, 2, 2, 10 * GiB)
+    assert "this node's 1 rank, " in host_memory.host_memory_error(cfg, 1, 1, 10 * GiB)
+    assert "this node's 2 ranks, " in host_memory.host_memory_error(cfg, 2, 2, 10 * GiB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,16 +315,17 @@ def llama_8b(seq_len: int, **flags):
 ])
 def test_keep_attention_is_on_where_the_plan_fits_it(seq_len, gpu, host, fits):
     cfg = llama_8b(seq_len)
-    assert train.keep_attention_fits(cfg, 1, int(gpu * GiB), int(host * GiB), 1) is fits
-    assert not train.keep_attention_fits(cfg, 1, int(gpu * GiB), None, 1)  # host unknown
+    assert choices.keep_attention_fits(cfg, 1, int(gpu * GiB), int(host * GiB), 1) is fits
+    assert not choices.keep_attention_fits(cfg, 1, int(gpu * GiB), None, 1)  # host unknown
 
 
 def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     parse = lambda *flags: train.parse_args(["--stack", "3", *flags]).keep_attention  # noqa: E731
     assert (parse(), parse("--keep-attention"), parse("--no-keep-attention")) == (None, True, False)
     cpu = Runtime()
-    assert train.choose_keep_attention(replace(llama_8b(2**17), keep_attention=None), cpu) is False
-    assert train.choose_keep_attention(replace(llama_8b(2**17), keep_attention=True), cpu) is True
+    undecided, given = (replace(llama_8b(2**17), keep_attention=k) for k in (None, True))
+    assert choices.choose_keep_attention(undecided, cpu) is False
+    assert choices.choose_keep_attention(given, cpu) is True
     run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1",
                                         "--device", "cpu"]))
     assert run.model.kept_attention is None  # off on the CPU
