@@ -86,6 +86,20 @@ def within_budget(started: float, budget_s: float, device) -> bool:
     return bool(flag.item())
 
 
+def allocate_adam_state(model, optimizer):
+    """A step with zero gradients at learning rate 0 creates AdamW's moments without changing
+    any weight, so the first measured step already holds the whole model state."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
 def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
     """Median milliseconds of fn() measured with CUDA events after warm-up."""
     for _ in range(warmup):
