@@ -37,14 +37,16 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
                "--standalone", "-m", f"bench.{script.split(':')[0]}", *SMOKE_RUNS[script],
                "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"{script}.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, \
+        f"{script}.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     results = list(tmp_path.glob("*.json"))
     assert results, f"{script}.py wrote no JSON"
     for path in results:
         assert json.loads(path.read_text())  # a complete, parseable result
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("script,needle", [("throughput", "--device cpu --model tiny"),
                                            ("ring_blocks", "--device cpu --model tiny"),
                                            ("progression", "no CPU form")])
@@ -94,8 +96,9 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
         alloc(3, 50 * 2**30, _frame("model.py", "causal_attention"), _frame("02_ulysses.py", "x")),
         alloc(4, 30 * 2**30, entry, _frame("04_alst_tiling.py", "tiled_mlp_forward")),  # reversed
         alloc(5, 20 * 2**30, {"filename": "/t/torch/optim/adamw.py", "line": 1, "name": "adamw"}),
-        alloc(8, 10 * 2**30, {"filename": "", "line": 0,  # a backward kernel: C++ frames only
-                              "name": "at::_ops::_scaled_dot_product_cudnn_attention_backward::call(x)"}),
+        alloc(8, 10 * 2**30, {  # a backward kernel: C++ frames only
+            "filename": "", "line": 0,
+            "name": "at::_ops::_scaled_dot_product_cudnn_attention_backward::call(x)"}),
         free(3, 50 * 2**30),  # the peak was just before: 210 GiB
         alloc(6, 40 * 2**30, _frame("model.py", "rms_norm")),
     ]
@@ -106,13 +109,15 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
     assert summary["largest_owners"][1]["owner"] == "04_alst_tiling.py:tiled_mlp_forward"
     assert "oom" not in summary
     # over the whole step, not only at the peak: rms_norm's 40 GiB came after it
-    in_steps = {o["owner"]: o["largest_tensor_gib"] for o in summary["largest_allocations_in_steps"]}
+    in_steps = {o["owner"]: o["largest_tensor_gib"]
+                for o in summary["largest_allocations_in_steps"]}
     assert in_steps["model.py:causal_attention"] == 50 and in_steps["model.py:rms_norm"] == 40
     assert "01_fsdp.py:build_model" not in in_steps  # before the first step
 
     failed = {"action": "oom", "size": 125 * 2**30, "frames": [_frame("model.py", "loss_sum")]}
     summary = snapshot.summarize({"device_traces": [trace + [failed]]})
-    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum", "allocated_gib": 200}
+    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum",
+                              "allocated_gib": 200}
     assert summary["peak_gib"] == 200 and summary["gib"]["other"] == 70
     owners = [o["owner"] for o in summary["largest_owners"]]
     assert "at::_ops::_scaled_dot_product_cudnn_attention_backward::call" in owners
@@ -149,9 +154,10 @@ def test_max_length_search_brackets_the_limit(monkeypatch):
 def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
     """On a GPU: step.py --snapshot's replayed peak is the allocator's own maximum, its parts
     add up to it, and attention and model state are both found."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "-m", "bench.step", "--snapshot", "--steps", "2", "--name", "snap",
-               "--out", str(tmp_path), "--", "--model", "small", "--seq-len", "8K", "--stack", "4"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", "-m", "bench.step", "--snapshot", "--steps", "2",
+               "--name", "snap", "--out", str(tmp_path), "--", "--model", "small", "--seq-len",
+               "8K", "--stack", "4"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     memory = json.loads((tmp_path / "snap.json").read_text())["memory_at_peak"]
@@ -246,7 +252,8 @@ def test_the_ideal_copier_bound_counts_what_can_be_copied(tmp_path, reach):
 
 def test_the_context_curve_recipe_runs_end_to_end(tmp_path, capsys):
     """bench/context_curve.py's recipe, scaled down: train short, export, extend from the export,
-    evaluate the held-out file, and draw it next to the ideal copier, whose buckets are eval.py's."""
+    evaluate the held-out file, and draw it next to the ideal copier, whose buckets are
+    eval.py's."""
     from bench.context_curve import copy_bound, write_context_files
 
     train, evaluate = importlib.import_module("train"), importlib.import_module("eval")
