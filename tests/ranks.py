@@ -5,10 +5,9 @@
 Each rank is a fresh process with a free TCP port rendezvous, one CPU thread, and a clean
 teardown. The processes fork from a server that imported torch once for the whole session
 (multiprocessing's forkserver), so a rank starts in milliseconds instead of importing torch again
-(seconds of CPU per rank, per test). If any rank
-raises, the others are killed at once (they would otherwise wait forever in a collective) and the
-test fails with every rank's traceback; if nothing finishes within `timeout`, the test fails
-instead of hanging CI. `body` must be a module-level function (it is pickled into the children).
+(seconds of CPU per rank, per test). If any rank raises, the others are killed at once (they
+would otherwise wait forever in a collective) and the test fails with every rank's traceback; if
+nothing finishes within `timeout`, the test fails instead of hanging CI. `body` must be a module-level function (it is pickled into the children).
 """
 
 import multiprocessing
