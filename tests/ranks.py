@@ -7,7 +7,8 @@ teardown. The processes fork from a server that imported torch once for the whol
 (multiprocessing's forkserver), so a rank starts in milliseconds instead of importing torch again
 (seconds of CPU per rank, per test). If any rank raises, the others are killed at once (they
 would otherwise wait forever in a collective) and the test fails with every rank's traceback; if
-nothing finishes within `timeout`, the test fails instead of hanging CI. `body` must be a module-level function (it is pickled into the children).
+nothing finishes within `timeout`, the test fails instead of hanging CI. `body` must be a
+module-level function (it is pickled into the children).
 """
 
 import multiprocessing
@@ -89,7 +90,8 @@ def run_ranks(world_size: int, body, *args, backend: str = "gloo", timeout: floa
         rank, tb = errors.get()
         messages.append(f"--- rank {rank} ---\n{tb}")
     if timed_out:
-        raise AssertionError(f"ranks did not finish within {timeout}s (hang?)\n" + "\n".join(messages))
+        raise AssertionError(f"ranks did not finish within {timeout}s (hang?)\n"
+                             + "\n".join(messages))
     if failed or any(p.exitcode != 0 for p in procs):
         codes = [p.exitcode for p in procs]
         raise AssertionError(f"a rank failed (exit codes {codes})\n" + "\n".join(messages))
