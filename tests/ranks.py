@@ -14,6 +14,7 @@ module-level function (it is pickled into the children).
 import multiprocessing
 import os
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -54,9 +55,9 @@ REPOSITORY_PRELOAD = ["train", "reference"]
 
 
 def _context():
-    """forkserver where the platform has it (Linux, macOS), else spawn: never plain fork, which
-    would copy pytest's own threads and state into the ranks."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    """forkserver on Linux, else spawn (macOS forbids some libraries' use after a fork): never
+    plain fork, which would copy pytest's own threads and state into the ranks."""
+    if not sys.platform.startswith("linux"):
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD + ([] if torch.cuda.is_available() else REPOSITORY_PRELOAD))
