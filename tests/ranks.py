@@ -3,7 +3,7 @@
     run_ranks(2, body, arg1, arg2)      # body(arg1, arg2) runs on ranks 0 and 1 (gloo, CPU)
 
 Each rank is a fresh process with a free TCP port rendezvous, one CPU thread, and a clean
-teardown. The processes fork from a server that imported torch once for the whole session
+teardown. On Linux the processes fork from a server that imported torch once for the session
 (multiprocessing's forkserver), so a rank starts in milliseconds instead of importing torch again
 (seconds of CPU per rank, per test). If any rank raises, the others are killed at once (they
 would otherwise wait forever in a collective) and the test fails with every rank's traceback; if
