@@ -37,7 +37,8 @@ def load_tokenizer(path: str):
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"no tokenizer.json at {path!r} (give a local model directory or the file)")
+        raise ValueError(f"no tokenizer.json at {path!r} "
+                         "(give a local model directory or the file)")
     return Tokenizer.from_file(file)
 
 
@@ -67,7 +68,8 @@ def read_documents(paths, text_key: str = "text", txt_lines: bool = False):
         try:
             yield from _documents_of(path, text_key, txt_lines)
         except UnicodeDecodeError as error:
-            raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+            raise ValueError(f"{path}: not UTF-8 text "
+                             f"({error.reason} at byte {error.start})") from None
 
 
 def _documents_of(path: str, text_key: str, txt_lines: bool):
@@ -171,7 +173,8 @@ def prepare(tokenizer_path, inputs, output, separator=None, separator_id=None, t
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize documents into a token file for "
                                                  "train.py --documents.")
-    parser.add_argument("--tokenizer", required=True, help="local model directory or tokenizer.json")
+    parser.add_argument("--tokenizer", required=True,
+                        help="local model directory or tokenizer.json")
     parser.add_argument("--input", nargs="+", required=True, help=".jsonl or text files")
     parser.add_argument("--output", required=True, help="the token file (e.g. data/train.bin)")
     parser.add_argument("--separator", default=None, help="separator token (default: end of text)")

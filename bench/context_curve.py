@@ -44,8 +44,8 @@ about 6 minutes in all):
     python eval.py --compare after.json bound.json --out curve.png
 
 What it showed (docs/results/context_curve_small_1gpu_64k.json, measured when both parts were
-still one file; the chart in docs/results.md): the model uses its context up to about its training length
-and not beyond.
+still one file; the chart in docs/results.md): the model uses its context up to about its training
+length and not beyond.
 """
 
 import argparse
@@ -86,7 +86,8 @@ def write_context_files(path: str, train_len: int, train_windows: int, eval_len:
     for name, value, least in (("--train-len", train_len, 1), ("--eval-len", eval_len, 1),
                                ("--chunk", chunk, 1), ("--train-pool", train_pool, 1),
                                ("--eval-pool", eval_pool, 1), ("--train-windows", train_windows, 0),
-                               ("--eval-windows", eval_windows, 0), ("--vocab-size", vocab_size, 1)):
+                               ("--eval-windows", eval_windows, 0),
+                               ("--vocab-size", vocab_size, 1)):
         if value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     if vocab_size > 2**16:
@@ -134,7 +135,8 @@ def copy_bound(path: str, reach: int | None = None, bucket_start: int = 1024) ->
         part, chunk, seq_len, vocab_size = (meta["part"], meta["chunk"], meta["seq_len"],
                                             meta["vocab_size"])
     except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"{path}: no sidecar written by bench/context_curve.py ({error})") from error
+        raise ValueError(f"{path}: no sidecar written by bench/context_curve.py "
+                         f"({error})") from error
     if part != "evaluation":
         raise ValueError(f"{path} holds training windows; the bound is of {eval_path(path)}")
     if not os.path.isfile(path):
@@ -184,7 +186,8 @@ def main():
     parser.add_argument("--bound", metavar="JSON", default=None,
                         help="write no tokens: the ideal copier's loss by position on the "
                              "evaluation file PATH, to this JSON (for eval.py --compare)")
-    parser.add_argument("--reach", default=None, help="--bound: how far back it copies (default: all)")
+    parser.add_argument("--reach", default=None,
+                        help="--bound: how far back it copies (default: all)")
     parser.add_argument("--bucket-start", default="1K", help="--bound: the first bucket's end, "
                                                              "as eval.py's --bucket-start")
     opts = parser.parse_args()

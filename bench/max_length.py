@@ -51,7 +51,7 @@ import torch.distributed as dist
 import model as llama
 import plan as planner
 from support import byte_counts
-from bench.offload import allocate_adam_state
+from bench.report import allocate_adam_state
 from bench.report import (end_distributed, refuse_without_gpu, release, synchronize, within_budget,
                           write_result)
 from bench.step import with_layers

@@ -21,7 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 from bench.report import default_out_dir, refuse_without_gpu, write_result
 
-CONFIGS = [  # (label, train.py flags); "none" is one process: without FSDP nothing keeps ranks in sync
+# (label, train.py flags); "none" is one process: without FSDP nothing keeps ranks in sync
+CONFIGS = [
     ("none", []),
     ("FSDP", ["--fsdp"]),
     ("+Ulysses", ["--stack", "2"]),
@@ -70,7 +71,8 @@ def main():
     parser.add_argument("--only", nargs="*", default=None, help="labels to run")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--snapshot", action="store_true", help="split each peak with the memory snapshot")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="split each peak with the memory snapshot")
     opts = parser.parse_args()
     refuse_without_gpu("progression.py")
     rows = []
@@ -83,9 +85,10 @@ def main():
                 continue
             row = run_config(label, flags, opts, tmp)
             rows.append(row)
-            print(f"{label:<18} {row['status']:<6} model {row.get('after_optimizer_step_gib', 0):6.1f} "
-                  f"peak {max(row.get('peak_gib') or [0]):6.1f} GiB  step {row.get('step_time_s', 0):.2f}s",
-                  flush=True)
+            print(f"{label:<18} {row['status']:<6} "
+                  f"model {row.get('after_optimizer_step_gib', 0):6.1f} "
+                  f"peak {max(row.get('peak_gib') or [0]):6.1f} GiB  "
+                  f"step {row.get('step_time_s', 0):.2f}s", flush=True)
             write_result(name, result, opts.out, announce=False)  # a run cut short keeps its rows
     write_result(name, result, opts.out)
     plot(rows, Path(opts.out or default_out_dir()) / f"{name}.png", opts)
@@ -103,7 +106,8 @@ def plot(rows, path, opts):
     labels = [r["label"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     if any("memory_at_peak" in r for r in rows):  # measured split, from the memory snapshot
-        parts = {name: [r["memory_at_peak"]["gib"][name] if "memory_at_peak" in r else 0 for r in rows]
+        parts = {name: [r["memory_at_peak"]["gib"][name] if "memory_at_peak" in r else 0
+                        for r in rows]
                  for name in ("model state", "attention", "other")}
         bottom = [0.0] * len(rows)
         for name, values in parts.items():

@@ -32,17 +32,19 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "git_commit": commit,
-        "command": os.environ.get("BENCH_COMMAND") or " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": (os.environ.get("BENCH_COMMAND")
+                    or " ".join([Path(sys.executable).name, *sys.argv])),
         "world_size": int(os.environ.get("WORLD_SIZE", 1)),
     }
 
 
 def refuse_without_gpu(script: str, model: str | None = None, device=None,
                        cpu_form: str | None = None) -> None:
-    """The benchmarks measure GPUs (device: the one asked for, default what torch sees). Without one, a full-size model would only exhaust host memory
-    minutes later and be killed without a word, and NCCL-only scripts would fail deep inside
-    torch: stop at once and say what runs on a CPU instead (the smoke forms tests/test_bench.py
-    runs; their numbers mean nothing)."""
+    """The benchmarks measure GPUs (device: the one asked for, default what torch sees).
+    Without one, a full-size model would only exhaust host memory minutes later and be killed
+    without a word, and NCCL-only scripts would fail deep inside torch: stop at once and say
+    what runs on a CPU instead (the smoke forms tests/test_bench.py runs; their numbers mean
+    nothing)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda") or model in ("tiny", "small"):
@@ -66,7 +68,8 @@ def default_out_dir() -> str:
     return os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "docs" / "results")
 
 
-def write_result(name: str, result: dict, out_dir: str | None = None, announce: bool = True) -> Path:
+def write_result(name: str, result: dict, out_dir: str | None = None,
+                 announce: bool = True) -> Path:
     """`result` with environment() as <out_dir>/<name>.json; announce=False for the saves a
     benchmark makes after every configuration (a run cut short keeps what it measured)."""
     path = Path(out_dir or default_out_dir()) / f"{name}.json"
@@ -84,6 +87,20 @@ def within_budget(started: float, budget_s: float, device) -> bool:
     flag = torch.tensor([float(time.perf_counter() - started < budget_s)], device=device)
     dist.broadcast(flag, 0)
     return bool(flag.item())
+
+
+def allocate_adam_state(model, optimizer):
+    """A step with zero gradients at learning rate 0 creates AdamW's moments without changing
+    any weight, so the first measured step already holds the whole model state."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
 
 
 def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
@@ -156,7 +173,8 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     def own_time(event):  # microseconds; the attribute's name changed across torch versions
         if not on_gpu:
             return event.self_cpu_time_total
-        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        return (getattr(event, "self_device_time_total", None)
+                or getattr(event, "self_cuda_time_total", 0))
 
     events = sorted(prof.key_averages(), key=own_time, reverse=True)[:top]
     result = {"profile_top_ops": [{"op": e.key, "own_ms": own_time(e) / 1e3, "calls": e.count}
@@ -164,7 +182,8 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     if on_gpu:
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA]
-        result["profile_kernel_classes_ms"] = kernel_classes((name, end - start) for start, end, name in kernels)
+        result["profile_kernel_classes_ms"] = kernel_classes((name, end - start)
+                                                             for start, end, name in kernels)
         # Compute: neither communication nor the copy engines' transfers (offload, memset).
         compute = sorted((start, end) for start, end, name in kernels
                          if not any(key in name.lower() for key in ("nccl", "memcpy", "memset")))

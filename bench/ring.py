@@ -11,9 +11,10 @@ What the context manager does, and why our model needs no change for it:
     2P-1-r, so every rank gets an equal share of the causal work;
   - it replaces F.scaled_dot_product_attention by a ring: each rank's K/V chunk travels around
     the ranks and partial outputs are merged with their log-sum-exp. Our attention core calls
-    F.scaled_dot_product_attention (told to, `sdpa_only`, even where FlashAttention-4 is installed: the ring would
-    not see an FA4 call and each rank would attend to its own chunk only), and positions
-    travel with the tokens, so rotary phases stay right after the reordering.
+    F.scaled_dot_product_attention (told to, `sdpa_only`, even where FlashAttention-4 is
+    installed: the ring would not see an FA4 call and each rank would attend to its own chunk
+    only), and positions travel with the tokens, so rotary phases stay right after the
+    reordering.
 The loss is the same global token mean as train.forward_backward's: every rank sums its tokens'
 losses and divides by the count over the whole sequence (each rank holds the whole batch before
 sharding, so the count needs no collective).

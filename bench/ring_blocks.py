@@ -1,6 +1,6 @@
 """Ring attention's block pairs on one GPU: as exact as, and as fast as, one causal call.
 
-    python -m bench.ring_blocks                                # one H200: 512K, R = 1 2 4, fa4 cudnn
+    python -m bench.ring_blocks                         # one H200: 512K, R = 1 2 4, fa4 cudnn
     python -m bench.ring_blocks --seq-len 128K --rings 2 --kernels cudnn --repeats 1
     python -m bench.ring_blocks --device cpu --model tiny --ulysses 1 --seq-len 256 \
         --check-seq-len 128 --kernels auto --repeats 1        # CPU smoke test: numbers mean nothing
@@ -82,7 +82,8 @@ def fp32_reference(q, k, v, grad_out):
     """(out, dq, dk, dv) in fp32 by SDPA (memory-efficient kernel on a GPU), K/V heads repeated."""
     group = q.shape[2] // k.shape[2]
     q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
-    args = (q32.transpose(1, 2), *(t.repeat_interleave(group, 2).transpose(1, 2) for t in (k32, v32)))
+    args = (q32.transpose(1, 2),
+            *(t.repeat_interleave(group, 2).transpose(1, 2) for t in (k32, v32)))
     if q.is_cuda:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -95,27 +96,32 @@ def fp32_reference(q, k, v, grad_out):
 
 
 def max_errors(got, want) -> dict:
-    return {name: (g.float() - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    return {name: (g.float() - w).abs().max().item()
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
 
 
 def inputs(seq_len, heads, kv_heads, head_dim, device, dtype, seed=0):
     generator = torch.Generator(device=device).manual_seed(seed)
-    make = lambda n: torch.randn(1, seq_len, n, head_dim, device=device, dtype=dtype, generator=generator)
+    make = lambda n: torch.randn(1, seq_len, n, head_dim, device=device, dtype=dtype,  # noqa: E731
+                                 generator=generator)
     return make(heads), make(kv_heads), make(kv_heads), make(heads)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
-    parser.add_argument("--ulysses", type=int, default=2, help="the heads of one GPU of Ulysses over this many")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--ulysses", type=int, default=2,
+                        help="the heads of one GPU of Ulysses over this many")
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-len", default="512K", help="for the rates")
     parser.add_argument("--check-seq-len", default="32K", help="for the errors (fp32 reference)")
     parser.add_argument("--rings", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--kernels", nargs="+", default=["fa4", "cudnn"], choices=kernels.KERNELS)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument("--name", default="ring_blocks")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default $OUT or docs/results)")
+    parser.add_argument("--out", default=None,
+                        help="directory for the JSON (default $OUT or docs/results)")
     opts = parser.parse_args(argv)
     refuse_without_gpu("ring_blocks.py", opts.model, opts.device,
                        cpu_form="python -m bench.ring_blocks --device cpu --model tiny --ulysses 1 "
@@ -133,7 +139,8 @@ def main(argv=None):
     for kernel in opts.kernels:
         try:
             kernels.use_kernel(kernel)
-            name = kernels.lse_kernel(torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype))[0]
+            probe = torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype)
+            name = kernels.lse_kernel(probe)[0]
         except ValueError as error:  # not installed, or failed its check on this GPU
             rows.append({"kernel": kernel, "skipped": str(error)})
             print(rows[-1], flush=True)
@@ -148,7 +155,7 @@ def main(argv=None):
             got = ring_schedule(*(t[:, order] for t in (q, k, v, grad_out)), ring)
             ring_errors[ring] = max_errors([t[:, order.argsort()] for t in got], reference)
             del got
-        del q, k, v, grad_out, reference
+        q = k = v = grad_out = reference = None  # frees them; the lambdas below share q..grad_out
         release(device)
         # (b) rate, forward + backward
         q, k, v, grad_out = inputs(seq_len, heads, kv_heads, args.head_dim, device, dtype)
@@ -161,20 +168,23 @@ def main(argv=None):
         for ring in opts.rings:
             order = ring_attention.zigzag_order(seq_len, ring).to(device)
             zq, zk, zv, zgrad = (t[:, order] for t in (q, k, v, grad_out))
-            measured = peak_and_times(lambda: ring_schedule(zq, zk, zv, zgrad, ring), device, opts.repeats)
-            del zq, zk, zv, zgrad
+            measured = peak_and_times(lambda: ring_schedule(zq, zk, zv, zgrad, ring), device,
+                                      opts.repeats)
+            zq = zk = zv = zgrad = None
             release(device)
             vs_single = single["time_s"] / measured["time_s"]
             errors = ring_errors[ring]
-            rows.append({"kernel": kernel, "kernel_used": name, "schedule": "zigzag ring", "ring": ring,
-                         "seq_len": seq_len, **measured, "tflops": flops / measured["time_s"] / 1e12,
+            targeted = ring in (2, 4) and seq_len >= 2**19
+            rows.append({"kernel": kernel, "kernel_used": name, "schedule": "zigzag ring",
+                         "ring": ring, "seq_len": seq_len, **measured,
+                         "tflops": flops / measured["time_s"] / 1e12,
                          "rate_vs_single": vs_single,
-                         "target_rate_097": vs_single >= 0.97 if ring in (2, 4) and seq_len >= 2**19 else None,
+                         "target_rate_097": vs_single >= 0.97 if targeted else None,
                          "check_seq_len": check_len, "max_abs_error": errors,
-                         "error_vs_single": {n: errors[n] / single_errors[n] if single_errors[n] else None
-                                             for n in errors}})
+                         "error_vs_single": {n: errors[n] / single_errors[n]
+                                             if single_errors[n] else None for n in errors}})
             print(rows[-1], flush=True)
-        del q, k, v, grad_out
+        q = k = v = grad_out = None
         release(device)
     kernels.use_kernel("auto")
     result = {"model": opts.model, "heads": heads, "kv_heads": kv_heads, "head_dim": args.head_dim,
@@ -190,7 +200,8 @@ def main(argv=None):
         errors = " / ".join(f"{row['max_abs_error'][n]:.2e} ({single['max_abs_error'][n]:.2e})"
                             for n in ("out", "dq", "dk", "dv"))
         print(f"{row['kernel']:>6} {row['schedule']:>18} {row['ring'] or '-':>2} "
-              f"{row['time_s'] * 1e3:>9.1f} {row['tflops']:>8.1f} {row.get('rate_vs_single', 1.0):>8.3f}  {errors}")
+              f"{row['time_s'] * 1e3:>9.1f} {row['tflops']:>8.1f} "
+              f"{row.get('rate_vs_single', 1.0):>8.3f}  {errors}")
 
 
 if __name__ == "__main__":

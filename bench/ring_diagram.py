@@ -44,7 +44,8 @@ def ring_schedule(ring: int) -> list[tuple[int, int, int, int, bool]]:
 
 
 def work_per_step(schedule, ring: int) -> list[list[float]]:
-    """[step][rank] -> chunk x chunk blocks computed; a causal block is half the work of a full one."""
+    """[step][rank] -> chunk x chunk blocks computed; a causal block is half the work of a full
+    one."""
     work = [[0.0] * ring for _ in range(ring)]
     for step, rank, _, _, causal in schedule:
         work[step][rank] += 0.5 if causal else 1.0
@@ -57,7 +58,8 @@ def holder_of_chunk(chunk: int, ring: int) -> int:
 
 def print_schedule(schedule, ring: int) -> None:
     print(f"zigzag ring of R = {ring}: {2 * ring} chunks; "
-          + ", ".join(f"rank {r} holds {ring_attention.zigzag_chunks(r, ring)}" for r in range(ring)))
+          + ", ".join(f"rank {r} holds {ring_attention.zigzag_chunks(r, ring)}"
+                      for r in range(ring)))
     work = work_per_step(schedule, ring)
     for step in range(ring):
         print(f"step {step}:")

@@ -1,6 +1,7 @@
 """What fills a GPU at its peak, read from PyTorch's memory snapshot.
 
-    torchrun --nproc-per-node 2 -m bench.step --snapshot --name s -- --model llama3-8b --seq-len 64K --stack 4
+    torchrun --nproc-per-node 2 -m bench.step --snapshot --name s -- \
+        --model llama3-8b --seq-len 64K --stack 4
 
 bench/step.py --snapshot records the CUDA caching allocator's history from before the model is
 built (`torch.cuda.memory._record_memory_history`), takes `torch.cuda.memory._snapshot()` after
@@ -172,8 +173,8 @@ def summarize(snapshot: dict, device: int = 0, top: int = 12) -> dict:
                "largest_owners": [{"category": k[0], "owner": k[1], "tensors": c, "gib": b / GiB,
                                    "largest_tensor_gib": m / GiB} for k, (c, b, m) in largest],
                "largest_allocations_in_steps": [
-                   {"category": category(frames, False), "owner": who, "largest_tensor_gib": size / GiB,
-                    "allocations": count}
+                   {"category": category(frames, False), "owner": who,
+                    "largest_tensor_gib": size / GiB, "allocations": count}
                    for who, (size, frames, count) in sorted(
                        replayed["largest_in_steps"].items(), key=lambda item: -item[1][0])[:top]],
                "first_step_found": first_step is not None,

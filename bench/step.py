@@ -1,6 +1,7 @@
 """Full training steps through train.py's own functions, with a memory breakdown.
 
-    torchrun --nproc-per-node 2 -m bench.step --name fsdp_8b -- --model llama3-8b --seq-len 4K --fsdp
+    torchrun --nproc-per-node 2 -m bench.step --name fsdp_8b -- \
+        --model llama3-8b --seq-len 4K --fsdp
 
 Everything after `--` is train.py's flags. Records per rank 0: bytes allocated after the model is
 built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
@@ -8,9 +9,10 @@ built (sharded fp32 parameters), after backward (+ gradients), after the first o
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
 kernel. `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
 what was alive at the peak (model state / attention / other, and the largest owners), read from
-PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot. `--profile` runs one more step under
-torch.profiler: the ops with the most device time, device time per kind of kernel and the
-GPU's idle time between compute kernels (`--trace FILE`: rank 0's Chrome trace too).
+PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
+`--profile` runs one more step under torch.profiler: the ops with the most device time, device
+time per kind of kernel and the GPU's idle time between compute kernels (`--trace FILE`: rank
+0's Chrome trace too).
 """
 
 import argparse
@@ -47,8 +49,10 @@ def main():
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--snapshot", action="store_true", help="attribute the peak (memory snapshot)")
-    parser.add_argument("--snapshot-file", default=None, help="also dump rank 0's raw snapshot here")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="attribute the peak (memory snapshot)")
+    parser.add_argument("--snapshot-file", default=None,
+                        help="also dump rank 0's raw snapshot here")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None, help="with --profile: rank 0's Chrome trace file")
     opts, train_argv = parser.parse_known_args()
@@ -68,7 +72,8 @@ def main():
     times, peaks, losses = [], [], []
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
-              "attention_kernel": kernels.attention_kernel_name(rt.device, getattr(torch, cfg.dtype))}
+              "attention_kernel": kernels.attention_kernel_name(rt.device,
+                                                                getattr(torch, cfg.dtype))}
     try:
         for step in range(opts.steps):
             if opts.snapshot or opts.snapshot_file:
@@ -90,8 +95,8 @@ def main():
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
             losses.append(float(loss))
             if rt.rank == 0:
-                print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s peak {peaks[-1]:.2f} GiB",
-                      flush=True)
+                print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "
+                      f"peak {peaks[-1]:.2f} GiB", flush=True)
         step_time = statistics.median(times[1:] or times)
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
@@ -105,7 +110,8 @@ def main():
             optimizer.zero_grad(set_to_none=True)
 
         try:  # the profiler's own memory must not turn the measured steps into a failure
-            result["profile"] = profile(one_step, top=25, trace_path=opts.trace if rt.rank == 0 else None)
+            result["profile"] = profile(one_step, top=25,
+                                        trace_path=opts.trace if rt.rank == 0 else None)
         except torch.OutOfMemoryError as error:
             result["profile"] = {"status": "OOM", "error": str(error).split("\n")[0]}
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:

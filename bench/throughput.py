@@ -137,7 +137,8 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
     vocab = llama.get_model_args(cfg.model).vocab_size
     # Ring and sequence parallelism: one sequence shared by all ranks; none: one per rank.
     seed = rt.rank if method == "none" else 0
-    tokens = torch.randint(0, vocab, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, vocab, (1, cfg.seq_len + 1),
+                           generator=torch.Generator().manual_seed(seed))
     model = optimizer = None
     try:
         model = train.build_model(cfg, rt)
@@ -162,11 +163,12 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
             times.append(time.perf_counter() - start)
             if rt.device.type == "cuda":
                 peaks.append(torch.cuda.max_memory_allocated() / GiB)
-        row = {"status": "ok", "step_times_s": times, "step_time_s": statistics.median(times[1:] or times),
+        row = {"status": "ok", "step_times_s": times,
+               "step_time_s": statistics.median(times[1:] or times),
                "peak_gib": peaks[-1] if peaks else None, "loss": float(loss)}
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
         row = {"status": "OOM", "error": str(error).split("\n")[0]}
-    del model, optimizer
+    model = optimizer = None  # frees them; step_fn's closure shares these names, so no `del`
     release(rt.device)
     dist.barrier()
     return row
@@ -187,14 +189,16 @@ def step_flops(args: llama.ModelArgs, seq_len: int, sequences: int,
     linear_params = args.n_layers * per_layer_params + args.dim * args.vocab_size  # + lm_head
     linear_forward = 2 * linear_params * seq_len * sequences
     recompute = 0 if keep_attention else 1
-    return {"attention": attention_forward * (1 + 2.5 + recompute), "linear": linear_forward * (1 + 2 + 1)}
+    return {"attention": attention_forward * (1 + 2.5 + recompute),
+            "linear": linear_forward * (1 + 2 + 1)}
 
 
 def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, local_tokens: int,
                  device, dtype) -> dict:
     """FLOP/s of the attention kernel (forward + backward, causal, one GPU's heads over the whole
     sequence) and of a bf16 matmul of one GPU's tokens through the MLP's up projection."""
-    q = torch.randn(1, seq_len, local_heads, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+    q = torch.randn(1, seq_len, local_heads, args.head_dim, device=device, dtype=dtype,
+                    requires_grad=True)
     k, v = (torch.randn(1, seq_len, local_kv_heads, args.head_dim, device=device, dtype=dtype,
                         requires_grad=True) for _ in range(2))
     grad = torch.randn_like(q)
@@ -205,14 +209,14 @@ def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, loca
 
     attention_ms = cuda_time_ms(attention, warmup=1, repeats=1)
     attention_flops = 2 * seq_len**2 * local_heads * args.head_dim * (1 + 2.5)
-    del q, k, v, grad
+    q = k = v = grad = None  # frees them (attention() shares these names)
     x = torch.randn(local_tokens, args.dim, device=device, dtype=dtype)
     w = torch.randn(args.dim, args.ffn_dim, device=device, dtype=dtype)
     matmul_ms = cuda_time_ms(lambda: x @ w, warmup=2, repeats=5)
     rates = {"attention_flops_per_s": attention_flops / (attention_ms / 1e3),
              "matmul_flops_per_s": 2 * local_tokens * args.dim * args.ffn_dim / (matmul_ms / 1e3),
              "attention_rate_seq_len": seq_len}
-    del x, w
+    x = w = None
     release(device)
     return rates
 
@@ -224,7 +228,8 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
     table = []
     keys = sorted({(r["method"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[0]))
     for method, seq_len in keys:
-        by_depth = {r["layers"]: r for r in rows if (r["method"], r["seq_len"]) == (method, seq_len)}
+        by_depth = {r["layers"]: r for r in rows
+                    if (r["method"], r["seq_len"]) == (method, seq_len)}
         entry = {"method": method, "seq_len": seq_len}
         chunks = {r["head_chunk"] for r in by_depth.values() if r.get("head_chunk")}
         if chunks:
@@ -234,7 +239,8 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
         if full and full["status"] == "ok":
             step, how = full["step_time_s"], "measured at full depth"
         elif one and two and one["status"] == two["status"] == "ok":
-            step = one["step_time_s"] + (args.n_layers - 1) * (two["step_time_s"] - one["step_time_s"])
+            per_layer = two["step_time_s"] - one["step_time_s"]
+            step = one["step_time_s"] + (args.n_layers - 1) * per_layer
             how = f"extrapolated from 1 and 2 layers to {args.n_layers}"
         else:
             entry["status"] = "OOM" if "OOM" in statuses else "not run"
@@ -309,16 +315,19 @@ def plot(tables: list[list[dict]], path: Path, title: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seq-lens", nargs="*", default=["128K", "256K", "512K", "1M"])
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied", "ring", "none"],
                         help="none, ring, ulysses, untied or untied:U, each optionally +host-state "
                              "(--offload-model-state), +keep-attention (--keep-attention) and "
                              "@KERNEL (--attn-kernel): ulysses@fa4 ulysses+keep-attention@fa4")
     parser.add_argument("--no-cp-up-to", default="256K", help="skip 'none' above this length")
-    parser.add_argument("--steps", type=int, default=2, help="steps per row; those after the first are timed")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps per row; those after the first are timed")
     parser.add_argument("--single-step-above", default="512K")
-    parser.add_argument("--validate", nargs="*", default=[], help="METHOD:LENGTH rows to also run at full depth")
+    parser.add_argument("--validate", nargs="*", default=[],
+                        help="METHOD:LENGTH rows to also run at full depth")
     parser.add_argument("--ring-gqa", choices=["native", "repeat"], default="native")
     parser.add_argument("--budget-s", type=float, default=540, help="skip what starts after this")
     parser.add_argument("--name", default=None, help="result file name")
@@ -340,8 +349,8 @@ def main():
              f"{first['model']}, {first['gpu_count']} x {first['gpu']} (ours) vs 8 x H100 (paper)")
         return
     refuse_without_gpu("throughput.py", opts.model, opts.device,
-                       "python -m bench.throughput --device cpu --model tiny --seq-lens 1K --methods "
-                       "none ulysses untied")
+                       "python -m bench.throughput --device cpu --model tiny --seq-lens 1K "
+                       "--methods none ulysses untied")
     started = time.perf_counter()
     args = llama.get_model_args(opts.model)
     base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
@@ -355,10 +364,12 @@ def main():
     result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
               "tile_mlp, tile_loss, tile_norm + the method", "ring_gqa": opts.ring_gqa,
-              "peak_flops_per_gpu": H200_BF16_PEAK, "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
+              "peak_flops_per_gpu": H200_BF16_PEAK,
+              "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
               "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
               "rows": [], "kernel_rates": {}, "table": []}
-    name = opts.name or f"throughput_{opts.model}_{rt.world}gpu" + ("" if opts.device == "cuda" else "_cpu")
+    name = opts.name or (f"throughput_{opts.model}_{rt.world}gpu"
+                         + ("" if opts.device == "cuda" else "_cpu"))
     out_dir = Path(opts.out or default_out_dir())
 
     in_budget = partial(within_budget, started, opts.budget_s, rt.device)
@@ -388,8 +399,9 @@ def main():
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
         if cfg.untied and cfg.head_chunk is None and opts.device == "cuda":
             # What train.py would choose for the full-depth model, not for the shallow one.
-            cfg.head_chunk = planner.fewest_stages_that_fit(dataclasses.replace(cfg, model=opts.model),
-                                                          rt.world, planner.smallest_gpu_memory(rt))
+            full_depth = dataclasses.replace(cfg, model=opts.model)
+            cfg.head_chunk = planner.fewest_stages_that_fit(full_depth, rt.world,
+                                                          planner.smallest_gpu_memory(rt))
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,
                    attention_kernel=kernels.attention_kernel_name(rt.device, dtype, args.head_dim))
@@ -411,7 +423,8 @@ def main():
                 continue
             print(f"{e['seq_len']:>8} {method_label(e):>12} {e['step_time_s']:>9.2f} "
                   f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
-                  f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
+                  f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} "
+                  f"{fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
         print(f"wrote {out_dir / (name + '.json')}")
         if opts.device == "cuda":
             plot([result["table"]], out_dir / f"{name}.png",

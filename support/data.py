@@ -100,8 +100,8 @@ def stack_documents(parts: list[Documents]) -> Documents:
     bounds = [0]
     for row, part in enumerate(parts):
         bounds += [row * seq_len + int(b) for b in part.cu_seqlens[1:]]
-    return Documents(torch.cat([p.labels for p in parts]), torch.cat([p.position_ids for p in parts]),
-                     tuple(bounds))
+    return Documents(torch.cat([p.labels for p in parts]),
+                     torch.cat([p.position_ids for p in parts]), tuple(bounds))
 
 
 class TokenData:

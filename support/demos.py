@@ -24,7 +24,8 @@ def start_ranks() -> SimpleNamespace:
     launched = "RANK" in os.environ
     if launched:
         dist.init_process_group("nccl" if on_gpu else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu
+              else torch.device("cpu"))
     if on_gpu:
         torch.cuda.set_device(device)
     return SimpleNamespace(rank=dist.get_rank() if launched else 0,
@@ -126,5 +127,6 @@ class LargestTensor(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.shape, self.nbytes = t.numel(), tuple(t.shape), t.numel() * t.element_size()
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+                self.nbytes = t.numel() * t.element_size()
         return out

@@ -81,7 +81,8 @@ def model_args_from_hf(path_or_config) -> ModelArgs:
     refuse_if(config.get("mlp_bias", False), "mlp_bias", "biases in the MLP")
     for field in MOE_FIELDS:
         refuse_if(config.get(field), field, "a mixture of experts")
-    refuse_if(config.get("use_sliding_window", False), "use_sliding_window", "sliding-window attention")
+    refuse_if(config.get("use_sliding_window", False), "use_sliding_window",
+              "sliding-window attention")
     refuse_if(any(t != "full_attention" for t in config.get("layer_types") or []), "layer_types",
               "layers other than full attention")
     refuse_if(config.get("partial_rotary_factor", 1.0) != 1.0, "partial_rotary_factor",
@@ -191,7 +192,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
         "torch_dtype": dtype_name, "dtype": dtype_name, "use_cache": True,
     }
     if qwen:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers,
+        config.update(use_sliding_window=False, sliding_window=None,
+                      max_window_layers=args.n_layers,
                       layer_types=["full_attention"] * args.n_layers)
     else:
         config.update(mlp_bias=False, pretraining_tp=1)
@@ -391,9 +393,10 @@ def check_export_dir(out_dir: str, overwrite: bool = False) -> None:
 
 def tokenizer_files(data_path: str | None, source_dir: str | None) -> tuple[list, dict]:
     """What makes an export usable alone with AutoTokenizer + generate: the tokenizer files to
-    copy, as (path, name in the export), and the token ids for config.json. From the --init-from folder when it has a tokenizer,
-    else from the tokenizer prepare_data.py used (named in the token file's sidecar), whose
-    separator ends every document: the end-of-text id that generation stops at."""
+    copy, as (path, name in the export), and the token ids for config.json. From the
+    --init-from folder when it has a tokenizer, else from the tokenizer prepare_data.py used
+    (named in the token file's sidecar), whose separator ends every document: the end-of-text
+    id that generation stops at."""
     from support.data import sidecar_path
 
     def files_of(folder):
@@ -496,7 +499,8 @@ def export_hf(model, args: ModelArgs, out_dir: str, overwrite: bool = False,
         try:
             total = sum(state[n].numel() for n in names) * item_size
             with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                          indent=2)
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)
             for file, name in copied:

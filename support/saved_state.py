@@ -146,7 +146,8 @@ def complete_saves(save_dir: str) -> list[str]:
     """Complete saves (step_N folders renamed from .tmp, with meta.json), oldest first."""
     if not os.path.isdir(save_dir):
         return []
-    names = sorted(n for n in os.listdir(save_dir) if n.startswith("step_") and not n.endswith(".tmp"))
+    names = sorted(n for n in os.listdir(save_dir)
+                   if n.startswith("step_") and not n.endswith(".tmp"))
     paths = [os.path.join(save_dir, n) for n in names]
     return [p for p in paths if os.path.isfile(os.path.join(p, "meta.json"))]
 
@@ -188,7 +189,8 @@ def load_state(cfg, rt, model, optimizer) -> int:
     if rt.rank == 0 and saved != given:
         flags = " ".join(f"--{k.replace('_', '-')} {given[k]}" for k in keys)
         values = ", ".join(f"{k.replace('_', ' ')} {saved[k]}" for k in keys)
-        print(f"resume: using {flags} from the command line (the checkpoint was saved with {values})")
+        print(f"resume: using {flags} from the command line "
+              f"(the checkpoint was saved with {values})")
     if cfg.steps == meta["step"] and rt.rank == 0:
         print(f"resume: {path} is already at step {meta['step']} = --steps; nothing to train")
     return meta["step"]
@@ -233,7 +235,8 @@ def check_resumable(cfg, rt, model, path: str, meta: dict) -> None:
     check_model_shape(path, meta, model.args, "--resume")
     if meta.get("world_size") != rt.world or meta.get("sp") != rt.sp:
         saved_ranks = meta.get("world_size")
-        raise ValueError(f"--resume: {path} was saved by {saved_ranks} rank{'s' if saved_ranks != 1 else ''} "
+        plural = "s" if saved_ranks != 1 else ""
+        raise ValueError(f"--resume: {path} was saved by {saved_ranks} rank{plural} "
                          f"with sp {meta.get('sp')}; this run has {rt.world} "
                          f"rank{'s' if rt.world > 1 else ''} with sp {rt.sp}")
     # The data position is the step: another length or batch would continue on other tokens.
@@ -389,7 +392,8 @@ def claim_outputs(cfg, rt):
                     for old in os.listdir(cfg.save_dir):
                         if old.startswith("step_"):
                             shutil.rmtree(os.path.join(cfg.save_dir, old))
-            if cfg.log:  # append when continuing; otherwise check_outputs found it empty or --overwrite
+            # append when continuing; otherwise check_outputs found it empty or --overwrite
+            if cfg.log:
                 os.makedirs(parent_of(cfg.log), exist_ok=True)
                 log_file = open(cfg.log, "a" if cfg.resume else "w")
         except (OSError, ValueError) as caught:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 TWO_GPUS = "needs 2 GPUs"  # the skipif reason of the tests that run 2 NCCL ranks
+_slow_left_out = []
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +21,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_deselected(items):
+    _slow_left_out.extend(item for item in items if "slow" in item.keywords)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say what the quick loop left out, and how to run it: a slow test named on the command
+    line is otherwise only 'deselected'."""
+    if _slow_left_out:
+        terminalreporter.write_line(f"{len(_slow_left_out)} slow tests left out (pytest.ini's "
+                                    "-m 'not slow'); all of them: python -m pytest -m 'slow or "
+                                    "not slow'")

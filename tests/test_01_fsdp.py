@@ -46,7 +46,8 @@ def _fsdp_steps_match_single_process(steps, device="cpu", dtype="float32", rtol=
                                    msg=lambda m: f"{name} after {steps} steps: {m}")
 
 
-@pytest.mark.parametrize("world_size,steps", [(2, 1), (2, 3), (4, 3)])
+@pytest.mark.parametrize("world_size,steps", [pytest.param(2, 1, marks=pytest.mark.slow), (2, 3),
+                                              pytest.param(4, 3, marks=pytest.mark.slow)])
 def test_fsdp_steps_equal_single_process(world_size, steps):
     run_ranks(world_size, _fsdp_steps_match_single_process, steps)
 
@@ -132,7 +133,8 @@ def _offload_steps_equal_resident(steps):
             torch.testing.assert_close(full(state[key]), full(ref_state[key]), **tight)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_offloaded_model_state_trains_like_the_resident_one(world_size):
     """--stack 5 with and without --offload-model-state, fp32: the same loss, every gradient,
     and the parameters and Adam moments after three steps (fused CPU AdamW against foreach=False)."""
@@ -163,6 +165,7 @@ def _state_lives_on_the_host():
             llama.get_model_args("tiny"), dist.get_world_size()).values())
 
 
+@pytest.mark.slow
 def test_offloaded_model_state_is_on_the_host():
     """What a CPU can show: every FSDP module carries the offload policy, every shard (and each
     Adam moment) is a host tensor, pinned exactly when a GPU driver exists. On a CPU machine the

@@ -50,7 +50,8 @@ def _attention_matches_unsharded(device="cpu", dtype=torch.float32, rtol=1e-5, a
                                        msg=lambda m: f"{what} d{name}: {m}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_attention_output_and_grads_equal_unsharded(world_size):
     run_ranks(world_size, _attention_matches_unsharded)
 
@@ -71,7 +72,9 @@ def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", norm_rto
                    norm_rtol=norm_rtol)
 
 
-@pytest.mark.parametrize("world_size,sp,ignore", [(2, 2, False), (4, 4, True), (4, 2, True)])
+@pytest.mark.parametrize("world_size,sp,ignore", [
+    (2, 2, False), pytest.param(4, 4, True, marks=pytest.mark.slow),
+    pytest.param(4, 2, True, marks=pytest.mark.slow)])
 def test_fsdp_ulysses_model_equals_single_process(world_size, sp, ignore):
     """Loss and every parameter gradient; (4, 2) is dp=2 x sp=2. The tiny preset has 2 KV heads,
     so sp=4 exercises KV-head replication."""

@@ -140,6 +140,7 @@ def _repeated_steps_with_and_without_keep_attention():
         _repeated_steps_do_not_grow(keep_attention)
 
 
+@pytest.mark.slow
 def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
     """Five steps with and without --keep-attention: the same host buffers every step, nothing
     left waiting, no tensor more."""
@@ -203,6 +204,7 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
         kernels.attention_forward_lse = forward_lse
 
 
+@pytest.mark.slow
 def test_keep_attention_changes_no_number_and_skips_the_recompute_kernel():
     """--keep-attention under 02 and 05 (P=2, FSDP), with and without offload: the unsharded
     model's loss and gradients; the attention forward runs once per block and the recompute
@@ -362,6 +364,7 @@ def test_host_buffers_are_power_of_two_pieces_that_round_trip():
     assert torch.equal(back, x)
 
 
+@pytest.mark.slow
 def test_train_py_stack_3_runs():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "train.py", "--stack", "3", "--steps", "3"], cwd=REPO,

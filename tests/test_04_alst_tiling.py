@@ -386,6 +386,7 @@ def test_fsdp_ulysses_tiled_model_equals_single_process():
     run_ranks(2, _model_matches_unsharded)
 
 
+@pytest.mark.slow
 def test_train_py_tiles_on_cpu():
     result = subprocess.run([sys.executable, "train.py", "--tile-mlp", "--tile-loss", "--steps", "3",
                              "--seq-len", "64", "--mlp-tile-tokens", "5"],
@@ -393,6 +394,7 @@ def test_train_py_tiles_on_cpu():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_train_py_stack_4():
     result = subprocess.run([sys.executable, "train.py", "--stack", "4", "--steps", "3", "--seq-len", "64"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -134,7 +134,8 @@ def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5, head
     assert checked >= 4 * len(HEAD_CASES[sp])
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_attention_layer_equals_unsharded_and_ulysses(world_size):
     """MHA and GQA with KV heads = P, < P, > P; with and without QK-norm; U in {P, 2P, H}."""
     run_ranks(world_size, _layer_matches)
@@ -156,7 +157,9 @@ def _model_matches(sp, chunks):
         assert_matches(loss, grads, ref_loss, ref_grads, what=f"sp={sp} dp={dp} U={chunk}")
 
 
-@pytest.mark.parametrize("world_size,sp,chunks", [(2, 2, (2, 8)), (4, 4, (4, 8)), (4, 2, (2,))])
+@pytest.mark.parametrize("world_size,sp,chunks", [
+    (2, 2, (2, 8)), pytest.param(4, 4, (4, 8), marks=pytest.mark.slow),
+    pytest.param(4, 2, (2,), marks=pytest.mark.slow)])
 def test_full_stack_model_equals_single_process(world_size, sp, chunks):
     """Loss and every parameter gradient. tiny has 8 query and 2 KV heads: at sp=2 KV heads = P
     (U=2 runs 4 stages per KV group), at sp=4 they are replicated; (4, 2) is dp=2 x sp=2."""
@@ -185,6 +188,7 @@ def test_default_chunk_is_the_degree():
     assert untied.check_head_chunk(8, 2, 4, None) == 4
 
 
+@pytest.mark.slow
 def test_train_refuses_bad_chunk():
     result = subprocess.run([sys.executable, "train.py", "--untied", "--head-chunk", "3",
                              "--steps", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -312,6 +316,7 @@ def _memory_shrinks_and_does_not_grow_with_stages():
     assert peak_p < ulysses_peak * 0.5, report  # the GPU target, on the CPU stand-in
 
 
+@pytest.mark.slow
 def test_memory_shrinks_with_smaller_chunks_and_is_below_ulysses():
     run_ranks(2, _memory_shrinks_and_does_not_grow_with_stages)
 

@@ -228,7 +228,8 @@ def _ring_equals_unsharded():
     assert largest.nbytes == q.numel() * 4, (largest.shape, q.shape)  # the fp32 accumulators
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_equals_unsharded_attention(world_size):
     run_ranks(world_size, _ring_equals_unsharded)
 
@@ -286,6 +287,7 @@ def _hybrid_and_bytes():
         ring_attn.apply_ring(llama.Transformer(replace(args, n_heads=5)), ulysses_group, ring_group)
 
 
+@pytest.mark.slow
 def test_bytes_fall_with_ring_and_ulysses_times_ring_equals_unsharded():
     run_ranks(4, _hybrid_and_bytes)
 
@@ -331,6 +333,7 @@ def test_gpu_kernels_full_blocks_and_ring_schedule_in_bf16(kernel):
         kernels.use_kernel("auto")
 
 
+@pytest.mark.slow
 def test_ring_blocks_benchmark_runs_on_cpu(tmp_path):
     """bench/ring_blocks.py's CPU smoke form (its numbers mean nothing on a CPU): it runs, the
     ring's schedule is exact in fp32, and it writes its JSON."""

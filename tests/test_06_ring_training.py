@@ -60,7 +60,8 @@ def _ring_training_matches_unsharded(cases):
             print(f"{what}: equal to unsharded training (loss {float(loss):.6f})")
 
 
-@pytest.mark.parametrize("world_size", sorted(CASES))
+@pytest.mark.parametrize("world_size", [world if world == 2 else pytest.param(
+    world, marks=pytest.mark.slow) for world in sorted(CASES)])
 def test_ulysses_times_ring_training_equals_unsharded(world_size):
     run_ranks(world_size, _ring_training_matches_unsharded, CASES[world_size])
 
@@ -106,6 +107,7 @@ def _keep_attention_through_the_ring():
         assert stats["kept"] == layers and stats["taken"] == layers, (untied, stats)
 
 
+@pytest.mark.slow
 def test_keep_attention_keeps_the_rings_output():
     run_ranks(2, _keep_attention_through_the_ring)
 

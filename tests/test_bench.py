@@ -19,10 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE_RUNS = {
     "throughput": ["--device", "cpu", "--model", "tiny", "--seq-lens", "256",
                    "--methods", "none", "ulysses", "untied:8", "ulysses+ring:2"],
-    "tiling": ["--device", "cpu", "--model", "tiny", "--seq-lens", "512", "--step-seq-lens", "256",
-               "--layers", "2", "--repeats", "1"],
-    "offload": ["--device", "cpu", "--model", "tiny", "--parts", "fits", "layers", "--fits-seq-len",
-                "256", "--layers-seq-len", "256", "--steps", "2"],
     "max_length": ["--device", "cpu", "--model", "tiny", "--methods", "ulysses", "untied",
                    "--first-length", "1K", "--granularity", "256", "--max-trials", "2"],
     "max_length:forward_only": ["--device", "cpu", "--model", "tiny", "--methods", "untied",
@@ -31,13 +27,10 @@ SMOKE_RUNS = {
     "max_length:offload_model_state": ["--device", "cpu", "--model", "tiny", "--methods", "untied",
                                        "--first-length", "1K", "--granularity", "256",
                                        "--max-trials", "2", "--offload-model-state"],
-    "untied": ["--model", "tiny", "--seq-lens", "256", "--chunks", "2", "8", "--repeats", "1",
-               "--profile"],
-    "packed": ["--device", "cpu", "--model", "tiny", "--seq-lens", "1K", "--long-doc", "256",
-               "--short-median", "32", "--layers", "1", "--kernel-repeats", "1"],
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SMOKE_RUNS))
 def test_benchmark_runs_on_cpu(script, tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -45,37 +38,20 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
                "--standalone", "-m", f"bench.{script.split(':')[0]}", *SMOKE_RUNS[script],
                "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"{script}.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, \
+        f"{script}.py failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     results = list(tmp_path.glob("*.json"))
     assert results, f"{script}.py wrote no JSON"
     for path in results:
         assert json.loads(path.read_text())  # a complete, parseable result
 
 
-def test_pretrained_benchmark_on_cpu_matches_transformers(tmp_path):
-    """bench/pretrained.py's three parts on the tiny shape: write an HF folder, --init-from it
-    under --stack 5 on 2 ranks (step, export), then transformers' loss on both folders equals
-    ours (fp32: only summation order differs)."""
-    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    folder, export = str(tmp_path / "hf"), str(tmp_path / "exported")
-    for command in (["-m", "bench.pretrained", "write", folder, "--model", "tiny"],
-                    ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m",
-                     "bench.pretrained", "run", folder, export, "--short", "64", "--out",
-                     str(tmp_path), "--", "--stack", "5", "--seq-len", "256"],
-                    ["-m", "bench.pretrained", "reference", folder, export, "--out", str(tmp_path)]):
-        done = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=240)
-        assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    result = json.loads((tmp_path / "pretrained.json").read_text())
-    assert result["sp"] == 2 and result["short_loss_after_step"] != result["short_loss_before_step"]
-    for key in ("reference_transformers", "export_transformers"):
-        assert result[key]["relative_difference"] < 1e-5, result[key]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("script,needle", [("throughput", "--device cpu --model tiny"),
-                                           ("packed", "--device cpu --model tiny"),
-                                           ("ulysses", "no CPU form")])
+                                           ("ring_blocks", "--device cpu --model tiny"),
+                                           ("progression", "no CPU form")])
 def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
     """Without a GPU a full-size benchmark would be killed for host memory minutes later (or fail
     inside NCCL): it stops at once and says what runs on a CPU."""
@@ -86,6 +62,7 @@ def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
     assert "no CUDA GPU here" in done.stderr and needle in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_throughput_plot_needs_no_gpu(tmp_path):
     """--plot only reads saved results: it runs where no GPU is (and is not refused there)."""
     saved = tmp_path / "throughput.json"
@@ -122,8 +99,9 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
         alloc(3, 50 * 2**30, _frame("model.py", "causal_attention"), _frame("02_ulysses.py", "x")),
         alloc(4, 30 * 2**30, entry, _frame("04_alst_tiling.py", "tiled_mlp_forward")),  # reversed
         alloc(5, 20 * 2**30, {"filename": "/t/torch/optim/adamw.py", "line": 1, "name": "adamw"}),
-        alloc(8, 10 * 2**30, {"filename": "", "line": 0,  # a backward kernel: C++ frames only
-                              "name": "at::_ops::_scaled_dot_product_cudnn_attention_backward::call(x)"}),
+        alloc(8, 10 * 2**30, {  # a backward kernel: C++ frames only
+            "filename": "", "line": 0,
+            "name": "at::_ops::_scaled_dot_product_cudnn_attention_backward::call(x)"}),
         free(3, 50 * 2**30),  # the peak was just before: 210 GiB
         alloc(6, 40 * 2**30, _frame("model.py", "rms_norm")),
     ]
@@ -134,13 +112,15 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
     assert summary["largest_owners"][1]["owner"] == "04_alst_tiling.py:tiled_mlp_forward"
     assert "oom" not in summary
     # over the whole step, not only at the peak: rms_norm's 40 GiB came after it
-    in_steps = {o["owner"]: o["largest_tensor_gib"] for o in summary["largest_allocations_in_steps"]}
+    in_steps = {o["owner"]: o["largest_tensor_gib"]
+                for o in summary["largest_allocations_in_steps"]}
     assert in_steps["model.py:causal_attention"] == 50 and in_steps["model.py:rms_norm"] == 40
     assert "01_fsdp.py:build_model" not in in_steps  # before the first step
 
     failed = {"action": "oom", "size": 125 * 2**30, "frames": [_frame("model.py", "loss_sum")]}
     summary = snapshot.summarize({"device_traces": [trace + [failed]]})
-    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum", "allocated_gib": 200}
+    assert summary["oom"] == {"requested_gib": 125, "owner": "model.py:loss_sum",
+                              "allocated_gib": 200}
     assert summary["peak_gib"] == 200 and summary["gib"]["other"] == 70
     owners = [o["owner"] for o in summary["largest_owners"]]
     assert "at::_ops::_scaled_dot_product_cudnn_attention_backward::call" in owners
@@ -177,9 +157,10 @@ def test_max_length_search_brackets_the_limit(monkeypatch):
 def test_snapshot_on_a_real_step_matches_the_allocator(tmp_path):
     """On a GPU: step.py --snapshot's replayed peak is the allocator's own maximum, its parts
     add up to it, and attention and model state are both found."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "-m", "bench.step", "--snapshot", "--steps", "2", "--name", "snap",
-               "--out", str(tmp_path), "--", "--model", "small", "--seq-len", "8K", "--stack", "4"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", "-m", "bench.step", "--snapshot", "--steps", "2",
+               "--name", "snap", "--out", str(tmp_path), "--", "--model", "small", "--seq-len",
+               "8K", "--stack", "4"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     memory = json.loads((tmp_path / "snap.json").read_text())["memory_at_peak"]
@@ -272,9 +253,11 @@ def test_the_ideal_copier_bound_counts_what_can_be_copied(tmp_path, reach):
     assert 0 < bound["buckets"][-1]["mean_loss"] < bound["buckets"][0]["mean_loss"]
 
 
+@pytest.mark.slow
 def test_the_context_curve_recipe_runs_end_to_end(tmp_path, capsys):
     """bench/context_curve.py's recipe, scaled down: train short, export, extend from the export,
-    evaluate the held-out file, and draw it next to the ideal copier, whose buckets are eval.py's."""
+    evaluate the held-out file, and draw it next to the ideal copier, whose buckets are
+    eval.py's."""
     from bench.context_curve import copy_bound, write_context_files
 
     train, evaluate = importlib.import_module("train"), importlib.import_module("eval")
@@ -310,7 +293,7 @@ def test_the_context_curve_recipe_runs_end_to_end(tmp_path, capsys):
     assert "different position buckets" in capsys.readouterr().out
 
 
-def test_ring_diagram_draws_06s_own_schedule(tmp_path):
+def test_ring_diagram_draws_06s_own_schedule(tmp_path, capsys):
     """bench/ring_diagram.py (the README's picture) reads 06's schedule: over R steps every block
     pair with keys not after queries is computed once, by the rank holding its query chunk,
     causal only on the diagonal, and every rank does the same work at every step; the command
@@ -328,9 +311,32 @@ def test_ring_diagram_draws_06s_own_schedule(tmp_path):
         assert ring_diagram.work_per_step(schedule, ring) == [[2.0] * ring] * ring
     pytest.importorskip("matplotlib")
     out = tmp_path / "ring.png"
-    done = subprocess.run([sys.executable, "-m", "bench.ring_diagram", "--ring", "3", "--out",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert out.stat().st_size > 0 and "rank 2 (K/V of rank 0)" in done.stdout
+    ring_diagram.main(["--ring", "3", "--out", str(out)])  # in-process: no torch start-up
+    assert out.stat().st_size > 0 and "rank 2 (K/V of rank 0)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="between 1 and 8"):
         ring_diagram.main(["--ring", "9", "--out", str(tmp_path / "no.png")])
+
+
+def test_ulysses_diagram_draws_02s_own_exchange(tmp_path, capsys):
+    """bench/ulysses_diagram.py (the README's picture) exchanges labelled tensors with 02's own
+    patterns: before, rank r holds its S/P tokens of every head; after, all S tokens in order of
+    its H/P heads; TO_TOKENS undoes it (checked inside `layouts`); the command writes its PNG
+    and refuses a shape Ulysses cannot cut."""
+    from bench import ulysses_diagram
+
+    for ranks, seq_len, heads in ((1, 4, 2), (2, 8, 4), (4, 8, 8), (4, 12, 4)):
+        before, after = ulysses_diagram.layouts(ranks, seq_len, heads)
+        local, mine = seq_len // ranks, heads // ranks
+        for rank in range(ranks):
+            assert before[rank][:, :, 0].tolist() == \
+                [[t] * heads for t in range(rank * local, (rank + 1) * local)]
+            assert before[rank][0, :, 1].tolist() == list(range(heads))
+            assert after[rank][:, :, 0].tolist() == [[t] * mine for t in range(seq_len)]
+            assert after[rank][:, :, 1].tolist() == \
+                [list(range(rank * mine, (rank + 1) * mine))] * seq_len
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "ulysses.png"
+    ulysses_diagram.main(["--ranks", "2", "--out", str(out)])  # in-process: no torch start-up
+    assert out.stat().st_size > 0 and "rank 1: tokens 0-7 x heads 4-7" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="must both divide by --ranks"):
+        ulysses_diagram.main(["--ranks", "3", "--out", str(tmp_path / "no.png")])

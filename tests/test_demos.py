@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # each demo is a fresh process or two: outside the quick loop
+
 DEMOS = {  # file -> (launched with torchrun, a line the demo prints)
     "01_fsdp.py": (True, "fully_shard on the meta device"),
     "02_ulysses.py": (True, "with Ulysses"),

@@ -115,6 +115,7 @@ def packed_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_packed_documents_score_each_document_alone_by_document_position(trained, packed_file):
     """--doc-sep: every document scored as if alone (its own forward through the plain model,
     with its positions), its tokens bucketed by the context they saw within the document (a
@@ -154,6 +155,7 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
               dict(data=packed_file, doc_sep=SEP))
 
 
+@pytest.mark.slow
 def test_p4_and_data_parallel_equal_one_process(trained):
     """sp = 4 (fewer KV heads than ranks) and dp 2 x sp 2, where 3 windows leave one rank a
     padding window whose labels count nothing."""
@@ -225,6 +227,7 @@ def test_passkey_generator_places_the_key_where_asked(depth):
         evaluate.passkey_tokens(8, depth, key, filler, marker, prefix)
 
 
+@pytest.mark.slow
 def test_a_tiny_model_trained_on_recall_retrieves_the_key(one_thread):
     """Trains the tiny preset on CPU (~25 s): the key (2 tokens from 8 ids: chance 1/64) after
     a marker at a random depth in 64 tokens, asked for at the end. Greedy exact match must be
@@ -322,6 +325,7 @@ def test_command_line_writes_json_png_and_compares(trained, tmp_path, capsys):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_help_lists_the_flags_eval_needs():
     result = subprocess.run([sys.executable, "eval.py", "--help"], cwd=REPO, capture_output=True,
                             text=True, timeout=120)

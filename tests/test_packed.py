@@ -290,7 +290,8 @@ STACKS = {1: [(stack, None) for stack in range(0, 6)],
              + [(2, 4, 2), (5, 4, 4)]}  # (--stack, --sp, --ring): 06's ring, Ulysses 2 x 2, 1 x 4
 
 
-@pytest.mark.parametrize("world_size", sorted(STACKS))
+@pytest.mark.parametrize("world_size", [world if world == 2 else pytest.param(
+    world, marks=pytest.mark.slow) for world in sorted(STACKS)])
 def test_packed_training_equals_each_document_alone(world_size, tmp_path):
     """--stack 0..5 at P = world; at 4 ranks also dp 2 x sp 2 (Ulysses and Untied) and FSDP
     alone (dp 4); Ulysses x ring (06: 1 x 2, 2 x 2, Untied 1 x 4), whose block pairs mask by
@@ -437,7 +438,7 @@ def _one_document_changes_nothing_else(path, changed_path):
         assert not torch.equal(dense_logits[~inside], dense_logits2[~inside]), what
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_changing_one_document_leaves_every_other_bit_identical(world_size, tmp_path):
     lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
     stream = make_stream(lengths)

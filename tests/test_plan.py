@@ -533,6 +533,7 @@ def test_the_first_line_states_the_host_memory_assumed():
     assert "251.0 GiB" in first and "--host-mem 251GiB" in first, first
 
 
+@pytest.mark.slow
 def test_no_arguments_answer_the_default_question():
     """`python plan.py`: every level's longest length for the default model on the default GPUs
     (what --seq-len max prints), the level that cannot run on 8 processes said in its row."""
@@ -600,6 +601,7 @@ def test_command_line_prints_the_table():
     assert re.search(r"host RAM per GPU .*fits in 256.0", out), out
 
 
+@pytest.mark.slow
 def test_command_line_longest_per_stack_level():
     result = _run_plan("--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB", "--seq-len", "max")
     assert result.returncode == 0, result.stderr
@@ -623,6 +625,7 @@ def test_plan_says_when_keep_attention_fits_too():
     assert hint not in kept and "keep_attention" in kept and "offloaded checkpoints 187.5" in kept
 
 
+@pytest.mark.slow
 def test_command_line_offload_and_scaling():
     result = _run_plan("--model", "llama3-8b", "--stack", "5", "--offload-model-state",
                        "--seq-len", "7M")
@@ -651,6 +654,7 @@ def test_command_line_offload_and_scaling():
     assert _run_plan("--stack", "5", "--seq-len", "1M", "--scaling").returncode == 1
 
 
+@pytest.mark.slow
 def test_command_line_refuses_like_training():
     result = _run_plan("--model", "llama3-8b", "--stack", "2", "--gpus", "3", "--seq-len", "96K",
                        "--ring", "1")  # Ulysses alone: 32 heads over 3 ranks

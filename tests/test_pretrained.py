@@ -435,9 +435,11 @@ def _sharded_load_matches_single_process(path, use_dcp, world_size):
 
 
 @pytest.mark.parametrize("case,use_dcp,world_size,files", [
-    ("llama-llama3", True, 2, "one"), ("qwen3-tied-yarn", True, 2, "several"),
-    ("llama-tied", False, 2, "several"),
-    ("qwen3-tied-yarn", True, 3, "one"), ("llama-llama3", False, 3, "one"),  # uneven shards
+    ("llama-llama3", True, 2, "one"),
+    pytest.param("qwen3-tied-yarn", True, 2, "several", marks=pytest.mark.slow),
+    pytest.param("llama-tied", False, 2, "several", marks=pytest.mark.slow),
+    pytest.param("qwen3-tied-yarn", True, 3, "one", marks=pytest.mark.slow),  # uneven shards
+    pytest.param("llama-llama3", False, 3, "one", marks=pytest.mark.slow),
 ])
 def test_sharded_load_reads_only_its_slices(tmp_path, case, use_dcp, world_size, files):
     hf = make_hf_model(tmp_path, case)
@@ -467,6 +469,7 @@ def _sharded_export_equals_single_process(path, out, want):
         assert torch.equal(got[name], want[name]), name
 
 
+@pytest.mark.slow
 def test_sharded_export_writes_whole_tensors(tmp_path):
     from safetensors.torch import load_file
 
@@ -494,7 +497,7 @@ def _stack5_equals_single_process(path):
                    what=f"--init-from --stack 5 at P={dist.get_world_size()}")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_init_from_under_stack_5_equals_the_single_process_model(tmp_path, world_size):
     make_hf_model(tmp_path, "llama-yarn")
     run_ranks(world_size, _stack5_equals_single_process, str(tmp_path))
@@ -528,6 +531,7 @@ def test_train_exports_and_init_from_the_export_continues_exactly(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
+@pytest.mark.slow
 def test_export_that_can_never_be_written_is_refused_before_training(tmp_path, where):
     (tmp_path / "a_file").write_text("x")
     out = str(tmp_path / "a_file" / "export") if where == "under_a_file" else "/proc/no/export"
@@ -568,6 +572,7 @@ def test_yarn_export_loads_without_a_rope_warning(tmp_path, caplog):
                 or "max_position_embeddings" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_export_after_prepared_data_carries_its_tokenizer(tmp_path):
     """Trained on prepare_data.py's output, the export holds the tokenizer and its end-of-text
     id: AutoTokenizer and generate work from the export folder alone."""
@@ -597,6 +602,7 @@ def test_export_after_prepared_data_carries_its_tokenizer(tmp_path):
     assert generated.shape[1] <= len(ids) + 3 and hf.generation_config.eos_token_id == info["separator_id"]
 
 
+@pytest.mark.slow
 def test_an_export_that_fails_at_the_end_is_a_clear_error_not_a_traceback(tmp_path):
     """Should the export fail after training all the same (a full disk), train.py ends with one
     `error:` line naming it (nothing replaced), not a traceback."""

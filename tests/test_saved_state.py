@@ -78,6 +78,7 @@ def _resume_across_model_state_offload(tmp):
             torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-5)  # the same parameters as above
 
 
+@pytest.mark.slow
 def test_resume_across_model_state_offload(tmp_path):
     run_ranks(2, _resume_across_model_state_offload, str(tmp_path))
 
@@ -106,6 +107,7 @@ def test_only_the_two_newest_checkpoints_are_kept(tmp_path):
         "step_00000003", "step_00000004"]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     cmd = [sys.executable, "train.py", "--steps", "100000", "--seq-len", "64",
            "--save-dir", str(tmp_path)]
@@ -430,6 +432,7 @@ def check_clean_stop(code, output, save_dir):
     return json.loads(Path(saved_state.complete_saves(str(save_dir))[-1], "meta.json").read_text())["step"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_every_process_under_torchrun_stops_cleanly_and_resumes_bitwise(tmp_path):
     code, output = signalled_torchrun(torchrun(tmp_path / "run", tmp_path / "run.jsonl", 100000),
                                       every_process=True)
@@ -452,6 +455,7 @@ def test_sigterm_to_every_process_under_torchrun_stops_cleanly_and_resumes_bitwi
     assert interrupted == losses(tmp_path / "straight.jsonl")  # bit for bit
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_alone_stops_cleanly(tmp_path):
     code, output = signalled_torchrun(torchrun(tmp_path, tmp_path / "log.jsonl", 100000),
                                       every_process=False)

@@ -28,6 +28,7 @@ def read_log(path):
     return lines[0], lines[1:]
 
 
+@pytest.mark.slow
 def test_default_run_exits_0_and_loss_goes_down(tmp_path):
     result = run_script("train.py", "--log-file", str(tmp_path / "log.jsonl"))
     assert result.returncode == 0, result.stderr
@@ -40,6 +41,7 @@ def test_default_run_exits_0_and_loss_goes_down(tmp_path):
     assert last < first - 0.5, (first, last)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_with_the_stack(tmp_path):
     """The README's multi-process command, on CPU/gloo, with every technique."""
     result = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",

@@ -85,6 +85,7 @@ def test_the_log_files_folders_are_created_after_every_check(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [["--model", "llama5"], ["--steps", "abc"]])
+@pytest.mark.slow
 def test_an_error_every_rank_meets_is_printed_once_under_torchrun(bad):
     result = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
                         "--stack", "1", *bad)
@@ -155,6 +156,7 @@ def test_grad_accum_equals_the_larger_batch_two_ranks_stack_5():
     run_ranks(2, _grad_accum_equals_the_larger_batch, {"stack": 5})
 
 
+@pytest.mark.slow
 def test_grad_accum_equals_the_larger_batch_dp_2_x_sp_2():
     run_ranks(4, _grad_accum_equals_the_larger_batch, {"stack": 5, "sp": 2})
 
@@ -209,6 +211,7 @@ def test_the_schedule_follows_its_formula():
     assert train.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
 
 
+@pytest.mark.slow
 def test_each_log_line_carries_its_lr(tmp_path):
     log = tmp_path / "log.jsonl"
     result = run_script("train.py", "--seq-len", "32", "--steps", "4", "--lr", "1e-3",
@@ -241,6 +244,7 @@ def test_the_default_lr_follows_the_model_size(flags, lr):
     assert train.resolve_techniques(train.Config(**flags)).lr == lr
 
 
+@pytest.mark.slow
 def test_the_default_lr_of_init_from_is_fine_tuning_and_printed(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -260,6 +264,7 @@ def test_the_default_lr_of_init_from_is_fine_tuning_and_printed(tmp_path):
 # The closing summary; bars on a terminal only
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_summary_closes_the_run_and_no_bar_reaches_a_pipe(tmp_path):
     result = run_script("train.py", "--seq-len", "32", "--steps", "3", "--device", "cpu",
                         "--save-dir", str(tmp_path / "saves"))
