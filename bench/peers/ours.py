@@ -16,7 +16,9 @@ import time
 import torch
 
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
-from support.config import Config
+from support.choices import choose_for_run
+from support.config import Config, techniques_text
+from support.host_memory import check_host_memory
 
 train = importlib.import_module("train")
 
@@ -42,9 +44,8 @@ class Stack:
         cfg = self.cfg
         cfg.seq_len = seq_len
         cfg.head_chunk = cfg.keep_attention = None  # decided again, as a new run would
-        cfg.head_chunk = train.choose_head_chunk(cfg, self.rt)
-        cfg.keep_attention = train.choose_keep_attention(cfg, self.rt)
-        train.check_host_memory(cfg, self.rt)
+        cfg.head_chunk, cfg.keep_attention = choose_for_run(cfg, self.rt)
+        check_host_memory(cfg, self.rt)
         decisions = (cfg.keep_attention, cfg.head_chunk)
         if decisions == self.built_for:
             return
@@ -69,9 +70,9 @@ class Stack:
         return {
             "stack": f"train.py --stack {cfg.stack}" + (" --offload-model-state"
                                                        if cfg.offload_model_state else ""),
-            "techniques": train.techniques_text(cfg, cfg.head_chunk, self.rt.ring),
+            "techniques": techniques_text(cfg, cfg.head_chunk, self.rt.ring),
             "keep_attention": cfg.keep_attention,
-            "keep_attention_source": "train.choose_keep_attention (the planner's default)",
+            "keep_attention_source": "support/choices.py (train.py's default, from the planner)",
             "attention": train.attention_kernel(cfg, self.rt, self.args),
             "weights": "fp32 master, bf16 compute (FSDP2 mixed precision)"
                        if cfg.dtype == "bfloat16" else cfg.dtype,
