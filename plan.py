@@ -88,7 +88,8 @@ def parse_bytes(text: str) -> int:
 
 def planned_kernel(cfg: Config) -> str:
     """The attention kernel whose backward workspace the plan counts: --attn-kernel, or for
-    auto FlashAttention-4 where it is installed, else cuDNN (plan for FA4 with --attn-kernel fa4)."""
+    auto FlashAttention-4 where it is installed, else cuDNN (plan for FA4 with
+    --attn-kernel fa4)."""
     if cfg.attn_kernel in ("fa4", "flash"):
         return cfg.attn_kernel
     return "fa4" if cfg.attn_kernel == "auto" and kernels.fa4_installed() else "cudnn"
@@ -131,7 +132,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         buffers = byte_counts.fsdp_buffer_bytes(args, b)
         optimizer_temporaries = 2 * 4 * -(-largest // world_size)
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
-        state = {"parameters": b * n_params, "gradients": b * n_params, "optimizer": 2 * b * n_params}
+        state = {"parameters": b * n_params, "gradients": b * n_params,
+                 "optimizer": 2 * b * n_params}
         buffers = dict.fromkeys(("after_forward", "during_backward", "end_of_backward"), 0)
         optimizer_temporaries = 2 * b * largest
     # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
@@ -274,7 +276,8 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
         ring_heads = (u, kv_heads)
     elif ulysses_size > 1:
         attention = 5 * q + 4 * n * max(args.n_kv_heads, ulysses_size) * args.head_dim * b + lse
-        ring_heads = (args.n_heads // ulysses_size, max(args.n_kv_heads, ulysses_size) // ulysses_size)
+        ring_heads = (args.n_heads // ulysses_size,
+                      max(args.n_kv_heads, ulysses_size) // ulysses_size)
     else:
         attention = 2 * q + 2 * n * args.n_kv_heads * args.head_dim * b + lse
         ring_heads = (args.n_heads, args.n_kv_heads)
@@ -306,7 +309,8 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
 def smallest_gpu_memory(rt: Runtime) -> int:
     """The smallest GPU's memory over all ranks: choices made from it are the same on every rank
     (a head chunk that differed between ranks would mismatch the all-to-alls)."""
-    memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory], device=rt.device)
+    memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory],
+                          device=rt.device)
     if dist.is_initialized():
         dist.all_reduce(memory, op=dist.ReduceOp.MIN)
     return int(memory.item())
@@ -317,9 +321,9 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
     """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
     U (fewest stages) whose planned step fits (fits_on_gpu, with its margin), else U = P.
     Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges; README,
-    throughput); the memory that U = P saves matters only near the longest length that fits, and there
-    only U = P fits. One stage holds more memory than Ulysses (its backward keeps the output and
-    the input-gradient buffer besides every head's q, k, v): it is chosen only where that fits.
+    throughput); the memory that U = P saves matters only near the longest length that fits, and
+    there only U = P fits. One stage holds more memory than Ulysses (its backward keeps the output
+    and the input-gradient buffer besides every head's q, k, v): it is chosen only where that fits.
     Training passes the memory torch reports (139.8 GiB on an H200); --plan passes --gpu-mem."""
     args = model_args(cfg)
     sp, ring, least_memory = check_layout(replace(cfg, head_chunk=None), world_size, args)
@@ -414,7 +418,8 @@ def gpu_fit_text(peak: int, gpu_mem: int) -> str:
             f"usable of {gpu_mem / GiB:.1f} (with the {PLAN_MARGIN:.1%} margin: "
             f"{with_margin / GiB:.1f})")
     if peak <= usable < with_margin:
-        text += ": at the edge, where the planner has been a few percent low: it may run out of memory"
+        text += (": at the edge, where the planner has been a few percent low: it may run out of "
+                 "memory")
     return text
 
 
@@ -422,7 +427,8 @@ def plan_with_head_chunk(cfg: Config, world_size: int, gpu_mem: int, forward_onl
     """(cfg, its plan) with Untied Ulysses' head chunk as training (or eval.py) on such GPUs
     would choose it when --head-chunk is not given."""
     if cfg.untied and cfg.head_chunk is None:
-        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem, forward_only))
+        cfg = replace(cfg, head_chunk=fewest_stages_that_fit(cfg, world_size, gpu_mem,
+                                                             forward_only))
     return cfg, plan_memory(cfg, world_size, forward_only=forward_only)
 
 
@@ -441,7 +447,8 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     changes = [(f"--stack {level}", replace(cfg, stack=level), world_size)
                for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
     if cfg.fsdp and not cfg.offload_model_state:
-        changes.append(("--offload-model-state", replace(cfg, offload_model_state=True), world_size))
+        changes.append(("--offload-model-state", replace(cfg, offload_model_state=True),
+                        world_size))
     if cfg.untied and cfg.head_chunk:
         args = model_args(cfg)
         sp, ring, _ = check_layout(cfg, world_size, args)
@@ -505,13 +512,15 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
     if cfg.checkpoint and not cfg.keep_attention and gpu_fits and host_fits:
-        kept = plan_memory(replace(cfg, keep_attention=True, head_chunk=plan["head_chunk"]), world_size)
+        kept = plan_memory(replace(cfg, keep_attention=True, head_chunk=plan["head_chunk"]),
+                           world_size)
         if all(plan_fits(kept, world_size, gpu_mem, host_mem, gpus_per_node)):
             lines.append(f"--keep-attention fits too (GPU {kept['peak'] / GiB:.1f}, host "
                          f"{kept['host'] / GiB:.1f} per GPU): the recompute skips attention's "
                          f"forward, ~1.2x faster steps at long lengths (README)")
     if not (gpu_fits and host_fits):
-        lines.append("to fit: " + what_would_fit(asked, world_size, gpu_mem, host_mem, gpus_per_node))
+        lines.append("to fit: "
+                     + what_would_fit(asked, world_size, gpu_mem, host_mem, gpus_per_node))
     if cfg.documents:
         lines.append(DOCUMENTS_NOTE)
     return "\n".join(lines)
@@ -528,7 +537,8 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
         f"(no gradients) at {plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, "
         f"{cfg.dtype}; {gpus_text(world_size)} (data {plan['dp']} x sequence {plan['sp']}), "
         f"{plan['local_tokens']:,} tokens per GPU",
-        f"techniques: {techniques_text(replace(cfg, checkpoint=False, offload=False), plan['head_chunk'], plan['ring'])}",
+        "techniques: " + techniques_text(replace(cfg, checkpoint=False, offload=False),
+                                         plan["head_chunk"], plan["ring"]),
         f"{'per GPU':<48}{'GiB':>9}",
         row("parameters (no gradients, no optimizer state)", peak["model_state"]),
         row("FSDP gathered params (root + 2 blocks)", peak["fsdp"]),
@@ -556,7 +566,8 @@ def plan_levels(cfg: Config):
                                         sp=cfg.sp if level >= 2 else None,
                                         ring=cfg.ring if level >= 2 else None,
                                         head_chunk=cfg.head_chunk if use_untied else None)))
-    rows.append(("--stack 4 --sp 1 (no context parallelism)", replace(base, stack=4, sp=1, ring=None)))
+    rows.append(("--stack 4 --sp 1 (no context parallelism)",
+                 replace(base, stack=4, sp=1, ring=None)))
     return rows
 
 
@@ -629,7 +640,8 @@ def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int
                     f" (U={ring_plan['head_chunk']})" if ring_plan["head_chunk"] else "")
                 rows.setdefault(f"{ring_plan['sp']:>3}  {plan_tokens_text(ring_length):<22}"
                                 f"{ring_plan['peak'] / GiB:>9.1f}{ring_plan['host'] / GiB:>13.1f}  "
-                                f"{ring_plan['limit']:<6} {plan_peak_text(ring_plan)}", []).append(ring_label)
+                                f"{ring_plan['limit']:<6} {plan_peak_text(ring_plan)}",
+                                []).append(ring_label)
     rows = list(rows.items())
     if world_size == 1 and model_state.get("--stack 1", 0) > model_state.get("--stack 0", 2**62):
         i = next(i for i, (_, labels) in enumerate(rows) if "--stack 1" in labels)
@@ -687,8 +699,9 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
                 lines.append(f"{start}{error_text}")
                 continue
             layout = f"{plan['sp'] // plan['ring']} x {plan['ring']} x {plan['dp']}"
-            lines.append(f"{start}{layout:>20}  {plan_tokens_text(length):<22}{plan['peak'] / GiB:>9.1f}"
-                         f"{plan['host'] / GiB:>13.1f}  {plan['limit']:<6}")
+            lines.append(f"{start}{layout:>20}  {plan_tokens_text(length):<22}"
+                         f"{plan['peak'] / GiB:>9.1f}{plan['host'] / GiB:>13.1f}  "
+                         f"{plan['limit']:<6}")
     return "\n".join(lines)
 
 
@@ -707,7 +720,8 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
     if not cfg.offload:
         return "--offload (03: move those inputs to CPU memory)"
     if not (cfg.tile_mlp and cfg.tile_loss and cfg.tile_norm):
-        return "--tile-mlp --tile-loss --tile-norm (04: no sequence-wide MLP, logits or norm buffers)"
+        return ("--tile-mlp --tile-loss --tile-norm (04: no sequence-wide MLP, logits or norm "
+                "buffers)")
     if not cfg.untied:
         return "--untied (05: one head chunk of Q/K/V resident at a time)"
     if cfg.head_chunk and cfg.head_chunk > sp:
@@ -746,7 +760,8 @@ def plan_main(argv) -> str:
     with --seq-len max (the default) the longest length per stack level; the first line says the
     host memory assumed. The flags shared with train.py mean what they mean there; the compute
     dtype defaults to bfloat16 (the GPUs')."""
-    parser = config.flags_parser(FLAG_GROUPS, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = config.flags_parser(FLAG_GROUPS, description=__doc__.split("\n")[0],
+                                 allow_abbrev=False)
     planner = parser.add_argument_group(
         "planner", "--seq-len max (the default): the longest length that fits, per --stack level")
     planner.add_argument("--gpus", type=int, default=8, help="GPUs planned for (default 8)")

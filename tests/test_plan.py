@@ -93,7 +93,8 @@ def predicted_bytes(row: dict) -> tuple:
     seq_len, sp = row["seq_len"], row["sp"]
     if row["kind"] == "attention":
         if row["method"] == "untied":
-            return byte_counts.untied_attention_bytes(LLAMA8B, seq_len, sp, row["head_chunk"]), "backward"
+            nbytes = byte_counts.untied_attention_bytes(LLAMA8B, seq_len, sp, row["head_chunk"])
+            return nbytes, "backward"
         nbytes = byte_counts.attention_activation_bytes(LLAMA8B, seq_len, sp)
         if sp == 1:  # the benchmark hands the kernel q, k, v: they are its inputs, not counted
             nbytes -= seq_len * (LLAMA8B.n_heads + 2 * LLAMA8B.n_kv_heads) * LLAMA8B.head_dim * 2
@@ -118,7 +119,8 @@ def test_calibration_within_10_percent_of_every_gpu_measurement():
         measured = measured_gib(row)
         predicted = predicted_bytes(row)[0] / GiB
         if row["kind"] == "out_of_memory" and "planner_miss" not in row:
-            assert predicted >= measured, (row["name"], predicted, measured)  # the need's lower bound
+            # the need's lower bound
+            assert predicted >= measured, (row["name"], predicted, measured)
         elif row["kind"] == "out_of_memory":  # a documented miss: still within the band of the rest
             assert 1 - 0.10 <= predicted / measured < 1, (row["name"], predicted, measured)
         else:
@@ -187,8 +189,9 @@ def _attention_bytes_match_the_code():
     own) equal saved_only=True; and each backward kernel call receives and returns the bytes
     the peak formula names for it (before the GPU kernel's own workspace)."""
     for n_kv_heads in (2, 1):
-        _attention_layer_bytes(llama.ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=n_kv_heads,
-                                               head_dim=32, ffn_dim=512, vocab_size=256))
+        _attention_layer_bytes(llama.ModelArgs(dim=256, n_layers=1, n_heads=8,
+                                               n_kv_heads=n_kv_heads, head_dim=32, ffn_dim=512,
+                                               vocab_size=256))
 
 
 def _attention_layer_bytes(args):
@@ -217,7 +220,8 @@ def _attention_layer_bytes(args):
             kernel = (3 * q_bytes + 2 * kv_bytes + lse_bytes + q_bytes + 2 * kv_bytes) // sp
             n_calls = 1
         else:
-            attend = partial(untied_sp.untied_attend, attn=attn, group=dist.group.WORLD, head_chunk=chunk)
+            attend = partial(untied_sp.untied_attend, attn=attn, group=dist.group.WORLD,
+                             head_chunk=chunk)
             saved = byte_counts.untied_attention_bytes(args, seq_len, sp, chunk, 4, saved_only=True)
             stages = args.n_heads // chunk
             one_kv_head = seq_len * args.head_dim * 4  # per rank: one KV head in every stage here
@@ -271,7 +275,8 @@ def test_a_block_saves_what_the_norm_and_mlp_counts_say():
                  else byte_counts.block_recompute_bytes(args, tokens, fp32))
         counted = (norms["saved"] + norms["block_input"]
                    + byte_counts.attention_activation_bytes(args, tokens, 1, fp32, saved_only=True)
-                   + byte_counts.mlp_temporary_bytes(args, tokens, True, tile, fp32, saved_only=True))
+                   + byte_counts.mlp_temporary_bytes(args, tokens, True, tile, fp32,
+                                                     saved_only=True))
         assert sum(saved.values()) == counted, (tile_norm, sum(saved.values()), counted)
 
 
@@ -286,7 +291,8 @@ def _model_state_bytes_match_fsdp(preset):
     loss = train.forward_backward(model, tokens, rt)
     grads = _local_bytes(p.grad for p in model.parameters())
     optimizer.step()
-    moments = _local_bytes(s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    moments = _local_bytes(s[k] for s in optimizer.state.values()
+                           for k in ("exp_avg", "exp_avg_sq"))
     planned = byte_counts.model_state_bytes(llama.get_model_args(preset), dist.get_world_size())
     assert torch.isfinite(loss)
     assert _local_bytes(model.parameters()) == planned["parameters"]
@@ -350,8 +356,10 @@ def test_each_technique_acts_where_its_file_says():
     layer's, without checkpointing); checkpointing keeps one input per layer, offload one in
     all; tiling removes the logits; Untied Ulysses shrinks the attention layer's backward."""
     length = 2**20
-    plans = {stack: planner.plan_memory(_cfg(stack, length), 8 if stack else 1) for stack in range(6)}
-    assert plans[0]["model_state"] == pytest.approx(8 * 8.03e9, rel=0.01)  # bf16 weights, grads, Adam
+    plans = {stack: planner.plan_memory(_cfg(stack, length), 8 if stack else 1)
+             for stack in range(6)}
+    # bf16 weights, grads, Adam
+    assert plans[0]["model_state"] == pytest.approx(8 * 8.03e9, rel=0.01)
     assert plans[1]["model_state"] == sum(byte_counts.model_state_bytes(LLAMA8B, 8).values())
     at_loss = {s: plans[s]["moments"]["end of forward (loss)"] for s in range(6)}
     assert at_loss[1]["attention"] > 5 * at_loss[2]["attention"]  # all tokens on a GPU vs 1/8
@@ -374,9 +382,11 @@ def test_tiled_norms_without_checkpointing_keep_the_running_blocks_input():
     plan = planner.plan_memory(cfg, 2)
     hidden = 2**19 // 2 * LLAMA8B.dim * 2
     norms = byte_counts.norm_temporary_bytes(LLAMA8B, 2**18, None, 2)
-    layer = norms["saved"] + norms["block_input"]  # the tiled MLP keeps only its input (a norm's output)
+    # the tiled MLP keeps only its input (a norm's output)
+    layer = norms["saved"] + norms["block_input"]
     assert plan["moments"]["backward of layer 0"]["saved"] == hidden
-    assert plan["moments"]["backward of the last layer"]["saved"] == (LLAMA8B.n_layers - 1) * layer + hidden
+    assert (plan["moments"]["backward of the last layer"]["saved"]
+            == (LLAMA8B.n_layers - 1) * layer + hidden)
 
 
 def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():
@@ -406,7 +416,8 @@ def test_untied_default_runs_the_fewest_stages_that_fit():
     assert 2 < middle < LLAMA8B.n_heads
     plan = planner.plan_memory(_cfg(5, 2**21, head_chunk=middle), 2)
     assert planner.fits_on_gpu(plan["peak"], gpu)
-    assert not planner.fits_on_gpu(planner.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)["peak"], gpu)
+    bigger = planner.plan_memory(_cfg(5, 2**21, head_chunk=2 * middle), 2)
+    assert not planner.fits_on_gpu(bigger["peak"], gpu)
 
 
 def test_host_memory_limits_offload():
@@ -431,7 +442,8 @@ def test_offloaded_model_state_leaves_the_gpu_for_the_host():
         assert offloaded["peak"] < resident["peak"] - 10 * GiB, stack
         host_state = sum(byte_counts.offloaded_model_state_bytes(LLAMA8B, 8).values())
         assert offloaded["host"] == resident["host"] + host_state
-        assert offloaded["host_parts"] == {"checkpoints": resident["host"], "model state": host_state}
+        assert offloaded["host_parts"] == {"checkpoints": resident["host"],
+                                           "model state": host_state}
     longest = {}
     for on_host in (False, True):
         longest[on_host], plan = planner.plan_longest_seq_len(
@@ -470,9 +482,11 @@ def test_the_margin_is_the_calibrations_worst_under_prediction():
     assert planner.WORST_UNDER_PREDICTION == pytest.approx(worst)
     assert worst == pytest.approx(1 - 136.816 / 142.71)
     for row in rows:
-        assert row["predicted_gib"] * (1 + planner.PLAN_MARGIN) >= row["measured_gib"] - 1e-9, row["name"]
+        assert (row["predicted_gib"] * (1 + planner.PLAN_MARGIN)
+                >= row["measured_gib"] - 1e-9), row["name"]
     assert planner.fits_on_gpu(100 * GiB, 100 * GiB / (1 - worst) + planner.PLAN_GPU_RESERVE)
-    assert not planner.fits_on_gpu(100 * GiB, 100 * GiB / (1 - worst) + planner.PLAN_GPU_RESERVE - 2**20)
+    assert not planner.fits_on_gpu(100 * GiB,
+                                   100 * GiB / (1 - worst) + planner.PLAN_GPU_RESERVE - 2**20)
 
 
 def test_the_margin_constant_covers_the_calibration():
@@ -480,7 +494,8 @@ def test_the_margin_constant_covers_the_calibration():
     margin is a constant, the worst under-prediction of the calibration JSON written down. It
     must cover every row of it: when a new row is worse, the constant is updated with it."""
     rows = [r for r in calibration_rows() if "measures_changed_code" not in r]
-    worst = max([0.0] + [(r["measured_gib"] - r["predicted_gib"]) / r["measured_gib"] for r in rows])
+    worst = max([0.0] + [(r["measured_gib"] - r["predicted_gib"]) / r["measured_gib"]
+                         for r in rows])
     assert planner.WORST_UNDER_PREDICTION >= worst
     assert planner.WORST_UNDER_PREDICTION == pytest.approx(worst)  # not more margin than needed
     assert planner.PLAN_MARGIN == pytest.approx(worst / (1 - worst))
@@ -507,13 +522,16 @@ def test_one_definition_of_fits():
     gpu = 141 * GiB
     for length in (2**20, 2**21):
         chunk = planner.fewest_stages_that_fit(_cfg(5, length), 2, gpu)
-        assert planner.fits_on_gpu(planner.plan_memory(_cfg(5, length, head_chunk=chunk), 2)["peak"], gpu)
+        plan = planner.plan_memory(_cfg(5, length, head_chunk=chunk), 2)
+        assert planner.fits_on_gpu(plan["peak"], gpu)
         if chunk < LLAMA8B.n_heads:
             bigger = planner.plan_memory(_cfg(5, length, head_chunk=2 * chunk), 2)
             assert not planner.fits_on_gpu(bigger["peak"], gpu)
     at_the_edge = planner.plan_main(["--model", "llama3-8b", "--seq-len", "256K", "--stack", "5",
-                                     "--gpus", "1", "--gpu-mem", "139.8GiB", "--host-mem", "125GiB"])
-    assert re.search(r"total at the peak +134\.8 +does NOT fit in 136\.8 usable of 139\.8", at_the_edge)
+                                     "--gpus", "1", "--gpu-mem", "139.8GiB",
+                                     "--host-mem", "125GiB"])
+    assert re.search(r"total at the peak +134\.8 +does NOT fit in 136\.8 usable of 139\.8",
+                     at_the_edge)
     assert "at the edge" in at_the_edge
 
 
@@ -527,7 +545,8 @@ def test_the_first_line_states_the_host_memory_assumed():
                 [])
     for flags in commands:
         first = planner.plan_main(flags).splitlines()[0]
-        assert "host memory" in first and "2048.0 GiB" in first and "--host-mem" in first, (flags, first)
+        assert ("host memory" in first and "2048.0 GiB" in first
+                and "--host-mem" in first), (flags, first)
     first = planner.plan_main(["--model", "llama3-8b", "--seq-len", "max", "--gpus", "2",
                                "--host-mem", "251GiB"]).splitlines()[0]
     assert "251.0 GiB" in first and "--host-mem 251GiB" in first, first
@@ -547,7 +566,8 @@ def test_no_arguments_answer_the_default_question():
     assert "GPU and host" not in result.stdout  # lengths stopped by the token cap say so
     # a training command's plan is the plan at its length (train.py's --seq-len default)
     trained = _run_plan("--model", "tiny", "--stack", "1")
-    assert trained.returncode == 0 and "256 (256) tokens x batch 1" in trained.stdout, trained.stdout
+    assert (trained.returncode == 0
+            and "256 (256) tokens x batch 1" in trained.stdout), trained.stdout
 
 
 def test_does_not_fit_names_the_first_change_that_fits():
@@ -567,7 +587,8 @@ def test_does_not_fit_names_the_first_change_that_fits():
         "to fit: --gpus 16 fits")
     on_8 = advice("--seq-len", "9M", "--stack", "5", "--offload-model-state", "--sp", "8")
     assert on_8.startswith("to fit: --seq-len ")  # more GPUs with --sp 8: only data parallel
-    assert "to fit" not in planner.plan_main(["--model", "llama3-8b", "--seq-len", "1M", "--stack", "5"])
+    assert "to fit" not in planner.plan_main(["--model", "llama3-8b", "--seq-len", "1M",
+                                              "--stack", "5"])
 
 
 def test_one_gpu_rows_say_why_and_do_not_repeat():
@@ -603,7 +624,8 @@ def test_command_line_prints_the_table():
 
 @pytest.mark.slow
 def test_command_line_longest_per_stack_level():
-    result = _run_plan("--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB", "--seq-len", "max")
+    result = _run_plan("--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80GiB",
+                       "--seq-len", "max")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert any(line.startswith("--stack 0") and "need --fsdp" in line for line in lines)
@@ -621,7 +643,8 @@ def test_plan_says_when_keep_attention_fits_too():
     tight = ["--model", "llama3-8b", "--seq-len", "1M", "--stack", "5", "--gpus", "2",
              "--gpu-mem", "139.8GiB", "--host-mem", "251GiB"]
     assert hint not in planner.plan_main(tight)
-    kept = planner.plan_main(["--model", "llama3-8b", "--seq-len", "3M", "--stack", "5", "--keep-attention"])
+    kept = planner.plan_main(["--model", "llama3-8b", "--seq-len", "3M", "--stack", "5",
+                              "--keep-attention"])
     assert hint not in kept and "keep_attention" in kept and "offloaded checkpoints 187.5" in kept
 
 
@@ -635,12 +658,14 @@ def test_command_line_offload_and_scaling():
         assert text in result.stdout, (text, result.stdout)
     result = _run_plan("--model", "llama3-8b", "--seq-len", "max", "--offload-model-state")
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^--stack 5 \(U=8\) +8  7,\d+,\d+ \(6\.\d\dM\).* GPU ", result.stdout, re.M), result.stdout
+    assert re.search(r"^--stack 5 \(U=8\) +8  7,\d+,\d+ \(6\.\d\dM\).* GPU ", result.stdout,
+                     re.M), result.stdout
     result = _run_plan("--model", "llama3-8b", "--stack", "5", "--seq-len", "max", "--scaling")
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line[:5].strip().isdigit()]
-    assert [(r[0], r[1], r[2]) for r in rows] == [(g, str(-(-int(g) // 8)), where) for g in
-                                                   ("8", "16", "32", "64") for where in ("GPU", "host")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(g, str(-(-int(g) // 8)), where)
+                                                  for g in ("8", "16", "32", "64")
+                                                  for where in ("GPU", "host")]
     # 64 GPUs share one sequence (Llama-3-8B has 32 query heads): Ulysses x ring (06), and the
     # planner's reach grows with the GPUs: >= 12M on 16, >= 20M on 32, >= 40M on 64
     longest = {(int(r[0]), r[2]): int(r[8].replace(",", "")) for r in rows}
@@ -675,7 +700,8 @@ def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
     args = llama.get_model_args("llama3-8b")
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", stack=5, seq_len=16 * 2**20))
     plans = {r: planner.plan_memory(replace(cfg, ring=r), 64) for r in (2, 4, 8, 16)}
-    attention = {r: p["moments"]["backward of the last layer"]["attention"] for r, p in plans.items()}
+    attention = {r: p["moments"]["backward of the last layer"]["attention"]
+                 for r, p in plans.items()}
     assert attention[2] > attention[4] > attention[8] > attention[16]
     assert all(p["ring"] == r for r, p in plans.items())
     # R = 1 is 05's own count; with R > 1 the ring's buffers replace one kernel's workspace
