@@ -4,9 +4,10 @@ The forward that trains at 3M tokens evaluates at 3M tokens: this file builds th
 as train.py does (the same flags, support/runtime.py's `setup_runtime`, train.py's
 `build_model`: FSDP, Ulysses or Untied Ulysses, tiling) and runs it forward only, under
 torch.no_grad, with far less memory than a training step (no gradients, no optimizer state, no
-activations kept for backward; the planner's `--eval` mode counts it). Activation checkpointing and offload (03) only serve backward, so
-they are switched off here. 04's tiled functions and 05's autograd Function run their forward
-loops unchanged under no_grad (tests/test_eval.py runs every stack level).
+activations kept for backward; the planner's `--eval` mode counts it). Activation checkpointing
+and offload (03) only serve backward, so they are switched off here. 04's tiled functions and
+05's autograd Function run their forward loops unchanged under no_grad (tests/test_eval.py runs
+every stack level).
 
     python eval.py --save-dir runs/tiny                      # loss by position, tiny model, CPU
     torchrun --nproc-per-node 2 eval.py --stack 5 --seq-len 1K --windows 4 --bucket-start 64
@@ -92,7 +93,8 @@ FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we 
 # ---------------------------------------------------------------------------------------------
 
 def eval_config(cfg: Config) -> Config:
-    """cfg without 03: checkpointing and offload keep activations for a backward that never comes."""
+    """cfg without 03: checkpointing and offload keep activations for a backward that never
+    comes."""
     return replace(cfg, checkpoint=False, offload=False, resume=False)
 
 
@@ -215,9 +217,9 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
     if data.tokens is not None:
         available = data.tokens.numel() // (cfg.seq_len + 1)
         if first_window + windows > available:
-            raise ValueError(f"{cfg.data} holds {available} window{'s' if available != 1 else ''} of "
-                             f"{cfg.seq_len + 1:,} tokens; --first-window {first_window} + --windows "
-                             f"{windows} is more")
+            raise ValueError(f"{cfg.data} holds {available} "
+                             f"window{'s' if available != 1 else ''} of {cfg.seq_len + 1:,} "
+                             f"tokens; --first-window {first_window} + --windows {windows} is more")
     edges = bucket_edges(cfg.seq_len, bucket_start)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=rt.device)
     per_forward = rt.dp * cfg.batch_size
@@ -302,8 +304,8 @@ def passkey_vocabulary(opts, vocab_size: int) -> dict:
     if max(used) >= vocab_size or min(used) < 0:
         source = (f"--tokenizer {opts.tokenizer}" if opts.tokenizer
                   else "--alphabet, --filler-ids and --marker-ids")
-        raise ValueError(f"passkey token ids must lie in [0, {vocab_size}) for this model; those of "
-                         f"{source} reach {max(used)}"
+        raise ValueError(f"passkey token ids must lie in [0, {vocab_size}) for this model; "
+                         f"those of {source} reach {max(used)}"
                          + (" (a tokenizer of another model?)" if opts.tokenizer else ""))
     return vocabulary
 
@@ -327,10 +329,13 @@ def passkey_grid(model, cfg, rt, lengths, depths, trials: int, key_len: int, voc
         for depth in depths:
             counts = torch.zeros(trials, 2, dtype=torch.float64, device=rt.device)
             for step in range(math.ceil(trials / per_forward)):
-                rows = [(step * rt.dp + rt.dp_rank) * cfg.batch_size + j for j in range(cfg.batch_size)]
-                made = [passkey_tokens(length, depth, random_key(key_len, vocabulary["alphabet"],
-                                                                 seed * 1_000_003 + min(t, trials - 1)),
-                                       vocabulary["filler"], vocabulary["marker"], vocabulary["prefix"])
+                rows = [(step * rt.dp + rt.dp_rank) * cfg.batch_size + j
+                        for j in range(cfg.batch_size)]
+                made = [passkey_tokens(length, depth,
+                                       random_key(key_len, vocabulary["alphabet"],
+                                                  seed * 1_000_003 + min(t, trials - 1)),
+                                       vocabulary["filler"], vocabulary["marker"],
+                                       vocabulary["prefix"])
                         for t in rows]
                 tokens = torch.stack([m[0] for m in made])
                 labels = torch.stack([m[1] for m in made])
@@ -339,7 +344,8 @@ def passkey_grid(model, cfg, rt, lengths, depths, trials: int, key_len: int, voc
                 scores, local_labels, positions = token_scores(model, tokens, rt, labels)
                 synchronize(rt)
                 times.append(time.perf_counter() - start)
-                correct = ((scores[..., 1] == local_labels) & (local_labels != llama.IGNORE_INDEX)).double()
+                correct = ((scores[..., 1] == local_labels)
+                           & (local_labels != llama.IGNORE_INDEX)).double()
                 first_key_position = (positions == length - key_len).double()
                 for j, t in enumerate(rows):
                     if t < trials:
@@ -376,7 +382,9 @@ def pyplot():
 def tokens_text(n: int) -> str:
     if n == 0:
         return "0"
-    return f"{n // 2**20}M" if n >= 2**20 and n % 2**20 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n // 2**20}M"
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def plot_losses(results: list[dict], path):
@@ -403,13 +411,15 @@ def plot_losses(results: list[dict], path):
 
 def plot_passkey(result: dict, path):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 * len(result["depths"]) + 3, 0.6 * len(result["lengths"]) + 2))
+    fig, ax = plt.subplots(figsize=(1.2 * len(result["depths"]) + 3,
+                                    0.6 * len(result["lengths"]) + 2))
     image = ax.imshow(result["accuracy"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(result["depths"])), [f"{d:g}" for d in result["depths"]])
     ax.set_yticks(range(len(result["lengths"])), [tokens_text(n) for n in result["lengths"]])
     for i, row in enumerate(result["accuracy"]):
         for j, value in enumerate(row):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w" if value < 0.6 else "k")
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center",
+                    color="w" if value < 0.6 else "k")
     ax.set_xlabel("depth of the key in the context")
     ax.set_ylabel("length (tokens)")
     ax.set_title(f"passkey retrieval, greedy exact match ({result.get('label') or 'run'})")
@@ -436,17 +446,26 @@ def parse_eval_args(argv):
                "in a training command) and switched off. Longest lengths: python plan.py --eval")
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--task", choices=["loss", "passkey"], default="loss")
-    evaluation.add_argument("--windows", type=int, default=4, help="loss: windows of --seq-len + 1 tokens")
-    evaluation.add_argument("--first-window", type=int, default=0, help="loss: skip the windows before it")
+    evaluation.add_argument("--windows", type=int, default=4,
+                            help="loss: windows of --seq-len + 1 tokens")
+    evaluation.add_argument("--first-window", type=int, default=0,
+                            help="loss: skip the windows before it")
     evaluation.add_argument("--bucket-start", default="1K", help="loss: the first bucket edge")
-    evaluation.add_argument("--lengths", default=None, help="passkey: e.g. 4K,128K,1M (default --seq-len)")
-    evaluation.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey: fractions of the context")
-    evaluation.add_argument("--trials", type=int, default=4, help="passkey: keys per length x depth")
+    evaluation.add_argument("--lengths", default=None,
+                            help="passkey: e.g. 4K,128K,1M (default --seq-len)")
+    evaluation.add_argument("--depths", default="0,0.25,0.5,0.75,1",
+                            help="passkey: fractions of the context")
+    evaluation.add_argument("--trials", type=int, default=4,
+                            help="passkey: keys per length x depth")
     evaluation.add_argument("--key-len", type=int, default=4, help="passkey: key tokens")
-    evaluation.add_argument("--alphabet", default="16:26", help="passkey: key ids LOW:HIGH (no tokenizer)")
-    evaluation.add_argument("--filler-ids", default="4,5,6,7,8,9,10,11", help="passkey: repeated filler ids")
-    evaluation.add_argument("--marker-ids", default="1,2,3", help="passkey: ids before the key (twice)")
-    evaluation.add_argument("--tokenizer", default=None, help="passkey: a Hugging Face tokenizer directory")
+    evaluation.add_argument("--alphabet", default="16:26",
+                            help="passkey: key ids LOW:HIGH (no tokenizer)")
+    evaluation.add_argument("--filler-ids", default="4,5,6,7,8,9,10,11",
+                            help="passkey: repeated filler ids")
+    evaluation.add_argument("--marker-ids", default="1,2,3",
+                            help="passkey: ids before the key (twice)")
+    evaluation.add_argument("--tokenizer", default=None,
+                            help="passkey: a Hugging Face tokenizer directory")
     evaluation.add_argument("--label", default=None, help="the run's name on charts")
     evaluation.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
     evaluation.add_argument("--compare", nargs="+", default=None, metavar="JSON",
@@ -466,7 +485,8 @@ def parse_eval_args(argv):
         return opts, None
     cfg = eval_config(config.config_from_flags(opts))
     if opts.task == "passkey" and cfg.documents:
-        raise ValueError("--documents / --doc-sep apply to --task loss: a passkey sequence is one document")
+        raise ValueError("--documents / --doc-sep apply to --task loss: a passkey sequence is one "
+                         "document")
     if opts.task == "passkey":
         opts.lengths = [parse_tokens(n) for n in (opts.lengths or str(cfg.seq_len)).split(",")]
         opts.depths = [float(d) for d in opts.depths.split(",")]
@@ -489,7 +509,8 @@ def run(opts, cfg) -> dict:
         result = passkey_grid(model, cfg, rt, opts.lengths, opts.depths, opts.trials, opts.key_len,
                               vocabulary, cfg.seed)
     else:
-        result = loss_by_position(model, cfg, rt, opts.windows, opts.first_window, opts.bucket_start)
+        result = loss_by_position(model, cfg, rt, opts.windows, opts.first_window,
+                                  opts.bucket_start)
     result.update(label=opts.label or (meta["path"] if meta else cfg.init_from or "random init"),
                   checkpoint=meta and {"path": meta["path"], "step": meta["step"]},
                   config=asdict(cfg), world_size=rt.world, sp=rt.sp, ring=rt.ring, dp=rt.dp,

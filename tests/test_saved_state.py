@@ -66,16 +66,19 @@ def _resume_across_model_state_offload(tmp):
         # moves a parameter by ~lr * 1e-4 (3e-7, and 1.1e-6 under torch 2.14, once in 16K
         # elements): atol 1e-5; a step missed or repeated moves it by about lr = 3e-3.
         for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-            torch.testing.assert_close(full(b), full(a), rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(full(b), full(a), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
         for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
             assert float(b["step"]) == float(a["step"]) == 6
-            torch.testing.assert_close(full(b["exp_avg_sq"]), full(a["exp_avg_sq"]), rtol=1e-4, atol=1e-9)
+            torch.testing.assert_close(full(b["exp_avg_sq"]), full(a["exp_avg_sq"]),
+                                       rtol=1e-4, atol=1e-9)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         exported = get_model_state_dict(resumed.model, options=options)
         reference = get_model_state_dict(straight.model, options=options)
         assert exported.keys() == reference.keys()
         for key, value in reference.items():
-            torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-5)  # the same parameters as above
+            # the same parameters as above
+            torch.testing.assert_close(exported[key], value, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -119,12 +122,14 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
         if line.startswith("step    2"):
             break
     proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGTERM)  # a second signal (schedulers repeat them) must not kill the save
+    # a second signal (schedulers repeat them) must not kill the save
+    proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     watchdog.cancel()
     assert proc.returncode == 0, stderr  # stopped cleanly, with a checkpoint to resume from
     assert "SIGTERM received: stopping after the current step" in stderr, stderr
-    assert "stopped by SIGTERM" in stdout and "--save-dir" in stdout and stdout.rstrip().endswith("--resume"), stdout
+    assert ("stopped by SIGTERM" in stdout and "--save-dir" in stdout
+            and stdout.rstrip().endswith("--resume")), stdout
     latest = saved_state.complete_saves(str(tmp_path))[-1]
     saved_step = json.loads(Path(latest, "meta.json").read_text())["step"]
     assert saved_step >= 3
@@ -161,7 +166,8 @@ def test_resume_with_another_model_or_world_is_refused(tmp_path, capsys):
     meta_path.write_text(json.dumps({**meta, "world_size": 2}))
     with pytest.raises(SystemExit):
         train.main(argv)
-    assert "was saved by 2 ranks with sp 1; this run has 1 rank with sp 1" in capsys.readouterr().err
+    assert ("was saved by 2 ranks with sp 1; this run has 1 rank with sp 1"
+            in capsys.readouterr().err)
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
@@ -179,7 +185,8 @@ def test_out_of_memory_names_the_phase_and_the_next_technique(monkeypatch, capsy
         train.main(["--steps", "1"])
     err = capsys.readouterr().err
     assert exit_info.value.code != 0
-    assert "out of GPU memory in the forward: CUDA out of memory. Tried to allocate 7680.00 GiB" in err
+    assert ("out of GPU memory in the forward: CUDA out of memory. Tried to allocate 7680.00 GiB"
+            in err)
     assert "next: try --fsdp" in err
 
 
@@ -191,7 +198,8 @@ def test_named_out_of_memory_is_still_torchs_and_named_once():
             with errors.out_of_memory_names("backward"):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
     assert isinstance(caught.value, errors.StepOutOfMemory)
-    assert str(caught.value) == "out of GPU memory in the backward: CUDA out of memory. Tried to allocate 1.00 GiB"
+    assert str(caught.value) == ("out of GPU memory in the backward: CUDA out of memory. "
+                                 "Tried to allocate 1.00 GiB")
 
 
 def test_next_technique_follows_the_files():
@@ -213,13 +221,16 @@ def test_next_technique_follows_the_files():
 
 def test_a_save_dir_with_checkpoints_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     train.train(config(tmp_path, 4, save_every=1))
-    before = {p: Path(p, "meta.json").read_text() for p in saved_state.complete_saves(str(tmp_path))}
+    before = {p: Path(p, "meta.json").read_text()
+              for p in saved_state.complete_saves(str(tmp_path))}
     with pytest.raises(SystemExit):
-        train.main(["--save-dir", str(tmp_path), "--seq-len", "32", "--steps", "2", "--save-every", "1"])
+        train.main(["--save-dir", str(tmp_path), "--seq-len", "32", "--steps", "2",
+                    "--save-every", "1"])
     err = capsys.readouterr().err
     assert "already holds checkpoints (newest: step_00000004)" in err and "--resume" in err, err
     assert "--overwrite" in err
-    assert {p: Path(p, "meta.json").read_text() for p in saved_state.complete_saves(str(tmp_path))} == before
+    assert {p: Path(p, "meta.json").read_text()
+            for p in saved_state.complete_saves(str(tmp_path))} == before
     # --overwrite is explicit: the old checkpoints go first, so the new ones are the ones kept
     train.train(config(tmp_path, 2, save_every=1, overwrite=True))
     assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path))] == [
@@ -228,7 +239,8 @@ def test_a_save_dir_with_checkpoints_is_refused_unless_resumed_or_overwritten(tm
 
 def test_an_earlier_log_is_appended_to_or_refused_never_truncated(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
-    argv = ["--seq-len", "32", "--steps", "2", "--save-dir", str(tmp_path / "ckpt"), "--log-file", str(log)]
+    argv = ["--seq-len", "32", "--steps", "2", "--save-dir", str(tmp_path / "ckpt"),
+            "--log-file", str(log)]
     train.main(argv)
     first = log.read_text()
     with pytest.raises(SystemExit):
@@ -268,7 +280,8 @@ def test_a_non_finite_state_is_never_saved(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train, "make_optimizer", lambda model, cfg: PoisonedAdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), foreach=False))
     with pytest.raises(SystemExit):
-        train.main(["--seq-len", "32", "--steps", "10", "--save-every", "1", "--save-dir", str(tmp_path)])
+        train.main(["--seq-len", "32", "--steps", "10", "--save-every", "1",
+                    "--save-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert "not finite after step 3: not saved" in err and "step_00000002 is intact" in err, err
     monkeypatch.undo()
@@ -287,12 +300,14 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])  # a truncated shard
     run = train.train(config(tmp_path, 4, resume=True, save_every=1))  # saves 3 again, and 4
-    assert f"cannot read checkpoint {newest} (CheckpointException: EOFError)" in capsys.readouterr().err
+    assert (f"cannot read checkpoint {newest} (CheckpointException: EOFError)"
+            in capsys.readouterr().err)
     assert [h["step"] for h in run.history] == [2, 3]
     newest = Path(saved_state.complete_saves(str(tmp_path))[-1])
     (newest / "meta.json").write_text("{not json")
     run = train.train(config(tmp_path, 5, resume=True))
-    assert f"cannot read checkpoint {newest} ({newest / 'meta.json'} is not valid)" in capsys.readouterr().err
+    assert (f"cannot read checkpoint {newest} ({newest / 'meta.json'} is not valid)"
+            in capsys.readouterr().err)
     assert [h["step"] for h in run.history] == [3, 4]
 
 
@@ -319,18 +334,21 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         train.main(argv)
     err = capsys.readouterr().err
-    assert f"no space left in {tmp_path} for step 2" in err and "step_00000001 is intact" in err, err
+    assert (f"no space left in {tmp_path} for step 2" in err
+            and "step_00000001 is intact" in err), err
     monkeypatch.undo()
 
     def disk_fills(state, checkpoint_id):
         Path(checkpoint_id, "__0_0.distcp").write_bytes(b"part of a shard")
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2432 vs 2326")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . "
+                           "unexpected pos 2432 vs 2326")
 
     monkeypatch.setattr(dcp, "save", disk_fills)
     with pytest.raises(SystemExit):
         train.main(argv)
     err = capsys.readouterr().err
-    assert f"saving step 2 into {tmp_path} failed ([enforce fail" in err and "step_00000001 is intact" in err
+    assert (f"saving step 2 into {tmp_path} failed ([enforce fail" in err
+            and "step_00000001 is intact" in err)
     assert sorted(os.listdir(tmp_path)) == [".lock", "step_00000001"]  # no partial .tmp left
 
 
@@ -358,11 +376,15 @@ def test_resume_honours_a_new_lr_and_says_so(tmp_path, capsys):
     train.train(config(tmp_path, 2))
     capsys.readouterr()
     run = train.train(config(tmp_path, 3, resume=True, lr=0.0))  # lr 0: the weights stay put
-    assert "using --lr 0.0 --weight-decay 0.0 --warmup-steps 0 from the command line (the checkpoint was saved with lr 0.003" in capsys.readouterr().out
+    assert ("using --lr 0.0 --weight-decay 0.0 --warmup-steps 0 from the command line "
+            "(the checkpoint was saved with lr 0.003" in capsys.readouterr().out)
     train.train(config(tmp_path, 4, resume=True, lr=0.0, warmup_steps=8))  # the schedule too
-    assert "--warmup-steps 8 from the command line (the checkpoint was saved with lr 0.0, weight decay 0.0, warmup steps 0)" in capsys.readouterr().out
-    saved = train.train(config(tmp_path / "copy", 0))  # fresh model, then load the checkpoint's weights
-    saved_state.restore_state(train.Runtime(), saved_state.complete_saves(str(tmp_path))[0], saved.model, saved.optimizer)
+    assert ("--warmup-steps 8 from the command line (the checkpoint was saved with lr 0.0, "
+            "weight decay 0.0, warmup steps 0)" in capsys.readouterr().out)
+    # fresh model, then load the checkpoint's weights
+    saved = train.train(config(tmp_path / "copy", 0))
+    saved_state.restore_state(train.Runtime(), saved_state.complete_saves(str(tmp_path))[0],
+                              saved.model, saved.optimizer)
     for a, b in zip(run.model.parameters(), saved.model.parameters()):
         assert torch.equal(a, b)
 
@@ -429,7 +451,8 @@ def check_clean_stop(code, output, save_dir):
     assert "stopped by SIGTERM after step" in output and "--resume\n" in output, output
     assert "forcefully exiting" not in output and "ChildFailedError" not in output, output
     assert code == 0 or output.rstrip().endswith("got signal: 15"), output
-    return json.loads(Path(saved_state.complete_saves(str(save_dir))[-1], "meta.json").read_text())["step"]
+    newest = saved_state.complete_saves(str(save_dir))[-1]
+    return json.loads(Path(newest, "meta.json").read_text())["step"]
 
 
 @pytest.mark.slow
@@ -442,7 +465,8 @@ def test_sigterm_to_every_process_under_torchrun_stops_cleanly_and_resumes_bitwi
     cmd = torchrun(tmp_path / "run", tmp_path / "run.jsonl", saved + 2, "--resume")
     resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = subprocess.run(torchrun(tmp_path / "straight", tmp_path / "straight.jsonl", saved + 2),
+    straight = subprocess.run(torchrun(tmp_path / "straight", tmp_path / "straight.jsonl",
+                                       saved + 2),
                               cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
