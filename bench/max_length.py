@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 -m bench.max_length --methods ulysses untied
     torchrun --nproc-per-node 2 -m bench.max_length --methods untied --offload-model-state
     torchrun --nproc-per-node 2 -m bench.max_length --methods untied --forward-only   # evaluation
-    python -m bench.max_length --device cpu --model tiny --methods ulysses --first-length 1K --granularity 256 --max-trials 2
+    python -m bench.max_length --device cpu --model tiny --methods ulysses --first-length 1K \\
+        --granularity 256 --max-trials 2
 
 Both methods run the whole ALST stack (FSDP2, checkpointing + offload, tiled MLP / loss / norms);
 only the attention method differs (Ulysses, or Untied Ulysses with U = P).
@@ -35,8 +36,8 @@ about layers x that (the embedding and the loss are small next to a layer at the
 Search: the first trial is the planner's longest length for this GPU (train.py --plan, which is
 calibrated against these benchmarks), then steps of --step up or down until the status changes,
 then bisection to --granularity tokens, within --budget-s (a trial starts only if the time the
-last completed one took, scaled by the square of the length, still fits). Every trial is recorded (length,
-completed or OOM, time, peak).
+last completed one took, scaled by the square of the length, still fits). Every trial is recorded
+(length, completed or OOM, time, peak).
 """
 
 import argparse
@@ -119,7 +120,8 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
         model = train.build_model(cfg, rt)
         if forward_only and cfg.tile_loss:  # as eval.py builds it
             evaluate.tile_token_scores(model, cfg.loss_tile_tokens)
-        tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, args.vocab_size, (1, seq_len + 1),
+                               generator=torch.Generator().manual_seed(0))
         if forward_only:
             model.eval()
         else:
@@ -133,9 +135,11 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
         else:
             (run_step or train.train_step)(model, optimizer, tokens, rt, cfg)
         synchronize(rt.device)
-        row.update(status="completed", **{"forward_time_s" if forward_only else "step_time_s":
-                                          time.perf_counter() - start},
-                   **{"host_ballast_gib" if on_host else "ballast_gib": sum(t.numel() for t in ballast) / GiB})
+        seconds = time.perf_counter() - start
+        ballast_gib = sum(t.numel() for t in ballast) / GiB
+        row.update({"status": "completed",
+                    "forward_time_s" if forward_only else "step_time_s": seconds,
+                    "host_ballast_gib" if on_host else "ballast_gib": ballast_gib})
         if rt.device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
     except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
@@ -199,11 +203,13 @@ def search(base, method: str, start: int, granularity: int, step: float, layers:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--methods", nargs="+", default=["ulysses", "untied"])
     parser.add_argument("--layers", type=int, default=None,
                         help="model depth (default 1; 2 with --offload-model-state: see above)")
-    parser.add_argument("--first-length", default=None, help="first length (default: the planner's longest)")
+    parser.add_argument("--first-length", default=None,
+                        help="first length (default: the planner's longest)")
     parser.add_argument("--granularity", default="64K")
     parser.add_argument("--step", type=float, default=0.1, help="relative step before bisecting")
     parser.add_argument("--max-trials", type=int, default=4, help="per method")
@@ -226,7 +232,8 @@ def main():
                         offload_model_state=opts.offload_model_state,
                         dtype="bfloat16" if opts.device == "cuda" else "float32")
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
-    gpu_bytes = torch.cuda.get_device_properties(rt.device).total_memory if opts.device == "cuda" else 0
+    gpu_bytes = (torch.cuda.get_device_properties(rt.device).total_memory
+                 if opts.device == "cuda" else 0)
 
     earlier_trials = []  # of the methods searched before: their times predict the next one's
 
@@ -234,9 +241,11 @@ def main():
         expected = expected_seconds(earlier_trials + trials, length)
         return within_budget(started, opts.budget_s - expected, rt.device)
 
-    result = {"what": ("longest completed evaluation forward per method (search)" if opts.forward_only
-                       else "longest completed training step per method (search)"), "model": opts.model,
-              "layers": opts.layers, "depth_note": __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0],
+    depth_note = __doc__.split("Why not the full 32 layers: ")[1].split("\n\n")[0]
+    result = {"what": ("longest completed evaluation forward per method (search)"
+                       if opts.forward_only
+                       else "longest completed training step per method (search)"),
+              "model": opts.model, "layers": opts.layers, "depth_note": depth_note,
               "gpu_memory_gib": gpu_bytes / GiB, "offload_model_state": opts.offload_model_state,
               "methods": {},
               "attention_kernel": {}}
@@ -258,7 +267,8 @@ def main():
     for method in opts.methods:
         cfg = method_config(base, method, opts.model, 1024)
         planned = None
-        if opts.device == "cuda":  # the planner's longest for this GPU, host memory not limiting (see above)
+        # the planner's longest for this GPU, host memory not limiting (see above)
+        if opts.device == "cuda":
             planned, _ = planner.plan_longest_seq_len(
                 evaluate.eval_config(cfg) if opts.forward_only else cfg, rt.world, gpu_bytes, 2**60,
                 forward_only=opts.forward_only)
@@ -267,7 +277,8 @@ def main():
         start = parse(opts.first_length) if opts.first_length else planned
         save(method, planned, None, None, [])  # listed even if the budget allows no trial
         _, _, trials = search(base, method, start, parse(opts.granularity), opts.step, opts.layers,
-                              opts.max_trials, in_budget, after_trial=partial(save, method, planned),
+                              opts.max_trials, in_budget,
+                              after_trial=partial(save, method, planned),
                               forward_only=opts.forward_only)
         earlier_trials += trials
     lengths = {m: r["longest_completed"] for m, r in result["methods"].items()}
@@ -277,8 +288,8 @@ def main():
     result["wall_s"] = time.perf_counter() - started
     if rt.rank == 0:
         for method, r in result["methods"].items():
-            print(f"{method:>8}: longest completed {r['longest_completed']}, shortest OOM {r['shortest_oom']}, "
-                  f"{len(r['trials'])} trials")
+            print(f"{method:>8}: longest completed {r['longest_completed']}, "
+                  f"shortest OOM {r['shortest_oom']}, {len(r['trials'])} trials")
         write_result(name, result, opts.out)
     end_distributed()
 

@@ -1,7 +1,8 @@
 """Rehearse one rank of an N-GPU training step on one GPU: rank r of N in one process.
 
-    python -m bench.rehearse --gpus 8 --gpu-mem 80GiB --model llama3-8b --stack 5 --seq-lens 3M 4M 5M
-    python -m bench.rehearse --gpus 8 --stack 5 --longest                # from the planner's longest
+    python -m bench.rehearse --gpus 8 --gpu-mem 80GiB --model llama3-8b --stack 5 \\
+        --seq-lens 3M 4M 5M
+    python -m bench.rehearse --gpus 8 --stack 5 --longest                # the planner's longest
     python -m bench.rehearse --gpus 8 --stack 5 --compare-window 512K    # full kernel vs window
     python -m bench.rehearse --gpus 8 --stack 5 --window 0 --seq-lens 1M # rank 0's compute time
     python -m bench.rehearse --gpus 8 --stack 5 --seq-lens 3M --then --ring 2 --longest \\
@@ -200,7 +201,8 @@ def windowed_attention(window: int):
 def _process_memory() -> tuple:
     """(resident bytes now, peak resident bytes) of this process (Linux), else (None, None)."""
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        fields = dict(line.split(":", 1)
+                      for line in Path("/proc/self/status").read_text().splitlines())
         return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None, None
@@ -224,7 +226,8 @@ class PeakTrace:
 
     def _now(self) -> tuple:
         if self.device.type == "cuda":
-            return (torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device),
+            return (torch.cuda.memory_allocated(self.device),
+                    torch.cuda.max_memory_allocated(self.device),
                     torch.cuda.max_memory_reserved(self.device))
         now, peak = _process_memory()
         return now, peak, None
@@ -248,7 +251,8 @@ class PeakTrace:
     @contextlib.contextmanager
     def phase(self, name: str):
         """02's `phase`: a moment, and train.py's out-of-memory error naming it."""
-        self.mark({"forward": "forward: embedding", "backward": "backward: loss and head"}.get(name, name))
+        self.mark({"forward": "forward: embedding",
+                   "backward": "backward: loss and head"}.get(name, name))
         with train.out_of_memory_names(name):
             yield
 
@@ -259,7 +263,8 @@ class PeakTrace:
             return {"moments": self.moments}
         top = max(known, key=lambda m: m["peak_bytes"])
         reserved = [m["peak_reserved_gib"] for m in known if m["peak_reserved_gib"] is not None]
-        return {"peak_bytes": top["peak_bytes"], "peak_gib": top["peak_gib"], "peak_at": top["moment"],
+        return {"peak_bytes": top["peak_bytes"], "peak_gib": top["peak_gib"],
+                "peak_at": top["moment"],
                 **({"peak_reserved_gib": max(reserved)} if reserved else {}),
                 "moments": self.moments}
 
@@ -297,9 +302,11 @@ def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
 
     for i, block in enumerate(model.layers):
         name = f"layer {i} of {layers}"
-        hooks.append(block.register_forward_pre_hook(lambda *_, name=name: trace.mark(f"forward of {name}")))
+        hooks.append(block.register_forward_pre_hook(
+            lambda *_, name=name: trace.mark(f"forward of {name}")))
         if i == layers - 1:
-            hooks.append(block.register_forward_hook(lambda *_: trace.mark("forward: final norm and loss")))
+            hooks.append(block.register_forward_hook(
+                lambda *_: trace.mark("forward: final norm and loss")))
         top = top_backward if i == layers - 1 else (lambda: None)
         hooks.append(block.register_forward_hook(when_grad_arrives(f"backward of {name}", top)))
         for part, label in BLOCK_PARTS:
@@ -317,7 +324,8 @@ def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
 # ranks; NCCL's ring algorithms): an all-to-all sends all but its own piece, an all-gather its
 # input to P - 1 ranks, a reduce-scatter (P-1)/P of its input, an all-reduce twice that; a ring
 # pass its tensors. Functional collectives (DTensor's, in gradient clipping: a scalar) not counted.
-COLLECTIVES = {  # torch.distributed function -> (kind, the argument sent, sent bytes per input byte)
+# torch.distributed function -> (kind, the argument sent, sent bytes per input byte)
+COLLECTIVES = {
     "all_to_all_single": ("all-to-all", "input", lambda p: (p - 1) / p),
     "all_gather_into_tensor": ("all-gather", "input_tensor", lambda p: p - 1),
     "all_gather_single": ("all-gather", "input_tensor", lambda p: p - 1),
@@ -396,7 +404,8 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
     gradients, allocated when the backward reaches the top block (at full depth the layers
     above it have made theirs by then) and held through the optimizer step."""
     if window:  # the kernel check compares with the full formula: run it before the window
-        probe = torch.empty(1, 1, 1, model.args.head_dim, device=rt.device, dtype=getattr(torch, cfg.dtype))
+        probe = torch.empty(1, 1, 1, model.args.head_dim, device=rt.device,
+                            dtype=getattr(torch, cfg.dtype))
         kernel = kernels.lse_kernel(probe)[0]
         if kernel != "fa4":
             raise ValueError(f"--window {window} cuts FlashAttention-4's work, but attention runs "
@@ -410,7 +419,8 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
 
     def allocate_late_gradients():  # on a GPU: a CPU run holds no ballast (bench.max_length)
         if late_gradient_bytes and rt.device.type == "cuda":
-            late_gradients.append(torch.empty(late_gradient_bytes, dtype=torch.uint8, device=rt.device))
+            late_gradients.append(torch.empty(late_gradient_bytes, dtype=torch.uint8,
+                                              device=rt.device))
 
     with (layer_marks(model, trace, allocate_late_gradients), windowed_attention(window),
           traffic.counting()):
@@ -484,7 +494,8 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
     with its moments, its collectives' bytes and the planner's peak for the same configuration.
     head_chunk_of: a length whose head chunk to use (the warm-up's: the first row's)."""
     head_chunk = choose_head_chunk(opts, head_chunk_of or seq_len)
-    device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda"
+              else torch.device("cpu"))
     trace, traffic = PeakTrace(device), Traffic()
     # The missing layers' gradients wait on the GPU (not with the model state on the host) for
     # the moment full depth makes them: allocated by the step, not as ballast before it.
@@ -496,7 +507,8 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
 
     row = max_length.trial(base_config(opts), method_of(opts, head_chunk), seq_len, opts.layers,
                            run_step=step, host_ballast=opts.host_ballast,
-                           ballast_parts=None if opts.offload_model_state else ("parameters", "optimizer"))
+                           ballast_parts=(None if opts.offload_model_state
+                                          else ("parameters", "optimizer")))
     row["late_gradient_ballast_gib"] = late / GiB
     if trace.current is not None:  # out of memory inside this moment
         row["oom_in"] = trace.current
@@ -513,7 +525,8 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
     cfg = full_config(opts, seq_len, head_chunk)
     plan = planner.plan_memory(cfg, opts.gpus)
     row.update(train_args=train_args(opts, seq_len, head_chunk),
-               planned_peak_gib=round(plan["peak"] / GiB, 4), planned_peak_at=planner.plan_peak_text(plan),
+               planned_peak_gib=round(plan["peak"] / GiB, 4),
+               planned_peak_at=planner.plan_peak_text(plan),
                planned_moments_gib={moment: round(sum(parts.values()) / GiB, 4)
                                     for moment, parts in plan["moments"].items()},
                planned_kernel=planner.planned_kernel(cfg),
@@ -535,8 +548,8 @@ def rehearse(opts, result: dict, save, started: float) -> None:
     result["runs"].append(run)
     longest_cfg = full_config(opts, opts.gpus * 2048)
     gpu_longest, _ = planner.plan_longest_seq_len(longest_cfg, opts.gpus, opts.gpu_mem_bytes, 2**60)
-    host_longest, host_plan = planner.plan_longest_seq_len(longest_cfg, opts.gpus, opts.gpu_mem_bytes,
-                                                           opts.host_mem_bytes)
+    host_longest, host_plan = planner.plan_longest_seq_len(longest_cfg, opts.gpus,
+                                                           opts.gpu_mem_bytes, opts.host_mem_bytes)
     run["planner_longest"] = {"gpu_only": gpu_longest, "with_host_mem": host_longest,
                               "host_mem_gib": opts.host_mem_bytes / GiB,
                               "limit": host_plan["limit"] if host_plan else None}
@@ -544,7 +557,8 @@ def rehearse(opts, result: dict, save, started: float) -> None:
         run["skipped"] = "--budget-s spent before it"
         save()
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda"
+              else torch.device("cpu"))
     if device.type == "cuda":
         run["allocator"] = {**cap_allocator(device, opts.gpu_mem_bytes, opts.outside_bytes),
                             "outside_allocator_gib": opts.outside_bytes / GiB}
@@ -563,7 +577,8 @@ def rehearse(opts, result: dict, save, started: float) -> None:
     def add(row):
         run["rows"].append(row)
         print({k: row.get(k) for k in ("seq_len", "window", "status", "peak_gib", "peak_at",
-                                       "planned_peak_gib", "plan_error", "step_time_s")}, flush=True)
+                                       "planned_peak_gib", "plan_error", "step_time_s")},
+              flush=True)
         save()
 
     with fake_group(opts.gpus, opts.rank):
@@ -585,16 +600,17 @@ def rehearse(opts, result: dict, save, started: float) -> None:
                 rows.append(rehearse_length(opts, length, window))
                 add(rows[-1])
             if len(rows) == 2 and all(r.get("peak_bytes") for r in rows):
+                full_peak, cut_peak = rows[0]["peak_bytes"], rows[1]["peak_bytes"]
                 run["window_check"] = {"seq_len": length, "window": opts.window,
-                                       "full_kernel_peak_bytes": rows[0]["peak_bytes"],
-                                       "windowed_peak_bytes": rows[1]["peak_bytes"],
-                                       "difference_bytes": rows[1]["peak_bytes"] - rows[0]["peak_bytes"],
-                                       "equal": rows[1]["peak_bytes"] == rows[0]["peak_bytes"],
-                                       "within_2mib": abs(rows[1]["peak_bytes"]
-                                                          - rows[0]["peak_bytes"]) <= 2**21,
+                                       "full_kernel_peak_bytes": full_peak,
+                                       "windowed_peak_bytes": cut_peak,
+                                       "difference_bytes": cut_peak - full_peak,
+                                       "equal": cut_peak == full_peak,
+                                       "within_2mib": abs(cut_peak - full_peak) <= 2**21,
                                        "moments_difference_bytes": {
                                            full["moment"]: cut["peak_bytes"] - full["peak_bytes"]
-                                           for full, cut in zip(rows[0]["moments"], rows[1]["moments"])
+                                           for full, cut in zip(rows[0]["moments"],
+                                                                rows[1]["moments"])
                                            if full["moment"] == cut["moment"]}}
                 save()
         for length in opts.seq_lens:
@@ -676,7 +692,8 @@ def make_parser(suppress: bool = False) -> argparse.ArgumentParser:
                         default=default("cuda" if torch.cuda.is_available() else "cpu"))
     parser.add_argument("--budget-s", type=float, default=default(540),
                         help="no row starts that the last one's time says would not end in it")
-    parser.add_argument("--name", default=default(None), help="result file name (default from the flags)")
+    parser.add_argument("--name", default=default(None),
+                        help="result file name (default from the flags)")
     parser.add_argument("--out", default=default(None))
     return parser
 
@@ -749,7 +766,8 @@ def check_rehearsal(opts) -> None:
     if opts.compare_window and not opts.window:
         raise ValueError("--compare-window compares the full kernel with --window W > 0")
     opts.gpu_mem_bytes = planner.parse_bytes(opts.gpu_mem)
-    opts.outside_bytes = planner.parse_bytes(opts.outside_allocator) if opts.outside_allocator not in ("0", 0) else 0
+    opts.outside_bytes = (planner.parse_bytes(opts.outside_allocator)
+                          if opts.outside_allocator not in ("0", 0) else 0)
     opts.host_mem_bytes = planner.parse_bytes(opts.host_mem)
     if opts.outside_bytes >= opts.gpu_mem_bytes:
         raise ValueError("--outside-allocator must be less than --gpu-mem")

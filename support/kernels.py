@@ -5,10 +5,11 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
 
   causal_attention(q, k, v) -> out                 the model's seam 1 and Ulysses' (02) kernel:
                                                    autograd does the backward.
-  attention_forward_lse(q, k, v) -> (out, lse)     Untied Ulysses (05) and the ring (06) run their own backward
-  attention_backward_lse(dout, q, k, v, out, lse)  per stage from the saved log-sum-exp, so it
-                                                   needs the forward and the backward kernel
-                                                   separately; no attention forward is re-run.
+  attention_forward_lse(q, k, v) -> (out, lse)     Untied Ulysses (05) and the ring (06) run
+  attention_backward_lse(dout, q, k, v, out, lse)  their own backward per stage from the saved
+                                                   log-sum-exp, so it needs the forward and the
+                                                   backward kernel separately; no attention
+                                                   forward is re-run.
 Inside a block that 03 checkpoints with --keep-attention, support/keep_attention.py stands in
 for `causal_attention` (`standing_in`): it keeps the forward's output and log-sum-exp, and the
 block's recompute in backward takes them back instead of running the kernel.
@@ -294,7 +295,8 @@ def _forward(kernel, q, k, v, causal: bool = True):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False)[:2]
     elif kernel == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False)[:2]
     elif kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
     else:
@@ -317,7 +319,8 @@ def _backward(kernel, grad_out, q, k, v, out, lse, causal: bool = True):
         if lse.dim() == 3:  # (B, H, S), e.g. a ring's merged lse: cuDNN reads (B, H, S, 1) only
             lse = lse.unsqueeze(-1)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, causal)
+            grad_out, q, k, v, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0,
+            causal)
     elif kernel == "flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, seq_q, seq_k, 0.0, causal, unused, unused)
@@ -470,7 +473,8 @@ def _check_kernel(kernel, device, dtype, head_dim):
                                                              *args, out, lse))
             if not gqa:
                 dk, dv = (t.unflatten(2, (2, 2)).sum(3) for t in (dk, dv))
-            for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.float().cpu(), dq, dk, dv), want):
+            for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.float().cpu(), dq, dk, dv),
+                                      want):
                 error = (got - ref).abs().max().item()
                 if not error <= tol * (1 + ref.abs().max().item()):
                     raise RuntimeError(f"{name} differs from the math kernel by {error:.3g}")
@@ -502,9 +506,10 @@ def varlen_works(q, k) -> bool:
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            warnings.warn(f"FlashAttention-4 varlen on {q.dtype}/head_dim {q.shape[-1]}/{q.shape[2]} "
-                          f"query and {k.shape[2]} KV heads failed its check ({type(error).__name__}: "
-                          f"{error}); packed documents use the per-document loop")
+            warnings.warn(f"FlashAttention-4 varlen on {q.dtype}/head_dim {q.shape[-1]}/"
+                          f"{q.shape[2]} query and {k.shape[2]} KV heads failed its check "
+                          f"({type(error).__name__}: {error}); packed documents use the "
+                          "per-document loop")
             _VARLEN_CHECKED[key] = False
         log.info("FlashAttention-4 varlen for packed documents, %s head_dim %d, %d/%d heads: %s",
                  *key, "yes" if _VARLEN_CHECKED[key] else "no (per-document loop)")
@@ -522,7 +527,8 @@ def _check_varlen(device, dtype, head_dim, n_heads, n_kv_heads,
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    q, grad_out = (torch.randn(batch, seq_len, n_heads, head_dim, generator=generator).to(dtype).float()
+    q, grad_out = (torch.randn(batch, seq_len, n_heads, head_dim,
+                               generator=generator).to(dtype).float()
                    for _ in range(2))
     k, v = (torch.randn(batch, seq_len, n_kv_heads, head_dim, generator=generator).to(dtype).float()
             for _ in range(2))

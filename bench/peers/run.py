@@ -86,7 +86,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stacks", nargs="+", default=["ours:5", "alst", "hf"],
-                        help="ours:N[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], hf[@fp32]")
+                        help="ours:N[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], "
+                             "hf[@fp32]")
     parser.add_argument("--model", default="llama3.2-3b", help="a preset of model.py")
     parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=parse_tokens)
     parser.add_argument("--steps", type=int, default=3, help="steps per row (the first warms up)")
@@ -424,10 +425,11 @@ def ratios(rows: list, specs) -> list:
             for seq_len in sorted({s for _, s in ok}):
                 a, b = ok.get((ours.text, seq_len)), ok.get((peer.text, seq_len))
                 if a and b:
+                    speed_ratio = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+                    peak_ratio = (round(a["peak_gib"] / b["peak_gib"], 3)
+                                  if a.get("peak_gib") and b.get("peak_gib") else None)
                     out.append({"ours": ours.text, "peer": peer.text, "seq_len": seq_len,
-                                "tokens_per_s_ratio": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
-                                "peak_ratio": (round(a["peak_gib"] / b["peak_gib"], 3)
-                                               if a.get("peak_gib") and b.get("peak_gib") else None)})
+                                "tokens_per_s_ratio": speed_ratio, "peak_ratio": peak_ratio})
     return out
 
 
