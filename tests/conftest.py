@@ -15,7 +15,8 @@ def pytest_collection_modifyitems(config, items):
         if os.environ.get("RANKS_ON_ONE_GPU") == "1":
             for item in items:
                 item.own_markers = [m for m in item.own_markers
-                                    if not (m.name == "skipif" and m.kwargs.get("reason") == TWO_GPUS)]
+                                    if not (m.name == "skipif"
+                                            and m.kwargs.get("reason") == TWO_GPUS)]
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:

@@ -4,7 +4,8 @@ Every equivalence test follows one pattern, run inside each rank of `run_ranks`:
 
     tokens, labels = make_batch(vocab_size, rows, seq_len)
     ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)   # no process group
-    loss, grads = train_loss_and_grads(Config(model="tiny", fsdp=True, ulysses=True), tokens, labels)
+    loss, grads = train_loss_and_grads(Config(model="tiny", fsdp=True, ulysses=True), tokens,
+                                       labels)
     assert_matches(loss, grads, ref_loss, ref_grads)
 
 `tokens` is the whole global batch (dp * batch_size, seq_len + 1) and `labels` its next-token
@@ -79,7 +80,8 @@ def assert_matches(loss, grads, ref_loss, ref_grads, rtol=1e-5, atol=1e-6, what=
     for name, got, ref in pairs:
         assert got is not None, f"{what}: no {name}"
         if norm_rtol is None:
-            torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+            torch.testing.assert_close(got, ref, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{what} {name}: {m}")
         else:
             error = relative_error(got, ref)
             assert error < norm_rtol, f"{what} {name}: relative error {error:.2e} >= {norm_rtol}"

@@ -72,8 +72,10 @@ def test_sharded_bytes_match_the_formula():
 
 def test_llama3_8b_model_state_per_gpu():
     args = llama.get_model_args("llama3-8b")
-    assert sum(byte_counts.model_state_bytes(args, 1).values()) / 2**30 == pytest.approx(119.7, abs=0.1)
-    assert sum(byte_counts.model_state_bytes(args, 8).values()) / 2**30 == pytest.approx(15.0, abs=0.05)
+    assert (sum(byte_counts.model_state_bytes(args, 1).values()) / 2**30
+            == pytest.approx(119.7, abs=0.1))
+    assert (sum(byte_counts.model_state_bytes(args, 8).values()) / 2**30
+            == pytest.approx(15.0, abs=0.05))
 
 
 @pytest.mark.gpu
@@ -98,7 +100,8 @@ def _train_recording_grads(cfg, steps):
         {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}))
     metrics = []
     for step in range(steps):
-        tokens, labels = make_batch(256, rt.dp * cfg.batch_size, SEQ_LEN, seed=step, ignore_frac=0.2)
+        tokens, labels = make_batch(256, rt.dp * cfg.batch_size, SEQ_LEN, seed=step,
+                                    ignore_frac=0.2)
         rows = slice(rt.dp_rank * cfg.batch_size, (rt.dp_rank + 1) * cfg.batch_size)
         metrics.append(train.train_step(model, optimizer, tokens[rows], rt, cfg, labels[rows]))
     return model, optimizer, metrics, grads
@@ -116,7 +119,8 @@ def _offload_steps_equal_resident(steps):
     tight = dict(rtol=1e-6, atol=1e-7)
     for step in range(steps):
         for key in ("loss", "grad_norm"):
-            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-6), (step, key)
+            assert (metrics[step][key]
+                    == pytest.approx(ref_metrics[step][key], rel=1e-6)), (step, key)
         for name, ref in ref_grads[step].items():
             torch.testing.assert_close(grads[step][name], ref, **tight,
                                        msg=lambda m: f"grad {name} at step {step}: {m}")
@@ -137,7 +141,8 @@ def _offload_steps_equal_resident(steps):
                                         pytest.param(4, marks=pytest.mark.slow)])
 def test_offloaded_model_state_trains_like_the_resident_one(world_size):
     """--stack 5 with and without --offload-model-state, fp32: the same loss, every gradient,
-    and the parameters and Adam moments after three steps (fused CPU AdamW against foreach=False)."""
+    and the parameters and Adam moments after three steps (fused CPU AdamW against
+    foreach=False)."""
     run_ranks(world_size, _offload_steps_equal_resident, 3)
 
 
@@ -186,7 +191,8 @@ def test_host_bytes_of_offloaded_llama3_8b():
     args = llama.get_model_args("llama3-8b")
     host = byte_counts.offloaded_model_state_bytes(args, 8)
     exact = byte_counts.offloaded_model_state_bytes(args, 8, pinned=False)
-    assert sum(exact.values()) == pytest.approx(sum(byte_counts.model_state_bytes(args, 8).values()), rel=1e-3)
+    assert sum(exact.values()) == pytest.approx(
+        sum(byte_counts.model_state_bytes(args, 8).values()), rel=1e-3)
     assert host["optimizer"] == exact["optimizer"]
     assert sum(host.values()) / 2**30 == pytest.approx(15.7, abs=0.05)
 

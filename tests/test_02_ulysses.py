@@ -43,11 +43,11 @@ def _attention_matches_unsharded(device="cpu", dtype=torch.float32, rtol=1e-5, a
         out = ulysses.ulysses_attention(*mine, group=dist.group.WORLD)
         out.backward(grad_out[:, local].to(device, dtype))
         what = f"P={sp} heads={n_heads} kv={n_kv_heads}"
-        torch.testing.assert_close(out.float().cpu(), ref_out[:, local].detach(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{what} out: {m}")
+        torch.testing.assert_close(out.float().cpu(), ref_out[:, local].detach(), rtol=rtol,
+                                   atol=atol, msg=lambda m: f"{what} out: {m}")
         for name, got, want in zip("qkv", mine, ref):
-            torch.testing.assert_close(got.grad.float().cpu(), want.grad[:, local], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{what} d{name}: {m}")
+            torch.testing.assert_close(got.grad.float().cpu(), want.grad[:, local], rtol=rtol,
+                                       atol=atol, msg=lambda m: f"{what} d{name}: {m}")
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2,

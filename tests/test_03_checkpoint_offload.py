@@ -17,7 +17,7 @@ from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
                        train_loss_and_grads, with_kernel)
 
-from support import host_buffers, host_memory, keep_attention as keeping, kernels
+from support import host_buffers, host_memory, kernels
 import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward
@@ -52,7 +52,8 @@ def _check_offload_stats(stats, local_tokens, itemsize=4):
     assert stats["restored"] == L - 1 and stats["restored_bytes"] == (L - 1) * block_input, stats
     assert stats["kept"] == 1 and stats["kept_bytes"] == block_input, stats
     assert stats["prefetched"] == L - 1, stats
-    events = [e for e in stats["events"] if "attention" not in e]  # block inputs' (not --keep-attention's)
+    # block inputs' (not --keep-attention's)
+    events = [e for e in stats["events"] if "attention" not in e]
     assert events[:L] == [f"offload {i}" for i in range(L - 1)] + [f"keep {L - 1}"], events
     uses = [e for e in events if e.startswith("use")]
     assert uses == [f"use {i}" for i in reversed(range(L))], events  # backward order, once each
@@ -88,7 +89,8 @@ def _equal_with_and_without_checkpoint_and_offload():
     offloader = model.checkpoint_offload
     train.forward_backward(model, tokens, rt, labels)
     _check_offload_stats(offloader.stats, SEQ // sp)
-    assert offloader.host_buffers.nbytes == offloader.stats["offloaded_bytes"]  # one buffer per block input
+    # one buffer per block input
+    assert offloader.host_buffers.nbytes == offloader.stats["offloaded_bytes"]
     assert not offloader.waiting
 
 
@@ -189,7 +191,8 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
                     events = model.checkpoint_offload.stats["events"]
                     assert f"keep attention {L - 1}" in events, events
                     for i in range(L - 1):
-                        assert (events.index(f"prefetch attention {i}") < events.index(f"use {i + 1}")
+                        assert (events.index(f"prefetch attention {i}")
+                                < events.index(f"use {i + 1}")
                                 < events.index(f"use attention {i}")), events
                     assert not any(e.startswith("fetch") for e in events), events
                     assert not model.kept_attention.waiting  # all taken back
@@ -253,7 +256,8 @@ def test_a_forward_whose_backward_never_ran_leaves_nothing_behind(keep_attention
 def test_a_run_refused_for_host_memory_leaves_the_earlier_run_alone(tmp_path, monkeypatch):
     """The host check runs before the outputs are claimed: with --overwrite a refused run must
     not already have deleted the earlier run's checkpoints or emptied its log."""
-    run = ["--steps", "1", "--save-dir", str(tmp_path / "ckpt"), "--log-file", str(tmp_path / "log")]
+    run = ["--steps", "1", "--save-dir", str(tmp_path / "ckpt"),
+           "--log-file", str(tmp_path / "log")]
     train.train(train.parse_args(run))
     before = sorted(os.listdir(tmp_path / "ckpt")), (tmp_path / "log").read_text()
 
@@ -353,7 +357,8 @@ def test_host_buffers_are_power_of_two_pieces_that_round_trip():
     assert host_buffers.power_of_two_pieces(3 * GiB) == [2 * GiB, GiB]
     assert host_buffers.power_of_two_pieces(int(1.5 * GiB)) == [GiB, GiB // 2]
     assert host_buffers.power_of_two_pieces(10 * GiB + 3 * MiB) == [8 * GiB, 2 * GiB, 2 * MiB, MiB]
-    assert host_buffers.power_of_two_pieces(3 * MiB + 5) == [2 * MiB, 2 * MiB]  # the rest rounded up
+    # the rest rounded up
+    assert host_buffers.power_of_two_pieces(3 * MiB + 5) == [2 * MiB, 2 * MiB]
     assert host_buffers.power_of_two_pieces(1000) == [1024]
     x = torch.randn(3, 1000, 250)  # 3,000,000 bytes: 2 MiB + the rest in a 1 MiB piece
     buffer = host_buffers.HostBuffer(x.shape, x.dtype, pinned=x.is_cuda)
@@ -383,8 +388,8 @@ def _gpu_offload_is_pinned_async_and_exact():
     base = dict(model=MODEL, fsdp=True, ulysses=True, seq_len=SEQ, batch_size=ROWS,
                 device="cuda", dtype="float32")
     for offloading in (False, True):
-        loss, grads = train_loss_and_grads(train.Config(checkpoint=True, offload=offloading, **base),
-                                           tokens, labels)
+        cfg = train.Config(checkpoint=True, offload=offloading, **base)
+        loss, grads = train_loss_and_grads(cfg, tokens, labels)
         assert_matches(loss.cpu(), {n: g.cpu() for n, g in grads.items()}, ref_loss, ref_grads,
                        rtol=1e-3, atol=1e-5, what=f"cuda fp32 offload={offloading}")
 
@@ -454,7 +459,8 @@ def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     block_input = seq_len * args.dim * 4
     kept, syncs = {}, {}
     for offloading in (False, True):
-        kept[offloading], syncs[offloading] = _gpu_memory_after_forward_and_syncs(offloading, args, seq_len)
+        kept[offloading], syncs[offloading] = _gpu_memory_after_forward_and_syncs(
+            offloading, args, seq_len)
     # Between forward and backward the GPU no longer holds 7 of the 8 block inputs.
     assert kept[False] - kept[True] >= (args.n_layers - 1) * block_input * 0.9, kept
     # The copies never make the host wait: no synchronization beyond checkpointing's own.
@@ -482,7 +488,8 @@ def _gpu_keep_attention_matches_fp32(seam: str):
     cfg = train.Config(model="tiny-hd64", fsdp=True, offload=True, keep_attention=True,
                        seq_len=256, batch_size=2, device="cuda", dtype="bfloat16",
                        attn_kernel=kernels._requested["kernel"],
-                       **({"untied": True, "head_chunk": sp} if seam == "untied" else {"ulysses": True}))
+                       **({"untied": True, "head_chunk": sp} if seam == "untied"
+                          else {"ulysses": True}))
     args = llama.get_model_args(cfg.model)
     tokens, labels = make_batch(args.vocab_size, 2, cfg.seq_len, seed=5, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)

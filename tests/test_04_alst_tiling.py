@@ -48,7 +48,8 @@ def _untiled_and_tiled_mlp(tile_tokens):
         x_leaf = x.clone().requires_grad_()
         out = run(x_leaf)
         out.backward(grad_out)
-        results.append((out.detach(), x_leaf.grad, {n: p.grad.clone() for n, p in mlp.named_parameters()}))
+        results.append((out.detach(), x_leaf.grad,
+                        {n: p.grad.clone() for n, p in mlp.named_parameters()}))
     return results
 
 
@@ -110,13 +111,15 @@ def _untiled_and_tiled_loss(tile_tokens, labels):
         loss = run(h_leaf)
         (loss * 0.37).backward()  # a gradient other than 1 reaches the tiles
         results.append((loss.detach(), h_leaf.grad,
-                        {"norm": model.norm.weight.grad.clone(), "lm_head": model.lm_head.weight.grad.clone()}))
+                        {"norm": model.norm.weight.grad.clone(),
+                         "lm_head": model.lm_head.weight.grad.clone()}))
     return results
 
 
 @pytest.mark.parametrize("tile_tokens", TILE_CASES)
 def test_tiled_loss_equals_untiled(tile_tokens):
-    (loss, dh, grads), (tiled_loss, tiled_dh, tiled_grads) = _untiled_and_tiled_loss(tile_tokens, _labels())
+    (loss, dh, grads), (tiled_loss, tiled_dh, tiled_grads) = _untiled_and_tiled_loss(
+        tile_tokens, _labels())
     assert tiled_loss.dtype == torch.float32 and torch.isfinite(tiled_loss)
     torch.testing.assert_close(tiled_loss, loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(tiled_dh, dh, rtol=1e-5, atol=1e-6)
@@ -149,7 +152,8 @@ def test_each_weight_gets_one_gradient_per_backward():
     labels = _labels()
     arrivals = {}
     for name, p in [*mlp.named_parameters(), *model.named_parameters()]:
-        p.register_post_accumulate_grad_hook(lambda p, name=name: arrivals.__setitem__(name, arrivals.get(name, 0) + 1))
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: arrivals.__setitem__(name, arrivals.get(name, 0) + 1))
     h = tiling.tiled_mlp_forward(mlp, x.requires_grad_(), 3)  # 17 tiles
     tiling.tiled_loss_sum(model, h, labels, 4).backward()  # 13 tiles
     expected = {n: 1 for n, _ in mlp.named_parameters()} | {"norm.weight": 1, "lm_head.weight": 1}
@@ -194,7 +198,8 @@ def test_tiling_acts_loss_never_builds_tokens_x_vocab():
     for tile in (7, 25):
         tiled = _largest(lambda h: tiling.tiled_loss_sum(model, h, labels, tile), h)
         assert tiled.numel < tokens_x_vocab, f"tile {tile}: a tensor of shape {tiled.shape} exists"
-        assert tiled.numel <= max(tile * ARGS.vocab_size, ARGS.vocab_size * ARGS.dim, BATCH * SEQ * ARGS.dim)
+        assert tiled.numel <= max(tile * ARGS.vocab_size, ARGS.vocab_size * ARGS.dim,
+                                  BATCH * SEQ * ARGS.dim)
 
 
 def test_tiling_acts_mlp_never_builds_tokens_x_ffn():
@@ -248,7 +253,8 @@ def test_tiling_acts_norm_never_upcasts_the_whole_sequence():
     tokens_x_dim = BATCH * SEQ * ARGS.dim
     sizes = {}
     for tile in (None, 7):
-        run = norm if tile is None else (lambda x, tile=tile: tiling.tiled_norm_forward(norm, x, tile))
+        run = (norm if tile is None
+               else (lambda x, tile=tile: tiling.tiled_norm_forward(norm, x, tile)))
         leaf = x.clone().requires_grad_()
         with LargestFp32() as largest:
             run(leaf).sum().backward()
@@ -290,7 +296,8 @@ def test_saved_for_backward_is_only_the_input():
     mlp, x = _mlp_and_input()
     x.requires_grad_()
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
         tiling.tiled_mlp_forward(mlp, x, 7)
     assert sorted(saved) == sorted([x.numel(), *(p.numel() for p in mlp.parameters())])
 
@@ -309,16 +316,19 @@ def test_planner_bytes():
     llama8b = llama.get_model_args("llama3-8b")
     local = 3 * 2**20 // 8  # 3M tokens on 8 GPUs
     # Untiled: three fp32 logits-sized tensors at the log-softmax backward, plus the final norm.
-    assert byte_counts.loss_temporary_bytes(llama8b, local, tiled=False) == local * (128_256 * 12 + 4096 * 8)
+    assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False)
+            == local * (128_256 * 12 + 4096 * 8))
     # Tiled: a tile's logits are at most 1 GiB; the input and its gradient stay sequence-wide.
     tiled_loss = byte_counts.loss_temporary_bytes(llama8b, local, tiled=True)
     lm_head_grads = 128_256 * 4096 * (4 + 2)
-    assert 2 * local * 4096 * 2 + lm_head_grads < tiled_loss <= 2 * local * 4096 * 2 + lm_head_grads + 3 * 2**30
-    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True) == 42 * 2**30
+    assert (2 * local * 4096 * 2 + lm_head_grads < tiled_loss
+            <= 2 * local * 4096 * 2 + lm_head_grads + 3 * 2**30)
+    assert (byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True)
+            == 42 * 2**30)
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False) == 63 * 2**30
     weight_grads = 3 * 4096 * 14336 * (4 + 2)
-    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True) == (local * 4096 * 2 + 6 * 4096 * 14336 * 2
-                                                                      + weight_grads)
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True) == (
+        local * 4096 * 2 + 6 * 4096 * 14336 * 2 + weight_grads)
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True, saved_only=True) == 0
     assert (byte_counts.mlp_temporary_bytes(llama8b, 100, tiled=True, tile_tokens=1000)
             == 100 * 4096 * 2 + 6 * 100 * 14336 * 2 + weight_grads)
@@ -328,7 +338,8 @@ def test_planner_bytes():
 def test_bad_tile_sizes_are_refused(bad):
     with torch.device("meta"):
         model = llama.Transformer(ARGS)
-    with pytest.raises(ValueError, match=rf"mlp_tile_tokens must be a positive whole number of tokens, got {bad!r}"):
+    with pytest.raises(ValueError, match=rf"mlp_tile_tokens must be a positive whole number of "
+                                         rf"tokens, got {bad!r}"):
         tiling.apply_tiling(model, mlp_tile_tokens=bad)
     with pytest.raises(ValueError, match="loss_tile_tokens must be a positive"):
         tiling.apply_tiling(model, loss_tile_tokens=bad)
@@ -377,8 +388,9 @@ def _model_matches_unsharded():
         rt = rt or train.setup_runtime(train.resolve_techniques(cfg))
         loss, grads = train_loss_and_grads(cfg, tokens, labels, rt)
         assert_matches(loss, grads, ref_loss, ref_grads,
-                       what=f"P={dist.get_world_size()} mlp={tile_mlp}/{mlp_tile} loss={tile_loss}/{loss_tile}"
-                            f" norm={tile_norm} checkpoint+offload={offload}")
+                       what=f"P={dist.get_world_size()} mlp={tile_mlp}/{mlp_tile} "
+                            f"loss={tile_loss}/{loss_tile} norm={tile_norm} "
+                            f"checkpoint+offload={offload}")
 
 
 def test_fsdp_ulysses_tiled_model_equals_single_process():
@@ -388,15 +400,16 @@ def test_fsdp_ulysses_tiled_model_equals_single_process():
 
 @pytest.mark.slow
 def test_train_py_tiles_on_cpu():
-    result = subprocess.run([sys.executable, "train.py", "--tile-mlp", "--tile-loss", "--steps", "3",
-                             "--seq-len", "64", "--mlp-tile-tokens", "5"],
+    result = subprocess.run([sys.executable, "train.py", "--tile-mlp", "--tile-loss",
+                             "--steps", "3", "--seq-len", "64", "--mlp-tile-tokens", "5"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
 @pytest.mark.slow
 def test_train_py_stack_4():
-    result = subprocess.run([sys.executable, "train.py", "--stack", "4", "--steps", "3", "--seq-len", "64"],
+    result = subprocess.run([sys.executable, "train.py", "--stack", "4", "--steps", "3",
+                             "--seq-len", "64"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -425,7 +438,8 @@ def test_gpu_bf16_tiled_equals_untiled_with_lower_peak():
         x = torch.randn(1, 16384, args.dim, dtype=torch.bfloat16)
         labels = torch.randint(0, args.vocab_size, (1, 16384))
     mlp = model.layers[0].mlp
-    for untiled, tiled in [(lambda x: llama.MLP.forward(mlp, x), lambda x: tiling.tiled_mlp_forward(mlp, x, 1024)),
+    for untiled, tiled in [(lambda x: llama.MLP.forward(mlp, x),
+                            lambda x: tiling.tiled_mlp_forward(mlp, x, 1024)),
                            (lambda h: llama.Transformer.loss_sum(model, h, labels),
                             lambda h: tiling.tiled_loss_sum(model, h, labels, 1024))]:
         peak, out, grad = _peak(untiled, x)
@@ -436,4 +450,5 @@ def test_gpu_bf16_tiled_equals_untiled_with_lower_peak():
         model.zero_grad(set_to_none=True)
         assert tiled_peak < peak / 2, (tiled_peak, peak)
         for got, want in [(tiled_out, out), (tiled_grad, grad), *zip(tiled_grads, grads)]:
-            assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6, ((got - want).norm(), want.norm())
+            error = (got - want).norm()
+            assert error <= 2e-2 * want.norm() + 1e-6, (error, want.norm())

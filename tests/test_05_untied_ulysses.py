@@ -115,7 +115,8 @@ def _layer_matches(device="cpu", dtype=torch.float32, rtol=1e-5, atol=1e-5, head
             attn_here.core = partial(ulysses.ulysses_attention, group=group)
             uly = run_attend(attn_here.attend, x_here, rope, grad_here, attn_here)
             for chunk in chunks_to_test(n_heads, n_kv_heads, sp):
-                attend = partial(untied.untied_attend, attn=attn_here, group=group, head_chunk=chunk)
+                attend = partial(untied.untied_attend, attn=attn_here, group=group,
+                                 head_chunk=chunk)
                 out, dx, grads = run_attend(attend, x_here, rope, grad_here, attn_here)
                 what = (f"P={sp} heads={n_heads} kv={n_kv_heads} qk_norm={qk_norm} U={chunk}")
                 close = partial(assert_close_for, dtype, rtol=rtol, atol=atol)
@@ -174,7 +175,8 @@ def test_full_stack_model_equals_single_process(world_size, sp, chunks):
     (32, 8, 2, 3, "head chunk U (3) to be a positive multiple of the sequence-parallel degree (2)"),
     (32, 8, 4, 0, "head chunk U (0) to be a positive multiple"),
     (32, 8, 2, 12, "head chunk U (12) to divide the query heads (32)"),
-    (24, 6, 2, 12, "(U/P = 12/2 = 6) to divide, or be a multiple of, the query heads per KV head (24/6 = 4)"),
+    (24, 6, 2, 12, "(U/P = 12/2 = 6) to divide, or be a multiple of, the query heads per KV head "
+                   "(24/6 = 4)"),
     (32, 8, 3, 3, "query heads (32) to be divisible by the sequence-parallel degree (3)"),
 ])
 def test_bad_chunks_are_refused(heads, kv, sp, chunk, needle):
@@ -403,7 +405,8 @@ def test_planner_bytes():
     args = llama.get_model_args("llama3-8b")
     seq_len, sp = 3 * 2**20, 8
     ulysses_bytes = byte_counts.attention_activation_bytes(args, seq_len, sp)
-    per_chunk = [byte_counts.untied_attention_bytes(args, seq_len, sp, chunk) for chunk in (8, 16, 32)]
+    per_chunk = [byte_counts.untied_attention_bytes(args, seq_len, sp, chunk)
+                 for chunk in (8, 16, 32)]
     assert per_chunk == sorted(per_chunk)
     assert per_chunk[0] < 0.65 * ulysses_bytes
     assert byte_counts.untied_attention_bytes(args, seq_len, sp, 8, saved_only=True) == (
@@ -417,7 +420,8 @@ def test_planner_bytes():
     # k, v; q, out, grad out; dq, dk, dv; K/V gradients summed over the stages of the group
     stage = (2 + 3 + 3 + 2) * per_stage_tensor
     workspace = 32 * 1 * 8 * 4 + 32 * 1 * 4  # fp32 dq over 32 tokens, 1 head; dO*O row sums
-    assert byte_counts.untied_attention_bytes(tiny, 32, 2, 2, 4) == saved + gradients + stage + workspace
+    assert (byte_counts.untied_attention_bytes(tiny, 32, 2, 2, 4)
+            == saved + gradients + stage + workspace)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def plain_attention(q, k, v, causal):
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
     if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
+                                    float("-inf"))
     lse = scores.logsumexp(-1)
     return torch.einsum("bhqk,bkhd->bqhd", (scores - lse[..., None]).exp(), v), lse
 
@@ -58,7 +59,8 @@ def test_full_block_kernels_equal_the_plain_formula(kernel):
         torch.testing.assert_close(out, ref_out.detach(), **CLOSE, msg=lambda m: f"{what} out: {m}")
         torch.testing.assert_close(lse.reshape(ref_lse.shape), ref_lse.detach(), **CLOSE)
         for name, got, want in zip("qkv", grads, ref):
-            torch.testing.assert_close(got, want.grad, **CLOSE, msg=lambda m: f"{what} d{name}: {m}")
+            torch.testing.assert_close(got, want.grad, **CLOSE,
+                                       msg=lambda m: f"{what} d{name}: {m}")
     with pytest.raises(ValueError, match=r"as many queries \(5\) as keys \(9\)"):
         kernels.attention_forward_lse(q, k, v, kernel)
     with pytest.raises(ValueError, match="causal=False"):
@@ -102,9 +104,11 @@ def test_zigzag_order_and_its_balance():
 def test_check_ring_refuses_clearly():
     with pytest.raises(ValueError, match=r"ring degree R \(0\) must be at least 1"):
         ring_attn.check_ring(4, 0)
-    with pytest.raises(ValueError, match=r"R \(3\) must divide the sequence-parallel degree P \(4\)"):
+    with pytest.raises(ValueError,
+                       match=r"R \(3\) must divide the sequence-parallel degree P \(4\)"):
         ring_attn.check_ring(4, 3)
-    with pytest.raises(ValueError, match=r"sequence length \(36\) must be divisible by the sequence-parallel degree \(8\)"):
+    with pytest.raises(ValueError, match=r"sequence length \(36\) must be divisible by the "
+                                         r"sequence-parallel degree \(8\)"):
         ring_attn.check_ring(8, 2, 36)  # 2R = 4 divides 36, P = 8 does not
     with pytest.raises(ValueError, match=r"sequence length \(18\) must be divisible by 2R = 12"):
         ring_attn.zigzag_order(18, 6)  # P = 6 divides 18, 2R = 12 does not
@@ -113,7 +117,8 @@ def test_check_ring_refuses_clearly():
 
 def test_planned_ring_bytes_fall_with_the_ring():
     args = llama.get_model_args("llama3-8b")
-    planned = [byte_counts.ring_attention_bytes(args, 3 * 2**20, 8 * ring, ring) for ring in (1, 2, 4, 8)]
+    planned = [byte_counts.ring_attention_bytes(args, 3 * 2**20, 8 * ring, ring)
+               for ring in (1, 2, 4, 8)]
     assert planned == sorted(planned, reverse=True), planned
     for ring, nbytes in zip((2, 4, 8), planned[1:]):  # every buffer holds S/R tokens
         assert abs(nbytes * ring / planned[0] - 1) < 0.01, planned
@@ -243,10 +248,12 @@ def _hybrid_and_bytes():
     # Attention bytes per rank at one sequence length, R = 1, 2, 4.
     seq_len, measured = 32, {}
     for ring in (1, 2, 4):
-        group = [dist.new_group(list(range(s, s + ring))) for s in range(0, world, ring)][rank // ring]
+        groups = [dist.new_group(list(range(s, s + ring))) for s in range(0, world, ring)]
+        group = groups[rank // ring]
         q = torch.randn(1, seq_len // ring, 4, HEAD_DIM, requires_grad=True)
         k, v = (torch.randn(1, seq_len // ring, 2, HEAD_DIM) for _ in range(2))
-        measured[ring] = measure_stage_memory(partial(ring_attn.ring_attention, group=group), q, (k, v))
+        measured[ring] = measure_stage_memory(partial(ring_attn.ring_attention, group=group), q,
+                                              (k, v))
     assert measured[1] == 2 * measured[2] == 4 * measured[4], measured
 
     # Ulysses (P/R = 2) around the ring (R = 2): heads need only divide 2.
@@ -268,21 +275,24 @@ def _hybrid_and_bytes():
     ring_model = copy.deepcopy(reference_model)
     ring_attn.apply_ring(ring_model, ulysses_group, ring_group)
     seq_len = 32
-    tokens = torch.randint(0, args.vocab_size, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, args.vocab_size, (2, seq_len + 1),
+                           generator=torch.Generator().manual_seed(1))
     input_ids, labels = tokens[:, :-1], tokens[:, 1:].clone()
     labels[0, 5:9] = llama.IGNORE_INDEX
     positions = torch.arange(seq_len).expand(2, -1)
     count = (labels != llama.IGNORE_INDEX).sum()
     ref_loss = reference_model(input_ids, positions, labels) / count
     ref_loss.backward()
-    order, mine = ring_attn.zigzag_order(seq_len, 2), slice(rank * seq_len // 4, (rank + 1) * seq_len // 4)
+    order = ring_attn.zigzag_order(seq_len, 2)
+    mine = slice(rank * seq_len // 4, (rank + 1) * seq_len // 4)
     loss = ring_model(*(t[:, order][:, mine] for t in (input_ids, positions, labels))) / count
     loss.backward()
     dist.all_reduce(loss := loss.detach())
     torch.testing.assert_close(loss, ref_loss.detach(), **CLOSE)
     for (name, p), ref in zip(ring_model.named_parameters(), reference_model.parameters()):
         dist.all_reduce(p.grad)
-        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
     with pytest.raises(ValueError, match=r"query heads \(5\) to be divisible by .* \(2\)"):
         ring_attn.apply_ring(llama.Transformer(replace(args, n_heads=5)), ulysses_group, ring_group)
 
@@ -315,12 +325,15 @@ def test_gpu_kernels_full_blocks_and_ring_schedule_in_bf16(kernel):
         ref_out.backward(grad_out)
         cuda = [t.cuda().bfloat16() for t in (q, k, v)]
         out, lse = kernels.attention_forward_lse(*cuda, causal=False)
-        grads = kernels.attention_backward_lse(grad_out.cuda().bfloat16(), *cuda, out, lse, causal=False)
-        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *(t.grad for t in ref))):
+        grads = kernels.attention_backward_lse(grad_out.cuda().bfloat16(), *cuda, out, lse,
+                                               causal=False)
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads),
+                                   (ref_out, *(t.grad for t in ref))):
             error = (got.float().cpu() - want).abs().max().item()
             assert error <= 3e-2 * (1 + want.abs().max().item()), f"{kernel} {name}: {error}"
         seq_len = 1536
-        q, k, v, grad_out = ring_blocks.inputs(seq_len, 16, 4, 128, torch.device("cuda"), torch.bfloat16)
+        q, k, v, grad_out = ring_blocks.inputs(seq_len, 16, 4, 128, torch.device("cuda"),
+                                               torch.bfloat16)
         reference = ring_blocks.fp32_reference(q, k, v, grad_out)
         single = ring_blocks.max_errors(ring_blocks.single_call(q, k, v, grad_out), reference)
         for ring in (2, 3):

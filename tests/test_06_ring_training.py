@@ -69,7 +69,8 @@ def test_ulysses_times_ring_training_equals_unsharded(world_size):
 def test_a_ring_degree_that_cannot_work_is_refused_at_start():
     args = llama.get_model_args("tiny")
     cfg = train.resolve_techniques(train.Config(model="tiny", stack=2, ring=3, seq_len=24))
-    with pytest.raises(ValueError, match=r"ring degree R \(3\) must divide the sequence-parallel degree P \(4\)"):
+    with pytest.raises(ValueError, match=r"ring degree R \(3\) must divide the sequence-parallel "
+                                         r"degree P \(4\)"):
         runtime.check_layout(cfg, 4, args)
     cfg = train.resolve_techniques(train.Config(model="tiny", stack=2, ring=2, seq_len=20))
     with pytest.raises(ValueError, match=r"sequence length \(20\) must be divisible by 2R = 8"):
@@ -81,9 +82,11 @@ def test_a_ring_degree_that_cannot_work_is_refused_at_start():
     # heads that split over no P/R: named with the Ulysses rule (7 heads, 2 KV, P = 4: R = 4
     # leaves P/R = 1, which works, so ask for R = 2 explicitly)
     llama.PRESETS.setdefault("tiny-7q7kv", replace(args, n_heads=7, n_kv_heads=7))
-    with pytest.raises(ValueError, match=r"query heads \(7\) to be divisible by the sequence-parallel degree \(2\)"):
-        runtime.check_layout(train.resolve_techniques(train.Config(model="tiny-7q7kv", stack=2, ring=2,
-                                                                   seq_len=24)), 4, args=llama.get_model_args("tiny-7q7kv"))
+    with pytest.raises(ValueError, match=r"query heads \(7\) to be divisible by the "
+                                         r"sequence-parallel degree \(2\)"):
+        cfg = train.resolve_techniques(train.Config(model="tiny-7q7kv", stack=2, ring=2,
+                                                    seq_len=24))
+        runtime.check_layout(cfg, 4, args=llama.get_model_args("tiny-7q7kv"))
 
 
 def _keep_attention_through_the_ring():
@@ -100,8 +103,8 @@ def _keep_attention_through_the_ring():
         model = train.build_model(cfg, rt)
         loss = train.forward_backward(model, tokens, rt, labels)
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
-        assert_matches(loss, grads, ref_loss, ref_grads, what=f"--stack {stack} --keep-attention, ring 2",
-                       norm_rtol=2e-6)
+        assert_matches(loss, grads, ref_loss, ref_grads,
+                       what=f"--stack {stack} --keep-attention, ring 2", norm_rtol=2e-6)
         stats = model.kept_attention.stats
         layers = len(model.layers)
         assert stats["kept"] == layers and stats["taken"] == layers, (untied, stats)

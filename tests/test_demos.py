@@ -26,7 +26,8 @@ DEMOS = {  # file -> (launched with torchrun, a line the demo prints)
 @pytest.mark.parametrize("script", sorted(DEMOS))
 def test_demo_runs_on_cpu(script):
     torchrun, expected = DEMOS[script]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else []
+    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+                if torchrun else [])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     for attempt in range(2):
         done = subprocess.run([sys.executable, *launcher, str(ROOT / script)], cwd=ROOT, env=env,

@@ -64,9 +64,11 @@ def trained(tmp_path_factory):
 
 
 def assert_same_buckets(result, expected, where):
-    assert [b["tokens"] for b in result["buckets"]] == [b["tokens"] for b in expected["buckets"]], where
+    assert ([b["tokens"] for b in result["buckets"]]
+            == [b["tokens"] for b in expected["buckets"]]), where
     for got, want in zip(result["buckets"], expected["buckets"]):
-        assert got["mean_loss"] == pytest.approx(want["mean_loss"], rel=1e-5, abs=1e-6), (where, got, want)
+        assert (got["mean_loss"]
+                == pytest.approx(want["mean_loss"], rel=1e-5, abs=1e-6)), (where, got, want)
 
 
 def test_single_process_result_has_log_buckets_from_the_checkpoint(trained):
@@ -78,7 +80,8 @@ def test_single_process_result_has_log_buckets_from_the_checkpoint(trained):
     assert expected["mean_loss"] == pytest.approx(total)
     cfg = eval_cfg(None)
     rt = train.Runtime()
-    untrained = evaluate.loss_by_position(train.build_model(cfg, rt), cfg, rt, WINDOWS, 5, BUCKET_START)
+    untrained = evaluate.loss_by_position(train.build_model(cfg, rt), cfg, rt, WINDOWS, 5,
+                                          BUCKET_START)
     assert untrained["mean_loss"] != pytest.approx(expected["mean_loss"], rel=1e-4)  # it loaded
 
 
@@ -109,7 +112,8 @@ def packed_file(tmp_path_factory):
     docs = []
     while sum(len(d) for d in docs) < 12 * (SEQ_LEN + 1):
         n = int(torch.randint(1, 41, (), generator=generator))
-        docs.append(torch.cat([torch.randint(0, SEP, (n - 1,), generator=generator), torch.tensor([SEP])]))
+        docs.append(torch.cat([torch.randint(0, SEP, (n - 1,), generator=generator),
+                               torch.tensor([SEP])]))
     path = tmp_path_factory.mktemp("packed") / "docs.bin"
     torch.cat(docs).to(torch.int32).numpy().astype("<u2").tofile(path)
     return str(path)
@@ -237,11 +241,14 @@ def test_a_tiny_model_trained_on_recall_retrieves_the_key(one_thread):
     rt = train.Runtime()
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
-    before = evaluate.passkey_grid(model, cfg, rt, [64], [0.0, 0.5, 1.0], 16, 2, VOCABULARY, seed=1)
+    before = evaluate.passkey_grid(model, cfg, rt, [64], [0.0, 0.5, 1.0], 16, 2, VOCABULARY,
+                                   seed=1)
     rng = random.Random(0)
-    for step in range(400):  # retrieval appears between 280 and 400 steps (0.56 -> 0.99, torch 2.14)
+    # retrieval appears between 280 and 400 steps (0.56 -> 0.99, torch 2.14)
+    for step in range(400):
         made = [evaluate.passkey_tokens(64, rng.random(), rng.choices(VOCABULARY["alphabet"], k=2),
-                                        VOCABULARY["filler"], VOCABULARY["marker"]) for _ in range(16)]
+                                        VOCABULARY["filler"], VOCABULARY["marker"])
+                for _ in range(16)]
         train.train_step(model, optimizer, torch.stack([m[0] for m in made]), rt, cfg,
                          labels=torch.stack([m[1] for m in made]), step=step)
     after = evaluate.passkey_grid(model, cfg, rt, [48, 64], [0.0, 0.25, 0.5, 0.75, 1.0], 16, 2,
@@ -269,7 +276,8 @@ def test_per_token_loss_equals_transformers(tmp_path):
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).eval()
     hf.save_pretrained(tmp_path)
-    state = {k.removeprefix("model."): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    state = {k.removeprefix("model."): v
+             for k, v in load_file(tmp_path / "model.safetensors").items()}
     args = llama.ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, ffn_dim=128,
                            vocab_size=256, norm_eps=1e-5, rope_theta=10000.0, rope_scaling="none")
     ours = llama.Transformer(args)

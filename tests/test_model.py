@@ -26,7 +26,8 @@ def test_attention_matches_explicit_softmax(n_heads, n_kv_heads):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 17, n_heads, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 17, n_kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    torch.testing.assert_close(kernels.causal_attention(q, k, v), explicit_causal_attention(q, k, v))
+    torch.testing.assert_close(kernels.causal_attention(q, k, v),
+                               explicit_causal_attention(q, k, v))
 
 
 def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
@@ -122,7 +123,8 @@ def test_loss_is_mean_cross_entropy_and_ignores_labels():
     labels[0, :5] = llama.IGNORE_INDEX
     pos = torch.arange(16).expand(2, -1)
     logits = model(ids, pos)
-    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             reduction="sum")
     torch.testing.assert_close(model(ids, pos, labels), want)
     assert model(ids, pos, torch.full_like(labels, llama.IGNORE_INDEX)).item() == 0.0
 

@@ -11,7 +11,6 @@ input ends a document.
 
 import importlib
 import json
-import os
 
 import numpy as np
 import pytest
@@ -144,7 +143,8 @@ def test_separator_and_boundary_index_agree(tmp_path):
     fragments = reference_fragments(stream, lengths, 8)
     assert torch.equal(a.labels.flatten(), torch.cat([f[2] for f in fragments]))
     assert torch.equal(a.position_ids.flatten(), torch.cat([f[1] for f in fragments]))
-    assert list(a.cu_seqlens) == torch.tensor([0] + [len(f[0]) for f in fragments]).cumsum(0).tolist()
+    assert (list(a.cu_seqlens)
+            == torch.tensor([0] + [len(f[0]) for f in fragments]).cumsum(0).tolist())
 
 
 def test_synthetic_documents_end_with_the_separator():
@@ -345,14 +345,15 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
         bounds.append(bounds[-1] + n)
     kernels.use_kernel("fa4")  # set back to auto at the end: later tests in this process
     generator = torch.Generator().manual_seed(1)
-    q, grad_out = (torch.randn(2, 2048, 16, head_dim, generator=generator).bfloat16() for _ in range(2))
+    q, grad_out = (torch.randn(2, 2048, 16, head_dim, generator=generator).bfloat16()
+                   for _ in range(2))
     k, v = (torch.randn(2, 2048, 4, head_dim, generator=generator).bfloat16() for _ in range(2))
     want = {name: [] for name in ("out", "dq", "dk", "dv")}
     for row, start, end in kernels.document_spans(bounds, 2, 2048):
         part = (slice(row, row + 1), slice(start, end))
         out, lse = kernels.math_attention_forward(*(t[part].cuda().float() for t in (q, k, v)))
-        grads = kernels.math_attention_backward(*(t[part].cuda().float() for t in (grad_out, q, k, v)),
-                                                out, lse)
+        grads = kernels.math_attention_backward(
+            *(t[part].cuda().float() for t in (grad_out, q, k, v)), out, lse)
         for name, t in zip(want, (out, *grads)):
             want[name].append(t.flatten(0, 1))
     want = {name: torch.cat(parts) for name, parts in want.items()}
@@ -375,11 +376,13 @@ def test_fa4_varlen_matches_each_document_alone(head_dim):
     out.backward(grad_out)
     autograd = (out, *(t.grad for t in leaves))
     out, lse = kernels.attention_forward_lse(q, k, v, cu_seqlens=bounds)  # 05's path
-    explicit = (out, *kernels.attention_backward_lse(grad_out, q, k, v, out, lse, cu_seqlens=bounds))
+    explicit = (out, *kernels.attention_backward_lse(grad_out, q, k, v, out, lse,
+                                                     cu_seqlens=bounds))
     for path, got in (("autograd", autograd), ("forward_lse/backward_lse", explicit)):
         for name, tensor in zip(want, got):
             error = (tensor.float().flatten(0, 1) - want[name]).norm() / want[name].norm()
-            assert error < 1e-2, (f"{path} {name}: relative error {error:.3g} (head_dim {head_dim}, "
+            assert error < 1e-2, (f"{path} {name}: relative error {error:.3g} "
+                                  f"(head_dim {head_dim}, "
                                   f"{'varlen' if uses_varlen else 'per-document loop'})")
     kernels.use_kernel("auto")
 
@@ -425,7 +428,8 @@ def _one_document_changes_nothing_else(path, changed_path):
             data = TokenData(cfg, 256, 0, 1)
             tokens = data.batch(0)
             docs = data.documents(0, tokens)
-            results.append([*_outputs(model, tokens, docs, rt), *_outputs(model, tokens, docs, rt, True)])
+            results.append([*_outputs(model, tokens, docs, rt),
+                            *_outputs(model, tokens, docs, rt, True)])
         (logits, losses, dense_logits, _), (logits2, losses2, dense_logits2, _) = results
         inside = torch.zeros(2, SEQ_LEN, dtype=torch.bool)
         inside[0, CHANGED[0]:CHANGED[1]] = True
@@ -620,7 +624,8 @@ def test_prepare_data_bad_input_leaves_nothing_and_keeps_an_earlier_output(tmp_p
                            "--output", str(out)])
     error = capsys.readouterr().err
     assert error.startswith("error: ") and str(path) in error and "Errno" not in error
-    assert {"missing": "does not exist", "folder": "not a file", "not_utf8": "not UTF-8"}[bad] in error
+    assert {"missing": "does not exist", "folder": "not a file",
+            "not_utf8": "not UTF-8"}[bad] in error
     assert not out.parent.exists() or not any(out.parent.iterdir())  # no output, no partial file
     prepare_data.main(["--tokenizer", tokenizer, "--input", str(good), "--output", str(out)])
     before = {p.name: p.read_bytes() for p in out.parent.iterdir()}

@@ -54,7 +54,8 @@ def make_hf_model(path, case="llama-llama3", seed=0, **overrides):
     """A tiny transformers model saved in `path`; norms perturbed from 1 so they are tested too."""
     family, rope, tied = CASES[case]
     config_cls = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
-    model_cls = transformers.Qwen3ForCausalLM if family == "qwen3" else transformers.LlamaForCausalLM
+    model_cls = (transformers.Qwen3ForCausalLM if family == "qwen3"
+                 else transformers.LlamaForCausalLM)
     config = config_cls(**{**COMMON, "rope_parameters": dict(ROPE[rope]),
                            "tie_word_embeddings": tied, **overrides})
     config._attn_implementation = "eager"
@@ -351,7 +352,7 @@ class ByteCounter:
         self.real = real
 
     def __call__(self, *args, **kwargs):
-        counter, handle = self, self.real(*args, **kwargs)
+        handle = self.real(*args, **kwargs)
 
         class Slice:
             def __init__(self, s):
@@ -515,7 +516,8 @@ def test_train_exports_and_init_from_the_export_continues_exactly(tmp_path):
     ids, pos, _, labels = batch()
     with torch.no_grad():
         ours = run.model(ids, pos)
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").float()(ids).logits
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "b").float()(ids).logits
     assert rel_err(theirs, ours) < 1e-5
     again = train.train(train.Config(init_from=str(tmp_path / "b"), steps=0, **common))
     with torch.no_grad():
@@ -599,7 +601,8 @@ def test_export_after_prepared_data_carries_its_tokenizer(tmp_path):
         "the cat sat", add_special_tokens=False).ids
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     generated = hf.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
-    assert generated.shape[1] <= len(ids) + 3 and hf.generation_config.eos_token_id == info["separator_id"]
+    assert (generated.shape[1] <= len(ids) + 3
+            and hf.generation_config.eos_token_id == info["separator_id"])
 
 
 @pytest.mark.slow

@@ -36,7 +36,8 @@ def test_default_run_exits_0_and_loss_goes_down(tmp_path):
     assert header["config"]["model"] == "tiny" and header["world_size"] == 1
     assert header["torch"] == torch.__version__ and header["attention_kernel"]
     assert len(steps) == train.Config().steps
-    assert {"step", "loss", "tokens_per_s_per_gpu", "peak_gpu_mem_gib", "step_time_s"} <= steps[0].keys()
+    assert ({"step", "loss", "tokens_per_s_per_gpu", "peak_gpu_mem_gib", "step_time_s"}
+            <= steps[0].keys())
     first, last = [sum(s["loss"] for s in part) / 10 for part in (steps[:10], steps[-10:])]
     assert last < first - 0.5, (first, last)
 
@@ -71,7 +72,8 @@ def error_of(argv, capsys) -> str:
     (["--seq-len", "inf"], "a token count must be a whole, finite number, got 'inf'"),
     (["--seq-len", "1e12"], "more than 2,147,483,648 tokens"),
     (["--ulysses", "--sp", "0"], "--sp must be at least 1, got 0"),
-    (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0, got -1.0 (0 turns clipping off)"),
+    (["--grad-clip", "-1"],
+     "--grad-clip must be a finite number >= 0, got -1.0 (0 turns clipping off)"),
     (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
     (["--warmup-steps", "-1"], "--warmup-steps must be at least 0, got -1"),
     (["--plan", "--gpu-mem", "infGiB"], "a memory size must be positive and finite, got 'infGiB'"),
@@ -99,7 +101,8 @@ def test_bad_data_files_give_clear_errors(tmp_path, content, needle, capsys):
 
 
 def test_a_directory_as_data_is_named_a_directory(tmp_path, capsys):
-    assert f"data file {str(tmp_path)!r} is a directory" in error_of(["--data", str(tmp_path)], capsys)
+    assert (f"data file {str(tmp_path)!r} is a directory"
+            in error_of(["--data", str(tmp_path)], capsys))
 
 
 def test_the_data_sidecar_records_dtype_and_vocabulary(tmp_path, capsys):

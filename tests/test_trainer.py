@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from ranks import run_ranks
 from reference import full
 from test_train import error_of  # the one helper: run train.main, return its error text
@@ -69,8 +68,8 @@ def test_a_resume_already_at_its_steps_still_ends_well(tmp_path, capsys):
 def test_the_log_files_folders_are_created_after_every_check(tmp_path, capsys):
     log = tmp_path / "runs" / "today" / "log.jsonl"
     # A check that fails (a missing --data file): nothing is created.
-    assert "does not exist" in error_of(["--log-file", str(log), "--data", str(tmp_path / "no.bin")],
-                                        capsys)
+    assert "does not exist" in error_of(["--log-file", str(log),
+                                         "--data", str(tmp_path / "no.bin")], capsys)
     assert not (tmp_path / "runs").exists()
     train.main(["--log-file", str(log), "--seq-len", "32", "--steps", "1",
                 "--save-dir", str(tmp_path / "saves" / "a")])
@@ -137,7 +136,8 @@ def _grad_accum_equals_the_larger_batch(flags: dict):
     magnitude, so a component near its eps (1e-8) turns a 1e-10 rounding difference into a
     thousandth of a step."""
     base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
-    accumulated = train.train(train.resolve_techniques(train.Config(batch_size=1, grad_accum=2, **base)))
+    accumulated = train.train(train.resolve_techniques(train.Config(batch_size=1, grad_accum=2,
+                                                                    **base)))
     larger = train.train(train.resolve_techniques(train.Config(batch_size=2, **base)))
     assert len(accumulated.history) == len(larger.history) == 3
     for a, b in zip(accumulated.history, larger.history):
@@ -166,7 +166,8 @@ def test_grad_accum_is_saved_and_a_changed_one_refused(tmp_path, capsys):
     train.main(argv)
     meta = json.loads(Path(saved_state.complete_saves(str(tmp_path))[-1], "meta.json").read_text())
     assert meta["grad_accum"] == 2
-    err = error_of(["--seq-len", "32", "--steps", "2", "--save-dir", str(tmp_path), "--resume"], capsys)
+    err = error_of(["--seq-len", "32", "--steps", "2", "--save-dir", str(tmp_path), "--resume"],
+                   capsys)
     assert "was trained with --grad-accum 2, this run asks for 1" in err
 
 
@@ -205,7 +206,8 @@ def test_the_schedule_follows_its_formula():
             expected = {"constant": lr,
                         "cosine": low + (lr - low) * 0.5 * (1 + math.cos(math.pi * progress)),
                         "linear": lr - (lr - low) * progress}[schedule]
-            assert train.learning_rate(cfg, step) == pytest.approx(expected, rel=1e-12), (schedule, step)
+            assert (train.learning_rate(cfg, step)
+                    == pytest.approx(expected, rel=1e-12)), (schedule, step)
     cosine = train.resolve_techniques(train.Config(lr=lr, lr_schedule="cosine", steps=100))
     assert cosine.min_lr == pytest.approx(0.1 * lr)  # --min-lr's default
     assert train.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
@@ -237,7 +239,8 @@ def test_a_changed_schedule_on_resume_is_said(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,lr", [
     ({"model": "tiny"}, 3e-3), ({"model": "small"}, 3e-3), ({"model": "qwen3-0.6b"}, 3e-4),
-    ({"model": "llama3.2-1b"}, 3e-4), ({"model": "llama3-8b"}, 1.5e-4), ({"model": "llama3-70b"}, 1.5e-4),
+    ({"model": "llama3.2-1b"}, 3e-4), ({"model": "llama3-8b"}, 1.5e-4),
+    ({"model": "llama3-70b"}, 1.5e-4),
     ({"model": "llama3-8b", "lr": 1e-5}, 1e-5),
 ])
 def test_the_default_lr_follows_the_model_size(flags, lr):
@@ -274,7 +277,8 @@ def test_the_summary_closes_the_run_and_no_bar_reaches_a_pipe(tmp_path):
     assert "saved state " + str(tmp_path / "saves" / "step_00000003") in last, last
     assert "--resume" in last
     for text in (result.stdout, result.stderr):
-        assert "\r" not in text and "it/s" not in text and "layer/s" not in text and "%|" not in text
+        assert ("\r" not in text and "it/s" not in text and "layer/s" not in text
+                and "%|" not in text)
 
 
 def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
