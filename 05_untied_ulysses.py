@@ -8,17 +8,16 @@ and in the head layout (3M tokens x 4 heads x 128 x 2 bytes = 3.0 GiB each), plu
 chart: 33.0 GiB of attention activations per GPU.
 
 The idea (Ghadia et al., "Untied Ulysses", arXiv 2602.21196): heads are independent, so run them
-in stages. The head chunk U (--head-chunk) is the number of query heads one stage runs over all P
-ranks, U/P per rank, in H/U stages. A stage projects and rotates only its heads, exchanges them
-(all-to-all), runs attention and exchanges the result back into its slice of ONE output buffer;
-the next stage reuses the same memory. With grouped-query attention consecutive stages use the
-same KV heads (a KV group): K/V are projected and exchanged once per group. Backward keeps the
-input, the output and each stage's log-sum-exp; per stage it recomputes the projections (rotary's
-gradient is the inverse rotation), exchanges the output and its gradient, and runs the kernel's
-backward: the attention forward never runs again (03's recompute reruns it, unless
---keep-attention: support/keep_attention.py). At U = P a stage holds 0.75 GiB per tensor instead
-of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads keep the standard order (rank r
-gets query heads [r*H/P, (r+1)*H/P)), so the numbers are those of 02 and of unsharded attention.
+in H/U stages of U query heads over all P ranks (the head chunk, --head-chunk), U/P per rank. A
+stage projects and rotates only its heads, exchanges them (all-to-all), runs attention and
+exchanges the result back into its slice of ONE output buffer; the next stage reuses the memory.
+With grouped-query attention consecutive stages share KV heads (a KV group): K/V are projected
+and exchanged once per group. Backward keeps the input, the output and each stage's log-sum-exp;
+per stage it recomputes the projections (rotary's gradient is the inverse rotation), exchanges
+the output and its gradient, and runs the kernel's backward: no attention forward (03's
+recompute reruns it, unless --keep-attention: support/keep_attention.py). At U = P a stage holds
+0.75 GiB per tensor instead of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads keep
+the standard order, so the numbers are those of 02 and of unsharded attention.
 
 In training, `python train.py --untied [--head-chunk U]` replaces 02 at the same seam: a larger
 U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run
@@ -103,6 +102,10 @@ class StageLayout:
     def rows(self, weight, n_heads, heads: slice):
         return stage_rows(weight, n_heads, self.sp, self.head_dim, heads)
 
+    def projected_to_heads(self, x, rows, norm_weight=None, rope=None):
+        """Q or K (V: no norm or rope) of `rows`' heads in the head layout (B, S, U/P, D)."""
+        return self.to_heads(projected_heads(x, rows, self.head_dim, norm_weight, self.eps, rope))
+
     def head_blocks(self, t):  # (B, S/P, H * D) -> (B, S/P, P, H/P, D): rank r's heads in block r
         return t.unflatten(-1, (self.sp, -1, self.head_dim))
 
@@ -123,7 +126,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def stages(layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
         """The forward's work: (output, *every stage's log-sum-exp)."""
-        head_dim, eps, rope, sp = layout.head_dim, layout.eps, (cos, sin), layout.sp
+        head_dim, rope, sp = layout.head_dim, (cos, sin), layout.sp
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
         out = x.new_empty(*x.shape[:2], n_heads * head_dim)  # the one output buffer
         out_blocks = layout.head_blocks(out)
@@ -131,12 +134,10 @@ class UntiedUlyssesAttention(torch.autograd.Function):
         lses = []
         for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, sp, layout.head_chunk)):
             k = v = None  # free the previous group's K/V before making the next
-            k = layout.to_heads(projected_heads(x, layout.rows(wk, n_kv_heads, kv_heads), head_dim,
-                                                k_norm, eps, rope))
-            v = layout.to_heads(project(x, layout.rows(wv, n_kv_heads, kv_heads), head_dim))
+            k = layout.projected_to_heads(x, layout.rows(wk, n_kv_heads, kv_heads), k_norm, rope)
+            v = layout.projected_to_heads(x, layout.rows(wv, n_kv_heads, kv_heads))
             for heads in stages:
-                q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
-                                                    q_norm, eps, rope))  # (B, S, U/P, D)
+                q = layout.projected_to_heads(x, layout.rows(wq, n_heads, heads), q_norm, rope)
                 stage_out, lse = attention_forward(q, k, v, cu_seqlens=layout.cu_seqlens)
                 del q
                 lses.append(lse)
@@ -163,8 +164,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             # The KV group's K and V, recomputed once for all its stages.
             wk_rows = layout.rows(wk, n_kv_heads, kv_heads)
             wv_rows = layout.rows(wv, n_kv_heads, kv_heads)
-            k = layout.to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
-            v = layout.to_heads(project(x, wv_rows, head_dim))
+            k = layout.projected_to_heads(x, wk_rows, k_norm, rope)
+            v = layout.projected_to_heads(x, wv_rows)
             grad_k = grad_v = None
             for i, heads in enumerate(stages):
                 wq_rows = layout.rows(wq, n_heads, heads)
@@ -198,7 +199,7 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
     recomputed, its output and output gradient (this rank's tokens, the stage's heads of every
     rank's block) exchanged to the head layout, and the kernel's backward with the saved
     log-sum-exp: no attention forward here."""
-    q = layout.to_heads(projected_heads(x, wq_rows, layout.head_dim, q_norm, layout.eps, rope))
+    q = layout.projected_to_heads(x, wq_rows, q_norm, rope)
     stage_out = layout.to_heads(stage_out.flatten(2, 3))
     grad_stage_out = layout.to_heads(grad_stage_out.flatten(2, 3))
     _, attention_backward = layout.attention
