@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from support.data import parse_tokens
-from model import Attention, get_model_args
+from model import Attention, get_model_args, rope_cos_sin
 
 
 def start_ranks() -> SimpleNamespace:
@@ -130,6 +130,39 @@ class LargestTensor(TorchDispatchMode):
                 self.numel, self.shape = t.numel(), tuple(t.shape)
                 self.nbytes = t.numel() * t.element_size()
         return out
+
+
+# ---- 05 and 06's demos: one attention per rank, measured beside support/byte_counts.py's plan --
+
+MiB, GiB = 2**20, 2**30
+
+
+def measured_what(on_gpu: bool) -> str:
+    """What `measure_stage_memory` counts on this device, for a demo's title line."""
+    return ("allocator peak above the input (GPU)" if on_gpu
+            else "saved-for-backward + output bytes (CPU)")
+
+
+def attention_input(demo, tokens: int):
+    """This rank's `tokens` consecutive tokens of a random normed input (1, tokens, dim) that
+    wants gradients, and the rotary of their global positions."""
+    first = demo.rank * tokens
+    positions = torch.arange(first, first + tokens, device=demo.device)[None]
+    x = torch.randn(1, tokens, demo.args.dim, device=demo.device, dtype=demo.dtype,
+                    requires_grad=True)
+    return x, rope_cos_sin(positions, demo.args, demo.dtype)
+
+
+def print_measured_and_planned(headers, rows) -> None:
+    """A table whose rows end in (measured bytes, planned bytes), in MiB, or GiB if large."""
+    unit, unit_name = (GiB, "GiB") if max(row[-2] for row in rows) >= GiB else (MiB, "MiB")
+    table = [[*headers, f"measured {unit_name}", f"planned {unit_name}"]]
+    table += [[str(cell) for cell in row[:-2]] + [f"{n / unit:.2f}" for n in row[-2:]]
+              for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  " + line[0].ljust(widths[0])
+              + "".join(cell.rjust(width + 2) for cell, width in zip(line[1:], widths[1:])))
 
 
 # ---------------------------------------------------------------------------------------------
