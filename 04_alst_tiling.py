@@ -282,7 +282,7 @@ def main():
     from model import Transformer
     from support.byte_counts import loss_temporary_bytes, mlp_temporary_bytes
     from support.demos import (demo_parser, demo_setup, end_ranks, in_units, measure_phases,
-                               print_table)
+                               measured_what, print_table)
 
     parser = demo_parser(__doc__, cpu=("small", "16K"), gpu=("llama3-8b", "128K"))
     parser.add_argument("--mlp-tile-tokens", type=int, default=None)
@@ -321,9 +321,8 @@ def main():
         loss_tokens = loss_tile_size(args.vocab_size, n, loss_tile)
         print(f"{demo.setting}; MLP tiles of {mlp_tokens:,} tokens ({tile_count(n, mlp_tokens)} "
               f"tiles), loss tiles of {loss_tokens:,} ({tile_count(n, loss_tokens)} tiles)")
-        print("GiB, forward+backward: " + ("peak allocated above the input (GPU)" if demo.on_gpu
-              else "saved-for-backward + output bytes (CPU)") + "; the largest tensor; the "
-              "planner's estimate in this dtype (GPU peak in backward)")
+        print(f"GiB, forward+backward: {measured_what(demo.on_gpu)}; the largest tensor; the "
+              f"planner's estimate in this dtype (GPU peak in backward)")
         rows = [[name, *(in_units(nbytes, GiB, 3) for nbytes in (*measured[name], planned[name]))]
                 for name in phases]
         print_table(["phase", "measured", "largest tensor", "planner"], rows, [14, 10, 16, 10])
