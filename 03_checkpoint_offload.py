@@ -17,36 +17,32 @@ The idea, in two steps.
      or 80. The host holds 31 per GPU: 93 GiB, in pinned buffers reused every step
      (support/host_buffers.py: power-of-two pieces, which the pinned allocator does not round up).
 
-The copies must not slow training down. They run on a side CUDA stream: in forward it waits only
-for the block input to be computed and copies it out while the compute stream runs the next
-block; in backward, when block i's input is unpacked, block i-1's starts coming back, so its copy
-overlaps block i's recompute and backward, which at these lengths take far longer than moving
-3 GiB over the host link.
+The copies run on a side CUDA stream, beside the compute. In forward it copies each block input
+out while the compute stream runs the next block; in backward, when block i's input is unpacked,
+block i-1's starts coming back during block i's recompute and backward. The copies are the small
+part: per token a block input is 8 KiB (4,096 bf16 values), while the block's recompute and
+backward do about 1.3 GFLOP (three passes over its 218M parameters), plus attention's share, which
+grows with the length.
 
 The engine is PyTorch's: `checkpoint(..., use_reentrant=False)` saves the block's inputs through
 the saved-tensors mechanism, outside the region it recomputes, so `saved_tensors_hooks(pack,
-unpack)` around the call sees exactly the block's inputs: `pack` moves the hidden state to the
-host and returns a small handle, `unpack` returns it on the GPU. FSDP2, applied after this (one
-`fully_shard` per block), gathers the block's parameters around its forward and its recompute.
-Ops inside a block can ask which block runs and whether it is the recompute
-(support/checkpointed.py), and keep more of it through the checkpoint: the offloader's `hold`
-moves such tensors with the block input (--keep-attention's, support/keep_attention.py).
+unpack)` around the call sees exactly them: `pack` moves the hidden state to the host and returns
+a handle, `unpack` returns it on the GPU. FSDP2 (one `fully_shard` per block) gathers the block's
+parameters around its forward and its recompute. Ops inside a block can ask which block runs and
+whether it is the recompute (support/checkpointed.py), and keep more through the checkpoint: the
+offloader's `hold` moves them with the block input (--keep-attention, support/keep_attention.py).
 
     python 03_checkpoint_offload.py                       # CPU: small model, bytes kept
-    torchrun --nproc-per-node 2 03_checkpoint_offload.py  # CPU/gloo or GPUs: FSDP + Ulysses
-    torchrun --nproc-per-node 2 03_checkpoint_offload.py --model llama3-8b --seq-len 32K \
-        --layers 2 4 8                                    # GPUs: the defaults there
+    torchrun --nproc-per-node 2 03_checkpoint_offload.py  # FSDP + Ulysses: CPU/gloo, or GPUs
+                                                          # (llama3-8b, 32K tokens)
 """
 
-import argparse
-import gc
-import importlib
 import weakref
 from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from support import checkpointed
@@ -255,7 +251,7 @@ def apply_checkpointing(model, offload: bool = False) -> None:
         block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
 
 
-# ---- below: checks, demo -------------------------------------------------------------------------
+# ---- below: checks, the step record, demo --------------------------------------------------------
 
 def check_model(model) -> None:
     if not hasattr(model, "layers"):
@@ -265,141 +261,72 @@ def check_model(model) -> None:
         raise ValueError("checkpointing is already applied to this model")
 
 
-# The offloader's log of one step (it restarts when block 0 saves its input): tensors and bytes
-# moved to the host and brought back, how many came back through a prefetch, and the order of
-# events ("offload 0", ..., "keep 3", "prefetch 2", "use 3", ...). Tests and bench.offload read it.
+# The offloader's record of one step (restarted when block 0 saves its input), which the tests
+# read: block inputs and their bytes offloaded, kept on the device and restored, how many came
+# back through a prefetch, and the events in order ("offload 0", ..., "keep 3", "prefetch 2",
+# "use 3", ...). The CPU demo's measurement adds its kept bytes (support/demos.py).
 
 def new_step_record() -> dict:
     return {"offloaded": 0, "offloaded_bytes": 0, "kept": 0, "kept_bytes": 0,
             "restored": 0, "restored_bytes": 0, "prefetched": 0, "events": []}
 
 
-COUNTED = {"offload": "offloaded", "keep": "kept", "use": "restored"}  # a block input's moves
-
-
 def record(stats: dict, event: str, held) -> None:
-    """Append "event layer" (or "event name layer" for tensors kept with the input) to the step's
-    events; a block input's offload, keep and use from the host also count, with their bytes."""
+    """Append "event layer" ("event name layer" for tensors kept with the input); a block input's
+    offload, keep and use from the host also count, with their bytes."""
     stats["events"].append(f"{event} {held.layer}" if held.name is None
                            else f"{event} {held.name} {held.layer}")
-    if held.name is None and event in COUNTED and not (event == "use" and held.kept):
-        stats[COUNTED[event]] += 1
-        stats[f"{COUNTED[event]}_bytes"] += held.nbytes
+    counted = {"offload": "offloaded", "keep": "kept", "use": "restored"}.get(event)
+    if held.name is None and counted and not (event == "use" and held.kept):
+        stats[counted] += 1
+        stats[f"{counted}_bytes"] += held.nbytes
         stats["prefetched"] += event == "use" and held.prefetched
 
 
-# Demo: memory vs number of layers, without checkpointing, with it, with offload.
+# Demo: the bytes kept for backward against the number of layers, without checkpointing, with it,
+# with offload; beside them what support/byte_counts.py plans for the block inputs.
 
 MODES = {"none": (False, False), "checkpoint": (True, False), "offload": (True, True)}
 
 
-def measure_mode(ranks, mesh, args, tokens, checkpointing: bool, offload: bool) -> dict:
-    """Build the model (Ulysses and FSDP when launched with torchrun), run one forward+backward
-    and return {"device": bytes, "host": bytes} for this rank."""
-    from support.build import build_model
-    from support.demos import bytes_saved_for_backward, gradient_bytes
-
-    ulysses = importlib.import_module("02_ulysses")
-    group = dist.group.WORLD if ranks.launched else None
-
-    def techniques(model):
-        if ranks.launched:
-            ulysses.apply_ulysses(model, group)
-        if checkpointing:
-            apply_checkpointing(model, offload)
-
-    model = build_model(args, ranks.device, mesh, ranks.dtype, exact_init=not ranks.on_gpu,
-                        before_sharding=techniques)
-    offloader = model.checkpoint_offload if checkpointing else None
-    step = partial(ulysses.loss_and_backward, model, tokens.to(ranks.device), ranks.rank,
-                   ranks.world, group)
-    try:
-        if ranks.on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            step()
-            torch.cuda.synchronize()
-            # Above the model state: its gradients grow with the layers, as the parameters do.
-            device_bytes = torch.cuda.max_memory_allocated() - before - gradient_bytes(model)
-        else:
-            device_bytes = bytes_saved_for_backward(step, offloader)
-    except torch.OutOfMemoryError:
-        device_bytes = None
-    host_bytes = offloader.host_buffers.nbytes if offloader else 0
-    del model, offloader, step
-    gc.collect()  # a block and its replaced forward refer to each other: free them now
-    if ranks.on_gpu:
-        torch.cuda.empty_cache()
-    return {"device": device_bytes, "host": host_bytes}
+def apply_mode(mode: str, model) -> None:
+    checkpoints, offload = MODES[mode]
+    if checkpoints:
+        apply_checkpointing(model, offload)
 
 
 def main():
-    from model import get_model_args
     from support.byte_counts import checkpoint_memory_bytes
-    from support.data import parse_tokens
-    from support.demos import end_ranks, start_ranks
+    from support.demos import (demo_parser, demo_setup, end_ranks, in_units, measure_step_memory,
+                               print_table, step_memory_meaning)
 
-    on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama3-8b" if on_gpu else "small")
-    parser.add_argument("--seq-len", default="32K" if on_gpu else "4K", help="total tokens")
+    parser = demo_parser(__doc__, cpu=("small", "4K"), gpu=("llama3-8b", "32K"))
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
-    opts = parser.parse_args()
-    seq_len = parse_tokens(opts.seq_len)
-    base_args = get_model_args(opts.model)
-    ranks = start_ranks()
-    mesh = None
-    if ranks.launched:  # FSDP over every rank, Ulysses over every rank
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(ranks.device.type, (ranks.world,))
-        importlib.import_module("02_ulysses").check_ulysses_shapes(
-            base_args.n_heads, base_args.n_kv_heads, ranks.world, seq_len)
-    tokens = torch.randint(0, base_args.vocab_size, (1, seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
-    itemsize = ranks.dtype.itemsize
-    sp = ranks.world
-
+    demo = demo_setup(parser.parse_args())
+    # Launched with torchrun: FSDP and Ulysses over every rank.
+    mesh = init_device_mesh(demo.device.type, (demo.world,)) if demo.launched else None
+    unit, unit_name = (GiB, "GiB") if demo.on_gpu else (MiB, "MiB")
     rows = []
-    for n_layers in opts.layers:
-        args = replace(base_args, n_layers=n_layers)
-        measured = {mode: measure_mode(ranks, mesh, args, tokens, *flags)
-                    for mode, flags in MODES.items()}
-        planned = {offload: checkpoint_memory_bytes(args, seq_len, sp, offload, itemsize)
-                   for offload in (False, True)}
-        rows.append((n_layers, measured, planned))
-
-    if ranks.rank == 0:
-        unit, unit_name = (GiB, "GiB") if on_gpu else (MiB, "MiB")
-        how = ("peak GPU memory allocated in forward+backward above the parameters and their "
-               "gradients" if on_gpu
-               else "bytes kept from forward to backward (saved tensors; CPU)")
-        print(f"{opts.model} cut to {'/'.join(map(str, opts.layers))} layers, {seq_len:,} "
-              f"tokens over {ranks.world} rank{'s' if ranks.world > 1 else ''} "
-              f"(sp {sp}: {seq_len // sp:,} local), {ranks.dtype} on {ranks.device.type}"
-              f"{', FSDP + Ulysses' if ranks.launched else ''}")
-        print(f"per rank, {unit_name}: {how}; host = the offloader's host buffers (pinned on a "
-              f"GPU machine); planner = checkpoint_memory_bytes (block inputs only)")
-        print(f"{'layers':>6}{'none':>10}{'checkpoint':>12}{'offload':>10}{'host':>10}"
-              f"{'planner: ckpt gpu':>19}{'offload gpu':>13}{'host':>8}")
-        show = lambda n: "OOM" if n is None else f"{n / unit:.1f}"  # noqa: E731
-        for n_layers, measured, planned in rows:
-            print(f"{n_layers:>6}{show(measured['none']['device']):>10}"
-                  f"{show(measured['checkpoint']['device']):>12}"
-                  f"{show(measured['offload']['device']):>10}"
-                  f"{show(measured['offload']['host']):>10}{show(planned[False]['gpu']):>19}"
-                  f"{show(planned[True]['gpu']):>13}{show(planned[True]['host']):>8}")
-        # Why the measured checkpoint column is far above the planner's: the measurement also
-        # holds what the model keeps outside its blocks, which plan.py counts elsewhere.
-        outside = sorted({show(m["checkpoint"]["device"] - p[False]["gpu"])
-                          for _, m, p in rows if m["checkpoint"]["device"] is not None})
-        print(f"measured checkpoint - planner ckpt gpu = {' / '.join(outside)} {unit_name}: the "
-              f"measurement also holds what the model keeps for backward outside its blocks\n"
-              f"(the final norm, the loss's tokens x vocab log-probabilities: plan.py counts them "
-              f"as the loss, 04's tiled loss removes them)"
-              + ("; on a GPU also the peak of one block's recompute and backward"
-                 if on_gpu else ""))
+    for n_layers in demo.opts.layers:
+        args = replace(demo.args, n_layers=n_layers)
+        kept = {mode: measure_step_memory(demo, args, mesh, partial(apply_mode, mode))
+                for mode in MODES}
+        plan = [checkpoint_memory_bytes(args, demo.seq_len, demo.world, offload,
+                                        demo.dtype.itemsize) for offload in (False, True)]
+        numbers = [*(kept[mode]["device"] for mode in MODES), kept["offload"]["host"],
+                   plan[0]["gpu"], plan[1]["gpu"], plan[1]["host"]]
+        rows.append([n_layers, *(in_units(n, unit) for n in numbers)])
+    if demo.rank == 0:
+        layers = "/".join(map(str, demo.opts.layers))
+        print(f"{demo.setting}, cut to {layers} layers{', FSDP + Ulysses' if mesh else ''}")
+        print(f"per rank, {unit_name}: {step_memory_meaning(demo.on_gpu)}; host: the offloader's "
+              f"host buffers; planner: support/byte_counts.py's block inputs")
+        print_table(["layers", "none", "checkpoint", "offload", "host", "planner: ckpt gpu",
+                     "offload gpu", "host"], rows, [6, 10, 12, 10, 10, 19, 13, 8])
+        print("measured - planner: what the model keeps for backward outside its blocks (the "
+              "final norm, the loss's tokens x vocab log-probabilities, which 04's tiled loss "
+              "removes)" + ("; on a GPU also one block's recompute and backward" if demo.on_gpu
+                            else ""))
     end_ranks()
 
 

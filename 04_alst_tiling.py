@@ -28,10 +28,8 @@ Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
     torchrun --nproc-per-node 2 04_alst_tiling.py --model llama3-8b --seq-len 128K   # GPUs
 """
 
-import argparse
-import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -277,100 +275,57 @@ def loss_tile_size(vocab_size: int, n_tokens: int, tile_tokens: int | None = Non
     return tile_tokens or even_tile_tokens(n_tokens, max_tile_tokens)
 
 
-# Demo: one MLP and the loss at a long length, untiled vs tiled.
-
-def demo_phases(model, local_tokens: int, device, dtype, mlp_tile=None, loss_tile=None):
-    """{phase: (peak or saved bytes, largest tensor bytes)} for one block's MLP and the loss,
-    forward and backward over `local_tokens`, untiled and tiled. "OOM" where a GPU ran out."""
-    generator = torch.Generator().manual_seed(0)
-    dim, vocab = model.args.dim, model.args.vocab_size
-    labels = torch.randint(0, vocab, (1, local_tokens), generator=generator).to(device)
-    mlp = model.layers[0].mlp
-    phases = {
-        "MLP untiled": lambda x: type(mlp).forward(mlp, x),
-        "MLP tiled": lambda x: tiled_mlp_forward(mlp, x, mlp_tile),
-        "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
-        "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile),
-    }
-    from support.demos import LargestTensor, measure_stage_memory
-
-    results = {}
-    for name, run in phases.items():
-        x = torch.randn(1, local_tokens, dim, generator=generator).to(device, dtype)
-        x.requires_grad_()
-        try:
-            with LargestTensor() as largest:
-                nbytes = measure_stage_memory(run, x, ())
-            results[name] = (nbytes, largest.nbytes)
-        except torch.cuda.OutOfMemoryError:
-            results[name] = "OOM"
-        del x
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
-
+# Demo: one MLP and the loss at a long length, untiled vs tiled, beside support/byte_counts.py's
+# estimates of them.
 
 def main():
-    from dataclasses import replace
+    from model import Transformer
+    from support.byte_counts import loss_temporary_bytes, mlp_temporary_bytes
+    from support.demos import (demo_parser, demo_setup, end_ranks, in_units, measure_phases,
+                               measured_what, print_table)
 
-    from model import Transformer, get_model_args
-    from support import byte_counts
-    from support.data import parse_tokens
-    from support.demos import end_ranks, start_ranks
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: small on CPU, llama3-8b on GPU")
-    parser.add_argument("--seq-len", default=None, help="total tokens (default: 16K CPU, 128K GPU)")
+    parser = demo_parser(__doc__, cpu=("small", "16K"), gpu=("llama3-8b", "128K"))
     parser.add_argument("--mlp-tile-tokens", type=int, default=None)
     parser.add_argument("--loss-tile-tokens", type=int, default=None)
     opts = parser.parse_args()
     check_tile_tokens("--mlp-tile-tokens", opts.mlp_tile_tokens)
     check_tile_tokens("--loss-tile-tokens", opts.loss_tile_tokens)
-    on_gpu = torch.cuda.is_available()
-    args = get_model_args(opts.model or ("llama3-8b" if on_gpu else "small"))
-    seq_len = parse_tokens(opts.seq_len or ("128K" if on_gpu else "16K"))
-    if not on_gpu and opts.loss_tile_tokens is None:
+    if not torch.cuda.is_available() and opts.loss_tile_tokens is None:
         # The small model's 4,096-entry vocabulary allows 65,536 tokens under the 1 GiB rule:
         # one tile at this length. Use smaller tiles so the CPU demo shows the effect.
         opts.loss_tile_tokens = 1024
-
-    ranks = start_ranks()  # under torchrun each rank holds seq_len / world tokens, as with Ulysses
-    rank, world, device, dtype = ranks.rank, ranks.world, ranks.device, ranks.dtype
-    try:  # under torchrun the tokens are cut over the ranks as Ulysses cuts them
-        importlib.import_module("02_ulysses").check_sequence_split(seq_len, world)
-    except ValueError as error:
-        raise SystemExit(f"error: {error}")
-    local_tokens = seq_len // world
-
+    demo = demo_setup(opts)  # under torchrun each rank holds seq_len / world tokens, as in 02
+    args, n = demo.args, demo.local
+    mlp_tile, loss_tile = opts.mlp_tile_tokens, opts.loss_tile_tokens  # None: from the shapes
     torch.manual_seed(0)
-    with torch.device(device):  # one block (for its MLP), the final norm and lm_head
-        model = Transformer(replace(args, n_layers=1)).to(dtype)
-    results = demo_phases(model, local_tokens, device, dtype, opts.mlp_tile_tokens,
-                          opts.loss_tile_tokens)
-    if rank == 0:
-        mlp_tile = mlp_tile_size(args.dim, local_tokens, opts.mlp_tile_tokens)
-        loss_tile = loss_tile_size(args.vocab_size, local_tokens, opts.loss_tile_tokens)
-        how = ("peak allocated above the input (GPU)" if on_gpu
-               else "saved-for-backward + output bytes (CPU)")
-        print(f"{opts.model or ('llama3-8b' if on_gpu else 'small')}: {local_tokens:,} local "
-              f"tokens ({seq_len:,} over {world} rank{'s' if world > 1 else ''}), {dtype}; "
-              f"MLP tiles of {mlp_tile:,} tokens "
-              f"({tile_count(local_tokens, mlp_tile)} tiles), loss tiles of {loss_tile:,} "
-              f"({tile_count(local_tokens, loss_tile)} tiles)")
-        print(f"  {'phase, fwd+bwd':<16}{how:>42}{'largest tensor':>18}")
-        for name, result in results.items():
-            if result == "OOM":
-                print(f"  {name:<16}{'OOM':>42}{'-':>18}")
-            else:
-                print(f"  {name:<16}{result[0] / GiB:>38.3f} GiB{result[1] / GiB:>14.3f} GiB")
-        b, n = dtype.itemsize, local_tokens
-        mlp = [byte_counts.mlp_temporary_bytes(args, n, tiled, opts.mlp_tile_tokens, b) / GiB
-               for tiled in (False, True)]
-        loss = [byte_counts.loss_temporary_bytes(args, n, tiled, opts.loss_tile_tokens, b) / GiB
-                for tiled in (False, True)]
-        print(f"  planner estimate in this dtype (GPU peak in backward): MLP {mlp[0]:.3f} -> "
-              f"{mlp[1]:.3f} GiB; loss {loss[0]:.3f} -> {loss[1]:.3f} GiB")
+    with torch.device(demo.device):  # one block (for its MLP), the final norm and lm_head
+        model = Transformer(replace(args, n_layers=1)).to(demo.dtype)
+    mlp, generator = model.layers[0].mlp, torch.Generator().manual_seed(0)
+    labels = torch.randint(0, args.vocab_size, (1, n), generator=generator).to(demo.device)
+    phases = {"MLP untiled": lambda x: type(mlp).forward(mlp, x),
+              "MLP tiled": lambda x: tiled_mlp_forward(mlp, x, mlp_tile),
+              "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
+              "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile)}
+
+    def new_input():  # the MLP's input or the last hidden state: (1, n, dim)
+        return torch.randn(1, n, args.dim, generator=generator).to(demo.device, demo.dtype)
+
+    measured = measure_phases(phases, new_input, model)
+    b = demo.dtype.itemsize
+    planned = {"MLP untiled": mlp_temporary_bytes(args, n, False, mlp_tile, b),
+               "MLP tiled": mlp_temporary_bytes(args, n, True, mlp_tile, b),
+               "loss untiled": loss_temporary_bytes(args, n, False, loss_tile, b),
+               "loss tiled": loss_temporary_bytes(args, n, True, loss_tile, b)}
+    if demo.rank == 0:
+        mlp_tokens = mlp_tile_size(args.dim, n, mlp_tile)
+        loss_tokens = loss_tile_size(args.vocab_size, n, loss_tile)
+        print(f"{demo.setting}; MLP tiles of {mlp_tokens:,} tokens ({tile_count(n, mlp_tokens)} "
+              f"tiles), loss tiles of {loss_tokens:,} ({tile_count(n, loss_tokens)} tiles)")
+        print(f"GiB, forward+backward: {measured_what(demo.on_gpu)}; the largest tensor; the "
+              f"planner's estimate in this dtype (GPU peak in backward)")
+        rows = [[name, *(in_units(nbytes, GiB, 3) for nbytes in (*measured[name], planned[name]))]
+                for name in phases]
+        print_table(["phase", "measured", "largest tensor", "planner"], rows, [14, 10, 16, 10])
     end_ranks()
 
 

@@ -1,38 +1,27 @@
 """05 - Untied Ulysses (UPipe): Ulysses attention one chunk of heads at a time.
 
-The memory problem. After 01-04, Llama-3-8B at 3M tokens on 8 GPUs fits, but the attention
-sub-layer is now the biggest thing on the GPU. Ulysses (02) materializes Q and the output for all
-of a rank's heads at once, and twice over: in the token layout before the all-to-all (393,216
-local tokens x 32 heads x 128 x 2 bytes = 3.0 GiB each) and in the head layout after it (3M
-tokens x 4 heads x 128 x 2 bytes = 3.0 GiB each), plus K and V (0.75 GiB per layout each) and
-the rotary temporaries; backward then keeps Q, K, V and the output of every head in the head
-layout. The paper's memory chart: 33.0 GiB of attention activations per GPU.
+The problem in bytes. After 01-04, Llama-3-8B at 3M tokens on 8 GPUs fits, but attention is now
+the biggest thing on the GPU. Ulysses (02) holds Q and the output of all of a rank's heads at
+once, twice: in the token layout (393,216 local tokens x 32 heads x 128 x 2 bytes = 3.0 GiB each)
+and in the head layout (3M tokens x 4 heads x 128 x 2 bytes = 3.0 GiB each), plus K and V
+(0.75 GiB per layout each); backward keeps Q, K, V and the output of every head. The paper's
+chart: 33.0 GiB of attention activations per GPU.
 
 The idea (Ghadia et al., "Untied Ulysses", arXiv 2602.21196): heads are independent, so run them
-in stages. With H query heads over P ranks, the head chunk U (--head-chunk) is the number of
-query heads one stage runs over all ranks: each rank gets U/P of them (heads_per_rank_per_stage)
-and there are H/U stages (n_stages). A stage projects only its U query heads, rotates them,
-exchanges them with the all-to-all, runs attention, exchanges the result back and writes it into
-its slice of ONE output buffer; the next stage reuses the same (small) memory. K and V are
-"untied" from Q: with grouped-query attention consecutive stages use the same KV heads (a KV
-group), so K/V are projected and exchanged once per group and reused by its stages.
-Backward keeps only the input, the output and each stage's log-sum-exp, and walks the stages
-again: it recomputes the stage's projections (cheap matmuls; rotary needs no recompute, its
-gradient is the inverse rotation), exchanges the output and its gradient to the head layout and
-runs the attention backward kernel with the saved log-sum-exp; the attention forward never runs
-again (under 03's checkpointing the block's recompute runs it once more, unless --keep-attention
-keeps the output and log-sum-exps through the checkpoint: support/keep_attention.py).
-At U = P a stage holds one head per rank: 0.75 GiB per tensor instead of 3.0 above, and the
-chart's attention activations go from 33.0 to 19.5 GiB, enough to reach 5M tokens.
+in H/U stages of U query heads over all P ranks (the head chunk, --head-chunk), U/P per rank. A
+stage projects and rotates only its heads, exchanges them (all-to-all), runs attention and
+exchanges the result back into its slice of ONE output buffer; the next stage reuses the memory.
+With grouped-query attention consecutive stages share KV heads (a KV group): K/V are projected
+and exchanged once per group. Backward keeps the input, the output and each stage's log-sum-exp;
+per stage it recomputes the projections (rotary's gradient is the inverse rotation), exchanges
+the output and its gradient, and runs the kernel's backward: no attention forward (03's
+recompute reruns it, unless --keep-attention: support/keep_attention.py). At U = P a stage holds
+0.75 GiB per tensor instead of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads keep
+the standard order, so the numbers are those of 02 and of unsharded attention.
 
-Heads keep the standard order of the weights and of the output (rank r ends up with query heads
-[r*H/P, (r+1)*H/P), exactly as in Ulysses): the same numbers as 02_ulysses.py and as unsharded
-attention, only in a different memory schedule.
-
-In training: `python train.py --untied [--head-chunk U]` (or `--stack 5`) replaces 02 at the same
-seam. A larger U runs fewer, bigger stages, which is faster; U = P needs the least memory.
-Without --head-chunk a GPU run takes the fewest stages whose planned step fits (train.py's
-`choose_head_chunk`); `apply_untied_ulysses` alone defaults to U = P.
+In training, `python train.py --untied [--head-chunk U]` replaces 02 at the same seam: a larger
+U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run
+takes the fewest stages whose planned step fits (support/choices.py's `choose_head_chunk`).
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
     torchrun --nproc-per-node 2 05_untied_ulysses.py --model llama3-8b --seq-len 256K   # GPUs
@@ -52,12 +41,9 @@ from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
 
-GiB = 2**30
-
 
 def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
-    """For each of the H/U stages: (query-head slice, KV-head slice) within each rank's block of
-    heads.
+    """(query-head slice, KV-head slice) of each of the H/U stages, within each rank's block.
 
     Stage t gives rank r its query heads r*H/P + t*U/P + [0, U/P) (Ulysses order). They use KV
     heads (r*H/P + t*U/P + i) // G, G = H/Hkv query heads per KV head; stages that use the same
@@ -105,13 +91,20 @@ class StageLayout:
     attention: tuple[Callable, Callable]
 
     def to_heads(self, t):  # (B, S/P, U, D) -> (B, S, U/P, D): all tokens, this rank's heads
-        return _exchange(t, self.group, self.sp, ulysses.TO_HEADS)
+        return self.exchange(t, ulysses.TO_HEADS)
 
     def to_tokens(self, t):  # the inverse
-        return _exchange(t, self.group, self.sp, ulysses.TO_TOKENS)
+        return self.exchange(t, ulysses.TO_TOKENS)
+
+    def exchange(self, t, patterns):  # 02's all_to_all; nothing with one rank (or no group)
+        return t if self.sp == 1 else ulysses.all_to_all(t.contiguous(), self.group, patterns)
 
     def rows(self, weight, n_heads, heads: slice):
         return stage_rows(weight, n_heads, self.sp, self.head_dim, heads)
+
+    def projected_to_heads(self, x, rows, norm_weight=None, rope=None):
+        """Q or K (V: no norm or rope) of `rows`' heads in the head layout (B, S, U/P, D)."""
+        return self.to_heads(projected_heads(x, rows, self.head_dim, norm_weight, self.eps, rope))
 
     def head_blocks(self, t):  # (B, S/P, H * D) -> (B, S/P, P, H/P, D): rank r's heads in block r
         return t.unflatten(-1, (self.sp, -1, self.head_dim))
@@ -133,7 +126,7 @@ class UntiedUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def stages(layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
         """The forward's work: (output, *every stage's log-sum-exp)."""
-        head_dim, eps, rope, sp = layout.head_dim, layout.eps, (cos, sin), layout.sp
+        head_dim, rope, sp = layout.head_dim, (cos, sin), layout.sp
         n_heads, n_kv_heads = wq.shape[0] // head_dim, wk.shape[0] // head_dim
         out = x.new_empty(*x.shape[:2], n_heads * head_dim)  # the one output buffer
         out_blocks = layout.head_blocks(out)
@@ -141,12 +134,10 @@ class UntiedUlyssesAttention(torch.autograd.Function):
         lses = []
         for kv_heads, stages in kv_groups(stage_plan(n_heads, n_kv_heads, sp, layout.head_chunk)):
             k = v = None  # free the previous group's K/V before making the next
-            k = layout.to_heads(projected_heads(x, layout.rows(wk, n_kv_heads, kv_heads), head_dim,
-                                                k_norm, eps, rope))
-            v = layout.to_heads(project(x, layout.rows(wv, n_kv_heads, kv_heads), head_dim))
+            k = layout.projected_to_heads(x, layout.rows(wk, n_kv_heads, kv_heads), k_norm, rope)
+            v = layout.projected_to_heads(x, layout.rows(wv, n_kv_heads, kv_heads))
             for heads in stages:
-                q = layout.to_heads(projected_heads(x, layout.rows(wq, n_heads, heads), head_dim,
-                                                    q_norm, eps, rope))  # (B, S, U/P, D)
+                q = layout.projected_to_heads(x, layout.rows(wq, n_heads, heads), q_norm, rope)
                 stage_out, lse = attention_forward(q, k, v, cu_seqlens=layout.cu_seqlens)
                 del q
                 lses.append(lse)
@@ -173,8 +164,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
             # The KV group's K and V, recomputed once for all its stages.
             wk_rows = layout.rows(wk, n_kv_heads, kv_heads)
             wv_rows = layout.rows(wv, n_kv_heads, kv_heads)
-            k = layout.to_heads(projected_heads(x, wk_rows, head_dim, k_norm, eps, rope))
-            v = layout.to_heads(project(x, wv_rows, head_dim))
+            k = layout.projected_to_heads(x, wk_rows, k_norm, rope)
+            v = layout.projected_to_heads(x, wv_rows)
             grad_k = grad_v = None
             for i, heads in enumerate(stages):
                 wq_rows = layout.rows(wq, n_heads, heads)
@@ -208,7 +199,7 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
     recomputed, its output and output gradient (this rank's tokens, the stage's heads of every
     rank's block) exchanged to the head layout, and the kernel's backward with the saved
     log-sum-exp: no attention forward here."""
-    q = layout.to_heads(projected_heads(x, wq_rows, layout.head_dim, q_norm, layout.eps, rope))
+    q = layout.projected_to_heads(x, wq_rows, q_norm, rope)
     stage_out = layout.to_heads(stage_out.flatten(2, 3))
     grad_stage_out = layout.to_heads(grad_stage_out.flatten(2, 3))
     _, attention_backward = layout.attention
@@ -218,9 +209,14 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
 # The projections of one stage's heads, and their backward.
 
 def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
-    """Q or K of the heads in `rows`: projected, normed, rotated. V: rope=None, projected only."""
+    """Q or K of the heads in `rows`: projected, per-head normed (Qwen3's QK-norm, when present),
+    rotated, in model.project_qkv's order. V: rope=None, projected only."""
     y = project(x, rows, head_dim)
-    return y if rope is None else norm_and_rotate(y, norm_weight, eps, *rope)
+    if rope is None:
+        return y
+    if norm_weight is not None:
+        y = rms_norm(y, norm_weight, eps)
+    return apply_rope(y, *rope)
 
 
 def project(x, rows, head_dim):
@@ -228,21 +224,13 @@ def project(x, rows, head_dim):
     return F.linear(x, rows).unflatten(-1, (-1, head_dim))
 
 
-def norm_and_rotate(y, norm_weight, eps, cos, sin):
-    """Per-head RMSNorm (Qwen3's QK-norm, when present) then rotary: model.project_qkv's order."""
-    if norm_weight is not None:
-        y = rms_norm(y, norm_weight, eps)
-    return apply_rope(y, cos, sin)
-
-
 def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, grad_x,
                         grad_norm_weight):
-    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place and
-    returns the gradient of `rows`. Rotary embedding is a rotation, so its gradient is the
-    inverse rotation (sin negated): no recompute. The per-head norm (QK-norm, when present)
-    needs its input, the projection, recomputed under autograd. The projection's own backward
-    is written out, so grad_x is accumulated in place (autograd would hand back a full-size
-    temporary for every stage)."""
+    """Backward of `projected_heads`: adds into grad_x (and grad_norm_weight) in place, returns
+    the gradient of `rows`. Rotary's gradient is the inverse rotation (sin negated): no
+    recompute. QK-norm recomputes its input, the projection, under autograd. The projection's
+    backward is written out so grad_x accumulates in place (autograd would return a full-size
+    temporary per stage)."""
     if rope is not None:
         cos, sin = rope
         grad_heads = apply_rope(grad_heads, cos, -sin)
@@ -257,13 +245,6 @@ def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, g
     grad_y = grad_heads.reshape(-1, rows.shape[0])
     grad_x.view(-1, dim).addmm_(grad_y, rows)
     return grad_y.t() @ x.reshape(-1, dim)
-
-
-def _exchange(x, group, sp, patterns):
-    """02's all_to_all, or nothing with one rank (also without a process group)."""
-    if sp == 1:
-        return x
-    return ulysses.all_to_all(x.contiguous(), group, patterns)
 
 
 # Index helpers: which rows of the projection weights one stage uses, and back.
@@ -329,12 +310,9 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None, attention=
 # ---- below: checks, demo -------------------------------------------------------------------------
 
 def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | None) -> int:
-    """The head chunk U (the query heads of one stage over all ranks); default P = least memory.
-
-    Raise ValueError naming the numbers when U cannot be used: every rank needs the same number
-    of heads per stage (U % P == 0), the stages must cover the heads exactly (H % U == 0), and
-    a rank's heads in one stage must use whole KV heads in the plain grouped-query pattern.
-    """
+    """The head chunk U (default P, the least memory), or ValueError naming the numbers: every
+    rank needs the same number of heads per stage (U % P == 0), the stages must cover the heads
+    exactly (H % U == 0), and a rank's heads in one stage must use whole KV heads."""
     ulysses.check_ulysses_shapes(n_heads, n_kv_heads, sp)
     head_chunk = sp if head_chunk is None else head_chunk
     if head_chunk < 1 or head_chunk % sp:
@@ -369,52 +347,33 @@ def valid_head_chunks(args, sp: int) -> list[int]:
 # Demo: attention memory per rank for every head chunk U, next to Ulysses.
 
 def main():
-    from model import rope_cos_sin
     from support import byte_counts
-    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
+    from support.demos import (attention_demo_setup, attention_input, end_ranks,
+                               measure_stage_memory, measured_what, print_measured_and_planned)
 
     demo = attention_demo_setup("05_untied_ulysses.py")
-    args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
-    rank, sp, seq_len, on_gpu = demo.rank, demo.sp, demo.seq_len, demo.on_gpu
+    args, attn, sp, seq_len, group = demo.args, demo.attn, demo.sp, demo.seq_len, dist.group.WORLD
     ulysses.check_ulysses_shapes(args.n_heads, args.n_kv_heads, sp, seq_len)
-    group = dist.group.WORLD
-    local = seq_len // sp
-    positions = torch.arange(rank * local, (rank + 1) * local, device=device)[None]
-    rope = rope_cos_sin(positions, args, dtype)
-    x = torch.randn(1, local, args.dim, device=device, dtype=dtype, requires_grad=True)
-    bytes_per_value = torch.finfo(dtype).bits // 8
-    rows = []
+    x, rope = attention_input(demo, seq_len // sp)
+    value_bytes = torch.finfo(demo.dtype).bits // 8
     attn.core = partial(ulysses.ulysses_attention, group=group)
-    rows.append(("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
-                 byte_counts.attention_activation_bytes(args, seq_len, sp, bytes_per_value)))
+    rows = [("Ulysses (02)", "-", "-", measure_stage_memory(attn.attend, x, (rope,)),
+             byte_counts.attention_activation_bytes(args, seq_len, sp, value_bytes))]
     for head_chunk in valid_head_chunks(args, sp):
         attn.attend = partial(untied_attend, attn=attn, group=group, head_chunk=head_chunk)
-        measured = measure_stage_memory(attn.attend, x, (rope,))
-        planned = byte_counts.untied_attention_bytes(args, seq_len, sp, head_chunk,
-                                                     bytes_per_value)
-        rows.append(("Untied Ulysses", head_chunk, args.n_heads // head_chunk, measured, planned))
-    if rank == 0:
-        how = ("allocator peak above the input, forward + backward" if on_gpu else
-               "bytes kept from forward to backward (saved tensors + output)")
-        probe = torch.empty(1, 1, 1, args.head_dim, device=device, dtype=dtype)
-        kernel = kernels.lse_kernel(probe)[0]
-        unit, unit_name = (GiB, "GiB") if max(r[3] for r in rows) >= GiB else (2**20, "MiB")
-        print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {dtype}, attention kernel {kernel}; "
-              f"one attention layer per rank; measured: {how}; planned: the GPU peak by "
-              f"support/byte_counts.py")
-        print(f"  {'method':<16}{'U':>4}{'stages':>8}{'measured ' + unit_name:>14}"
-              f"{'planned ' + unit_name:>13}")
-        for name, head_chunk, n_stages, measured, planned in rows:
-            print(f"  {name:<16}{head_chunk:>4}{n_stages:>8}{measured / unit:>14.2f}"
-                  f"{planned / unit:>13.2f}")
-        if not on_gpu:
-            # The CPU stand-in and the planner count different things, so the columns differ.
-            print("  On a CPU the measured column is what a stage keeps between forward and "
-                  "backward:\n"
-                  "  for Untied Ulysses its output and the log-sum-exps, the same for every U. "
-                  "U shrinks\n"
-                  "  the transient peak inside backward (the planned column), which needs a GPU's\n"
-                  "  allocator to measure (tests/test_05_untied_ulysses.py counts it on a CPU).")
+        planned = byte_counts.untied_attention_bytes(args, seq_len, sp, head_chunk, value_bytes)
+        rows.append(("Untied Ulysses", head_chunk, args.n_heads // head_chunk,
+                     measure_stage_memory(attn.attend, x, (rope,)), planned))
+    if demo.rank == 0:
+        kernel = kernels.lse_kernel(x.new_empty(1, 1, 1, args.head_dim))[0]
+        print(f"{demo.model}, {seq_len:,} tokens, {sp} ranks, {demo.dtype}, attention kernel "
+              f"{kernel}; one attention layer; measured: {measured_what(demo.on_gpu)}; planned: "
+              f"the GPU peak (support/byte_counts.py)")
+        print_measured_and_planned(["method", "U", "stages"], rows)
+        if not demo.on_gpu:  # the CPU stand-in and the plan count different things
+            print("  On a CPU, measured is what Untied Ulysses keeps for backward (output and "
+                  "log-sum-exps,\n  the same for every U); U shrinks the peak inside backward "
+                  "(planned), which needs a GPU.")
     end_ranks()
 
 

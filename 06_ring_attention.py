@@ -1,36 +1,31 @@
 """06 - Ring attention: share one sequence over more GPUs than there are heads.
 
-The memory problem. Ulysses (02, 05) gives every GPU whole heads of the whole sequence, so the
-sequence-parallel degree P stops at the head count and the heads must divide it. Llama-3-8B has
-32 query heads and 8 KV heads: 64 GPUs cannot share one sequence at all, a model with 28 or 40
-heads cannot use 16 GPUs, and at P = 32 each GPU still attends over ALL S tokens of its one head.
-One head over S tokens is S x 128 x 2 bytes: 0.75 GiB at 3M tokens, 5 GiB at 20M; attention holds
-about ten such tensors (q, k, v, the output, their gradients, fp32 dq), ~50 GiB at 20M tokens,
-and no further GPU can take any of it.
+The problem in bytes. Ulysses (02, 05) gives every GPU whole heads of the whole sequence, so the
+sequence-parallel degree P stops at the head count and the heads must divide it: Llama-3-8B (32
+query heads, 8 KV heads) cannot share one sequence over 64 GPUs, a model with 28 or 40 heads not
+over 16. At P = 32 each GPU still attends over all S tokens of its one head, S x 128 x 2 bytes:
+0.75 GiB at 3M tokens, 5 GiB at 20M; attention holds about ten such tensors (q, k, v, the
+output, their gradients, fp32 dq), ~50 GiB at 20M tokens, and no further GPU can take any of it.
 
 The idea. Split the sequence itself over a ring of R ranks. Each rank keeps its queries; the K/V
-blocks travel from rank to rank (point-to-point sends, overlapped with the kernel), so after R
-steps every query has met every key, and a rank never holds more than two K/V blocks: the one it
-computes with and the one arriving. Each step gives a partial output and its log-sum-exp (lse)
-over the keys seen so far; two partials merge exactly, in fp32: the softmax over the union of two
-key sets is their outputs weighted by exp(lse_part - lse_union). Causal attention would leave
-rank 0 little to do and the last rank the most; the zigzag layout balances it: cut the sequence
-into 2R chunks, rank i holds chunks i and 2R-1-i (one early, one late). Query chunk a meets key
-chunk b fully if b < a, causally if b == a, not at all if b > a. Backward is a second ring: the
-K/V blocks travel again, their gradients dK/dV travel with them (fp32), each rank adding its
-share, and arrive home after R steps; dQ stays local. Every block's backward uses the merged
-output and lse of the forward (the standard flash-attention backward): no forward is re-run.
+blocks travel from rank to rank (point-to-point, overlapped with the kernel), so after R steps
+every query has met every key, with at most two K/V blocks per rank: the one in use and the one
+arriving. Each step gives a partial output and its log-sum-exp (lse); two partials merge exactly,
+in fp32: the softmax over the union of two key sets is their outputs weighted by
+exp(lse_part - lse_union). The zigzag layout balances the causal work: cut the sequence into 2R
+chunks, rank i holds chunks i and 2R-1-i (one early, one late); query chunk a meets key chunk b
+fully if b < a, causally if b == a, not at all if b > a. Backward is a second ring: K/V travel
+again with their gradients dK/dV (fp32), each rank adding its share, home after R steps; dQ
+stays local. Each block's backward uses the forward's merged output and lse: no forward reruns.
 
 Ulysses x ring: P = (P/R) x R, Ulysses over P/R ranks inside a node (all-to-all over NVLink),
 ring over R across nodes; the heads need only divide P/R, and each rank attends over S/R tokens:
 `ulysses_attention(q, k, v, group, kernel=partial(ring_attention, group=ring_group))`.
 
 Packed documents: `cu_seqlens` are global offsets in the original token order (kernels.py); each
-block pair attends only within each document's part of both chunks, so the result is exact.
-The data is put in zigzag order before it is split (`zigzag_order`); labels are shifted before,
-and positions are the global token indices, so rotary and the loss need nothing else.
-
-Run the demo (attention bytes per rank for R = 1, 2 and, with 4 ranks, 4):
+block pair attends only within each document's part of both chunks, so the result is exact. The
+data is put in zigzag order (`zigzag_order`) before it is split, labels shifted before that, and
+positions are the global token indices, so rotary and the loss need nothing else.
 
     torchrun --nproc-per-node 2 06_ring_attention.py               # CPU/gloo or GPUs
     torchrun --nproc-per-node 4 06_ring_attention.py --model llama3-8b --seq-len 256K   # GPUs
@@ -47,7 +42,6 @@ from support import keep_attention, kernels
 ulysses = importlib.import_module("02_ulysses")
 untied_ulysses = importlib.import_module("05_untied_ulysses")
 
-MiB = 2**20
 NO_KEY = float("-inf")  # the lse of a query row that has seen no key yet
 
 
@@ -78,6 +72,7 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, group, cu_seqlens=None)
     ring, rank = dist.get_world_size(group), dist.get_rank(group)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k.contiguous(), v.contiguous())
+    next_dkv = dkv_arrived = None  # the travelling dK/dV: each step sends it on for the next one
     for step in range(ring):
         owner = (rank - step) % ring
         if step + 1 < ring:
@@ -281,44 +276,39 @@ def check_ring(sp: int, ring: int, seq_len: int | None = None) -> None:
         ulysses.check_sequence_split(seq_len, sp, ring)
 
 
+# Demo: attention bytes per rank for R = 1, 2, 4 (as ranks allow), each ring over all S tokens.
+
 def main():
-    """Attention bytes per rank at one sequence length, ring degrees 1, 2, 4 (as ranks allow):
-    each ring of R ranks runs one attention over the whole sequence, S/R tokens per rank."""
     from support.byte_counts import ring_attention_bytes
-    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
+    from support.demos import (attention_demo_setup, end_ranks, measure_stage_memory,
+                               measured_what, print_measured_and_planned)
 
     demo = attention_demo_setup("06_ring_attention.py")
-    args, device, dtype, world, rank = demo.args, demo.device, demo.dtype, demo.world, demo.rank
+    args, seq_len, world, rank = demo.args, demo.seq_len, demo.world, demo.rank
     rings = [r for r in (1, 2, 4) if world % r == 0]
     try:  # every ring degree, before any work
         for ring in rings:
-            check_ring(ring, ring, demo.seq_len)
+            check_ring(ring, ring, seq_len)
     except ValueError as error:
         raise SystemExit(f"error: {error}")
-    measured = {}
+    rows = []
     for ring in rings:
-        groups = [dist.new_group(list(range(start, start + ring)))
-                  for start in range(0, world, ring)]
-        group = groups[rank // ring]
-        local = demo.seq_len // ring
-        q = torch.randn(1, local, args.n_heads, args.head_dim, device=device, dtype=dtype,
-                        requires_grad=True)
-        k, v = (torch.randn(1, local, args.n_kv_heads, args.head_dim, device=device, dtype=dtype)
-                for _ in range(2))
-        attend = lambda q, k, v: ring_attention(q, k, v, group)
-        measured[ring] = measure_stage_memory(attend, q, (k, v))
+        groups = [dist.new_group(list(range(first, first + ring)))
+                  for first in range(0, world, ring)]
+        local = seq_len // ring
+        q, k, v = (torch.randn(1, local, heads, args.head_dim, device=demo.device, dtype=demo.dtype)
+                   for heads in (args.n_heads, args.n_kv_heads, args.n_kv_heads))
+        attend = partial(ring_attention, group=groups[rank // ring])
+        measured = measure_stage_memory(attend, q.requires_grad_(), (k, v))
+        planned = ring_attention_bytes(args, seq_len, ring, ring, torch.finfo(demo.dtype).bits // 8)
+        rows.append((ring, f"{local:,}", measured, planned))
         del q, k, v
     if rank == 0:
-        how = "peak allocated (GPU)" if demo.on_gpu else "saved-for-backward + output bytes (CPU)"
-        print(f"{demo.model} heads ({args.n_heads} query, {args.n_kv_heads} KV), "
-              f"{demo.seq_len:,} tokens, {dtype}; one ring attention forward + backward, {how}")
-        planned_title = "+ ring buffers in flight (planned) MiB"
-        print(f"  {'ring R':>6} {'tokens/rank':>12} {'measured MiB':>13} {planned_title:>40}")
-        for ring, nbytes in measured.items():
-            planned = ring_attention_bytes(args, demo.seq_len, ring, ring,
-                                           torch.finfo(dtype).bits // 8)
-            print(f"  {ring:>6} {demo.seq_len // ring:>12,} {nbytes / MiB:>13.1f} "
-                  f"{planned / MiB:>40.1f}")
+        print(f"{demo.model} heads ({args.n_heads} query, {args.n_kv_heads} KV), {seq_len:,} "
+              f"tokens, {demo.dtype}; one ring attention forward + backward; measured: "
+              f"{measured_what(demo.on_gpu)}; planned: + ring buffers in flight "
+              f"(support/byte_counts.py)")
+        print_measured_and_planned(["ring R", "tokens/rank"], rows)
     end_ranks()
 
 

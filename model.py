@@ -1,38 +1,30 @@
 """A compact Llama-3 (and Qwen3-shaped) transformer that knows nothing of distribution.
 
-The numbered files plug into five seams, each an attribute that can be replaced from outside
-without editing this file:
+The numbered files plug into its seams, attributes replaced from outside without editing this file:
 
-  1. `Attention.core(q, k, v, cu_seqlens)` the attention kernel over local tensors (B, S, heads, D).
-                                           02_ulysses.py wraps it in two all-to-alls.
-  2. `Attention.attend(x, rope, cu_seqlens)` the whole sub-layer from normed input to pre-`o_proj`
-                                           output (B, S, heads * D). 05_untied_ulysses.py replaces
-                                           it, because it projects Q/K/V one head chunk at a time.
-  3. `MLP.forward(x)`                      04_alst_tiling.py runs it tile by tile along the
-                                           sequence.
-  4. `RMSNorm.forward(x)`                  04_alst_tiling.py (--tile-norm) tiles each block's norms,
-                                           whose fp32 copies would span the whole sequence.
-  5. `Transformer.loss_sum(h, labels)`     final norm + lm_head + cross-entropy summed over tokens.
-                                           04_alst_tiling.py tiles it so seq x vocab logits never
-                                           exist.
-     `Transformer.token_scores(h, labels)` its per-token sibling for evaluation (eval.py): each
-                                           token's loss and greedy prediction; 04 tiles it too.
+  1. `Attention.core(q, k, v, cu_seqlens)`   the kernel over local tensors (B, S, heads, D).
+                                             02_ulysses.py wraps it in two all-to-alls.
+  2. `Attention.attend(x, rope, cu_seqlens)` normed input (B, S, dim) -> pre-`o_proj` output
+                                             (B, S, heads * D). 05_untied_ulysses.py replaces
+                                             it: it projects Q/K/V one head chunk at a time.
+  3. `MLP.forward(x)`                        04_alst_tiling.py runs it tile by tile.
+  4. `RMSNorm.forward(x)`                    04 (--tile-norm) tiles each block's norms, whose
+                                             fp32 copies would span the whole sequence.
+  5. `Transformer.loss_sum(h, labels)`       final norm + lm_head + cross-entropy summed over
+                                             tokens; 04 tiles it so seq x vocab logits never exist.
+     `Transformer.token_scores(h, labels)`  its per-token sibling (each token's loss and greedy
+                                             prediction), which eval.py tiles the same way.
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
-rotary phases without any gather.
+rotary phases without any gather. Packed documents (support/data.py): positions restart at 0 at
+each document, labels are IGNORE_INDEX at each document's last token, and `cu_seqlens` (the
+whole batch's document boundaries as global token offsets, support/kernels.py) goes to the two
+attention seams, where the kernel masks; norms, MLP and loss are per token.
 
-Packed documents (data.py builds them): position_ids restart at 0 at each document start, labels
-are IGNORE_INDEX at each document's last token, and `cu_seqlens`, the document boundaries of the
-WHOLE batch as global token offsets (kernels.py), goes from `forward` through every block to the
-two attention seams, where kernels.py masks. Nothing else in the model sees documents: norms,
-MLP and loss are per token. cu_seqlens=None: one document per row, plain causal attention.
-
-Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints with the leading
-"model." dropped (`embed_tokens.weight`, `layers.0.self_attn.q_proj.weight`, ..., `norm.weight`,
-`lm_head.weight`). Q/K/V rows are in the standard head order (head h owns rows h*D..(h+1)*D) and
-rotary uses the rotate-half convention those checkpoints were converted to, so
-`model.load_state_dict(hf_state_dict_without_model_prefix)` means the same thing with or without
-any technique applied.
+Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints without the leading
+"model." (`layers.0.self_attn.q_proj.weight`, ...): Q/K/V rows in the standard head order (head
+h owns rows h*D..(h+1)*D), rotate-half rotary, so a converted state dict loads as it is, with or
+without any technique applied.
 """
 
 import math
@@ -107,9 +99,7 @@ def get_model_args(name: str) -> ModelArgs:
     return PRESETS[name]
 
 
-# ---------------------------------------------------------------------------------------------
-# Rotary embeddings (Hugging Face's default, llama3 and yarn types), indexed by global position.
-# ---------------------------------------------------------------------------------------------
+# ---- Rotary embeddings (Hugging Face's default, llama3 and yarn types), by global position ----
 
 ROPE_SCALINGS = ("none", "llama3", "yarn")
 
@@ -185,9 +175,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Layers
-# ---------------------------------------------------------------------------------------------
+# ---- Layers -----------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -310,7 +298,7 @@ class Transformer(nn.Module):
     def token_scores(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Seam 5, per token (evaluation): (B, S, 2) fp32, [..., 0] each token's cross-entropy
         (0 where the label is ignored) and [..., 1] its greedy prediction, the argmax token id
-        (exact in fp32 below 2^24 ids). Untiled, like loss_sum: 04 tiles both."""
+        (exact in fp32 below 2^24 ids). Untiled, like loss_sum: eval.py tiles it."""
         return token_scores(h, labels, self.norm.weight, self.lm_head.weight, eps=self.norm.eps)
 
 

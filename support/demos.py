@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from support.data import parse_tokens
-from model import Attention, get_model_args
+from model import Attention, get_model_args, rope_cos_sin
 
 
 def start_ranks() -> SimpleNamespace:
@@ -130,3 +130,159 @@ class LargestTensor(TorchDispatchMode):
                 self.numel, self.shape = t.numel(), tuple(t.shape)
                 self.nbytes = t.numel() * t.element_size()
         return out
+
+
+# ---- 05 and 06's demos: one attention per rank, measured beside support/byte_counts.py's plan --
+
+MiB, GiB = 2**20, 2**30
+
+
+def measured_what(on_gpu: bool) -> str:
+    """What `measure_stage_memory` counts on this device, for a demo's title line."""
+    return ("allocator peak above the input (GPU)" if on_gpu
+            else "saved-for-backward + output bytes (CPU)")
+
+
+def attention_input(demo, tokens: int):
+    """This rank's `tokens` consecutive tokens of a random normed input (1, tokens, dim) that
+    wants gradients, and the rotary of their global positions."""
+    first = demo.rank * tokens
+    positions = torch.arange(first, first + tokens, device=demo.device)[None]
+    x = torch.randn(1, tokens, demo.args.dim, device=demo.device, dtype=demo.dtype,
+                    requires_grad=True)
+    return x, rope_cos_sin(positions, demo.args, demo.dtype)
+
+
+def print_measured_and_planned(headers, rows) -> None:
+    """A table whose rows end in (measured bytes, planned bytes), in MiB, or GiB if large."""
+    unit, unit_name = (GiB, "GiB") if max(row[-2] for row in rows) >= GiB else (MiB, "MiB")
+    table = [[*headers, f"measured {unit_name}", f"planned {unit_name}"]]
+    table += [[str(cell) for cell in row[:-2]] + [f"{n / unit:.2f}" for n in row[-2:]]
+              for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  " + line[0].ljust(widths[0])
+              + "".join(cell.rjust(width + 2) for cell, width in zip(line[1:], widths[1:])))
+
+
+# ---------------------------------------------------------------------------------------------
+# 03's and 04's demos: flags and ranks, one step's memory under a technique, phases' memory, a
+# table of it.
+# ---------------------------------------------------------------------------------------------
+
+def demo_parser(doc: str, cpu: tuple[str, str], gpu: tuple[str, str]) -> argparse.ArgumentParser:
+    """--model and --seq-len (total tokens), defaulting to the (model, length) of `gpu` or `cpu`
+    by where the demo runs; the demo adds its own flags."""
+    model, seq_len = gpu if torch.cuda.is_available() else cpu
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--model", default=model, help=f"default: {cpu[0]} on CPU, {gpu[0]} on GPU")
+    parser.add_argument("--seq-len", default=seq_len, help=f"total tokens (default: {cpu[1]} on "
+                                                           f"CPU, {gpu[1]} on GPU)")
+    return parser
+
+
+def demo_setup(opts) -> SimpleNamespace:
+    """The parsed flags (opts), the ranks (start_ranks), the model's args, the tokens in all
+    (seq_len) and per rank (local, cut over the ranks as Ulysses cuts them), and a line saying
+    so (setting)."""
+    from support.lessons import ulysses_sp
+
+    args, seq_len = get_model_args(opts.model), parse_tokens(opts.seq_len)
+    ranks = start_ranks()
+    try:
+        ulysses_sp.check_sequence_split(seq_len, ranks.world)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}")
+    local = seq_len // ranks.world
+    setting = (f"{opts.model}, {seq_len:,} tokens over {ranks.world} "
+               f"rank{'s' if ranks.world > 1 else ''} ({local:,} each), {ranks.dtype} on "
+               f"{ranks.device.type}")
+    return SimpleNamespace(**vars(ranks), opts=opts, args=args, seq_len=seq_len, local=local,
+                           setting=setting)
+
+
+def measure_step_memory(demo, args, mesh, techniques) -> dict:
+    """Build the model of `args` with `techniques(model)` applied on the meta device (after
+    Ulysses over every rank when launched with torchrun; FSDP over `mesh`), run one forward and
+    backward of random tokens, and return this rank's {"device": bytes, "host": bytes}. Device:
+    on a GPU the peak allocated above the parameters and their gradients (None where it ran
+    out), on a CPU the bytes kept for backward; host: 03's offloader's buffers."""
+    import gc
+
+    from support.build import build_model
+    from support.lessons import ulysses_sp
+
+    group = dist.group.WORLD if demo.launched else None
+
+    def before_sharding(model):
+        if demo.launched:
+            ulysses_sp.apply_ulysses(model, group)
+        techniques(model)
+
+    model = build_model(args, demo.device, mesh, demo.dtype, exact_init=not demo.on_gpu,
+                        before_sharding=before_sharding)
+    offloader = getattr(model, "checkpoint_offload", None)
+    tokens = torch.randint(0, args.vocab_size, (1, demo.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0)).to(demo.device)
+
+    def step():
+        ulysses_sp.loss_and_backward(model, tokens, demo.rank, demo.world, group)
+
+    try:
+        if demo.on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            # Above the model state: its gradients grow with the layers, as the parameters do.
+            device_bytes = torch.cuda.max_memory_allocated() - before - gradient_bytes(model)
+        else:
+            device_bytes = bytes_saved_for_backward(step, offloader)
+    except torch.OutOfMemoryError:
+        device_bytes = None
+    host_bytes = offloader.host_buffers.nbytes if offloader else 0
+    model = offloader = step = None
+    gc.collect()  # a block and its replaced forward refer to each other: free them now
+    if demo.on_gpu:
+        torch.cuda.empty_cache()
+    return {"device": device_bytes, "host": host_bytes}
+
+
+def step_memory_meaning(on_gpu: bool) -> str:
+    """What measure_step_memory's device bytes are, for a demo's table."""
+    return ("peak GPU memory allocated in forward+backward above the parameters and their "
+            "gradients" if on_gpu else "bytes kept from forward to backward (saved tensors; CPU)")
+
+
+def measure_phases(phases: dict, new_input, model) -> dict:
+    """{name: (bytes, largest tensor's bytes)} for each phase, run(x) forward and backward on
+    x = new_input() (measure_stage_memory, LargestTensor); (None, None) where a GPU ran out.
+    The model's gradients are dropped after each phase."""
+    results = {}
+    for name, run in phases.items():
+        x = new_input().requires_grad_()
+        try:
+            with LargestTensor() as largest:
+                results[name] = (measure_stage_memory(run, x, ()), largest.nbytes)
+        except torch.OutOfMemoryError:
+            results[name] = (None, None)
+        x = None
+        model.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def in_units(nbytes, unit: int, digits: int = 1) -> str:
+    """nbytes in `unit` (2**20, 2**30), or "OOM" for None (a GPU ran out)."""
+    return "OOM" if nbytes is None else f"{nbytes / unit:.{digits}f}"
+
+
+def print_table(header: list[str], rows: list[list], widths: list[int]) -> None:
+    """A header line and rows in columns of `widths` characters: the first column aligned left,
+    the others right."""
+    for row in [header, *rows]:
+        first, *rest = row
+        print(f"{first:<{widths[0]}}"
+              + "".join(f"{cell:>{width}}" for cell, width in zip(rest, widths[1:])))
