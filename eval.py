@@ -62,7 +62,6 @@ with their 256 GiB of host memory, which the offload fills first: --host-mem 256
 """
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -74,15 +73,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import model as llama
+from model import IGNORE_INDEX, token_scores as model_token_scores
 import train
 from support import choices, config, saved_state
 from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
-from support.lessons import tiling
+from support.lessons import tiling, ulysses_sp
 from support.runtime import setup_runtime
 
-ulysses = importlib.import_module("02_ulysses")  # shard_sequence: each rank's positions
 
 FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
                "There and back again. ")
@@ -126,7 +124,7 @@ def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor,
     tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
     tile = tiling.loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
-    scores = tiling.tiled_over_tokens(partial(llama.token_scores, eps=model.norm.eps), tokens,
+    scores = tiling.tiled_over_tokens(partial(model_token_scores, eps=model.norm.eps), tokens,
                                       (flat_labels,), weights, tile, sum_tiles=False)
     return scores.view(*labels.shape, 2)
 
@@ -140,7 +138,7 @@ def token_scores(model, tokens: torch.Tensor, rt, labels=None, documents=None):
     positions = cu_seqlens = None
     if documents is not None:
         positions, cu_seqlens = documents.position_ids.to(rt.device), documents.cu_seqlens
-    input_ids, labels, positions = ulysses.shard_sequence(
+    input_ids, labels, positions = ulysses_sp.shard_sequence(
         tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device), positions,
         rt.token_order(tokens.shape[1] - 1))
     with train.out_of_memory_names("forward"):
@@ -185,7 +183,7 @@ def bucket_sums(losses, positions, labels, edges) -> torch.Tensor:
     labels only). Positions are whatever position_ids say: global, or per document."""
     boundaries = torch.tensor(edges[1:-1], device=positions.device)
     index = torch.bucketize(positions.flatten(), boundaries, right=True)
-    keep = (labels.flatten() != llama.IGNORE_INDEX).double()
+    keep = (labels.flatten() != IGNORE_INDEX).double()
     sums = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=positions.device)
     sums[0].index_add_(0, index, losses.flatten().double() * keep)
     sums[1].index_add_(0, index, keep)
@@ -232,13 +230,13 @@ def loss_by_position(model, cfg, rt, windows: int, first_window: int = 0,
         documents = (stack_documents([data.documents(n, row) for n, row in zip(numbers, rows)])
                      if cfg.documents else None)
         labels = (tokens[:, 1:] if documents is None else documents.labels).clone()
-        labels[torch.tensor(indices) >= windows] = llama.IGNORE_INDEX  # padding rows
+        labels[torch.tensor(indices) >= windows] = IGNORE_INDEX  # padding rows
         synchronize(rt)
         start = time.perf_counter()
         scores, local_labels, positions = token_scores(model, tokens, rt, labels, documents)
         if documents is not None:  # bucket by the context each token saw (module docstring)
             visible = context_positions(documents.cu_seqlens, *labels.shape).to(rt.device)
-            positions = ulysses.shard_sequence(tokens, rt.sp_rank, rt.sp, None, visible,
+            positions = ulysses_sp.shard_sequence(tokens, rt.sp_rank, rt.sp, None, visible,
                                                rt.token_order(tokens.shape[1] - 1))[2]
         totals += bucket_sums(scores[..., 0], positions, local_labels, edges)
         synchronize(rt)
@@ -276,7 +274,7 @@ def passkey_tokens(length: int, depth: float, key, filler, marker, prefix=()):
     body = [filler[i % len(filler)] for i in range(haystack)]
     body[start:start + len(needle)] = needle
     ids = torch.tensor(prefix + body + marker + key)
-    labels = torch.full((length,), llama.IGNORE_INDEX)
+    labels = torch.full((length,), IGNORE_INDEX)
     labels[-len(key):] = ids[-len(key):]
     return ids, labels, len(prefix) + start + len(marker)
 
@@ -345,7 +343,7 @@ def passkey_grid(model, cfg, rt, lengths, depths, trials: int, key_len: int, voc
                 synchronize(rt)
                 times.append(time.perf_counter() - start)
                 correct = ((scores[..., 1] == local_labels)
-                           & (local_labels != llama.IGNORE_INDEX)).double()
+                           & (local_labels != IGNORE_INDEX)).double()
                 first_key_position = (positions == length - key_len).double()
                 for j, t in enumerate(rows):
                     if t < trials:
@@ -502,7 +500,7 @@ def run(opts, cfg) -> dict:
     if opts.task == "passkey":
         for length in opts.lengths:  # every length splits evenly over the sequence ranks
             try:
-                ulysses.check_sequence_split(length, rt.sp, rt.ring)
+                ulysses_sp.check_sequence_split(length, rt.sp, rt.ring)
             except ValueError as error:
                 raise ValueError(f"passkey length {length}: {error}") from None
         vocabulary = passkey_vocabulary(opts, model.args.vocab_size)

@@ -49,7 +49,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import model as llama
+from model import get_model_args
 import plan as planner
 from support import byte_counts
 from bench.report import allocate_adam_state
@@ -61,7 +61,6 @@ from support.data import parse_tokens
 from support.progress import attention_kernel
 
 train = importlib.import_module("train")
-ulysses = importlib.import_module("02_ulysses")
 evaluate = importlib.import_module("eval")
 GiB = 2**30
 
@@ -98,7 +97,7 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
     ballast_parts: the parts of the missing layers' state allocated before the step (default
     all; bench/rehearse.py's step allocates their gradients when full depth would have them)."""
     started = time.perf_counter()
-    args = llama.get_model_args(base.model)
+    args = get_model_args(base.model)
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
     if forward_only:
         cfg = evaluate.eval_config(cfg)
@@ -252,7 +251,7 @@ def main():
     for method in opts.methods:  # the kernel each method's ranks run, for the record
         cfg = method_config(base, method, opts.model, 1024)
         result["attention_kernel"][method] = attention_kernel(
-            cfg, train.setup_runtime(cfg), llama.get_model_args(opts.model))
+            cfg, train.setup_runtime(cfg), get_model_args(opts.model))
     name = (f"max_length_{opts.model}_{rt.world}gpu"
             + ("_offload_model_state" if opts.offload_model_state else "")
             + ("_eval" if opts.forward_only else "")

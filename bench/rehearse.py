@@ -80,7 +80,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import model as llama
+from model import PRESETS, get_model_args
 import plan as planner
 from bench import max_length
 from bench.report import release, synchronize, write_result
@@ -500,7 +500,7 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
     # The missing layers' gradients wait on the GPU (not with the model state on the host) for
     # the moment full depth makes them: allocated by the step, not as ballast before it.
     late = 0 if opts.offload_model_state else max_length.ballast_bytes(
-        llama.get_model_args(opts.model), opts.layers, opts.gpus)["gradients"]
+        get_model_args(opts.model), opts.layers, opts.gpus)["gradients"]
 
     def step(model, optimizer, tokens, rt, cfg):
         rehearsal_step(model, optimizer, tokens, rt, cfg, trace, traffic, window, late)
@@ -741,15 +741,15 @@ def check_rehearsal(opts) -> None:
     if not 0 <= opts.rank < opts.gpus:
         raise ValueError(f"--rank must be one of the {opts.gpus} ranks (0..{opts.gpus - 1}), "
                          f"got {opts.rank}")
-    if opts.model not in llama.PRESETS:
-        raise ValueError(f"unknown --model {opts.model!r}: one of {', '.join(llama.PRESETS)}")
+    if opts.model not in PRESETS:
+        raise ValueError(f"unknown --model {opts.model!r}: one of {', '.join(PRESETS)}")
     if not 1 <= opts.stack <= 5:
         raise ValueError(f"--stack must be 1..5 for N ranks (FSDP at least), got {opts.stack}")
     if not opts.host_ballast and not opts.offload_model_state:
         raise ValueError("--no-host-ballast is a setting of --offload-model-state (the ballast "
                          "is on the GPU otherwise)")
-    if not 1 <= opts.layers <= llama.get_model_args(opts.model).n_layers:
-        raise ValueError(f"--layers must be 1..{llama.get_model_args(opts.model).n_layers}")
+    if not 1 <= opts.layers <= get_model_args(opts.model).n_layers:
+        raise ValueError(f"--layers must be 1..{get_model_args(opts.model).n_layers}")
     on_gpu_fa4 = opts.device == "cuda" and kernels.fa4_installed()
     if opts.window is None:
         opts.window = 256 if on_gpu_fa4 and opts.attn_kernel in ("auto", "fa4") else 0
@@ -778,7 +778,7 @@ def check_rehearsal(opts) -> None:
     opts.granularity = -(-parse_tokens(opts.granularity) // (sp * 1024)) * sp * 1024
     for length in opts.seq_lens + [opts.compare_window or opts.granularity]:
         full_config(opts, length)  # bad flags: train.py's own error
-        check_layout(full_config(opts, length), opts.gpus, llama.get_model_args(opts.model))
+        check_layout(full_config(opts, length), opts.gpus, get_model_args(opts.model))
 
 
 def result_name(main, rehearsals) -> str:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from support import errors, kernels
-import model as llama
+from model import IGNORE_INDEX
 
 train = importlib.import_module("train")
 
@@ -70,7 +70,7 @@ def ring_forward_backward(model, tokens: torch.Tensor, rt, cp_mesh, labels=None)
     input_ids = tokens[:, :-1].clone()
     labels = (tokens[:, 1:] if labels is None else labels.to(rt.device)).clone()
     positions = torch.arange(input_ids.shape[1], device=rt.device).expand_as(input_ids).clone()
-    n_tokens = (labels != llama.IGNORE_INDEX).sum().clamp(min=1)
+    n_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
     buffers = [input_ids, positions, labels]
     with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                           no_restore_buffers=set(buffers)):

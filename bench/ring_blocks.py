@@ -26,17 +26,16 @@ and the GPU.
 """
 
 import argparse
-import importlib
 
 import torch
 import torch.nn.functional as F
 
-import model as llama
+from model import get_model_args
 from bench.report import peak_and_times, refuse_without_gpu, release, write_result
 from support import kernels
 from support.data import parse_tokens
+from support.lessons import ring_sp
 
-ring_attention = importlib.import_module("06_ring_attention")
 
 
 def ring_schedule(q, k, v, grad_out, ring: int):
@@ -48,11 +47,11 @@ def ring_schedule(q, k, v, grad_out, ring: int):
     outs, lses = [], []
     for rank in range(ring):
         out = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((q.shape[0], q.shape[2], qs[rank].shape[1]), ring_attention.NO_KEY,
+        lse = torch.full((q.shape[0], q.shape[2], qs[rank].shape[1]), ring_sp.NO_KEY,
                          device=q.device)
         for step in range(ring):
             owner = (rank - step) % ring  # whose K/V the ring hands this rank at this step
-            ring_attention.forward_step(qs[rank], ks[owner], vs[owner], out, lse, rank, owner, ring)
+            ring_sp.forward_step(qs[rank], ks[owner], vs[owner], out, lse, rank, owner, ring)
         outs.append(out.to(q.dtype))
         lses.append(lse)
         del out
@@ -63,9 +62,9 @@ def ring_schedule(q, k, v, grad_out, ring: int):
         dq = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
         for step in range(ring):
             owner = (rank - step) % ring
-            key_grads = ring_attention.backward_step(grads[rank], qs[rank], ks[owner], vs[owner],
+            key_grads = ring_sp.backward_step(grads[rank], qs[rank], ks[owner], vs[owner],
                                                      outs[rank], lses[rank], dq, rank, owner, ring)
-            ring_attention.add_key_grads(dks[owner], dvs[owner], key_grads)
+            ring_sp.add_key_grads(dks[owner], dvs[owner], key_grads)
         dqs.append(dq.to(q.dtype))
         del dq
     return (torch.cat(outs, dim=1), torch.cat(dqs, dim=1), torch.cat(dks, dim=1).to(k.dtype),
@@ -128,12 +127,12 @@ def main(argv=None):
                                 "--seq-len 256 --check-seq-len 128 --kernels auto --repeats 1")
     device = torch.device(opts.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args = llama.get_model_args(opts.model)
+    args = get_model_args(opts.model)
     heads, kv_heads = args.n_heads // opts.ulysses, max(args.n_kv_heads // opts.ulysses, 1)
     seq_len, check_len = parse_tokens(opts.seq_len), parse_tokens(opts.check_seq_len)
     for ring in opts.rings:
-        ring_attention.check_ring(ring, ring, seq_len)
-        ring_attention.check_ring(ring, ring, check_len)
+        ring_sp.check_ring(ring, ring, seq_len)
+        ring_sp.check_ring(ring, ring, check_len)
     flops = 3.5 * 2 * seq_len**2 * heads * args.head_dim  # causal forward + 2.5x in backward
     rows = []
     for kernel in opts.kernels:
@@ -151,7 +150,7 @@ def main(argv=None):
         single_errors = max_errors(single_call(q, k, v, grad_out), reference)
         ring_errors = {}
         for ring in opts.rings:
-            order = ring_attention.zigzag_order(check_len, ring).to(device)
+            order = ring_sp.zigzag_order(check_len, ring).to(device)
             got = ring_schedule(*(t[:, order] for t in (q, k, v, grad_out)), ring)
             ring_errors[ring] = max_errors([t[:, order.argsort()] for t in got], reference)
             del got
@@ -166,7 +165,7 @@ def main(argv=None):
                      "max_abs_error": single_errors})
         print(rows[-1], flush=True)
         for ring in opts.rings:
-            order = ring_attention.zigzag_order(seq_len, ring).to(device)
+            order = ring_sp.zigzag_order(seq_len, ring).to(device)
             zq, zk, zv, zgrad = (t[:, order] for t in (q, k, v, grad_out))
             measured = peak_and_times(lambda: ring_schedule(zq, zk, zv, zgrad, ring), device,
                                       opts.repeats)

@@ -16,11 +16,10 @@ It also prints the schedule as text.
 """
 
 import argparse
-import importlib
 import textwrap
 from pathlib import Path
+from support.lessons import ring_sp
 
-ring_attention = importlib.import_module("06_ring_attention")
 
 MAX_RING = 8  # past 8 ranks the 2R x 2R matrices are too small to read
 
@@ -29,16 +28,16 @@ def ring_schedule(ring: int) -> list[tuple[int, int, int, int, bool]]:
     """(step, rank, query chunk, key chunk, causal) for every block pair a ring of `ring` ranks
     computes, read from 06: at step s rank r holds the K/V of rank r - s (mod R), as
     ring_attention_forward passes them, and 06's block_pairs says which of its chunks meet."""
-    ring_attention.check_ring(ring, ring)
+    ring_sp.check_ring(ring, ring)
     one_token_chunks = (1, 2)  # (batch, 2C) with C = 1: a local position is the chunk's slot
     schedule = []
     for step in range(ring):
         for rank in range(ring):
             owner = (rank - step) % ring
-            for _, queries, keys, causal in ring_attention.block_pairs(one_token_chunks, rank,
+            for _, queries, keys, causal in ring_sp.block_pairs(one_token_chunks, rank,
                                                                        owner, ring):
-                query_chunk = ring_attention.zigzag_chunks(rank, ring)[queries.start]
-                key_chunk = ring_attention.zigzag_chunks(owner, ring)[keys.start]
+                query_chunk = ring_sp.zigzag_chunks(rank, ring)[queries.start]
+                key_chunk = ring_sp.zigzag_chunks(owner, ring)[keys.start]
                 schedule.append((step, rank, query_chunk, key_chunk, causal))
     return schedule
 
@@ -53,12 +52,12 @@ def work_per_step(schedule, ring: int) -> list[list[float]]:
 
 
 def holder_of_chunk(chunk: int, ring: int) -> int:
-    return next(rank for rank in range(ring) if chunk in ring_attention.zigzag_chunks(rank, ring))
+    return next(rank for rank in range(ring) if chunk in ring_sp.zigzag_chunks(rank, ring))
 
 
 def print_schedule(schedule, ring: int) -> None:
     print(f"zigzag ring of R = {ring}: {2 * ring} chunks; "
-          + ", ".join(f"rank {r} holds {ring_attention.zigzag_chunks(r, ring)}"
+          + ", ".join(f"rank {r} holds {ring_sp.zigzag_chunks(r, ring)}"
                       for r in range(ring)))
     work = work_per_step(schedule, ring)
     for step in range(ring):
@@ -111,7 +110,7 @@ def draw_layout(part, ring: int, color, caption) -> None:
     ax.set_ylim(-0.9, 1)
     ax.axis("off")
     holds = "; ".join(f"rank {r}: {a} and {b}" for r in range(ring)
-                      for a, b in [ring_attention.zigzag_chunks(r, ring)])
+                      for a, b in [ring_sp.zigzag_chunks(r, ring)])
     caption(part, f"(a) zigzag layout, R = {ring} ranks: rank i holds chunks i and 2R-1-i, one "
                   f"early, one late ({holds})")
 

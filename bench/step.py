@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from support import choices, kernels
-import model as llama
+from model import PRESETS, get_model_args
 from bench import snapshot
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
 from support.data import TokenData
@@ -39,7 +39,7 @@ def with_layers(preset: str, layers: int | None) -> str:
     if not layers:
         return preset
     name = f"{preset}-{layers}L"
-    llama.PRESETS[name] = dataclasses.replace(llama.get_model_args(preset), n_layers=layers)
+    PRESETS[name] = dataclasses.replace(get_model_args(preset), n_layers=layers)
     return name
 
 
@@ -63,7 +63,7 @@ def main():
     rt = train.setup_runtime(cfg)
     if opts.snapshot or opts.snapshot_file:
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
-    data = TokenData(cfg, llama.get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
+    data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
     cfg.head_chunk = choices.choose_head_chunk(cfg, rt)  # as train.py does
     model = train.build_model(cfg, rt)

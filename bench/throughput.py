@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from support import byte_counts, host_buffers, kernels
-import model as llama
+from model import ModelArgs, get_model_args
 import plan as planner
 from bench import ring
 from bench.report import (cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu,
@@ -72,7 +72,6 @@ from bench.step import with_layers
 from support.data import parse_tokens
 
 train = importlib.import_module("train")
-ulysses = importlib.import_module("02_ulysses")
 GiB = 2**30
 H200_BF16_PEAK = 989e12
 
@@ -120,7 +119,7 @@ def warm_pinned_cache(cfg: train.Config, rt) -> None:
     pays for pinning memory (~1 s for 4 GiB)."""
     if not (cfg.offload and rt.device.type == "cuda"):
         return
-    args, dtype = llama.get_model_args(cfg.model), getattr(torch, cfg.dtype)
+    args, dtype = get_model_args(cfg.model), getattr(torch, cfg.dtype)
     sizes = [cfg.batch_size * cfg.seq_len // rt.sp * args.dim * dtype.itemsize]
     if cfg.keep_attention:
         sizes += byte_counts.kept_attention_bytes(args, cfg.batch_size * cfg.seq_len, rt.sp,
@@ -134,7 +133,7 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
     """Build the model for `cfg` and time `steps` optimizer steps: the median of those after
     the first counts."""
     rt = train.setup_runtime(cfg)
-    vocab = llama.get_model_args(cfg.model).vocab_size
+    vocab = get_model_args(cfg.model).vocab_size
     # Ring and sequence parallelism: one sequence shared by all ranks; none: one per rank.
     seed = rt.rank if method == "none" else 0
     tokens = torch.randint(0, vocab, (1, cfg.seq_len + 1),
@@ -178,7 +177,7 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
 # FLOPs, and the kernels' standalone rates.
 # ---------------------------------------------------------------------------------------------
 
-def step_flops(args: llama.ModelArgs, seq_len: int, sequences: int,
+def step_flops(args: ModelArgs, seq_len: int, sequences: int,
                keep_attention: bool = False) -> dict:
     """FLOPs of one step of `sequences` sequences of `seq_len` tokens (see the docstring);
     keep_attention: the recompute runs no attention forward."""
@@ -352,7 +351,7 @@ def main():
                        "python -m bench.throughput --device cpu --model tiny --seq-lens 1K "
                        "--methods none ulysses untied")
     started = time.perf_counter()
-    args = llama.get_model_args(opts.model)
+    args = get_model_args(opts.model)
     base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
                         offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
                         dtype="bfloat16" if opts.device == "cuda" else "float32")

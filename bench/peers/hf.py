@@ -16,7 +16,7 @@ import time
 
 import torch
 
-import model as llama
+from model import get_model_args
 from bench.peers.common import BETAS, GRAD_CLIP, WEIGHT_DECAY, Spec, step_inputs
 from support import pretrained
 
@@ -25,7 +25,7 @@ def llama_config(model: str, dtype: torch.dtype):
     """transformers' LlamaConfig of our preset `model`."""
     from transformers import LlamaConfig
 
-    return LlamaConfig.from_dict(pretrained.hf_config(llama.get_model_args(model), dtype))
+    return LlamaConfig.from_dict(pretrained.hf_config(get_model_args(model), dtype))
 
 
 def enable_checkpointing(model) -> None:

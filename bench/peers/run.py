@@ -377,7 +377,7 @@ def export_main(opts) -> None:
     """The check's shared weights: our model (support/build.py, seeded), exported bf16 as a
     Hugging Face folder; its fp32 loss on the check's tokens (weights rounded to bf16, as every
     stack loads them) and a control model's (another seed)."""
-    import model as llama
+    from model import get_model_args, num_params
     from support import build, pretrained
 
     emit = rows_writer(opts.rows_file)
@@ -385,13 +385,13 @@ def export_main(opts) -> None:
     row = {"stack": "export", "seq_len": seq_len}
     try:
         device = torch.device(opts.device)
-        args = llama.get_model_args(opts.model)
+        args = get_model_args(opts.model)
         tokens = window(args.vocab_size, seq_len, opts.seed).to(device)
         positions = torch.arange(seq_len, device=device)[None]
         losses = []
         for seed in (opts.seed, opts.seed + 1):
             model = build.build_model(args, device, seed=seed,
-                                      exact_init=llama.num_params(args) < 2e8)
+                                      exact_init=num_params(args) < 2e8)
             if seed == opts.seed:
                 pretrained.export_hf(model, args, opts.init_from, overwrite=True,
                                      dtype=torch.bfloat16)
