@@ -202,6 +202,8 @@ def data_sequence_mesh(device_type: str, sp: int):
     return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
 
 
+# ---- below: checks, demo -------------------------------------------------------------------------
+
 # The checks, before any work.
 
 def check_ulysses_shapes(n_heads: int, n_kv_heads: int, sp: int, seq_len: int | None = None):
@@ -235,8 +237,6 @@ def check_data_sequence_layout(world: int, sp: int) -> None:
     if sp < 1 or world % sp:
         raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
 
-
-# ---- below: the demo -----------------------------------------------------------------------------
 
 def main():
     from model import rope_cos_sin

@@ -37,7 +37,7 @@ gradients are wrong at some head sizes - head_dim 8 in flash-attn-4 4.0.0b36, do
 so it is never trusted unchecked). Otherwise a loop runs the dense causal
 kernel once per document: exact, slower for many short documents (one launch each). Either way
 the log-sum-exp is only handed back to the backward of the same path. `use_varlen(False)` forces
-the loop (bench.packed compares the two).
+the loop (tests/test_packed.py runs both).
 """
 
 import contextlib
