@@ -283,10 +283,11 @@ def test_the_summary_closes_the_run_and_no_bar_reaches_a_pipe(tmp_path):
 
 def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
     """With 03's checkpointing (whose recompute must not count twice) and 2 micro-batches."""
-    counted = {}
+    counted, closed = {}, []
 
     class CountedBar(progress.tqdm):
         def close(self):  # tqdm may close a bar twice
+            closed.append(self)  # held: a later bar cannot reuse its id
             counted[id(self)] = (self.n, self.total)
             super().close()
 
