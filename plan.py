@@ -212,28 +212,27 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # are held through its forward and backward.
     held_grads = grads if cfg.grad_accum > 1 else 0
     other_block_grads = max(other_block_grads, held_grads)
+    # Offloaded, a middle layer's backward holds two checkpoints (its own and the one below,
+    # coming back ahead of time) and the gradients of the layers above it: most at layer 1,
+    # where only two layers' gradients are still to come. It outweighs the last layer (the
+    # same two checkpoints, no gradients yet) always, and layer 0 once a block input is
+    # larger than one layer's gradients.
+    layer_1 = {}
+    if cfg.checkpoint and cfg.offload and n_layers > 2:
+        layer_1_grads = max((n_layers - 2) * grads * block_params // n_params, held_grads)
+        layer_1["backward of layer 1"] = backward_of(last_layer_kept,
+                                                     params + adam + layer_1_grads)
     moments = {
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
         "backward of the last layer": backward_of(last_layer_kept, params + adam + held_grads),
-        "backward of layer 1": None,  # with offloaded checkpoints (below)
+        **layer_1,
         "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
         "optimizer step": {"model_state": params + grads + state["optimizer"],
                            "optimizer": optimizer_temporaries},
     }
-    # Offloaded, a middle layer's backward holds two checkpoints (its own and the one below,
-    # coming back ahead of time) and the gradients of the layers above it: most at layer 1,
-    # where only two layers' gradients are still to come. It outweighs the last layer (the
-    # same two checkpoints, no gradients yet) always, and layer 0 once a block input is
-    # larger than one layer's gradients.
-    if cfg.checkpoint and cfg.offload and n_layers > 2:
-        layer_1_grads = max((n_layers - 2) * grads * block_params // n_params, held_grads)
-        moments["backward of layer 1"] = backward_of(last_layer_kept,
-                                                     params + adam + layer_1_grads)
-    else:
-        del moments["backward of layer 1"]
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()), "block_moment": block_moment,
