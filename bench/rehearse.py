@@ -76,6 +76,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -184,14 +185,18 @@ def windowed_attention(window: int):
     patched = [(fa4, "flash_attn_func", forward), (interface, "_flash_attn_bwd", backward)]
     if getattr(interface, "flash_attn_func", None) is full_forward:
         patched.append((interface, "flash_attn_func", forward))
-    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
-    for module, name, wrapper in patched:
-        setattr(module, name, wrapper)
-    try:
+    with replaced(patched):
         yield
-    finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def replaced(attributes):
+    """Within: each (module, name, replacement) in place; the originals back on the way out
+    (unittest.mock's patch.object, one per attribute)."""
+    with contextlib.ExitStack() as stack:
+        for module, name, replacement in attributes:
+            stack.enter_context(mock.patch.object(module, name, replacement))
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,21 +380,16 @@ class Traffic:
     def counting(self):
         from torch.distributed import distributed_c10d
 
-        saved = []
+        patched = []
         for name in [*COLLECTIVES, "batch_isend_irecv"]:
             original = getattr(dist, name, None)
             if original is None:  # not in this torch
                 continue
             wrapper = self._wrap(name, original)
-            for module in (dist, distributed_c10d):
-                if getattr(module, name, None) is original:
-                    saved.append((module, name, original))
-                    setattr(module, name, wrapper)
-        try:
+            patched += [(module, name, wrapper) for module in (dist, distributed_c10d)
+                        if getattr(module, name, None) is original]
+        with replaced(patched):
             yield
-        finally:
-            for module, name, original in saved:
-                setattr(module, name, original)
 
 
 # ---------------------------------------------------------------------------------------------
