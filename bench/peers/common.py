@@ -61,7 +61,3 @@ def window(vocab_size: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + seq_len)
     return torch.randint(0, vocab_size, (1, seq_len + 1), generator=generator)
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()

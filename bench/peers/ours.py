@@ -9,13 +9,13 @@ one process), train.make_optimizer (AdamW, fp32 state; with +offload the host's 
 and train.train_step (forward, backward, clipping at 1.0, the optimizer step).
 """
 
-import gc
 import importlib
 import time
 
 import torch
 
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
+from bench.report import release
 from support.choices import choose_for_run
 from support.config import Config, techniques_text
 from support.host_memory import check_host_memory
@@ -50,9 +50,7 @@ class Stack:
         if decisions == self.built_for:
             return
         self.model = self.optimizer = None
-        gc.collect()
-        if self.rt.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(self.rt.device)
         started = time.perf_counter()
         self.model = train.build_model(cfg, self.rt)
         self.optimizer = train.make_optimizer(self.model, cfg)

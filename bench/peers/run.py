@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from bench.peers.common import parse_spec, synchronize, window
+from bench.peers.common import parse_spec, window
+from bench.report import release, synchronize
 from support.data import parse_tokens
 
 GiB = 2**30
@@ -401,8 +402,7 @@ def export_main(opts) -> None:
                 loss = model(tokens[:, :-1], positions, tokens[:, 1:]) / seq_len
             losses.append(float(loss))
             del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
         row.update(status="ok", loss_fp32=losses[0], control_loss=losses[1])
     except Exception as error:  # noqa: BLE001
         traceback.print_exc()
