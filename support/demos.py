@@ -159,10 +159,9 @@ def print_measured_and_planned(headers, rows) -> None:
     table = [[*headers, f"measured {unit_name}", f"planned {unit_name}"]]
     table += [[str(cell) for cell in row[:-2]] + [f"{n / unit:.2f}" for n in row[-2:]]
               for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    for line in table:
-        print("  " + line[0].ljust(widths[0])
-              + "".join(cell.rjust(width + 2) for cell, width in zip(line[1:], widths[1:])))
+    indented = [["  " + first, *rest] for first, *rest in table]
+    widths = [max(len(line[i]) for line in table) + 2 for i in range(len(table[0]))]
+    print_table(indented[0], indented[1:], widths)  # each column 2 wider: the same gaps
 
 
 # ---------------------------------------------------------------------------------------------
