@@ -54,7 +54,8 @@ def main():
     parser.add_argument("--snapshot-file", default=None,
                         help="also dump rank 0's raw snapshot here")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
-    parser.add_argument("--trace", default=None, help="with --profile: rank 0's Chrome trace file")
+    parser.add_argument("--trace", default=None,
+                        help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
     opts, train_argv = parser.parse_known_args()
     refuse_without_gpu("step.py")
     train_argv = [a for a in train_argv if a != "--"]
@@ -65,7 +66,7 @@ def main():
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
-    cfg.head_chunk = choices.choose_head_chunk(cfg, rt)  # as train.py does
+    cfg.head_chunk, cfg.keep_attention = choices.choose_for_run(cfg, rt)  # as train.py does
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
