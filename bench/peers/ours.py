@@ -61,7 +61,9 @@ class Stack:
         metrics = train.train_step(self.model, self.optimizer, tokens, self.rt, self.cfg,
                                    step=self.step_index)
         self.step_index += 1
-        return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+        # The row records train.py's per-length decisions with it (stack_info has the last).
+        return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                "keep_attention": self.cfg.keep_attention, "head_chunk": self.cfg.head_chunk}
 
     def about(self) -> dict:
         cfg = self.cfg
