@@ -23,13 +23,15 @@ def test_specs_parse_and_refuse():
 def test_rows_and_ratios_on_cpu(tmp_path):
     out = tmp_path / "peers.json"
     run.main(["--stacks", "ours:4", "hf", "--model", "tiny", "--seq-lens", "256", "--steps", "2",
-              "--device", "cpu", "--out", str(out)])
+              "--device", "cpu", "--profile", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = {(r["stack"], r["seq_len"]): r for r in result["rows"]}
     for stack in ("ours:4", "hf"):
         row = rows[(stack, 256)]
         assert row["status"] == "ok", row
         assert row["tokens_per_s"] > 0 and len(row["step_times_s"]) == 2
+        # --profile: one more step profiled, its ops' own times in the row
+        assert row["profile"]["profile_top_ops"][0]["own_ms"] > 0
         assert 5.0 < row["losses"][0] < 6.0  # ln(256) = 5.55 from a random init
     assert result["stack_info"]["ours:4"]["stack"] == "train.py --stack 4"
     assert [(r["ours"], r["peer"]) for r in result["ratios"]] == [("ours:4", "hf")]

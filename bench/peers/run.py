@@ -11,11 +11,12 @@ with --steps 1 its own time), peak GiB = the largest torch.cuda.max_memory_alloc
 row's steps (reset before each), or OOM / error with the first line of the message. Each stack's
 process runs the lengths in the order given (the model built once where the stack allows) and
 stops at its first failure: the longer lengths are marked skipped. The JSON (--out) is written
-again after every row. --budget-s: a stack may use what is left of it when it starts, less
---reserve-s for each stack after it (the stacks go in the order given: put first what matters
-most); a row whose estimated time (the last row's step time, scaled by (S / S_last)^1.6, x
---steps) does not fit the stack's share is skipped, and a process still running at the end of
-its share is stopped.
+again after every row; --profile adds to each row a profile of one more step (device time per
+kind of kernel, the GPU's idle time). --budget-s: a stack may use what is left of it when it
+starts, less --reserve-s for each stack after it (the stacks go in the order given: put first
+what matters most); a row whose estimated time (the last row's step time, scaled by
+(S / S_last)^1.6, x --steps) does not fit the stack's share is skipped, and a process still
+running at the end of its share is stopped.
 
 --check-loss LEN: one process writes a Hugging Face folder of our model (support/build.py's
 random init, support/pretrained.export_hf, bf16) and computes its loss on the check's tokens in
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import parse_spec, window
-from bench.report import release, synchronize
+from bench.report import profile, release, synchronize
 from support.data import parse_tokens
 
 GiB = 2**30
@@ -102,6 +103,9 @@ def parse_args(argv=None):
                         help="instead of timing: the stacks' first losses from the same weights")
     parser.add_argument("--check-dir", default=None,
                         help="where --check-loss writes the shared weights (default: a temp dir)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step per row under torch.profiler: device time per kind "
+                             "of kernel and the GPU's idle time (bench.report.profile)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="the JSON file (default: $OUT/peers.json)")
     # The child's own arguments (run by the parent, one process per stack):
@@ -132,6 +136,7 @@ def child_argv(opts, spec: str, seq_lens, steps: int, rows_file: str, deadline_s
     argv = [sys.executable, "-m", "bench.peers.run", "--child", spec, "--model", opts.model,
             "--seq-lens", *map(str, seq_lens), "--steps", str(steps), "--seed", str(opts.seed),
             "--device", opts.device, "--rows-file", rows_file, "--deadline-s", str(deadline_s)]
+    argv += ["--profile"] if opts.profile else []
     lr = CHECK_LR if opts.check_loss else opts.lr
     if lr is not None:
         argv += ["--lr", str(lr)]
@@ -302,11 +307,18 @@ def measure(stack, spec, seq_len: int, opts, device) -> dict:
         return {"status": failure_status(error), "step_times_s": times,
                 "peak_gib": max(peaks) if peaks else None}
     step_time = statistics.median(times[1:] or times)
+    profiled = {}
+    if opts.profile:  # one more step, its time and memory not counted above
+        try:
+            profiled = {"profile": profile(lambda: stack.step(tokens), top=15)}
+        except Exception as error:  # noqa: BLE001 - the measured steps stand without it
+            profiled = {"profile": {"status": failure_status(error)}}
     return {"status": "ok", "tokens_per_s": round(seq_len / step_time, 1),
             "step_time_s": round(step_time, 3), "step_times_s": [round(t, 3) for t in times],
             "peak_gib": round(max(peaks), 3) if peaks else None,
             "losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-            **{k: v for k, v in metrics[-1].items() if k not in ("loss", "grad_norm")}}
+            **{k: v for k, v in metrics[-1].items() if k not in ("loss", "grad_norm")},
+            **profiled}
 
 
 def failure_status(error: BaseException) -> str:
