@@ -63,7 +63,6 @@ PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
     "block": ("one block's recompute + temporaries", None),
     "loss": ("loss temporaries", None),
     "fsdp": ("FSDP gathered params / unsharded grads", None),
-    "optimizer": ("optimizer step temporaries", None),
 }
 GPUS_PER_NODE = 8  # host memory (--host-mem) is per node, shared by its GPUs
 
@@ -127,23 +126,20 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     n_layers = args.n_layers
     n_params = model.num_params(args)
     block_params = (n_params - model.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
-    largest = max(args.vocab_size, args.ffn_dim, args.n_heads * args.head_dim) * args.dim
     if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
         state = byte_counts.model_state_bytes(args, world_size)
         buffers = byte_counts.fsdp_buffer_bytes(args, b)
-        optimizer_temporaries = 2 * 4 * -(-largest // world_size)
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
         state = {"parameters": b * n_params, "gradients": b * n_params,
                  "optimizer": 2 * b * n_params}
         buffers = dict.fromkeys(("after_forward", "during_backward", "end_of_backward"), 0)
-        optimizer_temporaries = 2 * b * largest
-    # AdamW (foreach=False) updates one parameter at a time with two temporaries of its size.
+    # The fused AdamW (train.make_optimizer) updates in place: its step allocates nothing.
     host_state = 0
     if cfg.offload_model_state:  # 01: the same shards in host memory; AdamW steps there (fused)
         host_state = sum(byte_counts.offloaded_model_state_bytes(args, world_size).values())
         transfers = byte_counts.offload_transfer_bytes(args, world_size)
         buffers = {moment: n + transfers[moment] for moment, n in buffers.items()}
-        state, optimizer_temporaries = dict.fromkeys(state, 0), 0
+        state = dict.fromkeys(state, 0)
 
     # 02's or 05's count (with a ring: over a ring rank's S/R tokens, the ring's buffers in
     # place of one kernel's workspace)
@@ -230,8 +226,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
-        "optimizer step": {"model_state": params + grads + state["optimizer"],
-                           "optimizer": optimizer_temporaries},
+        "optimizer step": {"model_state": params + grads + state["optimizer"]},
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     return {"moments": moments, "peak_moment": peak_moment,
@@ -500,7 +495,7 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
     label_column = 0 if cfg.checkpoint else 1
     other = {PLAN_COMPONENTS[c][label_column] or PLAN_COMPONENTS[c][0]: peak.get(c, 0)
-             for c in PLAN_COMPONENTS if c in peak or c != "optimizer"}
+             for c in PLAN_COMPONENTS}
     lines = [
         f"{model_name(cfg)} ({model.num_params(args) / 1e9:.2f}B parameters): "
         f"{plan_tokens_text(cfg.seq_len)} tokens x batch {cfg.batch_size}, {cfg.dtype}; {gpus} "

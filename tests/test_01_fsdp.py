@@ -141,8 +141,7 @@ def _offload_steps_equal_resident(steps):
                                         pytest.param(4, marks=pytest.mark.slow)])
 def test_offloaded_model_state_trains_like_the_resident_one(world_size):
     """--stack 5 with and without --offload-model-state, fp32: the same loss, every gradient,
-    and the parameters and Adam moments after three steps (fused CPU AdamW against
-    foreach=False)."""
+    and the parameters and Adam moments after three steps."""
     run_ranks(world_size, _offload_steps_equal_resident, 3)
 
 

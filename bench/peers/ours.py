@@ -5,7 +5,7 @@
 keep-attention and Untied Ulysses' head chunk decided per length as train.py decides them
 (choose_keep_attention, choose_head_chunk: the planner, on a GPU), the model built by
 train.build_model (fp32 master weights, bf16 compute through FSDP2's mixed precision; a group of
-one process), train.make_optimizer (AdamW, fp32 state; with +offload the host's fused AdamW),
+one process), train.make_optimizer (fused AdamW, fp32 state; with +offload on the host),
 and train.train_step (forward, backward, clipping at 1.0, the optimizer step).
 """
 
@@ -76,7 +76,7 @@ class Stack:
             "attention": train.attention_kernel(cfg, self.rt, self.args),
             "weights": "fp32 master, bf16 compute (FSDP2 mixed precision)"
                        if cfg.dtype == "bfloat16" else cfg.dtype,
-            "optimizer": ("torch AdamW fused on the host, fp32 state" if cfg.offload_model_state
-                          else "torch AdamW (foreach=False), fp32 state on the GPU"),
+            "optimizer": "torch AdamW fused, fp32 state on the "
+                         + ("host" if cfg.offload_model_state else "GPU"),
             "lr": cfg.lr, "build_s": self.build_s,
         }
