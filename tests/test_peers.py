@@ -62,3 +62,15 @@ def test_alst_on_cpu(tmp_path):
               "--device", "cpu", "--out", str(out)])
     row = json.loads(out.read_text())["rows"][0]
     assert row["status"] == "ok", row
+
+
+def test_a_row_cut_short_keeps_its_completed_steps(tmp_path):
+    """The child writes each step as it ends; a row the deadline stopped keeps those steps."""
+    rows_file = tmp_path / "rows.jsonl"
+    emit = run.rows_writer(str(rows_file))
+    emit({"step": {"seq_len": 256, "time_s": 1.5, "peak_gib": 2.0, "loss": 5.5}})
+    emit({"row": {"stack": "hf", "seq_len": 256, "status": "ok"}})
+    emit({"step": {"seq_len": 512, "time_s": 3.0, "peak_gib": 4.0, "loss": 5.4}})
+    assert run.completed_steps(str(rows_file), 512) == [
+        {"time_s": 3.0, "peak_gib": 4.0, "loss": 5.4}]
+    assert run.completed_steps(str(rows_file), 1024) == []

@@ -185,7 +185,9 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
     reported = {row["seq_len"] for row in rows}
     why = ("stopped at the end of its budget share" if stopped.is_set()
            else f"process ended (exit code {process.returncode}): {last_error(tail)}")
-    missing = [{"stack": spec, "seq_len": s, "status": f"not run: {why}"}
+    # A row cut short keeps the steps it completed (each written by the child as it ended).
+    missing = [{"stack": spec, "seq_len": s, "status": f"not run: {why}",
+                "completed_steps": completed_steps(rows_file, s)}
                for s in seq_lens if s not in reported]
     result["rows"] += missing
     write(opts.out, result)
@@ -209,6 +211,16 @@ def read_rows(rows_file: str, rows: list, info: dict, result: dict, out: str, sp
         result["rows"] += [line["row"] for line in new]
         write(out, result)
     return rows + [line["row"] for line in new], info
+
+
+def completed_steps(rows_file: str, seq_len: int) -> list:
+    """The steps the child finished at this length: [{"time_s", "peak_gib", "loss"}, ...]."""
+    if not os.path.exists(rows_file):
+        return []
+    with open(rows_file) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [line["step"] for line in lines
+            if "step" in line and line["step"].pop("seq_len") == seq_len]
 
 
 def last_error(tail: list) -> str:
@@ -274,7 +286,7 @@ def run_stack(opts) -> None:
         elif estimate is not None and estimate > left:
             row.update(status=f"skipped: budget (estimated {estimate:.0f} s, {left:.0f} s left)")
         else:
-            row.update(measure(stack, spec, seq_len, opts, device))
+            row.update(measure(stack, seq_len, opts, device, emit))
             if row["status"] == "ok":
                 last = (seq_len, row["step_time_s"])
             else:
@@ -284,8 +296,8 @@ def run_stack(opts) -> None:
         print(f"{spec.text} {seq_len}: {summary(row)}", flush=True)
 
 
-def measure(stack, spec, seq_len: int, opts, device) -> dict:
-    """One row: --steps steps on the length's tokens."""
+def measure(stack, seq_len: int, opts, device, emit) -> dict:
+    """One row: --steps steps on the length's tokens (each step also emitted as it ends)."""
     tokens = window(stack.vocab_size, seq_len, opts.seed)
     times, peaks, metrics = [], [], []
     try:
@@ -302,6 +314,9 @@ def measure(stack, spec, seq_len: int, opts, device) -> dict:
                 peaks.append(torch.cuda.max_memory_allocated() / GiB)
             print(f"  step {len(times) - 1}: {times[-1]:.2f} s, loss {metrics[-1]['loss']:.4f}"
                   + (f", peak {peaks[-1]:.1f} GiB" if peaks else ""), flush=True)
+            emit({"step": {"seq_len": seq_len, "time_s": round(times[-1], 3),
+                           "peak_gib": round(peaks[-1], 3) if peaks else None,
+                           "loss": metrics[-1]["loss"]}})
     except Exception as error:  # noqa: BLE001 - OOM and the rest, recorded as the status
         traceback.print_exc()
         return {"status": failure_status(error), "step_times_s": times,
