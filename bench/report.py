@@ -208,7 +208,11 @@ KERNEL_CLASSES = [  # (class, substrings of a kernel's name), the first match wi
                             "fmha_reduce")),
     ("matmul", ("nvjet", "gemm", "cutlass", "splitkreduce")),
     ("communication (nccl)", ("nccl",)),
-    ("copies", ("copy", "memcpy", "catarray", "chunk_cat")),
+    ("host copies (03's offload, on its side stream)", ("memcpy htod", "memcpy dtoh")),
+    ("copies and casts on the GPU", ("copy", "memcpy", "catarray", "chunk_cat")),
+    # fp32 += bf16: the tiles' fp32 weight-gradient sums (04), FSDP's gradients into fp32
+    ("mixed-dtype elementwise", ("loadwithcast",)),
+    ("softmax (the loss)", ("softmax",)),
 ]
 
 

@@ -340,3 +340,32 @@ def test_ulysses_diagram_draws_02s_own_exchange(tmp_path, capsys):
     assert out.stat().st_size > 0 and "rank 1: tokens 0-7 x heads 4-7" in capsys.readouterr().out
     with pytest.raises(ValueError, match="must both divide by --ranks"):
         ulysses_diagram.main(["--ranks", "3", "--out", str(tmp_path / "no.png")])
+
+
+def test_kernel_classes_sort_a_traces_kernels():
+    """Kernel names as an H200 trace of a 128K step has them, each in the class that the
+    results' breakdown reads (docs/results.md, against the kernels' bound)."""
+    from bench.report import kernel_classes
+
+    names = {
+        "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_0":
+            "attention forward",
+        "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_0":
+            "attention backward",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "matmul",
+        "Memcpy HtoD (Pinned -> Device)": "host copies (03's offload, on its side stream)",
+        "Memcpy DtoD (Device -> Device)": "copies and casts on the GPU",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda("
+        "at::TensorIteratorBase&), at::native::memory::LoadWithCast<1> >":
+            "copies and casts on the GPU",
+        "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, "
+        "at::native::memory::LoadWithCast<2>, at::native::memory::StoreWithCast<1> >":
+            "mixed-dtype elementwise",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>":
+            "softmax (the loss)",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>":
+            "other (elementwise, reductions)",
+    }
+    for name, kind in names.items():
+        classes = kernel_classes([(name, 1000.0)])
+        assert classes[kind] == {"ms": 1.0, "calls": 1}, (name, kind, classes)
