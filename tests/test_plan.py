@@ -284,9 +284,21 @@ def test_a_block_saves_what_the_norm_and_mlp_counts_say():
         assert sum(saved.values()) == counted, (tile_norm, sum(saved.values()), counted)
 
 
+def allocated_bytes(fn) -> int:
+    """Bytes of CPU memory the ops inside fn allocate, freed or not (torch.profiler's memory
+    events): what a step needs beyond the tensors it updates in place."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+
+
 def _model_state_bytes_match_fsdp(preset):
     """FSDP over these ranks, built as train.py builds it, after one optimizer step: this
-    rank's shards of parameters, gradients and AdamW's moments are model_state_bytes."""
+    rank's shards of parameters, gradients and AdamW's moments are model_state_bytes. A later
+    step of the fused AdamW allocates nothing of a parameter's size (the plan's optimizer step
+    counts no temporaries)."""
     cfg = train.Config(model=preset, fsdp=True, seq_len=32, steps=1)
     rt = train.setup_runtime(cfg)
     model = train.build_model(cfg, rt)
@@ -302,6 +314,10 @@ def _model_state_bytes_match_fsdp(preset):
     assert _local_bytes(model.parameters()) == planned["parameters"]
     assert grads == planned["gradients"]
     assert moments == planned["optimizer"]
+    train.forward_backward(model, tokens, rt)
+    created = allocated_bytes(optimizer.step)
+    smallest = min(_local_bytes([p]) for p in model.parameters())
+    assert created < smallest, (created, smallest)  # a few scalars at most
 
 
 def _training_and_plan_refuse_alike():
