@@ -16,7 +16,6 @@ which is the order torchtitan uses (checkpoint inside, FSDP outside).
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -33,7 +32,7 @@ from support.config import Config, model_args, resolve_techniques  # noqa: F401 
 from support.data import Documents, TokenData
 from support.errors import (StepOutOfMemory, exit_on_error, out_of_memory_names,
                             quiet_unless_first_rank)
-from support.host_memory import check_host_memory
+from support.host_memory import check_host_memory, use_this_ranks_cores
 from support.lessons import checkpointing, ring_sp, tiling, ulysses_sp, untied_sp
 from support.progress import attention_kernel  # noqa: F401 (tests, bench/)
 from support.runtime import Runtime, setup_runtime
@@ -109,17 +108,9 @@ def make_optimizer(model, cfg: Config):
     """AdamW, fused: one pass over each parameter and its state, no temporaries, wherever the
     state lives (the GPU; the host with --offload-model-state, 01)."""
     if cfg.offload_model_state:
-        use_this_ranks_cores()
+        use_this_ranks_cores()  # the host steps it
     return torch.optim.AdamW(model.parameters(), fused=True, lr=learning_rate(cfg, 0),
                              weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-
-def use_this_ranks_cores() -> None:
-    """torchrun sets OMP_NUM_THREADS=1 per process; the host's AdamW takes this rank's share of
-    the cores instead."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks_here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(cores // int(ranks_here), 1, torch.get_num_threads()))
 
 
 # One step.

@@ -63,6 +63,14 @@ def ranks_on_this_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def use_this_ranks_cores() -> None:
+    """For AdamW on the host (--offload-model-state): torchrun sets OMP_NUM_THREADS=1 per
+    process; this rank takes its share of the host's cores instead."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks_here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(cores // int(ranks_here), 1, torch.get_num_threads()))
+
+
 def available_host_memory() -> int | None:
     """Bytes the host can still hand out: Linux's MemAvailable, or less where a container's
     memory limit (cgroup v2) leaves less; None where unknown."""
