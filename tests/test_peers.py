@@ -71,6 +71,6 @@ def test_a_row_cut_short_keeps_its_completed_steps(tmp_path):
     emit({"step": {"seq_len": 256, "time_s": 1.5, "peak_gib": 2.0, "loss": 5.5}})
     emit({"row": {"stack": "hf", "seq_len": 256, "status": "ok"}})
     emit({"step": {"seq_len": 512, "time_s": 3.0, "peak_gib": 4.0, "loss": 5.4}})
-    assert run.completed_steps(str(rows_file), 512) == [
-        {"time_s": 3.0, "peak_gib": 4.0, "loss": 5.4}]
-    assert run.completed_steps(str(rows_file), 1024) == []
+    steps = run.completed_steps(str(rows_file))
+    assert steps[512] == [{"time_s": 3.0, "peak_gib": 4.0, "loss": 5.4}]
+    assert steps[256] == [{"time_s": 1.5, "peak_gib": 2.0, "loss": 5.5}] and 1024 not in steps

@@ -186,8 +186,9 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
     why = ("stopped at the end of its budget share" if stopped.is_set()
            else f"process ended (exit code {process.returncode}): {last_error(tail)}")
     # A row cut short keeps the steps it completed (each written by the child as it ended).
+    steps = completed_steps(rows_file)
     missing = [{"stack": spec, "seq_len": s, "status": f"not run: {why}",
-                "completed_steps": completed_steps(rows_file, s)}
+                "completed_steps": steps.get(s, [])}
                for s in seq_lens if s not in reported]
     result["rows"] += missing
     write(opts.out, result)
@@ -213,14 +214,16 @@ def read_rows(rows_file: str, rows: list, info: dict, result: dict, out: str, sp
     return rows + [line["row"] for line in new], info
 
 
-def completed_steps(rows_file: str, seq_len: int) -> list:
-    """The steps the child finished at this length: [{"time_s", "peak_gib", "loss"}, ...]."""
-    if not os.path.exists(rows_file):
-        return []
-    with open(rows_file) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    return [line["step"] for line in lines
-            if "step" in line and line["step"].pop("seq_len") == seq_len]
+def completed_steps(rows_file: str) -> dict:
+    """The steps the child finished, by length: {seq_len: [{"time_s", "peak_gib", "loss"}]}."""
+    steps = {}
+    if os.path.exists(rows_file):
+        with open(rows_file) as f:
+            for line in (json.loads(text) for text in f if text.strip()):
+                if "step" in line:
+                    step = dict(line["step"])
+                    steps.setdefault(step.pop("seq_len"), []).append(step)
+    return steps
 
 
 def last_error(tail: list) -> str:
