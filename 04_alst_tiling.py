@@ -18,9 +18,9 @@ output in the block's recompute (nothing there reads it), so the MLP still runs 
 
 `TiledMLP` below is the idea in its plainest form; `SequenceTiledRecompute` is the same loop
 made general (labels cut with the tokens, per-tile sums for the loss, the recompute skip), and
-serves the MLP, the RMSNorms (`--tile-norm`: they compute in fp32) and the loss. Every rank cuts
-the same number of tiles (sizes follow shapes only): where tiles call collectives, a rank with
-fewer tiles deadlocks the others.
+serves the MLP, the RMSNorms (`--tile-norm`: where they run op by op, in fp32) and the loss.
+Every rank cuts the same number of tiles (sizes follow shapes only): where tiles call
+collectives, a rank with fewer tiles deadlocks the others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -187,11 +187,13 @@ def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> t
 # --- Seam 4: the blocks' RMSNorms, per token as well ------------------------------------------
 
 def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
-    """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32: untiled,
-    it keeps an fp32 copy of the whole local sequence for backward and its backward holds six
-    (24 x dim bytes per token: 36 GiB for Llama-3-8B at 393,216 tokens per GPU, the largest
-    buffer left once the MLP and the loss are tiled). Tiled, they exist for one tile at a time;
-    what stays is the input, which the residual stream holds anyway."""
+    """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32: run op by
+    op (F.rms_norm off CUDA), untiled, it keeps an fp32 copy of the whole local sequence for
+    backward and its backward holds six (24 x dim bytes per token: 36 GiB for Llama-3-8B at
+    393,216 tokens per GPU, the largest buffer left once the MLP and the loss are tiled). Tiled,
+    they exist for one tile at a time; what stays is the input, which the residual stream holds
+    anyway. On CUDA F.rms_norm is one fused kernel whose fp32 values never leave it: it keeps
+    what the tiled norm keeps, and tiling it only adds a recompute."""
     tokens = x.reshape(-1, x.shape[-1])
     tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
     return tiled_over_tokens(partial(rms_norm, eps=norm.eps), tokens, (), (norm.weight,), tile,
@@ -314,8 +316,8 @@ def main():
     b = demo.dtype.itemsize
     planned = {"MLP untiled": mlp_temporary_bytes(args, n, False, mlp_tile, b),
                "MLP tiled": mlp_temporary_bytes(args, n, True, mlp_tile, b),
-               "loss untiled": loss_temporary_bytes(args, n, False, loss_tile, b),
-               "loss tiled": loss_temporary_bytes(args, n, True, loss_tile, b)}
+               "loss untiled": loss_temporary_bytes(args, n, False, loss_tile, b, demo.on_gpu),
+               "loss tiled": loss_temporary_bytes(args, n, True, loss_tile, b, demo.on_gpu)}
     if demo.rank == 0:
         mlp_tokens = mlp_tile_size(args.dim, n, mlp_tile)
         loss_tokens = loss_tile_size(args.vocab_size, n, loss_tile)

@@ -95,7 +95,7 @@ def planned_kernel(cfg: Config) -> str:
 
 
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
-                forward_only: bool = False) -> dict:
+                forward_only: bool = False, fused_norm: bool = True) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from support/byte_counts.py.
 
@@ -114,9 +114,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     "host" (host bytes per GPU), "host_parts" ({"checkpoints", "model state"}), "model_state"
     (on the GPU), "local_tokens", "sp", "dp", "head_chunk"}.
     forward_only=True: evaluation's forward instead (`plan_forward_memory`).
+    fused_norm=False: the RMSNorms op by op, as the GPU calibration rows so marked measured them
+    (byte_counts.block_recompute_bytes); F.rms_norm is one fused kernel on CUDA.
     """
     if forward_only:
-        return plan_forward_memory(cfg, world_size, args)
+        return plan_forward_memory(cfg, world_size, args, fused_norm)
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)  # 06: Ulysses P/R x ring R
     b = getattr(torch, cfg.dtype).itemsize
@@ -148,10 +150,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     mlp = partial(byte_counts.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
                   cfg.mlp_tile_tokens, b)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
-    norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b)
-             if cfg.tile_norm else byte_counts.block_recompute_bytes(args, local_tokens, b))
+    norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b,
+                                              fused_norm) if cfg.tile_norm
+             else byte_counts.block_recompute_bytes(args, local_tokens, b, fused_norm))
     loss = byte_counts.loss_temporary_bytes(args, local_tokens, cfg.tile_loss,
-                                            cfg.loss_tile_tokens, b)
+                                            cfg.loss_tile_tokens, b, fused_norm)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.
@@ -237,7 +240,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk, "ring": ring}
 
 
-def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
+def plan_forward_memory(cfg: Config, world_size: int, args=None,
+                        fused_norm: bool = True) -> dict:
     """Per-GPU bytes of one evaluation forward (eval.py: torch.no_grad, nothing kept for a
     backward), in plan_memory's form. Not yet calibrated on a GPU; counted as follows, with N
     local tokens, hidden = N x dim, Q = N x heads x D, K = N x max(KV heads, sp) x D values:
@@ -252,10 +256,12 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
         one process q, k, v and the output (2Q + 2K); Untied Ulysses its output buffer (Q), the
         stages' log-sum-exps, and at one stage its KV group's k, v and the stage's q, output and
         exchange buffers (2 kv_s + 4 q_s); the MLP silu(gate), up and their product (3 x N x
-        ffn), tiled: its output buffer and one tile's; an RMSNorm two fp32 copies (8 bytes x
-        hidden values), tiled: its output and one tile's; the loss seam (per-token scores) the
-        final norm's output, the logits in the compute dtype, in fp32 and their log-softmax,
-        tiled: one tile's (the scores themselves: 8 bytes per token). Rotary tables are left out.
+        ffn), tiled: its output buffer and one tile's; an RMSNorm nothing beyond its output (the
+        fused kernel; op by op, fused_norm=False, two fp32 copies: 8 bytes x hidden values),
+        tiled: its output and one tile's; the loss seam (per-token scores) the final norm's
+        output (op by op with its two fp32 copies), the logits in the compute dtype, in fp32 and
+        their log-softmax, tiled: one tile's (the scores themselves: 8 bytes per token). Rotary
+        tables are left out.
     """
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
@@ -294,11 +300,12 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None) -> dict:
                       + (tokens // ring) * heads * args.head_dim * 4)
     mlp_tile = min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n)
     mlp = (hidden + 3 * mlp_tile * args.ffn_dim * b) if cfg.tile_mlp else 3 * n * args.ffn_dim * b
-    norm = (hidden + 8 * mlp_tile * args.dim) if cfg.tile_norm else 8 * n * args.dim
+    norm_temporary = 0 if fused_norm else 8 * args.dim  # bytes per token of an RMSNorm
+    norm = (hidden + norm_temporary * mlp_tile) if cfg.tile_norm else norm_temporary * n
     logit_bytes = b + (4 if b < 4 else 0) + 4  # lm_head's output, its fp32 copy, log-softmax
     loss_tokens = (min(tiling.loss_tile_size(args.vocab_size, n, cfg.loss_tile_tokens), n)
                    if cfg.tile_loss else n)
-    loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + 8 * args.dim)
+    loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + norm_temporary)
     state = {"model_state": params, "fsdp": gathered}
     moments = {
         "a block's attention": {**state, "saved": 2 * hidden, "attention": attention},

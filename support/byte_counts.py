@@ -160,28 +160,37 @@ def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
     return {"gpu": on_gpu, "host": on_host}
 
 
-def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2) -> dict:
+def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2,
+                          fused_norm: bool = True) -> dict:
     """What one block keeps for its backward besides attention (02/05) and the MLP (04), and
     the peak of one RMSNorm's backward: the part of "one block's recompute" that model.py's
     RMSNorm costs. Checkpointing rebuilds this for one block at a time; without it every block
     keeps its "saved" until backward reaches it. Per token:
 
-      saved: each of the two RMSNorms keeps an fp32 copy of its input (4 x dim), the
-        normalized copy in the compute dtype and 1/rms (4), and its output is kept by the
-        projections (or the MLP) that read it: 2 x (dim x (4 + 2 x bytes) + 4);
+      saved: each RMSNorm's output is kept by the projections (or the MLP) that read it; the
+        fused kernel (F.rms_norm on CUDA) keeps its input and 1/rms (4 bytes): the
+        post-attention norm's input is the residual stream h (post_norm_input, until that
+        norm's backward), the first norm's the block input (block_input: with checkpointing
+        it is the checkpoint itself, no extra bytes);
       first_norm: the first norm's share of it, kept until the block's input gradient is done;
-      norm_backward: an RMSNorm's backward peaks in the gradient of x^2, with its fp32 input
-        copy and five fp32 token-sized tensors alive (gradients and pow's temporaries):
-        24 x dim bytes, 12 times its bf16 input.
-    (Neither norm keeps its bf16 input: post_norm_input and block_input are 0 here; 04's tiled
-    norms do keep theirs.)
+      norm_backward: the fused backward's own temporaries: none of a token's size.
+    fused_norm=False, the norm op by op (F.rms_norm off CUDA; model.py before it called
+    F.rms_norm, when the GPU calibration rows so marked were measured): each norm keeps an
+    fp32 copy of its input, the normalized copy and 1/rms instead of its input,
+    2 x (dim x (4 + 2 x bytes) + 4); its backward peaks in the gradient of x^2, with the fp32
+    input copy and five fp32 token-sized tensors alive: 24 x dim bytes.
 
-    Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 24 GiB, norm backward 36 GiB.
+    Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 9 GiB (op by op 24 GiB), norm
+    backward 0 (op by op 36 GiB).
     """
-    dim = args.dim
+    dim, tokens = args.dim, local_tokens
+    if fused_norm:
+        hidden = bytes_per_value * dim * tokens
+        return {"saved": 3 * hidden + 2 * 4 * tokens, "first_norm": hidden + 4 * tokens,
+                "post_norm_input": hidden, "block_input": hidden, "norm_backward": 0}
     one_norm = dim * (4 + 2 * bytes_per_value) + 4
-    return {"saved": 2 * one_norm * local_tokens, "first_norm": one_norm * local_tokens,
-            "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * local_tokens}
+    return {"saved": 2 * one_norm * tokens, "first_norm": one_norm * tokens,
+            "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * tokens}
 
 
 def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) -> list[int]:
@@ -220,11 +229,12 @@ def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int |
 
 
 def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2) -> int:
+                         bytes_per_value: int = 2, fused_norm: bool = True) -> int:
     """Bytes the loss seam (final norm + lm_head + cross-entropy) holds at its peak, in backward.
 
-    Untiled: the final RMSNorm keeps an fp32 copy of its input, the normalized copy and its
-    output (lm_head's input), dim x (4 + 2 x bytes) per token; then the logits, tokens x vocab
+    Untiled: the final RMSNorm keeps its input, 1/rms and its output (lm_head's input),
+    2 x dim x bytes + 4 per token (op by op, fused_norm=False: an fp32 copy of its input, the
+    normalized copy and the output, dim x (4 + 2 x bytes)); then the logits, tokens x vocab
     in fp32: at the log-softmax's backward its output, the incoming gradient and the input
     gradient exist at once, 3 x 4 bytes per logit. Tiled: the input kept for backward and the
     input-gradient buffer (2 x tokens x dim), one tile's three fp32 logits-sized tensors, and
@@ -234,23 +244,26 @@ def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int 
     """
     vocab, dim, b = args.vocab_size, args.dim, bytes_per_value
     if not tiled:
-        return local_tokens * (3 * vocab * 4 + dim * (4 + 2 * b))
+        final_norm = 2 * dim * b + 4 if fused_norm else dim * (4 + 2 * b)
+        return local_tokens * (3 * vocab * 4 + final_norm)
     tile = min(tiling.loss_tile_size(vocab, local_tokens, tile_tokens), local_tokens)
     return 2 * local_tokens * dim * b + 3 * tile * vocab * 4 + vocab * dim * (4 + b)
 
 
 def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2) -> dict:
+                         bytes_per_value: int = 2, fused_norm: bool = True) -> dict:
     """The tiled counterpart of block_recompute_bytes (untiled RMSNorms), same keys. Per
     block: the two norms' outputs, kept by the projections and the MLP that read them, and the
     inputs the tiled norms keep (SequenceTiledRecompute saves its input): the post-attention
     norm's input, the residual stream h (post_norm_input, until that norm's backward), and the
     first norm's input, the block input (block_input: with checkpointing it is the checkpoint
-    itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors."""
+    itself, no extra bytes); the peak of one norm's backward: one tile's output and input
+    gradient (fused_norm=False, op by op: the tile's six fp32 tensors)."""
     tile = min(tiling.mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
     hidden = bytes_per_value * args.dim * local_tokens
+    tile_backward = 2 * bytes_per_value if fused_norm else 24
     return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
-            "block_input": hidden, "norm_backward": 24 * args.dim * tile}
+            "block_input": hidden, "norm_backward": tile_backward * args.dim * tile}
 
 
 # ---- 05_untied_ulysses.py: one headwise stage at a time -------------------------------------

@@ -315,8 +315,11 @@ def test_default_tiles_follow_shapes():
 def test_planner_bytes():
     llama8b = llama.get_model_args("llama3-8b")
     local = 3 * 2**20 // 8  # 3M tokens on 8 GPUs
-    # Untiled: three fp32 logits-sized tensors at the log-softmax backward, plus the final norm.
+    # Untiled: three fp32 logits-sized tensors at the log-softmax backward, plus the final norm:
+    # fused, its input, output and 1/rms; op by op an fp32 copy and a normalized copy of its input
     assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False)
+            == local * (128_256 * 12 + 4096 * 4 + 4))
+    assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False, fused_norm=False)
             == local * (128_256 * 12 + 4096 * 8))
     # Tiled: a tile's logits are at most 1 GiB; the input and its gradient stay sequence-wide.
     tiled_loss = byte_counts.loss_temporary_bytes(llama8b, local, tiled=True)
