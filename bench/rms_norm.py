@@ -38,6 +38,7 @@ def measure(norm, x0, weight, grad, eps: float, repeats: int) -> dict:
     for _ in range(3):  # warm up
         x, w, y = one()
         y.backward(grad)
+    del x, w, y  # before the base: their output and gradient would be freed inside the measure
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -46,6 +47,8 @@ def measure(norm, x0, weight, grad, eps: float, repeats: int) -> dict:
     y.backward(grad)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    result = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
+    del x, w, y
     start = time.perf_counter()
     for _ in range(repeats):
         xr, wr, yr = one()
@@ -58,8 +61,7 @@ def measure(norm, x0, weight, grad, eps: float, repeats: int) -> dict:
         torch.cuda.synchronize()
     kernels = sum(e.device_type.name == "CUDA" for e in prof.events())
     return {"ms_forward_backward": round(ms, 3), "kept_gib": round(kept / GiB, 3),
-            "peak_gib": round(peak / GiB, 3), "kernels": kernels,
-            "y": y.detach(), "dx": x.grad, "dw": w.grad}
+            "peak_gib": round(peak / GiB, 3), "kernels": kernels, **result}
 
 
 def main():
