@@ -187,13 +187,13 @@ def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> t
 # --- Seam 4: the blocks' RMSNorms, per token as well ------------------------------------------
 
 def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
-    """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32: run op by
-    op (F.rms_norm off CUDA), untiled, it keeps an fp32 copy of the whole local sequence for
-    backward and its backward holds six (24 x dim bytes per token: 36 GiB for Llama-3-8B at
-    393,216 tokens per GPU, the largest buffer left once the MLP and the loss are tiled). Tiled,
-    they exist for one tile at a time; what stays is the input, which the residual stream holds
-    anyway. On CUDA F.rms_norm is one fused kernel whose fp32 values never leave it: it keeps
-    what the tiled norm keeps, and tiling it only adds a recompute."""
+    """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32. Where it
+    runs op by op (F.rms_norm off CUDA) and untiled, it keeps an fp32 copy of the whole local
+    sequence for backward and its backward holds six (24 x dim bytes per token: 36 GiB for
+    Llama-3-8B at 393,216 tokens per GPU, the largest buffer left once the MLP and the loss are
+    tiled). Tiled, they exist for one tile at a time; what stays is the input, which the residual
+    stream holds anyway. On CUDA F.rms_norm is one fused kernel whose fp32 values never leave it:
+    it keeps what the tiled norm keeps, and tiling it only adds a recompute."""
     tokens = x.reshape(-1, x.shape[-1])
     tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
     return tiled_over_tokens(partial(rms_norm, eps=norm.eps), tokens, (), (norm.weight,), tile,

@@ -196,8 +196,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         host = 0
         layer = norms["saved"] + norms["block_input"] + mlp_saved
         forward_kept = {"saved": n_layers * layer, "attention": n_layers * attention_saved}
-        # In the running block's backward, what a tiled norm saved of its input is still there
-        # (with checkpointing that input is the checkpoint, counted above).
+        # In the running block's backward, what a tiled or fused norm saved of its input is
+        # still there (with checkpointing that input is the checkpoint, counted above).
         last_layer_kept = {"saved": (n_layers - 1) * layer + norms["block_input"],
                            "attention": (n_layers - 1) * attention_saved}
         first_layer_kept = {"saved": norms["block_input"], "attention": 0}
@@ -300,12 +300,12 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None,
                       + (tokens // ring) * heads * args.head_dim * 4)
     mlp_tile = min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n)
     mlp = (hidden + 3 * mlp_tile * args.ffn_dim * b) if cfg.tile_mlp else 3 * n * args.ffn_dim * b
-    norm_temporary = 0 if fused_norm else 8 * args.dim  # bytes per token of an RMSNorm
-    norm = (hidden + norm_temporary * mlp_tile) if cfg.tile_norm else norm_temporary * n
+    norm_bytes_per_token = 0 if fused_norm else 8 * args.dim  # op by op: two fp32 copies
+    norm = (hidden + norm_bytes_per_token * mlp_tile) if cfg.tile_norm else norm_bytes_per_token * n
     logit_bytes = b + (4 if b < 4 else 0) + 4  # lm_head's output, its fp32 copy, log-softmax
     loss_tokens = (min(tiling.loss_tile_size(args.vocab_size, n, cfg.loss_tile_tokens), n)
                    if cfg.tile_loss else n)
-    loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + norm_temporary)
+    loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + norm_bytes_per_token)
     state = {"model_state": params, "fsdp": gathered}
     moments = {
         "a block's attention": {**state, "saved": 2 * hidden, "attention": attention},
@@ -733,9 +733,8 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
         return "--checkpoint (03: keep only each block's input for backward)"
     if not cfg.offload:
         return "--offload (03: move those inputs to CPU memory)"
-    if not (cfg.tile_mlp and cfg.tile_loss and cfg.tile_norm):
-        return ("--tile-mlp --tile-loss --tile-norm (04: no sequence-wide MLP, logits or norm "
-                "buffers)")
+    if not (cfg.tile_mlp and cfg.tile_loss):  # not --tile-norm: the fused CUDA norm needs none
+        return "--tile-mlp --tile-loss (04: no sequence-wide MLP or logits buffers)"
     if not cfg.untied:
         return "--untied (05: one head chunk of Q/K/V resident at a time)"
     if cfg.head_chunk and cfg.head_chunk > sp:

@@ -173,12 +173,14 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2,
         norm's backward), the first norm's the block input (block_input: with checkpointing
         it is the checkpoint itself, no extra bytes);
       first_norm: the first norm's share of it, kept until the block's input gradient is done;
-      norm_backward: the fused backward's own temporaries: none of a token's size.
+      norm_backward: the fused backward's input gradient (its weight gradient's partial sums,
+        a few hundred rows of dim, are left out).
     fused_norm=False, the norm op by op (F.rms_norm off CUDA; model.py before it called
     F.rms_norm, when the GPU calibration rows so marked were measured): each norm keeps an
-    fp32 copy of its input, the normalized copy and 1/rms instead of its input,
-    2 x (dim x (4 + 2 x bytes) + 4); its backward peaks in the gradient of x^2, with the fp32
-    input copy and five fp32 token-sized tensors alive: 24 x dim bytes.
+    fp32 copy of its input, the normalized copy and 1/rms instead of its input (so
+    post_norm_input and block_input are 0), 2 x (dim x (4 + 2 x bytes) + 4); its backward peaks
+    in the gradient of x^2, with the fp32 input copy and five fp32 token-sized tensors alive:
+    24 x dim bytes.
 
     Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 9 GiB (op by op 24 GiB), norm
     backward 0 (op by op 36 GiB).
@@ -187,7 +189,7 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2,
     if fused_norm:
         hidden = bytes_per_value * dim * tokens
         return {"saved": 3 * hidden + 2 * 4 * tokens, "first_norm": hidden + 4 * tokens,
-                "post_norm_input": hidden, "block_input": hidden, "norm_backward": 0}
+                "post_norm_input": hidden, "block_input": hidden, "norm_backward": hidden}
     one_norm = dim * (4 + 2 * bytes_per_value) + 4
     return {"saved": 2 * one_norm * tokens, "first_norm": one_norm * tokens,
             "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * tokens}
@@ -261,9 +263,10 @@ def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None
     gradient (fused_norm=False, op by op: the tile's six fp32 tensors)."""
     tile = min(tiling.mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
     hidden = bytes_per_value * args.dim * local_tokens
-    tile_backward = 2 * bytes_per_value if fused_norm else 24
+    tile_backward_bytes_per_value = 2 * bytes_per_value if fused_norm else 24
     return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
-            "block_input": hidden, "norm_backward": tile_backward * args.dim * tile}
+            "block_input": hidden,
+            "norm_backward": tile_backward_bytes_per_value * args.dim * tile}
 
 
 # ---- 05_untied_ulysses.py: one headwise stage at a time -------------------------------------

@@ -246,8 +246,8 @@ class LargestFp32(TorchDispatchMode):
 
 
 def test_tiling_acts_norm_never_upcasts_the_whole_sequence():
-    """In bf16 the norm computes in fp32: untiled, fp32 copies of all tokens x dim exist (in
-    forward and backward); tiled, only one tile's."""
+    """In bf16 the norm computes in fp32, on a CPU op by op (F.rms_norm's composite): untiled,
+    fp32 copies of all tokens x dim exist (in forward and backward); tiled, only one tile's."""
     norm = llama.RMSNorm(ARGS.dim, ARGS.norm_eps).to(torch.bfloat16)
     x = torch.randn(BATCH, SEQ, ARGS.dim, dtype=torch.bfloat16)
     tokens_x_dim = BATCH * SEQ * ARGS.dim
