@@ -227,7 +227,7 @@ def main():
     started = time.perf_counter()
     parse = parse_tokens
     base = train.Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,
-                        offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
+                        offload=True, tile_mlp=True, tile_loss=True,
                         offload_model_state=opts.offload_model_state,
                         dtype="bfloat16" if opts.device == "cuda" else "float32")
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))

@@ -353,7 +353,7 @@ def main():
     started = time.perf_counter()
     args = get_model_args(opts.model)
     base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
-                        offload=True, tile_mlp=True, tile_loss=True, tile_norm=True,
+                        offload=True, tile_mlp=True, tile_loss=True,
                         dtype="bfloat16" if opts.device == "cuda" else "float32")
     rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     dtype = getattr(torch, base.dtype)
@@ -362,7 +362,7 @@ def main():
     parse = parse_tokens
     result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
-              "tile_mlp, tile_loss, tile_norm + the method", "ring_gqa": opts.ring_gqa,
+              "tile_mlp, tile_loss + the method", "ring_gqa": opts.ring_gqa,
               "peak_flops_per_gpu": H200_BF16_PEAK,
               "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
               "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
