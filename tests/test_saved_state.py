@@ -450,7 +450,11 @@ def check_clean_stop(code, output, save_dir):
     assert output.count("SIGTERM received: stopping after the current step") == 2, output
     assert "stopped by SIGTERM after step" in output and "--resume\n" in output, output
     assert "forcefully exiting" not in output and "ChildFailedError" not in output, output
-    assert code == 0 or output.rstrip().endswith("got signal: 15"), output
+    # torchrun's own end: its SignalException, after which its interpreter's teardown can abort
+    # ("terminate called without an active exception": seen once in CI, torch 2.14), both after
+    # the workers have exited 0 and saved, which the lines above and below check.
+    assert code == 0 or output.rstrip().endswith("got signal: 15") or (
+        "got signal: 15\nterminate called without an active exception" in output), output
     newest = saved_state.complete_saves(str(save_dir))[-1]
     return json.loads(Path(newest, "meta.json").read_text())["step"]
 
