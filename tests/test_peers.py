@@ -3,6 +3,12 @@ ALST only where DeepSpeed is importable (never in CI: it is no requirement of th
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +42,55 @@ def test_rows_and_ratios_on_cpu(tmp_path):
     assert result["stack_info"]["ours:4"]["stack"] == "train.py --stack 4"
     assert [(r["ours"], r["peer"]) for r in result["ratios"]] == [("ours:4", "hf")]
     assert result["longest_ok"] == {"ours:4": 256, "hf": 256}
+
+
+def processes_running(*args: str) -> list[int]:
+    """Pids of this machine's processes whose command line holds every one of args."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or it just ended
+            continue
+        if all(arg.encode() in argv for arg in args):
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_a_stopped_runner_takes_its_stack_process_with_it(tmp_path):
+    """`timeout` stops the runner with SIGTERM. Each stack's process runs in its own session, which
+    the signal does not reach: it must end with the runner, not keep the GPU and its pinned host
+    memory from the next run (seen on the GPU machine: a DeepSpeed process outlived a runner
+    stopped this way, and train.py's host check refused the next run). The runner is stopped
+    while its stack is inside a step that takes many seconds on a CPU (32K tokens) and prints
+    nothing: such a process ends at its next print (a closed pipe) at the earliest, so one
+    still there 3 s later outlived its runner."""
+    seed = str(900_000 + os.getpid() % 10_000)  # marks this test's stack process
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "bench.peers.run", "--stacks", "ours:4", "--model", "tiny",
+         "--seq-lens", "32K", "--steps", "2", "--device", "cpu", "--seed", seed,
+         "--budget-s", "600", "--out", str(tmp_path / "peers.json")],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in runner.stdout:  # ends early only if the runner does
+        output.append(line)
+        if "built in" in line:  # its first step begins
+            break
+    try:
+        assert processes_running("--child", "ours:4", seed), "".join(output[-20:])
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=60)
+        deadline = time.time() + 3
+        while processes_running("--child", "ours:4", seed) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not processes_running("--child", "ours:4", seed), "the stack outlived its runner"
+        assert runner.returncode == 128 + signal.SIGTERM
+    finally:  # a failed check leaves no process behind either
+        runner.kill()
+        for pid in processes_running("--child", "ours:4", seed):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_loss_check_same_weights_same_losses(tmp_path):

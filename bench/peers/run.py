@@ -30,6 +30,7 @@ weights looks like at this length: agreement well inside it means the same weigh
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -175,12 +176,19 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
     timer = threading.Timer(max(0.0, deadline - time.time()) + 5, stop_at_deadline)
     timer.start()
     tail, rows, info = [], [], {}
-    for line in process.stdout:
-        print(f"[{spec}] {line}", end="", flush=True)
-        tail = (tail + [line.strip()])[-30:]
-        rows, info = read_rows(rows_file, rows, info, result, opts.out, spec)
-    process.wait()
-    timer.cancel()
+    try:
+        for line in process.stdout:
+            print(f"[{spec}] {line}", end="", flush=True)
+            tail = (tail + [line.strip()])[-30:]
+            rows, info = read_rows(rows_file, rows, info, result, opts.out, spec)
+        process.wait()
+    finally:
+        timer.cancel()
+        if process.poll() is None:
+            # The runner itself is stopping (SIGTERM from a `timeout`, Ctrl-C). The child runs
+            # in its own session, so nothing else stops it: it would outlive the runner and
+            # keep the GPU and its pinned host memory from the next run.
+            os.killpg(process.pid, 9)
     rows, info = read_rows(rows_file, rows, info, result, opts.out, spec)
     reported = {row["seq_len"] for row in rows}
     why = ("stopped at the end of its budget share" if stopped.is_set()
@@ -490,5 +498,10 @@ def print_table(result: dict) -> None:
         print(f"    control distance (another seed): {check.get('control_distance')}")
 
 
+def exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_child's finally: the child goes too
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     main()
