@@ -8,9 +8,10 @@ The numbered files plug into its seams, attributes replaced from outside without
                                              (B, S, heads * D). 05_untied_ulysses.py replaces
                                              it: it projects Q/K/V one head chunk at a time.
   3. `MLP.forward(x)`                        04_alst_tiling.py runs it tile by tile.
-  4. `RMSNorm.forward(x)`                    04 (--tile-norm) tiles each block's norms: run op
-                                             by op, their fp32 copies span the whole sequence
-                                             (on CUDA, F.rms_norm is one fused kernel).
+  4. `RMSNorm.forward(x)`                    04 (--tile-norm) tiles each block's norms: where
+                                             they run op by op (off CUDA) their fp32 copies span
+                                             the sequence; on CUDA F.rms_norm is one fused
+                                             kernel and --stack leaves them untiled.
   5. `Transformer.loss_sum(h, labels)`       final norm + lm_head + cross-entropy summed over
                                              tokens; 04 tiles it so seq x vocab logits never exist.
      `Transformer.token_scores(h, labels)`  its per-token sibling (each token's loss and greedy

@@ -531,7 +531,7 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         if all(plan_fits(kept, world_size, gpu_mem, host_mem, gpus_per_node)):
             lines.append(f"--keep-attention fits too (GPU {kept['peak'] / GiB:.1f}, host "
                          f"{kept['host'] / GiB:.1f} per GPU): the recompute skips attention's "
-                         f"forward, ~1.2x faster steps at long lengths (README)")
+                         f"forward, ~1.2x faster steps at long lengths (docs/training.md)")
     if not (gpu_fits and host_fits):
         lines.append("to fit: "
                      + what_would_fit(asked, world_size, gpu_mem, host_mem, gpus_per_node))
@@ -569,7 +569,7 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
 def plan_levels(cfg: Config):
     """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
     and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
-    other flags (batch size, head chunk, --sp, tile sizes, dtype) kept."""
+    other flags (batch size, head chunk, --sp, tile sizes, --tile-norm, dtype) kept."""
     techniques = {flag: False for flag, _ in TECHNIQUES}
     base = replace(cfg, stack=None, sp=None, head_chunk=None, **techniques)
     rows = []
@@ -611,7 +611,9 @@ def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int
     answer share a row (on one GPU Ulysses has nothing to split). forward_only: the longest
     evaluation forward (eval.py), next to the longest training step."""
     node = gpus_sharing_a_node(world_size, gpus_per_node)
-    offloaded = " --offload-model-state" if cfg.offload_model_state else ""
+    # Flags of no level, kept in every row (plan_levels): named once, in the header.
+    every_row_flags = ((" --offload-model-state" if cfg.offload_model_state else "")
+                       + (" --tile-norm" if cfg.tile_norm else ""))
     what = "evaluation forward" if forward_only else "sequence"
     rows, model_state = {}, {}  # a row's answer -> the flags that give it; level -> its state
     n_heads, stack_4_length = model_args(cfg).n_heads, None
@@ -671,7 +673,7 @@ def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int
               f"{gpu_mem / GiB:.1f} GiB ({(gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable) with "
               f"{margin_text()}, host {host_mem / GiB:.1f} GiB per node of {gpus_text(node)}, "
               f"{cfg.dtype}, batch {cfg.batch_size}; lengths are multiples of sp x 1,024 tokens"
-              + (f"; every row{offloaded}" if offloaded else ""),
+              + (f"; every row{every_row_flags}" if every_row_flags else ""),
               f"{'flags':<{width}}{'sp':>3}  {'longest (tokens)':<22}{'peak GiB':>9}"
               + (f"  {'training (tokens)':<22}" if forward_only
                  else f"{'host GiB/GPU':>13}  {'limit':<6}") + " peak at"]

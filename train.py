@@ -6,8 +6,9 @@
 
 The recipe, top-down: the flags make a Config (support/config.py), the Config a runtime of
 data-parallel x sequence-parallel ranks (support/runtime.py), the runtime a model with the
-techniques applied, then steps in a loop. `--stack N` turns on everything up to file N (0 =
-plain training); each technique also has its own switch. They are applied to the model in this
+techniques applied, then steps in a loop. `--stack N` turns on the techniques of files 1..N
+(0 = plain training; at 5, 05 takes 02's place; 06's ring and 04's norm tiles have their own
+flags); each technique also has its own switch. They are applied to the model in this
 order, on the meta device, before any weight is allocated:
   attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
   -> tiling (04) -> checkpointing/offload (03) -> FSDP (01: each block, then the root)
@@ -286,7 +287,8 @@ FLAG_GROUPS = (config.add_model_flags, config.add_rotary_flags, config.add_step_
 def parse_args(argv=None) -> Config:
     parser = config.flags_parser(
         FLAG_GROUPS, description="Train a Llama on long sequences with 01..06.",
-        epilog="the memory a run needs, without a GPU: python plan.py --help")
+        epilog="the memory a run needs, without a GPU: python train.py --plan <these flags>, "
+               "or python plan.py --help")
     with quiet_unless_first_rank():  # argparse's own errors and --help: once under torchrun
         flags, unknown = parser.parse_known_args(argv)
         if unknown:  # the planner's --gpus, say

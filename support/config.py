@@ -119,14 +119,17 @@ def add_rotary_flags(parser):
 def add_step_flags(parser):
     group = parser.add_argument_group("the step's shape")
     group.add_argument("--seq-len", default=str(DEFAULTS.seq_len),
-                       help="tokens per sequence: 4096, 128K, 3M")
+                       help="tokens per sequence: 4096, 128K, 3M (default: %(default)s)")
     group.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
-                       help="sequences per data-parallel rank and micro-batch")
+                       help="sequences per data-parallel rank and micro-batch "
+                            "(default: %(default)s)")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                       help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+                       help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU; "
+                            "plan.py: bfloat16)")
     group.add_argument("--attn-kernel", choices=kernels.KERNELS, default=DEFAULTS.attn_kernel,
                        help="attention kernel (default: FlashAttention-4 when installed on the "
-                            "GPU, else cuDNN; the run log names it)")
+                            "GPU, else cuDNN; the run log names it; plan.py plans the kernel "
+                            "this machine would pick: name fa4 to plan a GPU machine's)")
 
 
 def add_accumulation_flags(parser):
@@ -139,8 +142,10 @@ def add_accumulation_flags(parser):
 
 def add_process_flags(parser):
     group = parser.add_argument_group("process")
-    group.add_argument("--device", choices=["cpu", "cuda"], default=Config().device)
-    group.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    group.add_argument("--device", choices=["cpu", "cuda"], default=Config().device,
+                       help="default: cuda when a GPU is visible, else cpu")
+    group.add_argument("--seed", type=int, default=DEFAULTS.seed,
+                       help="of the random init and of the data's draws (default: %(default)s)")
 
 
 def add_data_flags(parser):
@@ -165,7 +170,10 @@ def add_document_flags(parser):
 def add_technique_flags(parser):
     group = parser.add_argument_group("techniques (01-06)")
     group.add_argument("--stack", type=int, default=None,
-                       help="turn on every technique of files 1..N")
+                       help="0-5, each level adds to the one below: 1 --fsdp, 2 --ulysses, "
+                            "3 --checkpoint --offload, 4 --tile-mlp --tile-loss, 5 --untied in "
+                            "place of --ulysses; never --tile-norm, --offload-model-state or "
+                            "--ring (their own flags)")
     group.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
     group.add_argument("--offload-model-state", action="store_true",
                        help="01: keep the sharded parameters, gradients and optimizer in host "
@@ -178,7 +186,8 @@ def add_technique_flags(parser):
                             "(the heads need only divide P/R); default: 1, or the smallest R "
                             "that works when the heads do not divide P")
     group.add_argument("--checkpoint", action="store_true", help="03: activation checkpointing")
-    group.add_argument("--offload", action="store_true", help="03: offload checkpoints to CPU")
+    group.add_argument("--offload", action="store_true",
+                       help="03: offload checkpoints to CPU (implies --checkpoint)")
     group.add_argument("--keep-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="03: keep each block's attention output (and log-sum-exp) with its "
                             "checkpoint, so backward's recompute skips the attention kernel: "
@@ -187,9 +196,15 @@ def add_technique_flags(parser):
                             "and host memory fit it; off on the CPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
-    group.add_argument("--tile-norm", action="store_true", help="04: tiled RMSNorms")
-    group.add_argument("--mlp-tile-tokens", type=int, default=None)
-    group.add_argument("--loss-tile-tokens", type=int, default=None)
+    group.add_argument("--tile-norm", action="store_true",
+                       help="04: tiled RMSNorms; not in --stack: on CUDA F.rms_norm is one fused "
+                            "kernel that keeps what a tiled norm keeps, so tiling pays only "
+                            "where the norm runs op by op")
+    group.add_argument("--mlp-tile-tokens", type=int, default=None,
+                       help="04: tokens per MLP tile, and per norm tile (default: about the "
+                            "model's dim)")
+    group.add_argument("--loss-tile-tokens", type=int, default=None,
+                       help="04: tokens per loss tile (default: at most 1 GiB of fp32 logits)")
     group.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")
     group.add_argument("--head-chunk", type=int, default=None,
                        help="05: query heads per stage (U); default: on a GPU the fewest stages "
@@ -198,7 +213,8 @@ def add_technique_flags(parser):
 
 def add_training_flags(parser):
     group = parser.add_argument_group("training")
-    group.add_argument("--steps", type=int, default=DEFAULTS.steps, help="optimizer steps")
+    group.add_argument("--steps", type=int, default=DEFAULTS.steps,
+                       help="optimizer steps (default: %(default)s)")
     counts = [f"{limit / 1e9:g}B" if limit >= 1e9 else f"{limit / 1e6:g}M"
               for limit, _ in DEFAULT_LRS[:-1]]
     sizes = ", ".join([f"{lr:g} below {count} parameters"
@@ -214,11 +230,14 @@ def add_training_flags(parser):
                             "--min-lr at --steps")
     group.add_argument("--min-lr", type=float, default=None,
                        help=f"where cosine/linear end (default: {MIN_LR_FRACTION:g} x --lr)")
-    group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
+    group.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay,
+                       help="AdamW's (default: %(default)s)")
     group.add_argument("--grad-clip", type=float, default=DEFAULTS.grad_clip,
-                       help="0 disables clipping")
+                       help="the gradients' global norm at most this; 0 disables clipping "
+                            "(default: %(default)s)")
     # Not "--log": torchrun's own parser would take it for an abbreviation of its --log-dir.
-    group.add_argument("--log-file", dest="log", default=None, help="write JSON lines here")
+    group.add_argument("--log-file", dest="log", default=None, metavar="PATH",
+                       help="write JSON lines here")
 
 
 def add_saved_state_flags(parser, writes: bool = True):
@@ -374,6 +393,7 @@ def model_name(cfg: Config) -> str:
 def techniques_text(cfg: Config, head_chunk, ring: int = 1) -> str:
     names = [f for f, _ in TECHNIQUES if getattr(cfg, f)]
     names += [f"ring (R={ring})"] if ring > 1 else []
+    names += ["tile_norm"] if cfg.tile_norm else []
     names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
     return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"

@@ -404,9 +404,12 @@ def test_fsdp_ulysses_tiled_model_equals_single_process():
 @pytest.mark.slow
 def test_train_py_tiles_on_cpu():
     result = subprocess.run([sys.executable, "train.py", "--tile-mlp", "--tile-loss",
-                             "--steps", "3", "--seq-len", "64", "--mlp-tile-tokens", "5"],
+                             "--tile-norm", "--steps", "3", "--seq-len", "64",
+                             "--mlp-tile-tokens", "5"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+    # The run's first line names every technique on, --tile-norm too (it is in no --stack).
+    assert "techniques: tile_mlp, tile_loss, tile_norm" in result.stdout, result.stdout[:2000]
 
 
 @pytest.mark.slow
