@@ -51,7 +51,9 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
                     reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("script,needle", [("throughput", "--device cpu --model tiny"),
                                            ("ring_blocks", "--device cpu --model tiny"),
-                                           ("progression", "no CPU form")])
+                                           ("progression", "no CPU form"),
+                                           ("rms_norm", "no CPU form"),
+                                           ("grad_sums", "no CPU form")])
 def test_benchmarks_stop_at_once_without_a_gpu(script, needle):
     """Without a GPU a full-size benchmark would be killed for host memory minutes later (or fail
     inside NCCL): it stops at once and says what runs on a CPU."""
