@@ -161,7 +161,8 @@ def add_document_flags(parser):
     group.add_argument("--documents", action="store_true",
                        help="the data is packed documents: each one trained on its own (rotary "
                             "positions restart, no attention or label across a boundary); "
-                            "boundaries from --data's .docs index or the separator token")
+                            "boundaries from --data's .docs index or the separator token "
+                            "(plan.py: planned as dense windows, noting what documents add)")
     group.add_argument("--doc-sep", type=int, default=None,
                        help="token id that ends each document (implies --documents; default: "
                             "the data's sidecar, else the model preset's EOS id)")
