@@ -301,7 +301,7 @@ def main():
     from support.demos import (demo_parser, demo_setup, end_ranks, in_units, measure_step_memory,
                                print_table, step_memory_meaning)
 
-    parser = demo_parser(__doc__, cpu=("small", "4K"), gpu=("llama3-8b", "32K"))
+    parser = demo_parser(__doc__, cpu=("small", "2K"), gpu=("llama3-8b", "32K"))
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     demo = demo_setup(parser.parse_args())
     # Launched with torchrun: FSDP and Ulysses over every rank.
