@@ -57,7 +57,7 @@ def train(cfg: Config) -> Run:
                      rt.dp_rank, rt.dp, eos_id=args.eos_id)
     # Before claiming the outputs: --overwrite deletes an earlier run's saved states and log
     # there, which a run refused for its host memory must not have done.
-    cfg.head_chunk, cfg.keep_attention = choose_for_run(cfg, rt)  # with the planner
+    cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choose_for_run(cfg, rt)  # planned
     check_host_memory(cfg, rt)
     with saved_state.claim_outputs(cfg, rt) as log_file, saved_state.stop_signals(rt.rank) as stop:
         if rt.rank == 0:

@@ -66,7 +66,7 @@ def main():
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
-    cfg.head_chunk, cfg.keep_attention = choices.choose_for_run(cfg, rt)  # as train.py does
+    cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choices.choose_for_run(cfg, rt)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}

@@ -1,5 +1,6 @@
 """choices.py - what training decides with the planner (plan.py) before the model is built:
-Untied Ulysses' head chunk U (05) and whether 03 keeps attention's outputs (--keep-attention).
+Untied Ulysses' head chunk U (05), whether 03 keeps attention's outputs (--keep-attention), and
+04's MLP tile (--mlp-tile-tokens).
 
 A flag given wins. Left open, a GPU run takes what the plan says fits the smallest GPU (and, for
 --keep-attention, the host); a CPU run, with no plan to go by, takes the defaults (U = P, the
@@ -16,10 +17,11 @@ from support.runtime import Runtime
 
 
 def choose_for_run(cfg: Config, rt: Runtime) -> tuple:
-    """(head chunk U, keep attention) for training `cfg` on `rt`; the keep-attention plan is
-    made with the head chunk just chosen."""
-    head_chunk = choose_head_chunk(cfg, rt)
-    return head_chunk, choose_keep_attention(replace(cfg, head_chunk=head_chunk), rt)
+    """(head chunk U, keep attention, MLP tile tokens) for training `cfg` on `rt`, each planned
+    with the ones chosen before it."""
+    cfg = replace(cfg, head_chunk=choose_head_chunk(cfg, rt))
+    cfg = replace(cfg, keep_attention=choose_keep_attention(cfg, rt))
+    return cfg.head_chunk, cfg.keep_attention, choose_mlp_tile_tokens(cfg, rt)
 
 
 def choose_head_chunk(cfg: Config, rt: Runtime, forward_only: bool = False) -> int | None:
@@ -52,15 +54,26 @@ def choose_keep_attention(cfg: Config, rt: Runtime) -> bool:
 
 def keep_attention_fits(cfg: Config, world: int, gpu_mem: int, host_mem: int | None,
                         local_ranks: int) -> bool:
-    """Whether the plan with --keep-attention fits: on the GPU within its usable memory, adding
-    nothing to the step's peak or fitting with the planner's margin (plan.fits_on_gpu, the one
-    definition of "fits"); on the host, this node's ranks' planned bytes (the kept outputs
-    double the offloaded checkpoints) within 90% of what is available (None: unknown, so no)."""
+    """Whether the plan with --keep-attention fits: on the GPU as plan.takes_on_gpu says (adding
+    nothing to the step's peak, or fitting with the planner's margin: plan.fits_on_gpu); on the
+    host, this node's ranks' planned bytes (the kept outputs double the offloaded checkpoints)
+    within 90% of what is available (None: unknown, so no)."""
     if host_mem is None:
         return False
-    usable = gpu_mem - plan.PLAN_GPU_RESERVE
     kept = plan.plan_memory(replace(cfg, keep_attention=True), world)
     plain = plan.plan_memory(replace(cfg, keep_attention=False), world)
-    gpu_fits = kept["peak"] <= usable and (kept["peak"] <= plain["peak"]
-                                           or plan.fits_on_gpu(kept["peak"], gpu_mem))
-    return gpu_fits and kept["host"] * local_ranks <= 0.9 * host_mem
+    return (plan.takes_on_gpu(kept["peak"], plain["peak"], gpu_mem)
+            and kept["host"] * local_ranks <= 0.9 * host_mem)
+
+
+def choose_mlp_tile_tokens(cfg: Config, rt: Runtime) -> int | None:
+    """04's MLP tile for this run: --mlp-tile-tokens as given; else on GPUs the largest tile
+    the plan fits (plan.largest_mlp_tile_that_fits), said in a line; else None, 04's default
+    of about dim tokens (the CPU: no plan)."""
+    if not cfg.tile_mlp or cfg.mlp_tile_tokens is not None or rt.device.type != "cuda":
+        return cfg.mlp_tile_tokens
+    tile = plan.largest_mlp_tile_that_fits(cfg, rt.world, plan.smallest_gpu_memory(rt))
+    if tile is not None and rt.rank == 0:
+        print(f"--mlp-tile-tokens: {tile:,}, the largest tile the plan fits (fewer, larger "
+              f"matmuls than 04's default of about dim tokens); give the flag to choose")
+    return tile

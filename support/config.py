@@ -202,8 +202,9 @@ def add_technique_flags(parser):
                             "kernel that keeps what a tiled norm keeps, so tiling pays only "
                             "where the norm runs op by op")
     group.add_argument("--mlp-tile-tokens", type=int, default=None,
-                       help="04: tokens per MLP tile, and per norm tile (default: about the "
-                            "model's dim)")
+                       help="04: tokens per MLP tile, and per norm tile (default: on a GPU the "
+                            "largest of 32K, 16K and 8K tokens the plan fits, said in a line; "
+                            "else about the model's dim)")
     group.add_argument("--loss-tile-tokens", type=int, default=None,
                        help="04: tokens per loss tile (default: at most 1 GiB of fp32 logits)")
     group.add_argument("--untied", action="store_true", help="05: Untied Ulysses (headwise chunks)")

@@ -329,6 +329,51 @@ def test_keep_attention_is_on_where_the_plan_fits_it(seq_len, gpu, host, fits):
     assert not choices.keep_attention_fits(cfg, 1, int(gpu * GiB), None, 1)  # host unknown
 
 
+# ---------------------------------------------------------------------------------------------
+# 04's MLP tile decided from the plan
+# ---------------------------------------------------------------------------------------------
+
+def planned_gpu(monkeypatch, gpu_gib: float) -> Runtime:
+    """A runtime on a GPU of gpu_gib, for the choices to plan with: nothing runs on it."""
+    monkeypatch.setattr(planner, "smallest_gpu_memory", lambda rt: int(gpu_gib * GiB))
+    return Runtime(device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("model,seq_len,keep_attention,gpu,tile", [
+    ("llama3.2-3b", 2**14, True, 139.8, 2**14),  # 16K: one tile, the whole sequence
+    ("llama3-8b", 2**16, True, 139.8, 2**15),    # 64K: 32K tiles fit with the margin
+    ("llama3-8b", 2**17, False, 139.8, 2**14),   # 128K: 32K tiles would not
+    ("llama3-8b", 2**18, False, 139.8, None),    # 256K: every larger tile raises the edge
+    ("llama3-8b", 2**17, False, 80, None),       # the step itself does not fit 80 GB
+])
+def test_the_mlp_tile_is_the_largest_the_plan_fits(monkeypatch, capsys, model, seq_len,
+                                                   keep_attention, gpu, tile):
+    cfg = train.resolve_techniques(train.Config(model=model, seq_len=seq_len, stack=5,
+                                                dtype="bfloat16", device="cpu",
+                                                keep_attention=keep_attention))
+    cfg.head_chunk = planner.fewest_stages_that_fit(cfg, 1, int(gpu * GiB))
+    chosen = choices.choose_mlp_tile_tokens(cfg, planned_gpu(monkeypatch, gpu))
+    assert chosen == tile
+    default_peak = planner.plan_memory(cfg, 1)["peak"]
+    if tile is not None:  # it fits as --keep-attention must; the next larger one does not
+        peak = planner.plan_memory(replace(cfg, mlp_tile_tokens=tile), 1)["peak"]
+        assert planner.takes_on_gpu(peak, default_peak, int(gpu * GiB))
+        assert f"--mlp-tile-tokens: {tile:,}" in capsys.readouterr().out
+    larger = [t for t in planner.MLP_TILE_CHOICES if t > (tile or 0) and t <= seq_len]
+    for t in larger:
+        peak = planner.plan_memory(replace(cfg, mlp_tile_tokens=t), 1)["peak"]
+        assert not planner.takes_on_gpu(peak, default_peak, int(gpu * GiB)), t
+
+
+def test_the_mlp_tile_flag_wins_and_the_cpu_keeps_the_default(monkeypatch):
+    cfg = llama_8b(2**14)
+    assert choices.choose_mlp_tile_tokens(cfg, Runtime()) is None  # the CPU: no plan
+    gpu = planned_gpu(monkeypatch, 139.8)
+    assert choices.choose_mlp_tile_tokens(replace(cfg, mlp_tile_tokens=4096), gpu) == 4096
+    assert choices.choose_mlp_tile_tokens(replace(cfg, tile_mlp=False), gpu) is None
+    assert choices.choose_mlp_tile_tokens(cfg, gpu) == 2**14
+
+
 def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     parse = lambda *flags: train.parse_args(["--stack", "3", *flags]).keep_attention  # noqa: E731
     assert (parse(), parse("--keep-attention"), parse("--no-keep-attention")) == (None, True, False)

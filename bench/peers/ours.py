@@ -2,8 +2,8 @@
 
 `--stack N` as train.py reads it (support.config.resolve_techniques), the attention kernel of
 --attn-kernel (the spec's @KERNEL; default auto: FlashAttention-4 where installed, else cuDNN),
-keep-attention and Untied Ulysses' head chunk decided per length as train.py decides them
-(choose_keep_attention, choose_head_chunk: the planner, on a GPU), the model built by
+keep-attention, Untied Ulysses' head chunk and 04's MLP tile decided per length as train.py
+decides them (support/choices.py: the planner, on a GPU), the model built by
 train.build_model (fp32 master weights, bf16 compute through FSDP2's mixed precision; a group of
 one process), train.make_optimizer (fused AdamW, fp32 state; with +offload on the host),
 and train.train_step (forward, backward, clipping at 1.0, the optimizer step).
@@ -35,7 +35,7 @@ class Stack:
         self.args = train.model_args(self.cfg)
         self.vocab_size = self.args.vocab_size
         self.model = self.optimizer = None
-        self.built_for = None  # (keep_attention, head_chunk) of the model in hand
+        self.built_for = None  # (keep_attention, head_chunk, MLP tile) of the model in hand
         self.step_index = 0
         self.build_s = None
 
@@ -43,10 +43,11 @@ class Stack:
         """train.py's per-run decisions at this length; a new model when they change."""
         cfg = self.cfg
         cfg.seq_len = seq_len
-        cfg.head_chunk = cfg.keep_attention = None  # decided again, as a new run would
-        cfg.head_chunk, cfg.keep_attention = choose_for_run(cfg, self.rt)
+        # Decided again at each length, as a new run would.
+        cfg.head_chunk = cfg.keep_attention = cfg.mlp_tile_tokens = None
+        cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choose_for_run(cfg, self.rt)
         check_host_memory(cfg, self.rt)
-        decisions = (cfg.keep_attention, cfg.head_chunk)
+        decisions = (cfg.keep_attention, cfg.head_chunk, cfg.mlp_tile_tokens)
         if decisions == self.built_for:
             return
         self.model = self.optimizer = None
@@ -63,7 +64,8 @@ class Stack:
         self.step_index += 1
         # The row records train.py's per-length decisions with it (stack_info has the last).
         return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                "keep_attention": self.cfg.keep_attention, "head_chunk": self.cfg.head_chunk}
+                "keep_attention": self.cfg.keep_attention, "head_chunk": self.cfg.head_chunk,
+                "mlp_tile_tokens": self.cfg.mlp_tile_tokens}
 
     def about(self) -> dict:
         cfg = self.cfg
