@@ -355,19 +355,18 @@ MLP_TILE_CHOICES = (32768, 16384, 8192)  # tokens; 04's default is about the mod
 
 def largest_mlp_tile_that_fits(cfg: Config, world_size: int, gpu_mem: int) -> int | None:
     """04's MLP tile when --mlp-tile-tokens is not given, on a GPU: the largest of 32K, 16K and
-    8K tokens (the whole local sequence where shorter) that takes_on_gpu, else None (04's
-    default, about dim tokens). Larger tiles run the MLP's matmuls over more rows and add up
-    fewer fp32 weight gradients (16K-token tiles took 1.3% off a 128K Llama-3-8B step,
-    docs/results.md); the memory the default saves matters only near the longest length."""
+    8K tokens (the whole local sequence where shorter; cut into equal tiles of at most that)
+    whose planned step fits (fits_on_gpu, with its margin), else None (04's default, about dim
+    tokens). Larger tiles run the MLP's matmuls over more rows and add up fewer fp32 weight
+    gradients (16K-token tiles took 1.3% off a 128K Llama-3-8B step, docs/results.md); the
+    memory the default saves matters only near the longest length."""
     args = model_args(cfg)
     sp, _, _ = check_layout(cfg, world_size, args)
     local_tokens = cfg.batch_size * cfg.seq_len // sp
-    default_peak = plan_memory(cfg, world_size, args)["peak"]
-    for tile in sorted({min(tile, local_tokens) for tile in MLP_TILE_CHOICES}, reverse=True):
-        if tile <= args.dim:
-            break
-        peak = plan_memory(replace(cfg, mlp_tile_tokens=tile), world_size, args)["peak"]
-        if takes_on_gpu(peak, default_peak, gpu_mem):
+    tiles = {tiling.even_tile_tokens(local_tokens, min(t, local_tokens)) for t in MLP_TILE_CHOICES}
+    for tile in sorted((t for t in tiles if t > args.dim), reverse=True):
+        plan = plan_memory(replace(cfg, mlp_tile_tokens=tile), world_size, args)
+        if fits_on_gpu(plan["peak"], gpu_mem):
             return tile
     return None
 
@@ -381,14 +380,6 @@ def fits_on_gpu(peak: int, gpu_mem: int) -> bool:
     training chooses: the head chunk, --keep-attention, the MLP tile): the planned peak plus the
     margin within the GPU less PLAN_GPU_RESERVE."""
     return peak * (1 + PLAN_MARGIN) <= gpu_mem - PLAN_GPU_RESERVE
-
-
-def takes_on_gpu(peak: int, plain_peak: int, gpu_mem: int) -> bool:
-    """Whether a run may take a choice (--keep-attention, a larger MLP tile) that plans `peak`
-    instead of `plain_peak`: it adds nothing to the step's peak (within the GPU), or it fits
-    with the margin."""
-    return peak <= gpu_mem - PLAN_GPU_RESERVE and (peak <= plain_peak
-                                                    or fits_on_gpu(peak, gpu_mem))
 
 
 def margin_text() -> str:
@@ -555,18 +546,19 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
+    as_run = replace(cfg, head_chunk=plan["head_chunk"])  # what a GPU run would choose
     if cfg.checkpoint and not cfg.keep_attention and gpu_fits and host_fits:
-        kept = plan_memory(replace(cfg, keep_attention=True, head_chunk=plan["head_chunk"]),
-                           world_size)
+        kept = plan_memory(replace(as_run, keep_attention=True), world_size)
         if all(plan_fits(kept, world_size, gpu_mem, host_mem, gpus_per_node)):
             lines.append(f"--keep-attention fits too (GPU {kept['peak'] / GiB:.1f}, host "
                          f"{kept['host'] / GiB:.1f} per GPU): the recompute skips attention's "
                          f"forward, ~1.2x faster steps at long lengths (docs/training.md)")
-    if cfg.tile_mlp and cfg.mlp_tile_tokens is None and gpu_fits:
-        as_planned = replace(cfg, head_chunk=plan["head_chunk"])
-        tile = largest_mlp_tile_that_fits(as_planned, world_size, gpu_mem)
+            if cfg.keep_attention is None:  # a GPU run turns it on, then plans its MLP tile
+                as_run = replace(as_run, keep_attention=True)
+    if cfg.tile_mlp and cfg.mlp_tile_tokens is None:
+        tile = largest_mlp_tile_that_fits(as_run, world_size, gpu_mem)
         if tile is not None:
-            tiled = plan_memory(replace(as_planned, mlp_tile_tokens=tile), world_size)
+            tiled = plan_memory(replace(as_run, mlp_tile_tokens=tile), world_size)
             lines.append(f"a GPU run tiles the MLP {tile:,} tokens at a time, the largest tile "
                          f"that fits (--mlp-tile-tokens): peak {tiled['peak'] / GiB:.1f} GiB")
     if not (gpu_fits and host_fits):

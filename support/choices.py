@@ -4,8 +4,8 @@ Untied Ulysses' head chunk U (05), whether 03 keeps attention's outputs (--keep-
 
 A flag given wins. Left open, a GPU run takes what the plan says fits the smallest GPU (and, for
 --keep-attention, the host); a CPU run, with no plan to go by, takes the defaults (U = P, the
-least memory; no kept outputs). Every rank decides the same, from the least memory any rank has:
-the all-to-alls and the step must match across ranks.
+least memory; no kept outputs; 04's MLP tile of about dim tokens). Every rank decides the same,
+from the least memory any rank has: the all-to-alls and the step must match across ranks.
 """
 
 from dataclasses import replace
@@ -54,16 +54,18 @@ def choose_keep_attention(cfg: Config, rt: Runtime) -> bool:
 
 def keep_attention_fits(cfg: Config, world: int, gpu_mem: int, host_mem: int | None,
                         local_ranks: int) -> bool:
-    """Whether the plan with --keep-attention fits: on the GPU as plan.takes_on_gpu says (adding
-    nothing to the step's peak, or fitting with the planner's margin: plan.fits_on_gpu); on the
-    host, this node's ranks' planned bytes (the kept outputs double the offloaded checkpoints)
-    within 90% of what is available (None: unknown, so no)."""
+    """Whether the plan with --keep-attention fits: on the GPU within its usable memory, adding
+    nothing to the step's peak or fitting with the planner's margin (plan.fits_on_gpu, the one
+    definition of "fits"); on the host, this node's ranks' planned bytes (the kept outputs
+    double the offloaded checkpoints) within 90% of what is available (None: unknown, so no)."""
     if host_mem is None:
         return False
+    usable = gpu_mem - plan.PLAN_GPU_RESERVE
     kept = plan.plan_memory(replace(cfg, keep_attention=True), world)
     plain = plan.plan_memory(replace(cfg, keep_attention=False), world)
-    return (plan.takes_on_gpu(kept["peak"], plain["peak"], gpu_mem)
-            and kept["host"] * local_ranks <= 0.9 * host_mem)
+    gpu_fits = kept["peak"] <= usable and (kept["peak"] <= plain["peak"]
+                                           or plan.fits_on_gpu(kept["peak"], gpu_mem))
+    return gpu_fits and kept["host"] * local_ranks <= 0.9 * host_mem
 
 
 def choose_mlp_tile_tokens(cfg: Config, rt: Runtime) -> int | None:

@@ -73,7 +73,7 @@ class Stack:
             "stack": f"train.py --stack {cfg.stack}" + (" --offload-model-state"
                                                        if cfg.offload_model_state else ""),
             "techniques": techniques_text(cfg, cfg.head_chunk, self.rt.ring),
-            "keep_attention": cfg.keep_attention,
+            "keep_attention": cfg.keep_attention, "mlp_tile_tokens": cfg.mlp_tile_tokens,
             "keep_attention_source": "support/choices.py (train.py's default, from the planner)",
             "attention": train.attention_kernel(cfg, self.rt, self.args),
             "weights": "fp32 master, bf16 compute (FSDP2 mixed precision)"

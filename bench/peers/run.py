@@ -171,12 +171,12 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
         if process.poll() is None:
             stopped.set()
             print(f"== {spec}: its {share_s:.0f} s are up; stopping it", flush=True)
-            os.killpg(process.pid, 9)  # the child and what it started (DeepSpeed's compiles)
+            kill_group(process)  # the child and what it started (DeepSpeed's compiles)
 
-    timer = threading.Timer(max(0.0, deadline - time.time()) + 5, stop_at_deadline)
-    timer.start()
     tail, rows, info = [], [], {}
+    timer = threading.Timer(max(0.0, deadline - time.time()) + 5, stop_at_deadline)
     try:
+        timer.start()
         for line in process.stdout:
             print(f"[{spec}] {line}", end="", flush=True)
             tail = (tail + [line.strip()])[-30:]
@@ -188,7 +188,7 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
             # The runner itself is stopping (SIGTERM from a `timeout`, Ctrl-C). The child runs
             # in its own session, so nothing else stops it: it would outlive the runner and
             # keep the GPU and its pinned host memory from the next run.
-            os.killpg(process.pid, 9)
+            kill_group(process)
     rows, info = read_rows(rows_file, rows, info, result, opts.out, spec)
     reported = {row["seq_len"] for row in rows}
     why = ("stopped at the end of its budget share" if stopped.is_set()
@@ -203,6 +203,16 @@ def run_child(opts, spec: str, seq_lens, steps: int, share_s: float, result: dic
     if os.path.exists(rows_file):
         os.remove(rows_file)
     return rows + missing
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to a stack's process group (its own session), then wait for the stack, so that
+    its GPU and pinned host memory are free when this returns."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended on its own meanwhile
+        pass
+    process.wait(timeout=60)
 
 
 def read_rows(rows_file: str, rows: list, info: dict, result: dict, out: str, spec: str):
@@ -499,6 +509,7 @@ def print_table(result: dict) -> None:
 
 
 def exit_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
     raise SystemExit(128 + signum)  # unwinds through run_child's finally: the child goes too
 
 
