@@ -396,16 +396,21 @@ def main():
             result["rows"].append({**row, "status": "skipped (time budget)"})
             continue
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
-        if cfg.untied and cfg.head_chunk is None and opts.device == "cuda":
-            # What train.py would choose for the full-depth model, not for the shallow one.
-            full_depth = dataclasses.replace(cfg, model=opts.model)
-            cfg.head_chunk = planner.fewest_stages_that_fit(full_depth, rt.world,
-                                                          planner.smallest_gpu_memory(rt))
+        if opts.device == "cuda":  # what train.py would choose for the full-depth model
+            gpu_mem = planner.smallest_gpu_memory(rt)
+            if cfg.untied and cfg.head_chunk is None:
+                cfg.head_chunk = planner.fewest_stages_that_fit(
+                    dataclasses.replace(cfg, model=opts.model), rt.world, gpu_mem)
+            if cfg.tile_mlp and cfg.mlp_tile_tokens is None:
+                cfg.mlp_tile_tokens = planner.largest_mlp_tile_that_fits(
+                    dataclasses.replace(cfg, model=opts.model), rt.world, gpu_mem)
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,
                    attention_kernel=kernels.attention_kernel_name(rt.device, dtype, args.head_dim))
         if cfg.untied:
             row["head_chunk"] = cfg.head_chunk
+        if cfg.mlp_tile_tokens:
+            row["mlp_tile_tokens"] = cfg.mlp_tile_tokens
         result["rows"].append(row)
         if rt.rank == 0:
             print({k: v for k, v in row.items() if k != "step_times_s"}, flush=True)
