@@ -16,25 +16,13 @@ import argparse
 
 import torch
 
-from bench.report import refuse_without_gpu, write_result
+from bench.report import cuda_time_ms, refuse_without_gpu, write_result
 
 SHAPES = {  # name: (tile tokens, weight rows, weight columns)
     "llama3-8b MLP weight, 4,096-token tile": (4096, 14336, 4096),
     "llama3-8b lm_head, 2,092-token loss tile": (2092, 128256, 4096),
     "llama3.2-3b MLP weight, 3,072-token tile": (3072, 8192, 3072),
 }
-
-
-def ms_per_call(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def measure(tokens: int, rows: int, cols: int, repeats: int) -> dict:
@@ -57,8 +45,8 @@ def measure(tokens: int, rows: int, cols: int, repeats: int) -> dict:
         fn()
         row[f"error_{name}"] = float((weight_grad_sum.double() - reference).norm()
                                      / reference.norm())
-        row[f"ms_{name}"] = round(ms_per_call(fn, repeats), 4)
-    row["ms_bf16_matmul_alone"] = round(ms_per_call(lambda: grad_out.t() @ x, repeats), 4)
+        row[f"ms_{name}"] = round(cuda_time_ms(fn, repeats=repeats), 4)
+    row["ms_bf16_matmul_alone"] = round(cuda_time_ms(lambda: grad_out.t() @ x, repeats=repeats), 4)
     return row
 
 
