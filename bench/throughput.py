@@ -398,12 +398,13 @@ def main():
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
         if opts.device == "cuda":  # what train.py would choose for the full-depth model
             gpu_mem = planner.smallest_gpu_memory(rt)
+            full_depth = dataclasses.replace(cfg, model=opts.model)
             if cfg.untied and cfg.head_chunk is None:
-                cfg.head_chunk = planner.fewest_stages_that_fit(
-                    dataclasses.replace(cfg, model=opts.model), rt.world, gpu_mem)
+                cfg.head_chunk = full_depth.head_chunk = planner.fewest_stages_that_fit(
+                    full_depth, rt.world, gpu_mem)
             if cfg.tile_mlp and cfg.mlp_tile_tokens is None:
-                cfg.mlp_tile_tokens = planner.largest_mlp_tile_that_fits(
-                    dataclasses.replace(cfg, model=opts.model), rt.world, gpu_mem)
+                cfg.mlp_tile_tokens = planner.largest_mlp_tile_that_fits(full_depth, rt.world,
+                                                                         gpu_mem)
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,
                    attention_kernel=kernels.attention_kernel_name(rt.device, dtype, args.head_dim))
