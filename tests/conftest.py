@@ -1,22 +1,13 @@
-import os
-
 import pytest
 import torch
 
-TWO_GPUS = "needs 2 GPUs"  # the skipif reason of the tests that run 2 NCCL ranks
 _slow_left_out = []
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip (with a reason) where CUDA is absent, instead of failing. With
-    RANKS_ON_ONE_GPU=1 on a GPU machine (opt-in, tests/ranks.py: NCCL ranks share cuda:0 as
-    separate hosts) the tests that need 2 GPUs run there too."""
+    """GPU tests skip (with a reason) where CUDA is absent, instead of failing. Where there are
+    fewer GPUs than a test's NCCL ranks, the ranks share them (tests/ranks.py)."""
     if torch.cuda.is_available():
-        if os.environ.get("RANKS_ON_ONE_GPU") == "1":
-            for item in items:
-                item.own_markers = [m for m in item.own_markers
-                                    if not (m.name == "skipif"
-                                            and m.kwargs.get("reason") == TWO_GPUS)]
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (GPU_KERNELS, assert_matches, make_batch, reference_loss_and_grads,
-                       train_loss_and_grads, with_kernel)
+from reference import (GPU_KERNELS, assert_matches, assert_step_matches, make_batch,
+                       reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
 from support import host_buffers, host_memory, kernels
 import model as llama
@@ -390,8 +390,9 @@ def _gpu_offload_is_pinned_async_and_exact():
     for offloading in (False, True):
         cfg = train.Config(checkpoint=True, offload=offloading, **base)
         loss, grads = train_loss_and_grads(cfg, tokens, labels)
+        # fp32 on the GPU, as tight as on the CPU: nothing here enables TF32.
         assert_matches(loss.cpu(), {n: g.cpu() for n, g in grads.items()}, ref_loss, ref_grads,
-                       rtol=1e-3, atol=1e-5, what=f"cuda fp32 offload={offloading}")
+                       what=f"cuda fp32 offload={offloading}")
 
     model, rt, cfg = _build(train.Config(offload=True, **base))
     offloader = model.checkpoint_offload
@@ -500,14 +501,14 @@ def _gpu_keep_attention_matches_fp32(seam: str):
         loss, grads = train_loss_and_grads(cfg, tokens, labels)
     finally:
         kernels.attention_forward_lse = forward_lse
-    assert_matches(loss.cpu(), grads, ref_loss, ref_grads, what=f"{seam} sp={sp}", norm_rtol=3e-2)
+    assert_step_matches(loss.cpu(), grads, ref_loss, ref_grads, cfg.model, tokens, labels,
+                        cfg.dtype, what=f"{seam} sp={sp}")
     stages = args.n_heads // sp if seam == "untied" else 1  # U = P
     assert len(calls) == args.n_layers * stages, calls
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 GPUs"))])
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("seam", ["ulysses", "untied"])
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_gpu_keep_attention_bf16_matches_fp32_reference(kernel, seam, world):
