@@ -134,7 +134,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
         state = {"parameters": b * n_params, "gradients": b * n_params,
                  "optimizer": 2 * b * n_params}
-        buffers = dict.fromkeys(("after_forward", "during_backward", "end_of_backward"), 0)
+        buffers = dict.fromkeys(("after_forward", "during_backward", "below_the_top",
+                                 "bottom_block", "end_of_backward"), 0)
     # The fused AdamW (train.make_optimizer) updates in place: its step allocates nothing.
     host_state = 0
     if cfg.offload_model_state:  # 01: the same shards in host memory; AdamW steps there (fused)
@@ -202,9 +203,9 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                            "attention": (n_layers - 1) * attention_saved}
         first_layer_kept = {"saved": norms["block_input"], "attention": 0}
 
-    def backward_of(kept, model_state):
+    def backward_of(kept, model_state, fsdp="below_the_top"):  # fsdp_buffer_bytes' moment
         return {"model_state": model_state, "attention": kept["attention"] + block_attention,
-                "saved": kept["saved"], "block": block_rest, "fsdp": buffers["during_backward"]}
+                "saved": kept["saved"], "block": block_rest, "fsdp": buffers[fsdp]}
 
     other_block_grads = (n_layers - 1) * grads * block_params // n_params
     # --grad-accum: from the second micro-batch on, the gradients so far (sharded under FSDP)
@@ -224,9 +225,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     moments = {
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
-        "backward of the last layer": backward_of(last_layer_kept, params + adam + held_grads),
+        "backward of the last layer": backward_of(last_layer_kept, params + adam + held_grads,
+                                                  "during_backward"),
         **layer_1,
-        "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads),
+        "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads,
+                                           "during_backward" if n_layers == 1 else "bottom_block"),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
         "optimizer step": {"model_state": params + grads + state["optimizer"]},

@@ -25,7 +25,11 @@ of memory here too.
 Depth: 2 layers by default, and the missing layers stand above them. Their parameters and Adam
 moments are ballast from the start; their gradients (on the GPU) are allocated when the
 backward reaches the top block, as full depth has made them by then, and freed with the
-others after the optimizer step. So the top block's backward is full depth's layer 1: its
+others after the optimizer step. Through the top block's backward the block above it, missing,
+would still hold its reduce-scatter input (FSDP2 frees it when the next block's reduce-scatter
+starts: one layer's gradients unsharded in fp32, 0.81 GiB for Llama-3-8B, whatever N): that too
+is allocated then, and freed when the top block's backward is done. So the top block's backward
+is full depth's layer 1: its
 input and the prefetched input of the block below (03's offload), with 30 layers' gradients;
 and the bottom block's is full depth's layer 0 (one input, 31 layers' gradients). Layer 1's
 moment is the larger whenever a block input outweighs one layer's gradients (Llama-3-8B: S/N
@@ -81,11 +85,11 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from model import PRESETS, get_model_args
+from model import PRESETS, get_model_args, num_params
 import plan as planner
 from bench import max_length
 from bench.report import release, synchronize, write_result
-from support import checkpointed, kernels
+from support import byte_counts, checkpointed, kernels
 from support.data import parse_tokens
 from support.lessons import ulysses_sp
 from support.runtime import check_layout
@@ -285,13 +289,14 @@ BLOCK_PARTS = (("mlp", "its MLP"), ("post_attention_layernorm", "its post-attent
 
 
 @contextlib.contextmanager
-def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
+def layer_marks(model, trace: PeakTrace, top_backward=lambda: None, top_done=lambda: None):
     """Marks at each block's forward, after the last one (the final norm and the loss), and in
     backward when the gradient of a block's output, then of each of its parts' outputs, arrives
     (as support/progress.py's bars count them; 03's recompute in backward is not marked: the
     block's own runs its inner forward, and the parts' are skipped while 03 says it recomputes;
     it happens within the block's first part, its MLP). top_backward() runs when the backward
-    reaches the top block, before its mark."""
+    reaches the top block, before its mark; top_done() when the top block's backward is done
+    (the gradient of the block below's output arrives; with one block, the step marks it)."""
     layers, hooks = len(model.layers), []
 
     def when_grad_arrives(moment, before=lambda: None):
@@ -312,8 +317,9 @@ def layer_marks(model, trace: PeakTrace, top_backward=lambda: None):
         if i == layers - 1:
             hooks.append(block.register_forward_hook(
                 lambda *_: trace.mark("forward: final norm and loss")))
-        top = top_backward if i == layers - 1 else (lambda: None)
-        hooks.append(block.register_forward_hook(when_grad_arrives(f"backward of {name}", top)))
+        arrived = {layers - 1: top_backward, layers - 2: top_done}.get(i, lambda: None)
+        hooks.append(block.register_forward_hook(when_grad_arrives(f"backward of {name}",
+                                                                   arrived)))
         for part, label in BLOCK_PARTS:
             if isinstance(getattr(block, part, None), torch.nn.Module):
                 hooks.append(getattr(block, part).register_forward_hook(
@@ -397,12 +403,15 @@ class Traffic:
 # ---------------------------------------------------------------------------------------------
 
 def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic: Traffic,
-                   window: int, late_gradient_bytes: int = 0) -> None:
+                   window: int, late_gradient_bytes: int = 0, pending_reduce_bytes: int = 0
+                   ) -> None:
     """train.train_step's step (learning rate, forward and backward, gradient clipping, AdamW)
     with its moments marked, its collectives counted and attention over `window` keys; no
     finite check: the values are garbage by design. late_gradient_bytes: the missing layers'
     gradients, allocated when the backward reaches the top block (at full depth the layers
-    above it have made theirs by then) and held through the optimizer step."""
+    above it have made theirs by then) and held through the optimizer step.
+    pending_reduce_bytes: the reduce-scatter input of the missing block above the top one,
+    held from the top block's backward until that backward is done."""
     if window:  # the kernel check compares with the full formula: run it before the window
         probe = torch.empty(1, 1, 1, model.args.head_dim, device=rt.device,
                             dtype=getattr(torch, cfg.dtype))
@@ -417,15 +426,24 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
     order = rt.token_order(tokens.shape[1] - 1)
     late_gradients = []
 
+    pending_reduce = []
+
     def allocate_late_gradients():  # on a GPU: a CPU run holds no ballast (bench.max_length)
         if late_gradient_bytes and rt.device.type == "cuda":
             late_gradients.append(torch.empty(late_gradient_bytes, dtype=torch.uint8,
                                               device=rt.device))
+        if pending_reduce_bytes and rt.device.type == "cuda":
+            pending_reduce.append(torch.empty(pending_reduce_bytes, dtype=torch.uint8,
+                                              device=rt.device))
 
-    with (layer_marks(model, trace, allocate_late_gradients), windowed_attention(window),
-          traffic.counting()):
+    def free_pending_reduce():  # the top block's post-backward takes its reduce-scatter's place
+        pending_reduce.clear()
+
+    with (layer_marks(model, trace, allocate_late_gradients, free_pending_reduce),
+          windowed_attention(window), traffic.counting()):
         ulysses_sp.loss_and_backward(model, tokens, rt.sp_rank, rt.sp, world_group,
                                      phase=trace.phase, order=order)
+        free_pending_reduce()  # one block: its own post-backward, at the end of backward
         trace.mark("gradient clipping")
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -499,17 +517,24 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
     trace, traffic = PeakTrace(device), Traffic()
     # The missing layers' gradients wait on the GPU (not with the model state on the host) for
     # the moment full depth makes them: allocated by the step, not as ballast before it.
+    args = get_model_args(opts.model)
     late = 0 if opts.offload_model_state else max_length.ballast_bytes(
-        get_model_args(opts.model), opts.layers, opts.gpus)["gradients"]
+        args, opts.layers, opts.gpus)["gradients"]
+    # And the block above the top one, missing here, would still hold its reduce-scatter input
+    # (its unsharded gradients in fp32) through the top block's backward (byte_counts'
+    # fsdp_buffer_bytes, "below_the_top"): allocated and freed as FSDP2 would.
+    block = (num_params(args) - num_params(dataclasses.replace(args, n_layers=0))) // args.n_layers
+    pending = byte_counts.REDUCE_BYTES * block if opts.layers < args.n_layers else 0
 
     def step(model, optimizer, tokens, rt, cfg):
-        rehearsal_step(model, optimizer, tokens, rt, cfg, trace, traffic, window, late)
+        rehearsal_step(model, optimizer, tokens, rt, cfg, trace, traffic, window, late, pending)
 
     row = max_length.trial(base_config(opts), method_of(opts, head_chunk), seq_len, opts.layers,
                            run_step=step, host_ballast=opts.host_ballast,
                            ballast_parts=(None if opts.offload_model_state
                                           else ("parameters", "optimizer")))
     row["late_gradient_ballast_gib"] = late / GiB
+    row["pending_reduce_scatter_gib"] = pending / GiB
     if trace.current is not None:  # out of memory inside this moment
         row["oom_in"] = trace.current
         trace.mark(None)

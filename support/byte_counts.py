@@ -27,7 +27,7 @@ def model_state_bytes(args, world_size: int) -> dict:
 
 
 def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
-    """Per-rank bytes of the unsharded copies FSDP2 makes, in the compute dtype, at three moments
+    """Per-rank bytes of the unsharded copies FSDP2 makes, in the compute dtype, at four moments
     of a step. The "root" holds the embeddings, the final norm and lm_head; apply_fsdp keeps it
     (and the last block) gathered from forward to backward.
 
@@ -36,6 +36,15 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
                        one in a one-layer model),
                        the running block's unsharded gradients, and lm_head's unsharded gradient
                        (the root's gradients are reduce-scattered only when backward ends);
+                       this is the top block's backward, the first;
+      below_the_top:   during_backward, and the block above's reduce-scatter input: its
+                       unsharded gradients in the reduce dtype (fp32, 01's MixedPrecisionPolicy),
+                       which FSDP2 keeps until the next block's post-backward starts its own
+                       reduce-scatter (FSDPCommContext.reduce_scatter_state(s)), so through the
+                       whole backward of every block below the top. (Llama-3-8B: 218M x 4 bytes
+                       = 0.81 GiB, on any number of GPUs; measured at full depth, issue 44.)
+      bottom_block:    below_the_top in the first block's backward (layer 0), the last: one
+                       block gathered, as no block below it is prefetched;
       end_of_backward: the root's unsharded gradients and their fp32 copy for the reduce-scatter
                        (the root's parameters are already resharded by then).
 
@@ -44,10 +53,16 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
     root = num_params(replace(args, n_layers=0))
     block = (num_params(args) - root) // max(args.n_layers, 1)
     gathered_blocks = min(args.n_layers, 2)
+    during_backward = bytes_per_value * (root + (gathered_blocks + 1) * block
+                                         + args.vocab_size * args.dim)
     return {"after_forward": bytes_per_value * (root + block),
-            "during_backward": bytes_per_value * (root + (gathered_blocks + 1) * block
-                                                  + args.vocab_size * args.dim),
+            "during_backward": during_backward,
+            "below_the_top": during_backward + REDUCE_BYTES * block,
+            "bottom_block": during_backward + (REDUCE_BYTES - bytes_per_value) * block,
             "end_of_backward": (bytes_per_value + 4) * root}
+
+
+REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (01's MixedPrecisionPolicy: reduce_dtype)
 
 
 def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> dict:
@@ -76,7 +91,7 @@ def offload_transfer_bytes(args, world_size: int) -> dict:
     and the running block's gradient shard does not exist yet. At the end of backward the
     root's gradient shard."""
     root = num_params(replace(args, n_layers=0))
-    return {"after_forward": 0, "during_backward": 0,
+    return {"after_forward": 0, "during_backward": 0, "below_the_top": 0, "bottom_block": 0,
             "end_of_backward": 4 * -(-root // world_size)}
 
 

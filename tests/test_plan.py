@@ -487,8 +487,8 @@ def test_offloaded_model_state_leaves_the_gpu_for_the_host():
         longest[on_host], plan = planner.plan_longest_seq_len(
             _cfg(5, 1024, offload_model_state=on_host), 8, 80 * GiB, 2 * 2**40)
         assert plan["limit"] == "GPU"
-    assert 5.5 * 2**20 < longest[False] < 5.6 * 2**20
-    assert longest[True] >= 6.9 * 2**20, longest
+    assert 5.4 * 2**20 < longest[False] < 5.5 * 2**20
+    assert longest[True] >= 6.85 * 2**20, longest
 
 
 def test_host_memory_is_per_node():
@@ -565,10 +565,10 @@ def test_one_definition_of_fits():
         if chunk < LLAMA8B.n_heads:
             bigger = planner.plan_memory(_cfg(5, length, head_chunk=2 * chunk), 2)
             assert not planner.fits_on_gpu(bigger["peak"], gpu)
-    at_the_edge = planner.plan_main(["--model", "llama3-8b", "--seq-len", "256K", "--stack", "5",
+    at_the_edge = planner.plan_main(["--model", "llama3-8b", "--seq-len", "248K", "--stack", "5",
                                      "--gpus", "1", "--gpu-mem", "139.8GiB",
                                      "--host-mem", "125GiB"])
-    assert re.search(r"total at the peak +135\.9 +does NOT fit in 136\.8 usable of 139\.8",
+    assert re.search(r"total at the peak +136\.3 +does NOT fit in 136\.8 usable of 139\.8",
                      at_the_edge)
     assert "at the edge" in at_the_edge
 
