@@ -176,57 +176,72 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
 
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
-    if cfg.checkpoint:
-        kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
-                        if cfg.keep_attention else [])
-        checkpoints = byte_counts.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
-                                                            pinned=True, also_kept=kept_tensors)
-        host = checkpoints["host"]
-        forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
-        # --keep-attention: what a block keeps besides its input. In a block's backward its own
-        # kept output and log-sum-exp are what its attention saved (counted there).
-        kept = sum(kept_tensors)
-        # Offloaded: backward starts with the last input and brings the next one back (if
-        # there is a next one: a one-layer model keeps its only input on the GPU).
-        prefetched = hidden + kept if cfg.offload and n_layers > 1 else 0
-        last_layer_kept = {"saved": checkpoints["gpu"] - kept + prefetched,
-                           "attention": 0}
-        first_layer_kept = {"saved": hidden, "attention": 0}
-    else:  # every layer keeps its activations until backward reaches it
-        host = 0
-        layer = norms["saved"] + norms["block_input"] + mlp_saved
-        forward_kept = {"saved": n_layers * layer, "attention": n_layers * attention_saved}
-        # In the running block's backward, what a tiled or fused norm saved of its input is
-        # still there (with checkpointing that input is the checkpoint, counted above).
-        last_layer_kept = {"saved": (n_layers - 1) * layer + norms["block_input"],
-                           "attention": (n_layers - 1) * attention_saved}
-        first_layer_kept = {"saved": norms["block_input"], "attention": 0}
+    # 03 checkpoints the first k blocks (--checkpoint-layers; all by default); the `plain` ones
+    # above them keep what they saved, as without checkpointing, until backward reaches them:
+    # the norms' and the MLP's tensors (`layer`), the attention's, and the block input where a
+    # fused or tiled norm saved it (a checkpointed block's input is its checkpoint).
+    k = (cfg.checkpoint_layers or n_layers) if cfg.checkpoint else 0
+    plain = n_layers - k
+    layer = norms["saved"] + norms["block_input"] + mlp_saved
+    # --keep-attention: what a checkpointed block keeps besides its input. In a block's backward
+    # its own kept output and log-sum-exp are what its attention saved (counted there).
+    kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
+                    if k and cfg.keep_attention else [])
+    kept = sum(kept_tensors)
+    checkpoints = byte_counts.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
+                                                        pinned=True, also_kept=kept_tensors,
+                                                        layers=k)
+    host = checkpoints["host"]
+
+    def waiting(plain_blocks, saved):  # the plain blocks' activations, and `saved` besides
+        return {"saved": saved + plain_blocks * layer, "attention": plain_blocks * attention_saved}
+
+    forward_kept = waiting(plain, checkpoints["gpu"])
+    # The backward of the last checkpointed block: all checkpoints still on the GPU; offloaded,
+    # its own input (it stayed) and the one below, brought back ahead of time (if there is one
+    # below: a single checkpointed block keeps its only input on the GPU).
+    prefetched = hidden + kept if cfg.offload and k > 1 else 0
+    last_checkpointed = waiting(0, checkpoints["gpu"] - kept + prefetched)
+    # A plain block's backward: the checkpoints, the plain blocks below it, and its own input
+    # where its norm saved it.
+    last_layer_kept = (waiting(plain - 1, checkpoints["gpu"] + norms["block_input"]) if plain
+                       else last_checkpointed)
+    first_layer_kept = waiting(0, hidden if k else norms["block_input"])
 
     def backward_of(kept, model_state):
         return {"model_state": model_state, "attention": kept["attention"] + block_attention,
                 "saved": kept["saved"], "block": block_rest, "fsdp": buffers["during_backward"]}
 
-    other_block_grads = (n_layers - 1) * grads * block_params // n_params
     # --grad-accum: from the second micro-batch on, the gradients so far (sharded under FSDP)
     # are held through its forward and backward.
     held_grads = grads if cfg.grad_accum > 1 else 0
-    other_block_grads = max(other_block_grads, held_grads)
-    # Offloaded, a middle layer's backward holds two checkpoints (its own and the one below,
-    # coming back ahead of time) and the gradients of the layers above it: most at layer 1,
-    # where only two layers' gradients are still to come. It outweighs the last layer (the
-    # same two checkpoints, no gradients yet) always, and layer 0 once a block input is
-    # larger than one layer's gradients.
-    layer_1 = {}
-    if cfg.checkpoint and cfg.offload and n_layers > 2:
-        layer_1_grads = max((n_layers - 2) * grads * block_params // n_params, held_grads)
-        layer_1["backward of layer 1"] = backward_of(last_layer_kept,
-                                                     params + adam + layer_1_grads)
+
+    def with_grads_of(blocks):  # the model state once `blocks` blocks have their gradients
+        return params + adam + max(blocks * grads * block_params // n_params, held_grads)
+
+    # Below the last layer, each block's backward holds fewer activations and more gradients
+    # than the one above, so within the plain blocks and within the checkpointed ones the most
+    # is at either end: the last layer and the lowest plain block (layer k); the last
+    # checkpointed block (layer k - 1) and layer 0. Offloaded, a middle checkpointed block
+    # holds two checkpoints (its own and the one below, coming back ahead of time) and the
+    # gradients of the layers above it: most at layer 1, where only two layers' gradients are
+    # still to come. It outweighs the last checkpointed block (the same two checkpoints, fewer
+    # gradients) always, and layer 0 once a block input is larger than one layer's gradients.
+    middle = {}
+    if k and plain > 1:
+        middle[f"backward of layer {k}"] = backward_of(waiting(0, checkpoints["gpu"]
+                                                               + norms["block_input"]),
+                                                       with_grads_of(plain - 1))
+    if plain and k > 1:
+        middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
+    if cfg.offload and k > 2:
+        middle["backward of layer 1"] = backward_of(last_checkpointed, with_grads_of(n_layers - 2))
     moments = {
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
-        "backward of the last layer": backward_of(last_layer_kept, params + adam + held_grads),
-        **layer_1,
-        "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads),
+        "backward of the last layer": backward_of(last_layer_kept, with_grads_of(0)),
+        **middle,
+        "backward of layer 0": backward_of(first_layer_kept, with_grads_of(n_layers - 1)),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
         "optimizer step": {"model_state": params + grads + state["optimizer"]},
