@@ -58,11 +58,12 @@ PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
                   "loop adds up to one attention output and one dq/dk/dv while concatenating")
-PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
-    "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)"),
-    "block": ("one block's recompute + temporaries", None),
-    "loss": ("loss temporaries", None),
-    "fsdp": ("FSDP gathered params / unsharded grads", None),
+PLAN_COMPONENTS = {  # component -> (label, when nothing is checkpointed, when some blocks are)
+    "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)",
+              "checkpoints, and the other blocks' norms and MLP"),
+    "block": ("one block's recompute + temporaries", None, None),
+    "loss": ("loss temporaries", None, None),
+    "fsdp": ("FSDP gathered params / unsharded grads", None, None),
 }
 GPUS_PER_NODE = 8  # host memory (--host-mem) is per node, shared by its GPUs
 
@@ -365,6 +366,21 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
     return least_memory
 
 
+def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: int) -> int:
+    """03's checkpointed blocks k (--checkpoint-layers): the smallest k whose planned step fits
+    (fits_on_gpu, with its margin), else all n_layers. Each block left out skips its recompute
+    (a forward pass of the block), and its activations outweigh its checkpoint, so the planned
+    peak falls as k grows: the first k that fits is the fastest that does."""
+    if not cfg.checkpoint:
+        raise ValueError("the checkpointed layers are a setting of --checkpoint (03)")
+    args = model_args(cfg)
+    for k in range(1, args.n_layers):
+        plan = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)
+        if fits_on_gpu(plan["peak"], gpu_mem):
+            return k
+    return args.n_layers
+
+
 MLP_TILE_CHOICES = (32768, 16384, 8192)  # tokens; 04's default is about the model's dim
 
 
@@ -492,10 +508,14 @@ def stack_level(cfg: Config) -> int:
 def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                    gpus_per_node: int = GPUS_PER_NODE) -> str:
     """For a step that does not fit: the first single change that the planner says fits, tried
-    in this order: more --stack, --offload-model-state, a smaller --head-chunk, no
-    --keep-attention, more GPUs (2x .. 16x), a shorter --seq-len."""
-    changes = [(f"--stack {level}", replace(cfg, stack=level), world_size)
-               for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
+    in this order: more --checkpoint-layers, more --stack, --offload-model-state, a smaller
+    --head-chunk, no --keep-attention, more GPUs (2x .. 16x), a shorter --seq-len."""
+    changes = []
+    if cfg.checkpoint_layers is not None:  # the fewest checkpointed blocks that fit
+        k = fewest_checkpointed_layers_that_fit(cfg, world_size, gpu_mem)
+        changes.append((f"--checkpoint-layers {k}", replace(cfg, checkpoint_layers=k), world_size))
+    changes += [(f"--stack {level}", replace(cfg, stack=level), world_size)
+                for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
     if cfg.fsdp and not cfg.offload_model_state:
         changes.append(("--offload-model-state", replace(cfg, offload_model_state=True),
                         world_size))
@@ -536,7 +556,8 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     peak = plan["moments"][plan["peak_moment"]]
     gpus = gpus_text(world_size)
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
-    label_column = 0 if cfg.checkpoint else 1
+    some = cfg.checkpoint_layers is not None and cfg.checkpoint_layers < args.n_layers
+    label_column = (2 if some else 0) if cfg.checkpoint else 1
     other = {PLAN_COMPONENTS[c][label_column] or PLAN_COMPONENTS[c][0]: peak.get(c, 0)
              for c in PLAN_COMPONENTS}
     lines = [
@@ -613,9 +634,11 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
 def plan_levels(cfg: Config):
     """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
     and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
-    other flags (batch size, head chunk, --sp, tile sizes, --tile-norm, dtype) kept."""
+    other flags (batch size, head chunk, --sp, --checkpoint-layers, tile sizes, --tile-norm,
+    dtype) kept where the level has their technique."""
     techniques = {flag: False for flag, _ in TECHNIQUES}
-    base = replace(cfg, stack=None, sp=None, head_chunk=None, **techniques)
+    base = replace(cfg, stack=None, sp=None, head_chunk=None, checkpoint_layers=None,
+                   **techniques)
     rows = []
     for level in range(MAX_STACK + 1):
         for use_untied in ((False, True) if level in (2, 3) else (level == 5,)):
@@ -623,9 +646,11 @@ def plan_levels(cfg: Config):
             rows.append((label, replace(base, stack=level, untied=use_untied,
                                         sp=cfg.sp if level >= 2 else None,
                                         ring=cfg.ring if level >= 2 else None,
-                                        head_chunk=cfg.head_chunk if use_untied else None)))
+                                        head_chunk=cfg.head_chunk if use_untied else None,
+                                        checkpoint_layers=cfg.checkpoint_layers
+                                        if level >= 3 else None)))
     rows.append(("--stack 4 --sp 1 (no context parallelism)",
-                 replace(base, stack=4, sp=1, ring=None)))
+                 replace(base, stack=4, sp=1, ring=None, checkpoint_layers=cfg.checkpoint_layers)))
     return rows
 
 
@@ -777,6 +802,10 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
         return "--ulysses (02: split the sequence over the GPUs)"
     if not cfg.checkpoint:
         return "--checkpoint (03: keep only each block's input for backward)"
+    n_layers = model_args(cfg).n_layers
+    if (cfg.checkpoint_layers or n_layers) < n_layers:
+        return (f"a larger --checkpoint-layers (03: up to all {n_layers} blocks; python plan.py "
+                f"with the same flags names the fewest that fit)")
     if not cfg.offload:
         return "--offload (03: move those inputs to CPU memory)"
     if not (cfg.tile_mlp and cfg.tile_loss):  # not --tile-norm: the fused CUDA norm needs none
