@@ -17,6 +17,9 @@ The idea, in two steps.
      the one the current block recomputes from and the next one coming back: 6 GiB, for 4 layers
      or 80. The host holds 31 per GPU: 93 GiB, in pinned buffers reused every step
      (support/host_buffers.py: power-of-two pieces, which the pinned allocator does not round up).
+Where memory allows, only the first k blocks need it (`layers=k`, train.py's --checkpoint-layers):
+the other L - k keep their activations and skip the recompute, one forward pass each (plan.py
+finds the smallest k that fits).
 
 The copies run on a side CUDA stream, beside the compute. In forward it copies each block input
 out while the compute stream runs the next block; in backward, when block i's input is unpacked,
@@ -96,7 +99,7 @@ class HeldTensor:
     host: HostBuffer | None = None         # the copy in host memory while it waits
     on_device: torch.Tensor | None = None  # kept (last block) or brought back, until used
     copied_back: object = None             # CUDA event on the side stream: the copy back is done
-    kept: bool = False                     # the last block's: never left the device
+    kept: bool = False                     # the last checkpointed block's: stayed
     prefetched: bool = False               # its copy back started before its block needed it
 
 
@@ -105,7 +108,7 @@ class BlockInputOffloader:
     ahead of their use; other tensors a block keeps (`hold`, named) travel with its input."""
 
     def __init__(self, n_layers: int):
-        self.n_layers = n_layers
+        self.n_layers = n_layers  # the checkpointed blocks: 0 .. n_layers - 1 (the last stays)
         self.host_buffers = HostBufferPool()  # pinned host memory by layer, reused every step
         self.waiting = {}       # layer -> its groups of HeldTensors on the host, input's first
         self.stream = None      # the side CUDA stream for every copy, made on first use
@@ -127,8 +130,8 @@ class BlockInputOffloader:
     def hold(self, layer: int, tensors, name: str | None = None) -> list[HeldTensor]:
         """Block `layer`'s input ([t], from `pack`), or other tensors the block keeps for its
         backward (`name`: theirs in the events; `take_back` returns them): kept on the device
-        for the last block (backward starts with it, so copying out would only make backward
-        wait), else copied to host buffers, to come back with the block input."""
+        for the last checkpointed block (backward reaches it first, so copying out would only
+        make backward wait), else copied to host buffers, to come back with the block input."""
         group = [self.hold_one(layer, t, name, i) for i, t in enumerate(tensors)]
         if not group[0].kept:
             self.waiting.setdefault(layer, []).append(group)
@@ -235,18 +238,24 @@ def is_block_input(t: torch.Tensor, x_ref: weakref.ref) -> bool:
                                          and t.dtype == x.dtype))
 
 
-def apply_checkpointing(model, offload: bool = False) -> None:
-    """Recompute every block in backward from its saved input; with offload, that input waits
-    in host memory between forward and backward (all blocks but the last).
+def apply_checkpointing(model, offload: bool = False, layers: int | None = None) -> None:
+    """Recompute the first `layers` blocks (None: all) in backward from their saved inputs;
+    with offload, those inputs wait in host memory between forward and backward (all but the
+    last checkpointed block's). The other blocks keep their activations, as plain training does.
 
     Runs on the meta-device model before FSDP: only the blocks' forward functions are replaced
     (instance attributes, so parameter names are unchanged) and no parameter is captured. The
     offloader is `model.checkpoint_offload` (None without offload).
     """
-    check_model(model)
-    offloader = BlockInputOffloader(len(model.layers)) if offload else None
+    layers = check_model(model, layers)
+    # The first blocks (Megatron's "block" method). For memory any choice of k blocks is the
+    # same at the end of forward, where every block holds its checkpoint or its activations;
+    # the first are the best in backward, which reaches the blocks that kept everything first
+    # and frees them before any recompute starts. The last checkpointed block is the offloader's
+    # "last": backward reaches its input first among the checkpoints, so it stays on the GPU.
+    offloader = BlockInputOffloader(layers) if offload else None
     model.checkpoint_offload = offloader
-    for layer, block in enumerate(model.layers):
+    for layer, block in enumerate(model.layers[:layers]):
         # block.forward is read now: the model's own, or what a technique applied before this
         # one made of it (it runs inside the checkpoint: in the forward and in the recompute).
         block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
@@ -254,12 +263,18 @@ def apply_checkpointing(model, offload: bool = False) -> None:
 
 # ---- below: checks, the step record, demo --------------------------------------------------------
 
-def check_model(model) -> None:
+def check_model(model, layers: int | None) -> int:
+    """How many blocks to checkpoint (`layers`, None: all), refused unless 1..n_layers."""
     if not hasattr(model, "layers"):
         raise ValueError(f"apply_checkpointing needs a model with .layers (its blocks), "
                          f"got {type(model).__name__}")
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("checkpointing is already applied to this model")
+    n_layers = len(model.layers)
+    if layers is not None and not 1 <= layers <= n_layers:
+        raise ValueError(f"the blocks to checkpoint must be 1 to the model's {n_layers} layers, "
+                         f"got {layers}")
+    return n_layers if layers is None else layers
 
 
 # The offloader's record of one step (restarted when block 0 saves its input), which the tests

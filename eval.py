@@ -93,7 +93,7 @@ FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we 
 def eval_config(cfg: Config) -> Config:
     """cfg without 03: checkpointing and offload keep activations for a backward that never
     comes."""
-    return replace(cfg, checkpoint=False, offload=False, resume=False)
+    return replace(cfg, checkpoint=False, offload=False, checkpoint_layers=None, resume=False)
 
 
 def build(cfg: Config):
@@ -440,8 +440,9 @@ def parse_eval_args(argv):
     """(eval options, Config): eval's own flags, and those it shares with train.py."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], allow_abbrev=False,
-        epilog="03's --checkpoint, --offload and --keep-attention serve a backward: accepted (as "
-               "in a training command) and switched off. Longest lengths: python plan.py --eval")
+        epilog="03's --checkpoint, --offload, --checkpoint-layers and --keep-attention serve a "
+               "backward: accepted (as in a training command) and switched off. Longest "
+               "lengths: python plan.py --eval")
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--task", choices=["loss", "passkey"], default="loss")
     evaluation.add_argument("--windows", type=int, default=4,

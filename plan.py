@@ -58,11 +58,12 @@ PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
                   "loop adds up to one attention output and one dq/dk/dv while concatenating")
-PLAN_COMPONENTS = {  # component -> (label, label when nothing is checkpointed)
-    "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)"),
-    "block": ("one block's recompute + temporaries", None),
-    "loss": ("loss temporaries", None),
-    "fsdp": ("FSDP gathered params / unsharded grads", None),
+PLAN_COMPONENTS = {  # component -> (label, when nothing is checkpointed, when some blocks are)
+    "saved": ("checkpoints on GPU", "other layers' activations (norms, MLP)",
+              "checkpoints, and the other blocks' norms and MLP"),
+    "block": ("one block's recompute + temporaries", None, None),
+    "loss": ("loss temporaries", None, None),
+    "fsdp": ("FSDP gathered params / unsharded grads", None, None),
 }
 GPUS_PER_NODE = 8  # host memory (--host-mem) is per node, shared by its GPUs
 
@@ -177,58 +178,73 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
 
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
-    if cfg.checkpoint:
-        kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
-                        if cfg.keep_attention else [])
-        checkpoints = byte_counts.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
-                                                            pinned=True, also_kept=kept_tensors)
-        host = checkpoints["host"]
-        forward_kept = {"saved": checkpoints["gpu"], "attention": 0}
-        # --keep-attention: what a block keeps besides its input. In a block's backward its own
-        # kept output and log-sum-exp are what its attention saved (counted there).
-        kept = sum(kept_tensors)
-        # Offloaded: backward starts with the last input and brings the next one back (if
-        # there is a next one: a one-layer model keeps its only input on the GPU).
-        prefetched = hidden + kept if cfg.offload and n_layers > 1 else 0
-        last_layer_kept = {"saved": checkpoints["gpu"] - kept + prefetched,
-                           "attention": 0}
-        first_layer_kept = {"saved": hidden, "attention": 0}
-    else:  # every layer keeps its activations until backward reaches it
-        host = 0
-        layer = norms["saved"] + norms["block_input"] + mlp_saved
-        forward_kept = {"saved": n_layers * layer, "attention": n_layers * attention_saved}
-        # In the running block's backward, what a tiled or fused norm saved of its input is
-        # still there (with checkpointing that input is the checkpoint, counted above).
-        last_layer_kept = {"saved": (n_layers - 1) * layer + norms["block_input"],
-                           "attention": (n_layers - 1) * attention_saved}
-        first_layer_kept = {"saved": norms["block_input"], "attention": 0}
+    # 03 checkpoints the first k blocks (--checkpoint-layers; all by default); the `plain` ones
+    # above them keep what they saved, as without checkpointing, until backward reaches them:
+    # the norms' and the MLP's tensors (`layer`), the attention's, and the block input where a
+    # fused or tiled norm saved it (a checkpointed block's input is its checkpoint).
+    k = (cfg.checkpoint_layers or n_layers) if cfg.checkpoint else 0
+    plain = n_layers - k
+    layer = norms["saved"] + norms["block_input"] + mlp_saved
+    # --keep-attention: what a checkpointed block keeps besides its input. In a block's backward
+    # its own kept output and log-sum-exp are what its attention saved (counted there).
+    kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
+                    if k and cfg.keep_attention else [])
+    kept = sum(kept_tensors)
+    checkpoints = byte_counts.checkpoint_memory_bytes(args, tokens, sp, cfg.offload, b,
+                                                        pinned=True, also_kept=kept_tensors,
+                                                        layers=k)
+    host = checkpoints["host"]
+
+    def waiting(plain_blocks, saved):  # the plain blocks' activations, and `saved` besides
+        return {"saved": saved + plain_blocks * layer, "attention": plain_blocks * attention_saved}
+
+    forward_kept = waiting(plain, checkpoints["gpu"])
+    # The backward of the last checkpointed block: all checkpoints still on the GPU; offloaded,
+    # its own input (it stayed) and the one below, brought back ahead of time (if there is one
+    # below: a single checkpointed block keeps its only input on the GPU).
+    prefetched = hidden + kept if cfg.offload and k > 1 else 0
+    last_checkpointed = waiting(0, checkpoints["gpu"] - kept + prefetched)
+    # A plain block's backward: the checkpoints, the plain blocks below it, and its own input
+    # where its norm saved it.
+    last_layer_kept = (waiting(plain - 1, checkpoints["gpu"] + norms["block_input"]) if plain
+                       else last_checkpointed)
+    first_layer_kept = waiting(0, hidden if k else norms["block_input"])
 
     def backward_of(kept, model_state, fsdp="below_the_top"):  # fsdp_buffer_bytes' moment
         return {"model_state": model_state, "attention": kept["attention"] + block_attention,
                 "saved": kept["saved"], "block": block_rest, "fsdp": buffers[fsdp]}
 
-    other_block_grads = (n_layers - 1) * grads * block_params // n_params
     # --grad-accum: from the second micro-batch on, the gradients so far (sharded under FSDP)
     # are held through its forward and backward.
     held_grads = grads if cfg.grad_accum > 1 else 0
-    other_block_grads = max(other_block_grads, held_grads)
-    # Offloaded, a middle layer's backward holds two checkpoints (its own and the one below,
-    # coming back ahead of time) and the gradients of the layers above it: most at layer 1,
-    # where only two layers' gradients are still to come. It outweighs the last layer (the
-    # same two checkpoints, no gradients yet) always, and layer 0 once a block input is
-    # larger than one layer's gradients.
-    layer_1 = {}
-    if cfg.checkpoint and cfg.offload and n_layers > 2:
-        layer_1_grads = max((n_layers - 2) * grads * block_params // n_params, held_grads)
-        layer_1["backward of layer 1"] = backward_of(last_layer_kept,
-                                                     params + adam + layer_1_grads)
+
+    def with_grads_of(blocks):  # the model state once `blocks` blocks have their gradients
+        return params + adam + max(blocks * grads * block_params // n_params, held_grads)
+
+    # Below the last layer, each block's backward holds fewer activations and more gradients
+    # than the one above, so within the plain blocks and within the checkpointed ones the most
+    # is at either end: the last layer and the lowest plain block (layer k); the last
+    # checkpointed block (layer k - 1) and layer 0. Offloaded, a middle checkpointed block
+    # holds two checkpoints (its own and the one below, coming back ahead of time) and the
+    # gradients of the layers above it: most at layer 1, where only two layers' gradients are
+    # still to come. It outweighs the last checkpointed block (the same two checkpoints, fewer
+    # gradients) always, and layer 0 once a block input is larger than one layer's gradients.
+    middle = {}
+    if k and plain > 1:
+        middle[f"backward of layer {k}"] = backward_of(waiting(0, checkpoints["gpu"]
+                                                               + norms["block_input"]),
+                                                       with_grads_of(plain - 1))
+    if plain and k > 1:
+        middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
+    if cfg.offload and k > 2:
+        middle["backward of layer 1"] = backward_of(last_checkpointed, with_grads_of(n_layers - 2))
     moments = {
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
-        "backward of the last layer": backward_of(last_layer_kept, params + adam + held_grads,
+        "backward of the last layer": backward_of(last_layer_kept, with_grads_of(0),
                                                   "during_backward"),
-        **layer_1,
-        "backward of layer 0": backward_of(first_layer_kept, params + adam + other_block_grads,
+        **middle,
+        "backward of layer 0": backward_of(first_layer_kept, with_grads_of(n_layers - 1),
                                            "during_backward" if n_layers == 1 else "bottom_block"),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
@@ -351,6 +367,21 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
         if fits_on_gpu(plan["peak"], gpu_mem):
             return chunk
     return least_memory
+
+
+def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: int) -> int:
+    """03's checkpointed blocks k (--checkpoint-layers): the smallest k whose planned step fits
+    (fits_on_gpu, with its margin), else all n_layers. Each block left out skips its recompute
+    (a forward pass of the block), and its activations outweigh its checkpoint, so the planned
+    peak falls as k grows: the first k that fits is the fastest that does."""
+    if not cfg.checkpoint:
+        raise ValueError("the checkpointed layers are a setting of --checkpoint (03)")
+    args = model_args(cfg)
+    for k in range(1, args.n_layers):
+        plan = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)
+        if fits_on_gpu(plan["peak"], gpu_mem):
+            return k
+    return args.n_layers
 
 
 MLP_TILE_CHOICES = (32768, 16384, 8192)  # tokens; 04's default is about the model's dim
@@ -480,10 +511,14 @@ def stack_level(cfg: Config) -> int:
 def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                    gpus_per_node: int = GPUS_PER_NODE) -> str:
     """For a step that does not fit: the first single change that the planner says fits, tried
-    in this order: more --stack, --offload-model-state, a smaller --head-chunk, no
-    --keep-attention, more GPUs (2x .. 16x), a shorter --seq-len."""
-    changes = [(f"--stack {level}", replace(cfg, stack=level), world_size)
-               for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
+    in this order: more --checkpoint-layers, more --stack, --offload-model-state, a smaller
+    --head-chunk, no --keep-attention, more GPUs (2x .. 16x), a shorter --seq-len."""
+    changes = []
+    if cfg.checkpoint_layers is not None:  # the fewest checkpointed blocks that fit
+        k = fewest_checkpointed_layers_that_fit(cfg, world_size, gpu_mem)
+        changes.append((f"--checkpoint-layers {k}", replace(cfg, checkpoint_layers=k), world_size))
+    changes += [(f"--stack {level}", replace(cfg, stack=level), world_size)
+                for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
     if cfg.fsdp and not cfg.offload_model_state:
         changes.append(("--offload-model-state", replace(cfg, offload_model_state=True),
                         world_size))
@@ -524,7 +559,8 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     peak = plan["moments"][plan["peak_moment"]]
     gpus = gpus_text(world_size)
     row = lambda label, n: f"{label:<48}{n / GiB:9.1f}"  # noqa: E731
-    label_column = 0 if cfg.checkpoint else 1
+    some = cfg.checkpoint_layers is not None and cfg.checkpoint_layers < args.n_layers
+    label_column = (2 if some else 0) if cfg.checkpoint else 1
     other = {PLAN_COMPONENTS[c][label_column] or PLAN_COMPONENTS[c][0]: peak.get(c, 0)
              for c in PLAN_COMPONENTS}
     lines = [
@@ -601,9 +637,11 @@ def plan_forward_table(cfg: Config, world_size: int, gpu_mem: int) -> str:
 def plan_levels(cfg: Config):
     """(label, config) for each stack level 0..5, with Untied Ulysses next to Ulysses at levels 2
     and 3 (level 5 is level 4 with it), and level 4 without sequence parallelism (--sp 1); cfg's
-    other flags (batch size, head chunk, --sp, tile sizes, --tile-norm, dtype) kept."""
+    other flags (batch size, head chunk, --sp, --checkpoint-layers, tile sizes, --tile-norm,
+    dtype) kept where the level has their technique."""
     techniques = {flag: False for flag, _ in TECHNIQUES}
-    base = replace(cfg, stack=None, sp=None, head_chunk=None, **techniques)
+    base = replace(cfg, stack=None, sp=None, head_chunk=None, checkpoint_layers=None,
+                   **techniques)
     rows = []
     for level in range(MAX_STACK + 1):
         for use_untied in ((False, True) if level in (2, 3) else (level == 5,)):
@@ -611,9 +649,11 @@ def plan_levels(cfg: Config):
             rows.append((label, replace(base, stack=level, untied=use_untied,
                                         sp=cfg.sp if level >= 2 else None,
                                         ring=cfg.ring if level >= 2 else None,
-                                        head_chunk=cfg.head_chunk if use_untied else None)))
+                                        head_chunk=cfg.head_chunk if use_untied else None,
+                                        checkpoint_layers=cfg.checkpoint_layers
+                                        if level >= 3 else None)))
     rows.append(("--stack 4 --sp 1 (no context parallelism)",
-                 replace(base, stack=4, sp=1, ring=None)))
+                 replace(base, stack=4, sp=1, ring=None, checkpoint_layers=cfg.checkpoint_layers)))
     return rows
 
 
@@ -765,6 +805,10 @@ def next_memory_technique(cfg: Config, sp: int) -> str:
         return "--ulysses (02: split the sequence over the GPUs)"
     if not cfg.checkpoint:
         return "--checkpoint (03: keep only each block's input for backward)"
+    n_layers = model_args(cfg).n_layers
+    if (cfg.checkpoint_layers or n_layers) < n_layers:
+        return (f"a larger --checkpoint-layers (03: up to all {n_layers} blocks; python plan.py "
+                f"with the same flags names the fewest that fit)")
     if not cfg.offload:
         return "--offload (03: move those inputs to CPU memory)"
     if not (cfg.tile_mlp and cfg.tile_loss):  # not --tile-norm: the fused CUDA norm needs none

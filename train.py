@@ -90,7 +90,8 @@ def build_model(cfg: Config, rt: Runtime):
                                 loss_tile_tokens=cfg.loss_tile_tokens, tile_norm=cfg.tile_norm)
         if cfg.checkpoint:
             keep_attention.apply_keep_attention(model, cfg.keep_attention)  # before: 03 wraps it
-            checkpointing.apply_checkpointing(model, offload=cfg.offload)
+            checkpointing.apply_checkpointing(model, offload=cfg.offload,
+                                              layers=cfg.checkpoint_layers)
 
     mesh = rt.fsdp_mesh if cfg.fsdp else None  # 01's apply_fsdp shards over it (support/build.py)
     if cfg.init_from:

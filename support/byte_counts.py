@@ -156,22 +156,25 @@ def attention_activation_bytes(args, seq_len: int, sp: int, bytes_per_value: int
 
 def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
                             bytes_per_value: int = 2, pinned: bool = False,
-                            also_kept: list[int] = ()) -> dict:
+                            also_kept: list[int] = (), layers: int | None = None) -> dict:
     """Per-rank bytes of saved block inputs between forward and backward: {"gpu", "host"}.
 
-    Each block input is local tokens x dim. Without offload all n_layers stay on the GPU; with
-    offload only the last block's does, and n_layers - 1 live in pinned host memory. (During
-    backward the GPU holds two at a time: the one the current block recomputes from and the next
-    one coming back.) The recompute of one block's activations is `block_recompute_bytes`.
+    Each block input is local tokens x dim. Without offload all `layers` checkpointed blocks'
+    (--checkpoint-layers; None: all n_layers) stay on the GPU; with offload only the last
+    checkpointed block's does, and layers - 1 live in pinned host memory. (During backward the
+    GPU holds two at a time: the one the current block recomputes from and the next one coming
+    back.) The recompute of one block's activations is `block_recompute_bytes`; the blocks not
+    checkpointed keep their activations, as without 03 (plan.py adds them).
     pinned=True: the host bytes as the pinned allocator reserves them for the offloader's
     power-of-two pieces (support/host_buffers.py): the data, to within 2 MiB per tensor.
     also_kept: the bytes of each other tensor a block keeps where its input is kept
     (--keep-attention: kept_attention_bytes).
     """
+    layers = args.n_layers if layers is None else layers
     per_layer = [seq_len // sp * args.dim * bytes_per_value, *also_kept]
     host_buffer = sum(sum(power_of_two_pieces(n)) if pinned else n for n in per_layer)
-    on_host = (args.n_layers - 1) * host_buffer if offload else 0
-    on_gpu = sum(per_layer) * (1 if offload else args.n_layers)
+    on_host = max(layers - 1, 0) * host_buffer if offload else 0
+    on_gpu = sum(per_layer) * (min(layers, 1) if offload else layers)
     return {"gpu": on_gpu, "host": on_host}
 
 

@@ -7,7 +7,8 @@ context_fn); ops inside a block may ask, and neither lesson imports the other:
   - --keep-attention (support/keep_attention.py) keeps the block's attention output in the
     forward, moved by the block's offloader with the block input, and takes it back in the
     recompute.
-Outside a checkpointed block (no checkpointing, or no gradients) `current_block()` is None.
+Outside a checkpointed block (no checkpointing, a block that --checkpoint-layers leaves out, or
+no gradients) `current_block()` is None.
 """
 
 import contextlib

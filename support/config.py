@@ -53,6 +53,7 @@ class Config:
     ring: int | None = None  # 06: ring degree R (Ulysses P/R x ring R); default: ring_degree
     checkpoint: bool = False
     offload: bool = False
+    checkpoint_layers: int | None = None  # 03: checkpoint the first K blocks; None: all
     keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
     # None: decided on a GPU, from the plan (support/choices.py; off on the CPU)
     tile_mlp: bool = False
@@ -189,6 +190,9 @@ def add_technique_flags(parser):
     group.add_argument("--checkpoint", action="store_true", help="03: activation checkpointing")
     group.add_argument("--offload", action="store_true",
                        help="03: offload checkpoints to CPU (implies --checkpoint)")
+    group.add_argument("--checkpoint-layers", type=int, default=None, metavar="K",
+                       help="03: checkpoint (and offload) only the first K blocks; the others "
+                            "keep their activations and skip the recompute (default: all)")
     group.add_argument("--keep-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="03: keep each block's attention output (and log-sum-exp) with its "
                             "checkpoint, so backward's recompute skips the attention kernel: "
@@ -310,6 +314,12 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
+    if cfg.checkpoint_layers is not None and not cfg.checkpoint:
+        raise ValueError("--checkpoint-layers is a setting of --checkpoint (03): add --checkpoint, "
+                         "--offload or --stack 3 or higher")
+    if cfg.checkpoint_layers is not None and cfg.checkpoint_layers < 1:
+        raise ValueError(f"--checkpoint-layers must be at least 1 (without checkpointing, leave "
+                         f"out --checkpoint), got {cfg.checkpoint_layers}")
     if cfg.keep_attention and not cfg.checkpoint:
         raise ValueError("--keep-attention is a setting of --checkpoint (03): add --checkpoint, "
                          "--offload or --stack 3 or higher")
@@ -344,7 +354,11 @@ def resolve_techniques(cfg: Config) -> Config:
                                             and cfg.rope_factor >= 1):
         raise ValueError(f"--rope-factor must be a finite number >= 1 (llama3 and yarn stretch the "
                          f"pretrained context by it), got {cfg.rope_factor}")
-    model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear error now
+    n_layers = model_args(cfg).n_layers  # an unknown preset or an unsupported Hugging Face
+    # config: a clear error now
+    if cfg.checkpoint_layers is not None and cfg.checkpoint_layers > n_layers:
+        raise ValueError(f"--checkpoint-layers {cfg.checkpoint_layers} is more than the model's "
+                         f"{n_layers} layers")
     if cfg.lr is None:
         cfg.lr = default_lr(cfg)
     if cfg.min_lr is None:
@@ -398,4 +412,8 @@ def techniques_text(cfg: Config, head_chunk, ring: int = 1) -> str:
     names += ["tile_norm"] if cfg.tile_norm else []
     names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
-    return ", ".join(f"untied (U={head_chunk})" if f == "untied" else f for f in names) or "none"
+    labels = {"untied": f"untied (U={head_chunk})"}
+    n_layers = model_args(cfg).n_layers if cfg.checkpoint_layers else None
+    if cfg.checkpoint_layers and cfg.checkpoint_layers < n_layers:  # --checkpoint-layers K < L
+        labels["checkpoint"] = f"checkpoint (first {cfg.checkpoint_layers} of {n_layers} layers)"
+    return ", ".join(labels.get(f, f) for f in names) or "none"

@@ -35,7 +35,8 @@ from support import checkpointed, kernels
 
 def apply_keep_attention(model, enabled: bool = True) -> None:
     """--keep-attention on `model`, before 03's apply_checkpointing (whose recompute must rerun
-    the forward wrapped here). `model.kept_attention`: the KeptAttention, or None if disabled."""
+    the forward wrapped here). `model.kept_attention`: the KeptAttention, or None if disabled.
+    Every block is wrapped; it acts only in those 03 checkpoints (support/checkpointed.py)."""
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("--keep-attention must be applied before checkpointing (03), so that the "
                          "block's recompute runs inside it")
@@ -58,7 +59,9 @@ class KeptAttention:
         """A block's forward; inside 03's checkpoint, its attention keeps its output in the
         forward and takes it back in the recompute."""
         block = checkpointed.current_block()
-        if block is None:  # not checkpointed (no gradients): nothing will be recomputed
+        # Not checkpointed (a block --checkpoint-layers leaves out: it keeps all it saved; or no
+        # gradients): nothing will be recomputed, so nothing is kept here either.
+        if block is None:
             return forward(x, rope, cu_seqlens)
         token = _inside.set((self, block))
         try:

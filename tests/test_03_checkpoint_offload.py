@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (GPU_KERNELS, assert_matches, assert_step_matches, make_batch,
+from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
                        reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
 from support import host_buffers, host_memory, kernels
@@ -22,6 +22,7 @@ import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward
 from support import byte_counts
+import plan as planner
 
 checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
@@ -44,20 +45,23 @@ def _build(cfg):
     return train.build_model(cfg, rt), rt, cfg
 
 
-def _check_offload_stats(stats, local_tokens, itemsize=4):
-    """One step moved L-1 block inputs to the host and brought each back, prefetched, before
-    its block's backward used it; the last block's input stayed."""
+def _check_offload_stats(stats, local_tokens, itemsize=4, checkpointed=L):
+    """One step moved the first `checkpointed` blocks' inputs but the last of them to the host
+    and brought each back, prefetched, before its block's backward used it; the last
+    checkpointed block's input stayed, and no other block's was touched."""
+    k = checkpointed
     block_input = ROWS * local_tokens * ARGS.dim * itemsize
-    assert stats["offloaded"] == L - 1 and stats["offloaded_bytes"] == (L - 1) * block_input, stats
-    assert stats["restored"] == L - 1 and stats["restored_bytes"] == (L - 1) * block_input, stats
+    assert stats["offloaded"] == k - 1 and stats["offloaded_bytes"] == (k - 1) * block_input, stats
+    assert stats["restored"] == k - 1 and stats["restored_bytes"] == (k - 1) * block_input, stats
     assert stats["kept"] == 1 and stats["kept_bytes"] == block_input, stats
-    assert stats["prefetched"] == L - 1, stats
+    assert stats["prefetched"] == k - 1, stats
     # block inputs' (not --keep-attention's)
     events = [e for e in stats["events"] if "attention" not in e]
-    assert events[:L] == [f"offload {i}" for i in range(L - 1)] + [f"keep {L - 1}"], events
+    assert events[:k] == [f"offload {i}" for i in range(k - 1)] + [f"keep {k - 1}"], events
+    assert all(int(e.split()[-1]) < k for e in stats["events"]), events  # the others: untouched
     uses = [e for e in events if e.startswith("use")]
-    assert uses == [f"use {i}" for i in reversed(range(L))], events  # backward order, once each
-    for i in range(L - 1):
+    assert uses == [f"use {i}" for i in reversed(range(k))], events  # backward order, once each
+    for i in range(k - 1):
         # Block i's input started coming back just before block i+1's backward (so the copy
         # overlaps it), and before block i used it.
         assert events.index(f"prefetch {i}") == events.index(f"use {i + 1}") - 1, events
@@ -77,6 +81,27 @@ def _equal_with_and_without_checkpoint_and_offload():
         what = f"checkpoint={checkpointing} offload={offloading} sp={sp}"
         assert_matches(loss, grads, ref_loss, ref_grads, what=what)
         results[what] = (loss, grads)
+    # --checkpoint-layers k < L: checkpointed alone, and offloaded with --keep-attention.
+    for k, offloading in [(k, offloading) for k in range(1, L) for offloading in (False, True)]:
+        cfg = train.Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=True,
+                           offload=offloading, keep_attention=offloading, checkpoint_layers=k,
+                           seq_len=SEQ, batch_size=ROWS)
+        model, rt, _ = _build(cfg)
+        loss = train.forward_backward(model, tokens, rt, labels)
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        what = f"checkpoint_layers={k} offload={offloading} keep_attention={offloading} sp={sp}"
+        assert_matches(loss, grads, ref_loss, ref_grads, what=what)
+        if not offloading:  # (--keep-attention's kernels are others than plain attention's)
+            results[what] = (loss, grads)
+            continue
+        # Both act on the first k blocks only: k - 1 inputs moved, block k - 1's kept on the
+        # device as the last, k attention outputs kept; the other blocks untouched.
+        _check_offload_stats(model.checkpoint_offload.stats, SEQ // sp, checkpointed=k)
+        kept = model.kept_attention.stats
+        planned = sum(byte_counts.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
+        assert kept["kept"] == kept["taken"] == k and kept["kept_bytes"] == k * planned, kept
+        assert kept["offloaded_bytes"] == kept["restored_bytes"] == (k - 1) * planned, kept
+        assert not model.checkpoint_offload.waiting and not model.kept_attention.waiting
     # Recompute and the host round trip reproduce the same bits on the CPU.
     (loss0, grads0), *others = results.values()
     for loss, grads in others:
@@ -95,8 +120,10 @@ def _equal_with_and_without_checkpoint_and_offload():
 
 
 def test_loss_and_grads_equal_reference_with_fsdp_ulysses_checkpoint_offload():
-    """P=2 (FSDP + Ulysses): none / checkpoint / checkpoint+offload all equal the unsharded fp32
-    model, and each other bit for bit; the offload moved L-1 block inputs out and back."""
+    """P=2 (FSDP + Ulysses): none / checkpoint / checkpoint+offload, and the first k < L blocks
+    checkpointed (alone; offloaded with --keep-attention), all equal the unsharded fp32 model
+    (without --keep-attention each other bit for bit); the offload moved the k-1 inputs of the
+    blocks it offloads out and back."""
     run_ranks(2, _equal_with_and_without_checkpoint_and_offload)
 
 
@@ -292,6 +319,35 @@ def test_offload_acts_on_memory_kept_for_backward():
     assert planned == {"gpu": block_input // ROWS, "host": (L - 1) * block_input // ROWS}
 
 
+def test_checkpointing_k_blocks_keeps_k_inputs_and_the_others_activations():
+    """--checkpoint-layers acts: each block checkpointed keeps its input instead of its
+    activations, so the bytes kept for backward fall as k grows, block by block by what the
+    planner counts (fp32, norms op by op as on the CPU); offloaded, k - 1 inputs go to the
+    host. Were `layers` ignored, every k would keep what k = L keeps."""
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=1)
+    block_input = ROWS * SEQ * ARGS.dim * 4
+    kept, moments = {}, {}
+    for k, offloading in [(k, o) for k in range(L + 1) for o in (False, True) if k or not o]:
+        cfg = train.Config(model=MODEL, checkpoint=k > 0, offload=offloading,
+                           checkpoint_layers=k or None, seq_len=SEQ, batch_size=ROWS)
+        model, rt, cfg = _build(cfg)
+        offloader = model.checkpoint_offload if k else None
+        kept[k, offloading] = bytes_saved_for_backward(
+            lambda: train.forward_backward(model, tokens, rt, labels), offloader)
+        if offloading:
+            assert offloader.host_buffers.nbytes == (k - 1) * block_input
+            assert kept[k, True] == kept[k, False] - (k - 1) * block_input, kept
+        else:
+            end_of_forward = planner.plan_memory(cfg, 1, fused_norm=False)["moments"][
+                "end of forward (loss)"]
+            moments[k] = end_of_forward["saved"] + end_of_forward["attention"]
+    steps = [kept[k, False] - kept[k + 1, False] for k in range(L)]
+    assert all(step > 5 * block_input for step in steps), steps
+    # Exactly the planner's step while any block keeps its activations (those blocks also
+    # share the rotary tables, which checkpointed blocks hold outside autograd's saved tensors).
+    assert steps[:-1] == [moments[k] - moments[k + 1] for k in range(L - 1)], (steps, moments)
+
+
 def test_offloaded_inputs_are_really_released():
     """Copying a block input to the host frees nothing while anything still references the
     original: after forward, every offloaded input must be gone (only the last block's stays),
@@ -372,10 +428,13 @@ def test_host_buffers_are_power_of_two_pieces_that_round_trip():
 @pytest.mark.slow
 def test_train_py_stack_3_runs():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "train.py", "--stack", "3", "--steps", "3"], cwd=REPO,
+    # (the first of tiny's 2 blocks checkpointed, --checkpoint-layers' path end to end)
+    result = subprocess.run([sys.executable, "train.py", "--stack", "3", "--steps", "3",
+                             "--checkpoint-layers", "1"], cwd=REPO,
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "offload" in result.stdout  # the run log names the techniques it applied
+    # the run log names the techniques it applied
+    assert "checkpoint (first 1 of 2 layers), offload" in result.stdout, result.stdout
 
 
 # ---------------------------------------------------------------------------------------------

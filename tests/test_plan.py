@@ -382,8 +382,8 @@ def test_parse_bytes():
             planner.parse_bytes(bad)
 
 
-def _cfg(stack, seq_len, **flags):
-    return train.resolve_techniques(train.Config(model="llama3-8b", seq_len=seq_len,
+def _cfg(stack, seq_len, model="llama3-8b", **flags):
+    return train.resolve_techniques(train.Config(model=model, seq_len=seq_len,
                                                  dtype="bfloat16", stack=stack, **flags))
 
 
@@ -425,6 +425,75 @@ def test_tiled_norms_without_checkpointing_keep_the_running_blocks_input():
     assert plan["moments"]["backward of layer 0"]["saved"] == hidden
     assert (plan["moments"]["backward of the last layer"]["saved"]
             == (LLAMA8B.n_layers - 1) * layer + hidden)
+
+
+def test_checkpointing_the_first_k_layers_plans_between_none_and_all():
+    """--checkpoint-layers k: k = L is exactly the plan of checkpointing every block; each block
+    left out adds its activations, kept from forward to backward, in place of its checkpoint
+    (offloaded: in place of nothing on the GPU, one host buffer less), so the planned peak never
+    rises as k grows (a block's activations outweigh its input, with the fused RMSNorm a GPU
+    runs; op by op the last block's norm keeps an fp32 copy and not its input, so checkpointing
+    it adds that input at its backward)."""
+    for preset, length, gpus, stack, keep, offload in [
+            ("llama3-8b", 2**17, 8, 5, True, True), ("llama3-8b", 2**20, 8, 4, False, True),
+            ("llama3-8b", 2**15, 1, 3, True, False), ("llama3.2-3b", 2**14, 1, 3, False, False),
+            ("llama3.2-3b", 2**16, 2, 4, True, False), ("llama3.2-3b", 2**18, 1, 5, False, True)]:
+        cfg = _cfg(stack, length, keep_attention=keep, model=preset)
+        cfg.offload = offload
+        n = llama.get_model_args(preset).n_layers
+        plans = [planner.plan_memory(replace(cfg, checkpoint=k > 0, keep_attention=keep and k > 0,
+                                             offload=offload and k > 0,
+                                             checkpoint_layers=k or None), gpus)
+                 for k in range(n + 1)]
+        what = (preset, length, gpus, stack, keep, offload)
+        assert plans[n] == planner.plan_memory(cfg, gpus), what
+        assert not any(re.fullmatch(r"backward of layer ([2-9]|\d\d+)", m)
+                       for m in plans[n]["moments"]), what  # the moments named as before
+        peaks = [p["peak"] for p in plans]
+        assert all(b <= a for a, b in zip(peaks, peaks[1:])), (what, peaks)
+        kept = [p["moments"]["end of forward (loss)"] for p in plans]
+        kept = [m["saved"] + m["attention"] for m in kept]
+        for k in range(1, n):
+            assert f"backward of layer {k}" in plans[k]["moments"] or k == n - 1, (what, k)
+            if offload:  # the last checkpointed block's input on the GPU, k - 1 on the host
+                assert kept[k] * n == kept[n] * n + (n - k) * kept[0], (what, k)
+                assert plans[k]["host"] * (n - 1) == plans[n]["host"] * (k - 1), (what, k)
+            else:  # k checkpoints and n - k blocks' activations: between all and none
+                assert kept[k] * n == k * kept[n] + (n - k) * kept[0], (what, k)
+
+
+def test_fewest_checkpointed_layers_that_fit_llama3_2_3b_one_h200():
+    """The smallest k whose planned step fits with the margin, or all L: on one H200 at 16K one
+    checkpointed block is enough, at 32K some, at 64K (where nothing fits) all 28."""
+    gpu = int(139.8 * GiB)
+    fewest = lambda length: planner.fewest_checkpointed_layers_that_fit(  # noqa: E731
+        _cfg(3, length, model="llama3.2-3b"), 1, gpu)
+    fits = lambda length, k: planner.fits_on_gpu(planner.plan_memory(  # noqa: E731
+        _cfg(3, length, model="llama3.2-3b", checkpoint_layers=k), 1)["peak"], gpu)
+    n = llama.get_model_args("llama3.2-3b").n_layers
+    assert fewest(2**14) == 1 and fits(2**14, 1)
+    k = fewest(2**15)
+    assert 1 < k < n and fits(2**15, k) and not fits(2**15, k - 1), k
+    assert fewest(2**16) == n and not fits(2**16, n)
+    with pytest.raises(ValueError, match="setting of --checkpoint"):
+        planner.fewest_checkpointed_layers_that_fit(_cfg(2, 2**14, model="llama3.2-3b"), 1, gpu)
+
+
+def test_the_plan_names_the_checkpointed_layers():
+    """plan.py with --checkpoint-layers K < L says so in the techniques and the saved bytes; one
+    that does not fit names the fewest checkpointed layers that do."""
+    flags = ["--model", "llama3.2-3b", "--seq-len", "32K", "--stack", "3", "--gpus", "1",
+             "--gpu-mem", "139.8GiB", "--attn-kernel", "cudnn", "--checkpoint-layers"]
+    k = planner.fewest_checkpointed_layers_that_fit(
+        _cfg(3, 2**15, model="llama3.2-3b", attn_kernel="cudnn"), 1, int(139.8 * GiB))
+    table = planner.plan_main(flags + [str(k)])
+    assert f"checkpoint (first {k} of 28 layers)" in table and "does NOT fit" not in table, table
+    assert "checkpoints, and the other blocks' norms and MLP" in table, table
+    tight = planner.plan_main(flags + ["1"])
+    assert f"to fit: --checkpoint-layers {k} fits" in tight, tight
+    everything = planner.plan_main(flags + ["28"])
+    assert "techniques: fsdp, ulysses, checkpoint, offload" in everything, everything
+    assert "checkpoints on GPU" in everything
 
 
 def test_longest_sequence_grows_with_the_stack_llama3_8b_8x80gib():

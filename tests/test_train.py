@@ -77,6 +77,10 @@ def error_of(argv, capsys) -> str:
     (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
     (["--warmup-steps", "-1"], "--warmup-steps must be at least 0, got -1"),
     (["--plan", "--gpu-mem", "infGiB"], "a memory size must be positive and finite, got 'infGiB'"),
+    (["--checkpoint-layers", "1"], "--checkpoint-layers is a setting of --checkpoint (03)"),
+    (["--checkpoint", "--checkpoint-layers", "0"], "--checkpoint-layers must be at least 1"),
+    (["--offload", "--checkpoint-layers", "3"],
+     "--checkpoint-layers 3 is more than the model's 2 layers"),
 ])
 def test_bad_flags_give_clear_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
