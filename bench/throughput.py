@@ -484,6 +484,11 @@ def rebound_rows(paths: list, result: dict, base: train.Config, rt, measure, in_
         result.setdefault("rows_from", []).append(
             {"file": str(path), "git_commit": saved.get("git_commit"),
              "command": saved.get("command"), "gpu": saved.get("gpu")})
+        known = {(r["method"], r["seq_len"], r["layers"]) for r in result["rows"]}
+        again = [r for r in saved["rows"] if (r["method"], r["seq_len"], r["layers"]) in known]
+        if again:
+            raise SystemExit(f"--rows-from {path}: {again[0]['method']} at {again[0]['seq_len']} "
+                             f"tokens is also in an earlier file: give one result per row")
         result["rows"] += [dict(r, rows_from=str(path)) for r in saved["rows"]]
     for method, seq_len in sorted({(r["method"], r["seq_len"]) for r in result["rows"]
                                    if r.get("status") == "ok"}, key=lambda k: (k[1], k[0])):

@@ -509,6 +509,9 @@ def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
     throughput.rebound_rows([str(path)], result, base, Runtime(world=2), measure, lambda: True)
     assert measured == [("ulysses", 131072, None, 16384), ("untied", 131072, 2, None)]
     assert len(result["rows"]) == 4 and result["rows_from"][0]["git_commit"] == "abc"
+    with pytest.raises(SystemExit, match="also in an earlier file"):
+        throughput.rebound_rows([str(path), str(path)], {"model": "llama3-8b", "rows": []}, base,
+                                Runtime(world=2), measure, lambda: True)
     with pytest.raises(SystemExit, match="not llama3-8b on 1"):
         throughput.rebound_rows([str(path)], {"model": "llama3-8b", "rows": []}, base,
                                 Runtime(world=1), measure, lambda: True)
