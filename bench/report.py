@@ -103,19 +103,37 @@ def allocate_adam_state(model, optimizer):
         group["lr"] = lr
 
 
-def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3) -> float:
-    """Median milliseconds of fn() measured with CUDA events after warm-up."""
-    for _ in range(warmup):
-        fn()
+def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3, inputs: list | None = None,
+                 device=None) -> float:
+    """Median milliseconds of fn() after warm-up (`event_times_ms`)."""
+    times = sorted(event_times_ms(fn, warmup, repeats, inputs, device))
+    return times[len(times) // 2]
+
+
+def event_times_ms(fn, warmup: int = 1, repeats: int = 3, inputs: list | None = None,
+                   device=None) -> list:
+    """Milliseconds of each of `repeats` calls of fn after `warmup` calls: CUDA events around
+    each call (on a CPU device, a host clock). inputs: argument tuples that the calls take in
+    turn, so that a call does not find the previous one's operands still in the cache."""
+    sets = inputs or [()]
+    on_gpu = device is None or torch.device(device).type == "cuda"
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
     times = []
-    for _ in range(repeats):
+    for i in range(warmup, warmup + repeats):
+        args = sets[i % len(sets)]
+        if not on_gpu:
+            start = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fn(*args)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return times
 
 
 def synchronize(device):

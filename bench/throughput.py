@@ -38,11 +38,13 @@ FLOPs (per step, all GPUs), what MFU and the bound count: per layer, causal atte
 2 S^2 d (d = heads x head dim), backward 2.5x forward, checkpoint recompute one more forward;
 linear layers 2 x params x tokens forward, 2x that backward, recompute one more forward (the
 tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
-H200's dense bf16 peak). Kernel bound = attention FLOPs at the attention kernel's measured
-standalone rate (this GPU, this run, one GPU's heads over min(S, 256K) tokens: the rate is
-measured once more per length, at most 256K long to save time; on one H200 the rate at 512K
-and 1M is the 256K rate to within 0.4% for FA4 and cuDNN, docs/results) + linear FLOPs at the
-measured bf16 matmul rate; target: step time within 15% of it at >= 512K.
+H200's dense bf16 peak). Kernel bound (bench/bound.py, measured on this GPU in this run): one
+GPU's attention FLOPs at the attention kernel's rate at its best at that length (all heads in
+one call over all S tokens; measured once per length and kernel), plus the step's own GEMMs on
+one GPU, each timed at its shape and tile (q/k/v/o, gate/up/down over 04's MLP tiles, lm_head
+over its loss tiles; forward, recompute and both backward products). A step faster than its
+bound stops the run with an error naming the term that is wrong. --rows-from: no steps, the
+rows of an earlier result against the bound measured now (its step times, this GPU's kernels).
 
 Single steps: pinned host buffers are cached by PyTorch once allocated, so the first row that
 offloads at a length would pay their allocation and the rows after it would not; every row
@@ -65,9 +67,9 @@ import torch.distributed as dist
 from support import byte_counts, host_buffers, kernels
 from model import ModelArgs, get_model_args
 import plan as planner
-from bench import ring
-from bench.report import (cuda_time_ms, default_out_dir, end_distributed, refuse_without_gpu,
-                          release, synchronize, within_budget, write_result)
+from bench import bound, ring
+from bench.report import (default_out_dir, end_distributed, refuse_without_gpu, release,
+                          synchronize, within_budget, write_result)
 from bench.step import with_layers
 from support.data import parse_tokens
 
@@ -174,7 +176,7 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
-# FLOPs, and the kernels' standalone rates.
+# FLOPs (the kernels' bound: bench/bound.py).
 # ---------------------------------------------------------------------------------------------
 
 def step_flops(args: ModelArgs, seq_len: int, sequences: int,
@@ -192,38 +194,13 @@ def step_flops(args: ModelArgs, seq_len: int, sequences: int,
             "linear": linear_forward * (1 + 2 + 1)}
 
 
-def kernel_rates(args, local_heads: int, local_kv_heads: int, seq_len: int, local_tokens: int,
-                 device, dtype) -> dict:
-    """FLOP/s of the attention kernel (forward + backward, causal, one GPU's heads over the whole
-    sequence) and of a bf16 matmul of one GPU's tokens through the MLP's up projection."""
-    q = torch.randn(1, seq_len, local_heads, args.head_dim, device=device, dtype=dtype,
-                    requires_grad=True)
-    k, v = (torch.randn(1, seq_len, local_kv_heads, args.head_dim, device=device, dtype=dtype,
-                        requires_grad=True) for _ in range(2))
-    grad = torch.randn_like(q)
-
-    def attention():
-        q.grad = k.grad = v.grad = None
-        kernels.causal_attention(q, k, v).backward(grad)
-
-    attention_ms = cuda_time_ms(attention, warmup=1, repeats=1)
-    attention_flops = 2 * seq_len**2 * local_heads * args.head_dim * (1 + 2.5)
-    q = k = v = grad = None  # frees them (attention() shares these names)
-    x = torch.randn(local_tokens, args.dim, device=device, dtype=dtype)
-    w = torch.randn(args.dim, args.ffn_dim, device=device, dtype=dtype)
-    matmul_ms = cuda_time_ms(lambda: x @ w, warmup=2, repeats=5)
-    rates = {"attention_flops_per_s": attention_flops / (attention_ms / 1e3),
-             "matmul_flops_per_s": 2 * local_tokens * args.dim * args.ffn_dim / (matmul_ms / 1e3),
-             "attention_rate_seq_len": seq_len}
-    x = w = None
-    release(device)
-    return rates
-
-
 # ---------------------------------------------------------------------------------------------
 
-def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
-    """Per (method, length): extrapolated full-depth step, tokens/s per GPU, MFU, kernel bound."""
+def summarize(rows: list[dict], args, world: int, rates: dict,
+              matmul: dict | None = None) -> list[dict]:
+    """Per (method, length): extrapolated full-depth step, tokens/s per GPU, MFU, kernel bound
+    (rates: the attention kernel's, by "LENGTH@KERNEL"; matmul: the GEMMs' term, by
+    `matmul_key`)."""
     table = []
     keys = sorted({(r["method"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[0]))
     for method, seq_len in keys:
@@ -252,12 +229,50 @@ def summarize(rows: list[dict], args, world: int, rates: dict) -> list[dict]:
                      tokens_per_s_per_gpu=tokens_per_gpu / step,
                      mfu=(flops["attention"] + flops["linear"]) / (step * world * H200_BF16_PEAK))
         rate = rates.get(f"{seq_len}@{parse_method(method)[2]}")
-        if rate:
-            bound = (flops["attention"] / world / rate["attention_flops_per_s"]
-                     + flops["linear"] / world / rate["matmul_flops_per_s"])
-            entry.update(kernel_bound_s=bound, step_over_bound=step / bound)
+        gemms = (matmul or {}).get(matmul_key(method, seq_len))
+        if rate and gemms:
+            entry.update(bound.kernel_bound(flops["attention"] / world, rate,
+                                            gemms["matmul_s"], flops["linear"] / world))
+            entry["step_over_bound"] = step / entry["kernel_bound_s"]
         table.append(entry)
     return table
+
+
+def matmul_key(method: str, seq_len: int) -> str:
+    return f"{seq_len} {method}"
+
+
+def faster_than_bounds(table: list[dict]) -> list[str]:
+    """The errors of the entries whose step is faster than their kernels' bound."""
+    errors = [bound.faster_than_bound(e["step_time_s"], e, f"{e['method']} at {e['seq_len']:,} "
+                                      f"tokens ({e['how']})")
+              for e in table if e.get("status") == "ok" and "kernel_bound_s" in e]
+    return [error for error in errors if error]
+
+
+def stop_if_faster_than_bound(table: list[dict], device) -> None:
+    """Stop every rank when rank 0's table has a step faster than its bound (the error says
+    which term of the bound is wrong); each rank measured its own, rank 0's are written."""
+    errors = faster_than_bounds(table)
+    flag = torch.tensor([float(bool(errors))], device=device)
+    dist.broadcast(flag, 0)
+    if flag.item():
+        end_distributed()
+        raise SystemExit("bench.throughput: " + ("; ".join(errors) if errors
+                                                 else "rank 0 found a step faster than its bound"))
+
+
+def matmul_term(cfg: train.Config, method: str, seq_len: int, world: int, device, dtype,
+                measured: dict) -> dict:
+    """The bound's GEMM term of one GPU of a row at full depth (cfg: the full-depth config)."""
+    args = get_model_args(cfg.model)
+    cp = parse_method(method)[0] != "none"
+    tokens = seq_len // world if cp else seq_len
+    ulysses = world // (cfg.ring or 1) if cp else 1
+    gemms = bound.step_gemms(args, cfg, tokens, ulysses)
+    return {"matmul_s": bound.matmul_seconds(gemms, device, dtype, measured),
+            "linear_flops_per_gpu": bound.gemm_flops(gemms), "tokens_per_gpu": tokens,
+            "gemms": gemms}
 
 
 def method_label(entry: dict) -> str:
@@ -331,6 +346,10 @@ def main():
     parser.add_argument("--budget-s", type=float, default=540, help="skip what starts after this")
     parser.add_argument("--name", default=None, help="result file name")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--rate-repeats", type=int, default=3,
+                        help="timed calls of the attention kernel per length (after a warm-up)")
+    parser.add_argument("--rows-from", nargs="+", default=None, metavar="JSON",
+                        help="no steps: these results' rows against the bound measured now")
     parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                         help="no run: draw these results (merged) into a PNG next to the first")
     opts = parser.parse_args()
@@ -359,14 +378,14 @@ def main():
     dtype = getattr(torch, base.dtype)
     methods = [m for m in opts.methods  # the ring peer is CUDA only
                if not (parse_method(m)[0] == "ring" and opts.device == "cpu")]
-    parse = parse_tokens
     result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
               "tile_mlp, tile_loss + the method", "ring_gqa": opts.ring_gqa,
               "peak_flops_per_gpu": H200_BF16_PEAK,
               "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
               "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
-              "rows": [], "kernel_rates": {}, "table": []}
+              "bound_note": bound.__doc__.split("\n\n")[0],
+              "rows": [], "kernel_rates": {}, "matmul": {}, "gemm_times_ms": {}, "table": []}
     name = opts.name or (f"throughput_{opts.model}_{rt.world}gpu"
                          + ("" if opts.device == "cuda" else "_cpu"))
     out_dir = Path(opts.out or default_out_dir())
@@ -374,37 +393,72 @@ def main():
     in_budget = partial(within_budget, started, opts.budget_s, rt.device)
 
     def save():
-        result["table"] = summarize(result["rows"], args, rt.world, result["kernel_rates"])
+        result["table"] = summarize(result["rows"], args, rt.world, result["kernel_rates"],
+                                    result["matmul"])
         result["wall_s"] = time.perf_counter() - started
         if rt.rank == 0:
             write_result(name, result, out_dir, announce=False)
+        stop_if_faster_than_bound(result["table"], rt.device)
 
+    measure = partial(measure_bound, result, rt, dtype, opts.rate_repeats)
+    if opts.rows_from:
+        rebound_rows(opts.rows_from, result, base, rt, measure, in_budget)
+    else:
+        run_rows(opts, result, base, rt, dtype, methods, measure, in_budget, save)
+    save()
+    if rt.rank == 0:
+        print_table(result["table"])
+        print(f"wrote {out_dir / (name + '.json')}")
+        if opts.device == "cuda":
+            plot([result["table"]], out_dir / f"{name}.png",
+                 f"{opts.model}, {rt.world} GPUs (ours) vs 8 x H100 (paper)")
+    end_distributed()
+
+
+def measure_bound(result: dict, rt, dtype, repeats: int, method: str, seq_len: int,
+                  full_depth: train.Config) -> None:
+    """The bound's two terms for a row (on a GPU): the attention kernel's rate at this length
+    (once per length and kernel) and the full-depth step's GEMMs (once per method and length)."""
+    if rt.device.type != "cuda":
+        return
+    kernel = parse_method(method)[2]
+    rate_key = f"{seq_len}@{kernel}"  # each kernel its own rate
+    if rate_key not in result["kernel_rates"]:
+        kernels.use_kernel(kernel)
+        args = get_model_args(full_depth.model)
+        result["kernel_rates"][rate_key] = {
+            **bound.attention_rate(args, seq_len, rt.device, dtype, repeats),
+            "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
+    key = matmul_key(method, seq_len)
+    if key not in result["matmul"]:
+        result["matmul"][key] = matmul_term(full_depth, method, seq_len, rt.world, rt.device,
+                                            dtype, result["gemm_times_ms"])
+
+
+def run_rows(opts, result: dict, base: train.Config, rt, dtype, methods: list, measure,
+             in_budget, save) -> None:
+    """Each method and length at 1 and 2 layers (and --validate's at full depth): its bound,
+    then its steps."""
+    parse, args = parse_tokens, get_model_args(opts.model)
     plan = [(m, parse(s), layers) for s in opts.seq_lens for m in methods for layers in (1, 2)
             if not (parse_method(m)[0] == "none" and parse(s) > parse(opts.no_cp_up_to))]
     plan += [(m, parse(s), args.n_layers) for m, _, s in (v.rpartition(":") for v in opts.validate)]
     for method, seq_len, layers in plan:
-        rate_key = f"{seq_len}@{parse_method(method)[2]}"  # each kernel its own rate
-        if opts.device == "cuda" and rate_key not in result["kernel_rates"] and in_budget():
-            kernels.use_kernel(parse_method(method)[2])
-            rate_len = min(seq_len, parse("256K"))  # longer: minutes per measurement (docstring)
-            result["kernel_rates"][rate_key] = {**kernel_rates(
-                args, args.n_heads // rt.world, max(args.n_kv_heads // rt.world, 1), rate_len,
-                seq_len // rt.world, rt.device, dtype),
-                "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
         row = {"method": method, "seq_len": seq_len, "layers": layers}
         if not in_budget():
             result["rows"].append({**row, "status": "skipped (time budget)"})
             continue
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
+        full_depth = dataclasses.replace(cfg, model=opts.model)
         if opts.device == "cuda":  # what train.py would choose for the full-depth model
             gpu_mem = planner.smallest_gpu_memory(rt)
-            full_depth = dataclasses.replace(cfg, model=opts.model)
             if cfg.untied and cfg.head_chunk is None:
                 cfg.head_chunk = full_depth.head_chunk = planner.fewest_stages_that_fit(
                     full_depth, rt.world, gpu_mem)
             if cfg.tile_mlp and cfg.mlp_tile_tokens is None:
-                cfg.mlp_tile_tokens = planner.largest_mlp_tile_that_fits(full_depth, rt.world,
-                                                                         gpu_mem)
+                cfg.mlp_tile_tokens = full_depth.mlp_tile_tokens = \
+                    planner.largest_mlp_tile_that_fits(full_depth, rt.world, gpu_mem)
+        measure(method, seq_len, full_depth)  # before the model: the GPU is free
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,
                    attention_kernel=kernels.attention_kernel_name(rt.device, dtype, args.head_dim))
@@ -416,25 +470,53 @@ def main():
         if rt.rank == 0:
             print({k: v for k, v in row.items() if k != "step_times_s"}, flush=True)
         save()
-    save()
 
-    if rt.rank == 0:
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"\n{'tokens':>8} {'method':>12} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6} "
-              f"{'bound s':>8} {'/bound':>7}  how")
-        for e in result["table"]:
-            if e["status"] != "ok":
-                print(f"{e['seq_len']:>8} {e['method']:>12} {e['status']:>9}")
-                continue
-            print(f"{e['seq_len']:>8} {method_label(e):>12} {e['step_time_s']:>9.2f} "
-                  f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
-                  f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} "
-                  f"{fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
-        print(f"wrote {out_dir / (name + '.json')}")
-        if opts.device == "cuda":
-            plot([result["table"]], out_dir / f"{name}.png",
-                 f"{opts.model}, {rt.world} GPUs (ours) vs 8 x H100 (paper)")
-    end_distributed()
+
+def rebound_rows(paths: list, result: dict, base: train.Config, rt, measure, in_budget) -> None:
+    """--rows-from: the rows of earlier results (same model and GPU count), no steps run; the
+    bound measured now, for each row's method, length, head chunk and MLP tile as it ran (rows
+    from before the MLP tile was recorded ran 04's default; before U was, 05's default U = P)."""
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        if (saved["model"], saved["world_size"]) != (result["model"], rt.world):
+            raise SystemExit(f"--rows-from {path}: {saved['model']} on {saved['world_size']} "
+                             f"GPUs, not {result['model']} on {rt.world}")
+        result.setdefault("rows_from", []).append(
+            {"file": str(path), "git_commit": saved.get("git_commit"),
+             "command": saved.get("command"), "gpu": saved.get("gpu")})
+        known = {(r["method"], r["seq_len"], r["layers"]) for r in result["rows"]}
+        again = [r for r in saved["rows"] if (r["method"], r["seq_len"], r["layers"]) in known]
+        if again:
+            raise SystemExit(f"--rows-from {path}: {again[0]['method']} at {again[0]['seq_len']} "
+                             f"tokens is also in an earlier file: give one result per row")
+        result["rows"] += [dict(r, rows_from=str(path)) for r in saved["rows"]]
+    for method, seq_len in sorted({(r["method"], r["seq_len"]) for r in result["rows"]
+                                   if r.get("status") == "ok"}, key=lambda k: (k[1], k[0])):
+        if not in_budget():
+            break
+        ran = [r for r in result["rows"] if (r["method"], r["seq_len"]) == (method, seq_len)]
+        full_depth = method_config(base, method, result["model"], seq_len)
+        if full_depth.untied:
+            full_depth.head_chunk = ran[0].get("head_chunk") or rt.world
+        full_depth.mlp_tile_tokens = ran[0].get("mlp_tile_tokens")
+        measure(method, seq_len, full_depth)
+
+
+def print_table(table: list) -> None:
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print(f"\n{'tokens':>8} {'method':>12} {'step s':>9} {'tok/s/GPU':>10} {'MFU':>6} "
+          f"{'bound s':>8} {'attn':>6} {'matmul':>6} {'/bound':>7}  how")
+    for e in table:
+        if e["status"] != "ok":
+            print(f"{e['seq_len']:>8} {e['method']:>12} {e['status']:>9}")
+            continue
+        rates = [e.get(k) and e[k] / 1e12 for k in ("attention_flops_per_s", "matmul_flops_per_s")]
+        print(f"{e['seq_len']:>8} {method_label(e):>12} {e['step_time_s']:>9.2f} "
+              f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
+              f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(rates[0], '.0f'):>6} "
+              f"{fmt(rates[1], '.0f'):>6} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
+    print("(attn, matmul: the bound's rates in TFLOP/s: the attention kernel at its best at that "
+          "length, the step's GEMMs at their shapes; bench/bound.py)")
 
 
 if __name__ == "__main__":

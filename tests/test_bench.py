@@ -371,3 +371,147 @@ def test_kernel_classes_sort_a_traces_kernels():
     for name, kind in names.items():
         classes = kernel_classes([(name, 1000.0)])
         assert classes[kind] == {"ms": 1.0, "calls": 1}, (name, kind, classes)
+
+
+# bench/bound.py: the kernels' bound of a step (bench.throughput), checked without a GPU.
+
+def _bound_config(method: str, seq_len: int):
+    from bench import throughput
+
+    train = importlib.import_module("train")
+    base = train.Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
+                        offload=True, tile_mlp=True, tile_loss=True)
+    return throughput.method_config(base, method, "llama3-8b", seq_len)
+
+
+@pytest.mark.parametrize("method,world,seq_len,mlp_tile", [
+    ("untied:1", 1, 128 * 1024, None), ("untied:8", 1, 128 * 1024, 16384),
+    ("untied", 2, 1024 * 1024, None), ("ulysses", 2, 128 * 1024, 32768),
+    ("none", 2, 64 * 1024, None), ("ulysses+keep-attention", 1, 1000, None)])
+def test_the_bounds_gemms_are_the_steps_linear_flops_shape_by_shape(method, world, seq_len,
+                                                                    mlp_tile):
+    """The GEMMs the bound times (each at its shape and tile, as 04 and 05 cut them) add up to
+    the linear FLOPs MFU counts; the layers' tiles and Untied's stages are what the step runs."""
+    from bench import bound, throughput
+    from model import get_model_args
+
+    args = get_model_args("llama3-8b")
+    cfg = _bound_config(method, seq_len)
+    cfg.mlp_tile_tokens = mlp_tile
+    cp = method != "none"
+    tokens = seq_len // world if cp else seq_len
+    gemms = bound.step_gemms(args, cfg, tokens, world if cp else 1)
+    flops = throughput.step_flops(args, seq_len, 1 if cp else world)
+    assert bound.gemm_flops(gemms) == pytest.approx(flops["linear"] / world, rel=1e-12)
+    by_name = {g["name"].split(" ")[0]: g for g in gemms}
+    tile = mlp_tile or args.dim
+    assert by_name["gate"]["m"] <= tile and by_name["gate"]["forward"] == 2 * by_name["gate"][
+        "backward"]  # forward and the checkpoint's recompute, each backward product once
+    if method.startswith("untied:"):
+        chunk = int(method.split(":")[1])
+        assert by_name["q"]["n"] == chunk * args.head_dim
+        assert by_name["q"]["backward"] == args.n_layers * args.n_heads // chunk
+    assert max(g["m"] for g in gemms if g["name"].startswith("lm_head")) <= 2092  # 1 GiB logits
+
+
+def test_a_step_faster_than_its_bound_names_the_wrong_term():
+    from bench import bound
+
+    rate = {"attention_flops_per_s": 600e12, "attention_rate_seq_len": 1 << 20}
+    terms = bound.kernel_bound(600e12 * 10.0, rate, 4.0, 700e12 * 4.0)  # 10 s + 4 s
+    assert terms["kernel_bound_s"] == pytest.approx(14.0)
+    assert terms["matmul_flops_per_s"] == pytest.approx(700e12)
+    assert bound.faster_than_bound(14.0, terms, "row") is None  # at the bound: allowed
+    alone = bound.faster_than_bound(9.0, terms, "ulysses at 1M")
+    assert "ulysses at 1M" in alone and "the attention term is wrong" in alone
+    assert "alone it is longer than the step" in alone and "1,048,576 tokens" in alone
+    matmul = bound.faster_than_bound(3.5, bound.kernel_bound(600e12 * 2.0, rate, 4.0, 1e15),
+                                     "row")
+    assert "the matmul term is wrong" in matmul
+    neither = bound.faster_than_bound(12.0, terms, "row")
+    # neither term alone is longer: the larger is named, with the rate it would need (8 s)
+    assert "the attention term is wrong" in neither and "would need 750 TFLOP/s" in neither
+
+
+def test_the_bound_in_the_table_and_the_stop(monkeypatch):
+    """summarize puts both terms in a row's entry; a step faster than its bound is an error
+    (bench.throughput stops the run with it), one slower is not."""
+    from bench import throughput
+    from model import get_model_args
+
+    args = get_model_args("llama3-8b")
+    rows = [{"method": "ulysses@fa4", "seq_len": 131072, "layers": n, "status": "ok",
+             "step_time_s": t} for n, t in ((1, 2.0), (2, 3.5))]  # 48.5 s extrapolated
+    rates = {"131072@fa4": {"attention_flops_per_s": 660e12, "attention_rate_seq_len": 131072}}
+    matmul = {throughput.matmul_key("ulysses@fa4", 131072): {"matmul_s": 11.0}}
+    entry = throughput.summarize(rows, args, 1, rates, matmul)[0]
+    attention = throughput.step_flops(args, 131072, 1)["attention"]
+    assert entry["attention_bound_s"] == pytest.approx(attention / 660e12)
+    assert entry["kernel_bound_s"] == pytest.approx(entry["attention_bound_s"] + 11.0)
+    assert entry["step_over_bound"] == pytest.approx(48.5 / entry["kernel_bound_s"])
+    assert entry["step_over_bound"] > 1 and throughput.faster_than_bounds([entry]) == []
+    rows[1]["step_time_s"] = 2.5  # 17.5 s: faster than attention alone (~31 s)
+    errors = throughput.faster_than_bounds(throughput.summarize(rows, args, 1, rates, matmul))
+    assert len(errors) == 1 and "the attention term is wrong" in errors[0]
+    assert "extrapolated from 1 and 2 layers" in errors[0]
+    # an earlier result's table without the terms (no matmul) has no bound, and no error
+    assert "kernel_bound_s" not in throughput.summarize(rows, args, 1, rates)[0]
+
+
+def test_the_bounds_measurements_run_and_rotate_their_operands():
+    """On the CPU (a host clock): the attention rate at its best (all heads, one call) and the
+    GEMMs' times come back positive; every call of a timing takes the next operand set."""
+    from bench import bound
+    from bench.report import event_times_ms
+    from model import get_model_args
+
+    seen = []
+    times = event_times_ms(lambda a: seen.append(a), warmup=1, repeats=4,
+                           inputs=[(0,), (1,), (2,)], device="cpu")
+    assert seen == [0, 1, 2, 0, 1] and len(times) == 4
+    args = get_model_args("tiny")
+    rate = bound.attention_rate(args, 256, "cpu", torch.float32, repeats=3)
+    assert rate["attention_flops_per_s"] > 0 and len(rate["attention_times_ms"]) == 3
+    assert rate["attention_rate_seq_len"] == 256 and "8 query / 2 KV heads" in rate[
+        "attention_layout"]
+    cfg = _bound_config("ulysses", 256)
+    measured = {}
+    gemms = bound.step_gemms(args, cfg, 256)
+    seconds = bound.matmul_seconds(gemms, "cpu", torch.float32, measured)
+    assert seconds > 0 and set(measured) == {bound.shape_key(g) for g in gemms}
+    assert all(t > 0 for times in measured.values() for t in times.values())
+
+
+def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
+    """--rows-from: no steps; each saved (method, length) is measured with its own head chunk
+    and MLP tile (05's default U = P where a row did not record it), and another GPU count or
+    model is refused."""
+    from bench import throughput
+    from support.runtime import Runtime
+
+    saved = {"model": "llama3-8b", "world_size": 2, "git_commit": "abc", "command": "x", "rows": [
+        {"method": "untied", "seq_len": 131072, "layers": 1, "status": "ok", "step_time_s": 3.0},
+        {"method": "untied", "seq_len": 131072, "layers": 2, "status": "ok", "step_time_s": 4.0},
+        {"method": "ulysses", "seq_len": 131072, "layers": 1, "status": "ok",
+         "mlp_tile_tokens": 16384, "step_time_s": 3.0},
+        {"method": "ring", "seq_len": 131072, "layers": 1, "status": "OOM"}]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(saved))
+    train = importlib.import_module("train")
+    base = train.Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
+                        offload=True, tile_mlp=True, tile_loss=True)
+    measured = []
+
+    def measure(method, seq_len, full_depth):
+        measured.append((method, seq_len, full_depth.head_chunk, full_depth.mlp_tile_tokens))
+
+    result = {"model": "llama3-8b", "rows": []}
+    throughput.rebound_rows([str(path)], result, base, Runtime(world=2), measure, lambda: True)
+    assert measured == [("ulysses", 131072, None, 16384), ("untied", 131072, 2, None)]
+    assert len(result["rows"]) == 4 and result["rows_from"][0]["git_commit"] == "abc"
+    with pytest.raises(SystemExit, match="also in an earlier file"):
+        throughput.rebound_rows([str(path), str(path)], {"model": "llama3-8b", "rows": []}, base,
+                                Runtime(world=2), measure, lambda: True)
+    with pytest.raises(SystemExit, match="not llama3-8b on 1"):
+        throughput.rebound_rows([str(path)], {"model": "llama3-8b", "rows": []}, base,
+                                Runtime(world=1), measure, lambda: True)

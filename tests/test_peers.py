@@ -1,6 +1,7 @@
 """bench/peers on the CPU: the runner's rows, ratios and loss check with the tiny model (fp32).
 ALST only where DeepSpeed is importable (never in CI: it is no requirement of the project)."""
 
+import importlib
 import importlib.util
 import json
 import os
@@ -13,26 +14,94 @@ from pathlib import Path
 import pytest
 
 from bench.peers import run
-from bench.peers.common import parse_spec
+from bench.peers.common import BEST, parse_choice, parse_spec
 
 
 def test_specs_parse_and_refuse():
     assert parse_spec("ours:5@cudnn+offload").__dict__ == {
         "text": "ours:5@cudnn+offload", "name": "ours", "level": 5, "variant": "cudnn",
-        "offload": True}
+        "offload": True, "checkpoint": True}
     assert parse_spec("alst").variant == "liger" and parse_spec("hf").variant == "bf16"
-    for bad in ("ours", "alst:3", "hf+offload", "hf@fp16", "ring:5"):
+    assert parse_spec("ours:auto").level == "auto" and not parse_spec("hf+nockpt").checkpoint
+    assert [s.text for s in parse_choice("alst|alst+offload")] == ["alst", "alst+offload"]
+    for text in BEST.values():  # the default stacks parse, each a choice of one stack
+        assert len({s.name for s in parse_choice(text)}) == 1
+    for bad in ("ours", "alst:3", "hf+offload", "hf@fp16", "ring:5", "ours:best",
+                "alst+nockpt", "ours:5+nockpt"):
         with pytest.raises(ValueError):
             parse_spec(bad)
+    for bad in ("hf|alst", "hf|hf", "hf|"):
+        with pytest.raises(ValueError):
+            parse_choice(bad)
+
+
+def test_a_choice_falls_back_only_where_it_runs_out_of_memory(monkeypatch, tmp_path):
+    """The fastest configuration first; where it runs out of memory the next one, from that
+    length on (never the first again at a longer length); an error is no reason to fall back.
+    The best rows say what was tried; ratios compare choices at their best."""
+    canned = {  # what each configuration's process reports, by length
+        "hf+nockpt": {256: "ok", 512: "OOM: CUDA out of memory",
+                      1024: "skipped: OOM at a shorter length"},
+        "hf": {512: "ok", 1024: "OOM: CUDA out of memory"},
+        "alst": {256: "ok", 512: "error: RuntimeError: a bug", 1024: "skipped: error"},
+        "alst+offload": {},
+        "ours:5": {256: "ok", 512: "ok", 1024: "ok"}}
+    calls = []
+
+    def run_child(opts, spec, seq_lens, steps, share_s, result, init_from=None):
+        calls.append((spec, list(seq_lens)))
+        return [{"stack": spec, "seq_len": s, "status": canned[spec][s],
+                 **({"tokens_per_s": 1000.0 / s, "step_time_s": 1.0, "peak_gib": 1.0}
+                    if canned[spec][s] == "ok" else {})} for s in seq_lens]
+
+    monkeypatch.setattr(run, "run_child", run_child)
+    result = run.main(["--stacks", "ours:5", "hf+nockpt|hf", "alst|alst+offload", "--model",
+                       "tiny", "--seq-lens", "256", "512", "1024", "--device", "cpu",
+                       "--out", str(tmp_path / "peers.json")])
+    assert calls == [("ours:5", [256, 512, 1024]), ("hf+nockpt", [256, 512, 1024]),
+                     ("hf", [512, 1024]), ("alst", [256, 512, 1024])]
+    best = {(r["stack"], r["seq_len"]): r for r in result["best"]}
+    assert best[("hf+nockpt|hf", 256)]["config"] == "hf+nockpt"
+    at_512 = best[("hf+nockpt|hf", 512)]
+    assert at_512["config"] == "hf" and at_512["status"] == "ok"
+    assert [t["stack"] for t in at_512["tried"]] == ["hf+nockpt", "hf"]
+    assert best[("hf+nockpt|hf", 1024)]["tried"][0]["status"] == \
+        "not tried: out of memory at 512 tokens"
+    assert best[("alst|alst+offload", 512)]["status"].startswith("error")  # no fallback
+    assert result["longest_ok"] == {"ours:5": 1024, "hf+nockpt|hf": 512,
+                                    "alst|alst+offload": 256}
+    assert result["shortest_failure"]["hf+nockpt|hf"] == 1024
+    assert {(r["peer"], r["seq_len"], r["peer_config"]) for r in result["ratios"]} == {
+        ("hf+nockpt|hf", 256, "hf+nockpt"), ("hf+nockpt|hf", 512, "hf"),
+        ("alst|alst+offload", 256, "alst")}
+
+
+def test_ours_auto_is_train_pys_own_choice(tmp_path):
+    """ours:auto hands `--stack auto` to train.py's parser as a string: where train.py has the
+    speed model's choice (branch `auto`) the rows run, elsewhere they say what is missing."""
+    train = importlib.import_module("train")
+    try:
+        train.parse_args(["--stack", "auto"])
+        has_auto = True
+    except (SystemExit, ValueError, TypeError):
+        has_auto = False
+    out = tmp_path / "auto.json"
+    run.main(["--stacks", "ours:auto", "--model", "tiny", "--seq-lens", "256", "--steps", "1",
+              "--device", "cpu", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    if has_auto:
+        assert row["status"] == "ok", row
+    else:
+        assert "no --stack auto" in row["status"] and "branch `auto`" in row["status"], row
 
 
 def test_rows_and_ratios_on_cpu(tmp_path):
     out = tmp_path / "peers.json"
-    run.main(["--stacks", "ours:4", "hf", "--model", "tiny", "--seq-lens", "256", "--steps", "2",
-              "--device", "cpu", "--profile", "--out", str(out)])
+    run.main(["--stacks", "ours:4", "hf", "hf+nockpt|hf", "--model", "tiny", "--seq-lens", "256",
+              "--steps", "2", "--device", "cpu", "--profile", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = {(r["stack"], r["seq_len"]): r for r in result["rows"]}
-    for stack in ("ours:4", "hf"):
+    for stack in ("ours:4", "hf", "hf+nockpt"):
         row = rows[(stack, 256)]
         assert row["status"] == "ok", row
         assert row["tokens_per_s"] > 0 and len(row["step_times_s"]) == 2
@@ -40,8 +109,16 @@ def test_rows_and_ratios_on_cpu(tmp_path):
         assert row["profile"]["profile_top_ops"][0]["own_ms"] > 0
         assert 5.0 < row["losses"][0] < 6.0  # ln(256) = 5.55 from a random init
     assert result["stack_info"]["ours:4"]["stack"] == "train.py --stack 4"
-    assert [(r["ours"], r["peer"]) for r in result["ratios"]] == [("ours:4", "hf")]
-    assert result["longest_ok"] == {"ours:4": 256, "hf": 256}
+    assert rows[("ours:4", 256)]["techniques"].startswith("fsdp, ulysses, checkpoint")
+    assert "none" in result["stack_info"]["hf+nockpt"]["checkpointing"]
+    # both fit: the faster alone was tried (no checkpointing), the same loss as with it
+    best = next(r for r in result["best"] if r["stack"] == "hf+nockpt|hf")
+    assert best["config"] == "hf+nockpt" and [t["stack"] for t in best["tried"]] == ["hf+nockpt"]
+    assert rows[("hf+nockpt", 256)]["losses"][0] == pytest.approx(rows[("hf", 256)]["losses"][0],
+                                                                   rel=1e-5)
+    assert [(r["ours"], r["peer"]) for r in result["ratios"]] == [("ours:4", "hf"),
+                                                                   ("ours:4", "hf+nockpt|hf")]
+    assert result["longest_ok"] == {"ours:4": 256, "hf": 256, "hf+nockpt|hf": 256}
 
 
 def processes_running(*args: str) -> list[int]:

@@ -1,5 +1,7 @@
 """bench/peers: the same model and lengths through three stacks on one GPU, side by side.
 
+    python -m bench.peers.run --model llama3.2-3b --seq-lens 16K 32K 64K --steps 2 \\
+        --out peers.json                         # each stack at its best (the default stacks)
     python -m bench.peers.run --stacks ours:4 ours:5 ours:5@cudnn alst hf \\
         --model llama3.2-3b --seq-lens 64K 128K --steps 3 --out peers.json
     python -m bench.peers.run --check-loss 4K --stacks ours:5 alst hf --out peers_check.json
@@ -7,16 +9,22 @@
 One process per stack, one after another, bf16, AdamW, batch 1, random init from the same
 config (our preset; transformers' LlamaConfig made from it by support/pretrained.hf_config):
 
-  ours:N[@KERNEL][+offload]  train.py --stack N through its own functions (bench/peers/ours.py);
-                             @KERNEL its --attn-kernel, +offload its --offload-model-state.
+  ours:N|auto[@KERNEL][+offload]  train.py --stack N (or --stack auto: train.py's fastest plan
+                             that fits, branch `auto`) through its own functions
+                             (bench/peers/ours.py); @KERNEL its --attn-kernel, +offload its
+                             --offload-model-state.
   alst[@VARIANT][+offload]   DeepSpeed's Arctic Long Sequence Training as ArcticTraining's
                              one-GPU recipe sets it up: ZeRO-3, TiledMLP, Liger's fused linear
                              cross-entropy, checkpoints offloaded to the CPU, FlashAttention where
                              transformers has it (bench/peers/alst.py); @tiledloss: DeepSpeed's
                              TiledFusedLogitsLoss instead of Liger's, @sdpa: attention by SDPA;
                              +offload: ZeRO's optimizer and parameter offload, as the recipe.
-  hf[@fp32]                  transformers alone: SDPA, gradient checkpointing, torch AdamW
-                             (bench/peers/hf.py; bf16 weights and moments, @fp32: fp32 + autocast).
+  hf[@fp32][+nockpt]         transformers alone: SDPA, gradient checkpointing (+nockpt: none),
+                             torch AdamW (bench/peers/hf.py; bf16 weights and moments, @fp32:
+                             fp32 + autocast).
+  A|B                        a choice: A, and B only where A runs out of memory (run.py). The
+                             default stacks are each at its best: ours:auto, hf+nockpt|hf,
+                             alst|alst+offload (common.BEST).
 
 run.py says what a row measures, the budget and the loss check.
 

@@ -12,40 +12,58 @@ BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.0
 GRAD_CLIP = 1.0
 
-SPEC = re.compile(r"^(?P<name>ours|alst|hf)(:(?P<level>\d+))?(@(?P<variant>[\w.-]+))?"
-                  r"(?P<offload>\+offload)?$")
+SPEC = re.compile(r"^(?P<name>ours|alst|hf)(:(?P<level>\d+|auto))?(@(?P<variant>[\w.-]+))?"
+                  r"(?P<offload>\+offload)?(?P<nockpt>\+nockpt)?$")
 VARIANTS = {"ours": ("auto", "fa4", "cudnn", "flash", "math"),  # --attn-kernel
             # alst's loss: Liger's fused linear CE, or DeepSpeed's tiled one; @sdpa: Liger, sdpa
             "alst": ("liger", "tiledloss", "sdpa"),
             "hf": ("bf16", "fp32")}  # the weights and AdamW state: bf16, or fp32 + autocast
+# Each stack at its best that fits, run.py's default (a choice's alternatives: fastest first)
+BEST = {"ours": "ours:auto", "hf": "hf+nockpt|hf", "alst": "alst|alst+offload"}
 
 
 @dataclass(frozen=True)
 class Spec:
-    """A stack as the command line names it: ours:5, ours:5@cudnn, ours:5+offload, alst,
-    alst@tiledloss, alst+offload, hf, hf@fp32."""
+    """A stack as the command line names it: ours:5, ours:auto, ours:5@cudnn, ours:5+offload,
+    alst, alst@tiledloss, alst+offload, hf, hf@fp32, hf+nockpt."""
     text: str
     name: str
-    level: int | None
+    level: int | str | None  # ours: a --stack level, or "auto"
     variant: str
     offload: bool  # model state in host memory (ours: --offload-model-state; alst: ZeRO offload)
+    checkpoint: bool = True  # hf: transformers' gradient checkpointing (+nockpt: without)
 
 
 def parse_spec(text: str) -> Spec:
     match = SPEC.match(text)
     if not match:
-        raise ValueError(f"stack {text!r}: expected ours:N[@KERNEL][+offload], "
-                         f"alst[@liger|@tiledloss|@sdpa][+offload] or hf[@bf16|@fp32]")
+        raise ValueError(f"stack {text!r}: expected ours:N|auto[@KERNEL][+offload], "
+                         f"alst[@liger|@tiledloss|@sdpa][+offload] or hf[@bf16|@fp32][+nockpt]")
     name, level, variant = match["name"], match["level"], match["variant"]
     if (name == "ours") != (level is not None):
-        raise ValueError(f"stack {text!r}: ours takes a --stack level (ours:4, ours:5), "
-                         f"alst and hf take none")
+        raise ValueError(f"stack {text!r}: ours takes a --stack level (ours:4, ours:5, "
+                         f"ours:auto), alst and hf take none")
     variant = variant or VARIANTS[name][0]
     if variant not in VARIANTS[name]:
         raise ValueError(f"stack {text!r}: {name}'s variants are {', '.join(VARIANTS[name])}")
     if name == "hf" and match["offload"]:
         raise ValueError(f"stack {text!r}: transformers alone keeps its model state on the GPU")
-    return Spec(text, name, None if level is None else int(level), variant, bool(match["offload"]))
+    if name != "hf" and match["nockpt"]:
+        raise ValueError(f"stack {text!r}: +nockpt is transformers' (ours decides per length, "
+                         f"ALST's recipe always checkpoints)")
+    level = level if level in (None, "auto") else int(level)
+    return Spec(text, name, level, variant, bool(match["offload"]), not match["nockpt"])
+
+
+def parse_choice(text: str) -> list:
+    """A stack, or a choice of stacks 'A|B|...' tried in that order at each length (fastest
+    first): the first that does not run out of memory is the stack's best there."""
+    specs = [parse_spec(part) for part in text.split("|")]
+    if len({spec.name for spec in specs}) > 1:
+        raise ValueError(f"stack {text!r}: a choice is among configurations of one stack")
+    if len({spec.text for spec in specs}) < len(specs):
+        raise ValueError(f"stack {text!r}: an alternative appears twice")
+    return specs
 
 
 def step_inputs(tokens: torch.Tensor, device) -> tuple:

@@ -7,9 +7,18 @@ decides them (support/choices.py: the planner, on a GPU), the model built by
 train.build_model (fp32 master weights, bf16 compute through FSDP2's mixed precision; a group of
 one process), train.make_optimizer (fused AdamW, fp32 state; with +offload on the host),
 and train.train_step (forward, backward, clipping at 1.0, the optimizer step).
+
+The run's Config is made by train.py's own flag parser from the flags a user would give
+(`train_flags`), again at every length, as a new run would: `ours:auto` passes `--stack auto`
+through as that string (train.py's speed-model choice, from branch `auto`; where train.py has
+no such value the stack says so and its rows are errors). A new model is built whenever the
+length changes what the run is (techniques, keep-attention, head chunk, MLP tile).
 """
 
+import contextlib
+import dataclasses
 import importlib
+import io
 import time
 
 import torch
@@ -17,37 +26,60 @@ import torch
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
 from bench.report import release
 from support.choices import choose_for_run
-from support.config import Config, techniques_text
+from support.config import techniques_text
 from support.host_memory import check_host_memory
 
 train = importlib.import_module("train")
 
 
+def train_flags(spec: Spec, model: str, device: torch.device, init_from: str | None,
+                lr: float | None, seed: int, seq_len: int) -> list:
+    """train.py's command line for this stack at `seq_len` (steps: enough for any row)."""
+    flags = ["--init-from", init_from] if init_from else ["--model", model]
+    flags += ["--stack", str(spec.level), "--attn-kernel", spec.variant, "--seq-len", str(seq_len),
+              "--device", device.type, "--dtype", "bfloat16" if device.type == "cuda"
+              else "float32", "--seed", str(seed), "--steps", "1000",
+              "--weight-decay", str(WEIGHT_DECAY), "--grad-clip", str(GRAD_CLIP)]
+    flags += ["--lr", str(lr)] if lr is not None else []
+    return flags + (["--offload-model-state"] if spec.offload else [])
+
+
+def run_config(flags: list, spec: Spec):
+    """train.py's Config of `flags` (its parser and technique resolution), or ValueError."""
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            return train.parse_args(flags)
+    except SystemExit:
+        message = (errors.getvalue().strip().splitlines() or ["train.py refused the flags"])[-1]
+        if spec.level == "auto":
+            message = (f"this train.py has no --stack auto ({message}); it comes with the "
+                       f"speed model of branch `auto`")
+        raise ValueError(f"{spec.text}: {message}") from None
+
+
 class Stack:
     def __init__(self, spec: Spec, model: str, device: torch.device, init_from: str | None,
                  lr: float | None, seed: int):
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-        cfg = Config(model=model, init_from=init_from, stack=spec.level, attn_kernel=spec.variant,
-                     offload_model_state=spec.offload, device=device.type, dtype=dtype, seed=seed,
-                     steps=1000, lr=lr, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)
-        self.cfg = train.resolve_techniques(cfg)
+        self.flags = lambda seq_len: train_flags(spec, model, device, init_from, lr, seed,
+                                                 seq_len)
+        self.spec = spec
+        self.cfg = run_config(self.flags(256), spec)  # refuses bad flags before any row
         self.rt = train.setup_runtime(self.cfg)
         self.args = train.model_args(self.cfg)
         self.vocab_size = self.args.vocab_size
         self.model = self.optimizer = None
-        self.built_for = None  # (keep_attention, head_chunk, MLP tile) of the model in hand
+        self.built_for = None  # the Config (less the length) of the model in hand
         self.step_index = 0
         self.build_s = None
 
     def prepare(self, seq_len: int) -> None:
         """train.py's per-run decisions at this length; a new model when they change."""
-        cfg = self.cfg
-        cfg.seq_len = seq_len
-        # Decided again at each length, as a new run would.
-        cfg.head_chunk = cfg.keep_attention = cfg.mlp_tile_tokens = None
+        cfg = run_config(self.flags(seq_len), self.spec)
         cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choose_for_run(cfg, self.rt)
         check_host_memory(cfg, self.rt)
-        decisions = (cfg.keep_attention, cfg.head_chunk, cfg.mlp_tile_tokens)
+        self.cfg = cfg
+        decisions = dataclasses.replace(cfg, seq_len=0)
         if decisions == self.built_for:
             return
         self.model = self.optimizer = None
@@ -65,13 +97,14 @@ class Stack:
         # The row records train.py's per-length decisions with it (stack_info has the last).
         return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                 "keep_attention": self.cfg.keep_attention, "head_chunk": self.cfg.head_chunk,
-                "mlp_tile_tokens": self.cfg.mlp_tile_tokens}
+                "mlp_tile_tokens": self.cfg.mlp_tile_tokens,
+                "techniques": techniques_text(self.cfg, self.cfg.head_chunk, self.rt.ring)}
 
     def about(self) -> dict:
         cfg = self.cfg
         return {
-            "stack": f"train.py --stack {cfg.stack}" + (" --offload-model-state"
-                                                       if cfg.offload_model_state else ""),
+            "stack": f"train.py --stack {self.spec.level}" + (" --offload-model-state"
+                                                              if cfg.offload_model_state else ""),
             "techniques": techniques_text(cfg, cfg.head_chunk, self.rt.ring),
             "keep_attention": cfg.keep_attention, "mlp_tile_tokens": cfg.mlp_tile_tokens,
             "keep_attention_source": "support/choices.py (train.py's default, from the planner)",

@@ -18,6 +18,18 @@ what matters most); a row whose estimated time (the last row's step time, scaled
 (S / S_last)^1.6, x --steps) does not fit the stack's share is skipped, and a process still
 running at the end of its share is stopped.
 
+Each stack at its best (the default --stacks, common.BEST): a stack given as a choice 'A|B'
+(hf+nockpt|hf: transformers without, then with gradient checkpointing; alst|alst+offload: ALST
+with the model state on the GPU, then with ZeRO's offload) runs A first, over the lengths in
+order, and only where A runs out of memory B from that length on: the fastest configuration
+first, each alternative one process, none tried at a length longer than one where it already ran
+out of memory (memory grows with the length), and any other failure ends the choice (a bug, not
+a fit). ours:auto is train.py's own choice (--stack auto). The JSON's "best" has one row per
+choice and length: the configuration that completed, and what was tried before it and why;
+"ratios" compare these rows (choices at their best; single stacks with the model state in the
+same place); "longest_ok" and "shortest_failure" bracket each stack's longest step among the
+lengths given.
+
 --check-loss LEN: one process writes a Hugging Face folder of our model (support/build.py's
 random init, support/pretrained.export_hf, bf16) and computes its loss on the check's tokens in
 fp32 as the reference, and the loss of a model of another seed as the control; each stack then
@@ -42,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from bench.peers.common import parse_spec, window
+from bench.peers.common import BEST, parse_choice, parse_spec, window
 from bench.report import profile, release, synchronize
 from support.data import parse_tokens
 
@@ -60,24 +72,64 @@ def main(argv=None):
     opts = parse_args(argv)
     if opts.child:
         return child_main(opts)
-    specs = [parse_spec(text) for text in opts.stacks]
+    choices = [parse_choice(text) for text in opts.stacks]
     result = {"what": "peers: ours vs DeepSpeed ALST vs transformers, one GPU",
               "model": opts.model, "seq_lens": opts.seq_lens, "steps": opts.steps,
               "stacks": opts.stacks, "budget_s": opts.budget_s, "rows": [], "stack_info": {},
               "lr": opts.lr, "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)}
     started = time.perf_counter()
-    if opts.check_loss:
+    if opts.check_loss:  # the same weights: each choice's first configuration
         result.update(seq_lens=[opts.check_loss], steps=2, lr=CHECK_LR)
-        check_loss(opts, specs, result, started)
+        check_loss(opts, [specs[0] for specs in choices], result, started)
     else:
-        for index, spec in enumerate(specs):
-            run_child(opts, spec.text, opts.seq_lens, opts.steps,
-                      share(opts, started, len(specs) - index - 1), result)
-        result["ratios"] = ratios(result["rows"], specs)
-        result["longest_ok"] = longest_ok(result["rows"], specs)
+        result.update(how_best=BEST_NOTE, best=[])
+        for index, (text, specs) in enumerate(zip(opts.stacks, choices)):
+            result["best"] += run_choice(opts, text, specs, started, len(choices) - index - 1,
+                                         result)
+        result["ratios"] = ratios(result["best"], dict(zip(opts.stacks, choices)))
+        result["longest_ok"] = longest_ok(result["best"], opts.stacks)
+        result["shortest_failure"] = shortest_failure(result["best"], opts.stacks)
     write(opts.out, result)
     print_table(result)
     return result
+
+
+BEST_NOTE = ("a choice's alternatives are tried fastest first at each length; the first that "
+             "completes is its best there; one that ran out of memory is not tried at longer "
+             "lengths; any other failure ends the choice")
+
+
+def run_choice(opts, text: str, specs: list, started: float, stacks_after: int,
+               result: dict) -> list:
+    """A stack or a choice of stacks (module docstring) over --seq-lens: its "best" rows."""
+    left, tried, rows_of = list(opts.seq_lens), {s: [] for s in opts.seq_lens}, {}
+    for position, spec in enumerate(specs):
+        if not left:
+            break
+        rows = {r["seq_len"]: r for r in run_child(opts, spec.text, left, opts.steps,
+                                                   share(opts, started, stacks_after), result)}
+        failed = next((s for s in left if rows[s].get("status") != "ok"), None)
+        for seq_len in left:
+            status = rows[seq_len].get("status", "?")
+            if failed is not None and seq_len > failed and status.startswith("skipped: OOM"):
+                status = f"not tried: out of memory at {failed:,} tokens"
+            tried[seq_len].append({"stack": spec.text, "status": status})
+            rows_of[seq_len] = rows[seq_len]
+        out_of_memory = failed is not None and rows[failed]["status"].startswith("OOM")
+        if not out_of_memory or position == len(specs) - 1:
+            break
+        left = left[left.index(failed):]  # the next alternative, from where this failed
+    return [best_row(text, seq_len, rows_of.get(seq_len, {}), tried[seq_len])
+            for seq_len in opts.seq_lens]
+
+
+def best_row(text: str, seq_len: int, row: dict, tried: list) -> dict:
+    """A choice's row at a length: the configuration that completed (or the last failure)."""
+    keep = ("status", "tokens_per_s", "step_time_s", "peak_gib", "techniques")
+    best = {"stack": text, "seq_len": seq_len, "config": row.get("stack"),
+            **{k: row[k] for k in keep if k in row}, "tried": tried}
+    best.setdefault("status", "not run")
+    return best
 
 
 def share(opts, started: float, stacks_after: int) -> float:
@@ -88,9 +140,10 @@ def share(opts, started: float, stacks_after: int) -> float:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stacks", nargs="+", default=["ours:5", "alst", "hf"],
-                        help="ours:N[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], "
-                             "hf[@fp32]")
+    parser.add_argument("--stacks", nargs="+", default=list(BEST.values()),
+                        help="ours:N|auto[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], "
+                             "hf[@fp32][+nockpt], or a choice A|B tried fastest first "
+                             "(default: each stack at its best)")
     parser.add_argument("--model", default="llama3.2-3b", help="a preset of model.py")
     parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=parse_tokens)
     parser.add_argument("--steps", type=int, default=3, help="steps per row (the first warms up)")
@@ -120,7 +173,7 @@ def parse_args(argv=None):
     if opts.child is None:
         for text in opts.stacks:
             try:
-                parse_spec(text)
+                parse_choice(text)
             except ValueError as error:
                 parser.error(str(error))
         if opts.out is None:
@@ -463,27 +516,47 @@ def export_main(opts) -> None:
 # The comparison.
 # ---------------------------------------------------------------------------------------------
 
-def ratios(rows: list, specs) -> list:
-    """ours / peer at each length where both completed, with the model state in the same place
-    (both on the GPU, or both on the host): tokens/s and peak memory."""
-    ok = {(r["stack"], r["seq_len"]): r for r in rows if r.get("status") == "ok"}
+def at_its_best(specs: list) -> bool:
+    """A choice of configurations, or ours:auto: the stack picks where its model state goes."""
+    return len(specs) > 1 or specs[0].level == "auto"
+
+
+def ratios(best: list, choices: dict) -> list:
+    """ours / peer at each length where both completed: tokens/s and peak memory. Stacks at
+    their best (a choice, or ours:auto) are compared with every peer; single configurations
+    where the model state is in the same place (both on the GPU, or both on the host)."""
+    ok = {(r["stack"], r["seq_len"]): r for r in best if r.get("status") == "ok"}
     out = []
-    for ours in (s for s in specs if s.name == "ours"):
-        for peer in (s for s in specs if s.name != "ours" and s.offload == ours.offload):
+    for ours, our_specs in choices.items():
+        if our_specs[0].name != "ours":
+            continue
+        for peer, peer_specs in choices.items():
+            comparable = (at_its_best(our_specs) or at_its_best(peer_specs)
+                          or our_specs[0].offload == peer_specs[0].offload)
+            if peer_specs[0].name == "ours" or not comparable:
+                continue
             for seq_len in sorted({s for _, s in ok}):
-                a, b = ok.get((ours.text, seq_len)), ok.get((peer.text, seq_len))
+                a, b = ok.get((ours, seq_len)), ok.get((peer, seq_len))
                 if a and b:
                     speed_ratio = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
                     peak_ratio = (round(a["peak_gib"] / b["peak_gib"], 3)
                                   if a.get("peak_gib") and b.get("peak_gib") else None)
-                    out.append({"ours": ours.text, "peer": peer.text, "seq_len": seq_len,
+                    out.append({"ours": ours, "peer": peer, "seq_len": seq_len,
+                                "ours_config": a["config"], "peer_config": b["config"],
                                 "tokens_per_s_ratio": speed_ratio, "peak_ratio": peak_ratio})
     return out
 
 
-def longest_ok(rows: list, specs) -> dict:
-    return {s.text: max([r["seq_len"] for r in rows if r["stack"] == s.text
-                         and r.get("status") == "ok"], default=None) for s in specs}
+def longest_ok(best: list, stacks: list) -> dict:
+    return {text: max([r["seq_len"] for r in best if r["stack"] == text
+                       and r.get("status") == "ok"], default=None) for text in stacks}
+
+
+def shortest_failure(best: list, stacks: list) -> dict:
+    """Each stack's shortest length where no configuration completed for memory."""
+    return {text: min([r["seq_len"] for r in best if r["stack"] == text
+                       and r.get("status", "").startswith(("OOM", "skipped: OOM"))],
+                      default=None) for text in stacks}
 
 
 def print_table(result: dict) -> None:
@@ -495,6 +568,10 @@ def print_table(result: dict) -> None:
         status = row.get("status", "?")[:70]
         print(f"{'':{len(result['model']) + 2}}{row['stack']:<22} {row['seq_len']:>8} {tok:>10} "
               f"{peak:>9}  {status}")
+    for row in result.get("best", []):
+        if row["stack"] != row.get("config") or len(row["tried"]) > 1:  # a choice's pick
+            tried = ", ".join(f"{t['stack']}: {t['status'][:40]}" for t in row["tried"])
+            print(f"  best of {row['stack']} at {row['seq_len']}: {row.get('config')} ({tried})")
     for ratio in result.get("ratios", []):
         peak = f"x{ratio['peak_ratio']:.2f}" if ratio["peak_ratio"] else "-"
         print(f"  {ratio['ours']} / {ratio['peer']} at {ratio['seq_len']}: tokens/s x"
