@@ -151,3 +151,22 @@ def test_the_window_replaces_fa4s_arguments(monkeypatch):
     assert cute.flash_attn_func is flash_attn_func and interface._flash_attn_bwd is _flash_attn_bwd
     with rehearse.windowed_attention(0):  # 0: the full kernel, nothing replaced
         assert cute.flash_attn_func is flash_attn_func
+
+
+def test_two_layers_and_ballast_equal_full_depth_on_the_gpu():
+    """The recorded GPU run (docs/results/rehearse_llama3-8b_depth_1m_2m.json: rank 0 of 8 x 80
+    GB, Llama-3-8B --stack 5 at 1M and 2M): the 2-layer rehearsal with its ballast, the missing
+    layer's pending reduce-scatter input among it, peaks within 0.1 GiB of the same step at full
+    depth (32 layers, no ballast), and the planner within 1% of full depth."""
+    from pathlib import Path
+
+    result = json.loads((Path(__file__).parents[1] / "docs" / "results"
+                         / "rehearse_llama3-8b_depth_1m_2m.json").read_text())
+    two, full = ({row["seq_len"]: row for row in run["rows"]} for run in result["runs"])
+    assert {row["layers"] for row in two.values()} == {2}
+    assert {row["layers"] for row in full.values()} == {32}
+    assert sorted(two) == sorted(full) == [2**20, 2**21]
+    for seq_len, row in two.items():
+        assert row["pending_reduce_scatter_gib"] > 0.8  # 218M fp32 gradients of the layer above
+        assert abs(row["peak_gib"] - full[seq_len]["peak_gib"]) < 0.1, (seq_len, row["peak_gib"])
+        assert abs(full[seq_len]["planned_peak_gib"] / full[seq_len]["peak_gib"] - 1) < 0.01
