@@ -1078,7 +1078,7 @@ def nothing_fits_text(cfg: Config, machine: Machine) -> str:
              f"tokens on {gpus_text(machine.gpus)} of {machine.gpu_mem / GiB:.1f} GiB with the "
              f"{PLAN_MARGIN:.1%} margin (host {host_text(machine.host_mem)} per node)"]
     longest, host_mem = None, (machine.host_mem or 0) * HOST_HEADROOM
-    for candidate in frugal_configs(cfg, machine.gpus, machine.host_mem is not None):
+    for candidate in frugal_configs(cfg, machine):
         try:
             found = plan_longest_seq_len(candidate, machine.gpus, machine.gpu_mem, host_mem,
                                          gpus_per_node=machine.gpus_per_node)
@@ -1090,30 +1090,42 @@ def nothing_fits_text(cfg: Config, machine: Machine) -> str:
         lines.append("not even sp x 1,024 tokens fit")
     else:
         length, plan, candidate = longest
-        lines.append(f"the longest that fits: --seq-len {length // 1024}K "
-                     f"({plan_tokens_text(length)} tokens) with {flags_text(candidate)}, where "
-                     f"longer ones run out of {plan['limit']} memory")
+        lines.append(f"the longest that fits is {length:,} tokens (--seq-len {length // 1024}K) "
+                     f"with {flags_text(candidate)}, where longer ones run out of "
+                     f"{plan['limit']} memory")
     if config.techniques_given(replace(cfg, stack=None)):
-        free = [c for c in rank_candidates(unconstrained(cfg), machine, None) if c.fits]
-        if free:
-            lines.append(f"without the technique flags given, {flags_text(free[0].cfg)} fits")
+        try:
+            free = choose(unconstrained(cfg), machine)[0]
+        except ValueError:  # nothing fits without them either
+            pass
+        else:
+            lines.append(f"without the technique flags given it fits: --stack auto alone takes "
+                         f"{flags_text(free.cfg)}")
+            return "; ".join(lines)
     for more in (2, 4, 8):
         bigger = replace(machine, gpus=machine.gpus * more,
                          gpus_per_node=min(machine.gpus * more, GPUS_PER_NODE))
-        if any(c.fits for c in rank_candidates(cfg, bigger, None)):
+        if any(fits_somehow(c, cfg, bigger) for c in frugal_configs(cfg, bigger)):
             lines.append(f"on {gpus_text(bigger.gpus)} it fits")
             break
     return "; ".join(lines)
 
 
-def frugal_configs(cfg: Config, world_size: int, host_known: bool) -> list:
-    """--stack auto's least memory per ring degree: every technique on (05 where it may run, at
-    its least-memory U), no kept attention outputs, 04's default tiles; nothing on an unknown
-    host."""
-    frugal = [c for c in auto_techniques(cfg, world_size)
-              if c.checkpoint and c.tile_mlp and c.tile_loss
-              and (c.offload and c.offload_model_state if host_known
-                   else not (c.offload or c.offload_model_state))]
+def fits_somehow(candidate: Config, cfg: Config, machine: Machine) -> bool:
+    try:
+        return candidate_fits(plan_memory(candidate, machine.gpus), candidate, cfg, machine)
+    except ValueError:  # a layout these GPUs cannot run
+        return False
+
+
+def frugal_configs(cfg: Config, machine: Machine) -> list:
+    """--stack auto's least GPU memory per ring degree, the model state on the GPUs or the
+    host: every other technique on (05 where it may run, at its least-memory U), no kept
+    attention outputs, 04's default tiles; on an unknown host nothing offloaded."""
+    known = machine.host_mem is not None
+    frugal = [c for c in auto_techniques(cfg, machine.gpus)
+              if c.checkpoint and c.tile_mlp and c.tile_loss and c.offload == known
+              and (known or not c.offload_model_state)]
     if any(c.untied for c in frugal):
         frugal = [c for c in frugal if c.untied]
     return [replace(c, keep_attention=False) for c in frugal]
