@@ -313,9 +313,28 @@ def test_a_length_nothing_fits_names_the_longest_that_does():
 def test_auto_on_the_cpu_and_bad_flags_are_a_message_not_a_traceback(capsys):
     from test_train import error_of
 
-    assert "--stack auto plans for GPUs" in error_of(["--stack", "auto"], capsys)
+    cpu = ["--device", "cpu"]
+    assert "--stack auto plans for GPUs" in error_of(["--stack", "auto", *cpu], capsys)
     assert "must be a level 0-5 or auto, got 'fast'" in error_of(["--stack", "fast"], capsys)
-    assert planner.plan_run(train.parse_args([]), None).settings == {}  # the CPU plans nothing
+    assert train.parse_args(cpu).stack is None  # no technique flag on the CPU: no plan, no auto
+    assert planner.plan_run(train.parse_args(cpu), None).settings == {}
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_with_no_technique_flag_takes_auto_and_says_so(capsys):
+    """On a GPU `python train.py` plans: its first line names what --stack auto took (with this
+    GPU's rates, or the memory-only choice naming the GPU), from the machine read_machine reads."""
+    import torch
+
+    from support.runtime import read_machine
+
+    cfg = train.parse_args(["--seq-len", "1K", "--steps", "2"])
+    machine = read_machine(cfg)
+    assert cfg.stack == "auto" and machine.gpu_name == torch.cuda.get_device_name()
+    assert machine.gpu_mem == torch.cuda.get_device_properties(0).total_memory
+    train.main(["--seq-len", "1K", "--steps", "2"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("--stack auto: --stack 1") or "memory-only" in first, first
 
 
 if __name__ == "__main__":
