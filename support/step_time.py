@@ -68,6 +68,7 @@ GPU_RATES = {
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
 # 512K (ring_blocks_llama3-8b_1gpu_512k.json); the K/V blocks travel behind the kernel
 LOGIT_BYTES = 30  # per logit and step: bf16 out, fp32 copy, log-softmax, its gradient and cast
+RECOMPUTED_LOGIT_BYTES = 10  # 04's tiled loss computes each tile's logits again in backward
 GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp32 sum read, written
 ADAMW_BYTES = 40  # per fp32 parameter: AdamW reads 4 tensors and writes 3; clipping reads, scales
 
@@ -131,10 +132,11 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "attention": attention_s,
         "elementwise": rates.elementwise_s * n * layers * width * passes,
         "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
-        "loss": n * args.vocab_size * (LOGIT_BYTES + 10 * cfg.tile_loss) / rates.memory,
+        "loss": n * args.vocab_size * (LOGIT_BYTES + RECOMPUTED_LOGIT_BYTES * cfg.tile_loss)
+                / rates.memory,
         "tiles (04)": tile_seconds(cfg, args, n, rates),
         "offload copies (03)": offload_seconds(cfg, args, n, b, rates,
-                                               (linear_s + attention_s) / micro / layers),
+                                               (linear_s + attention_s) / passes / layers),
         "exchanges (02)": exchange_seconds(cfg, args, n, sp // ring, b, rates),
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
