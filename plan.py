@@ -1,5 +1,8 @@
-"""plan.py - how much memory a training step needs per GPU, without a GPU.
+"""plan.py - how much memory a training step needs per GPU, without a GPU; and what a GPU run
+takes (every choice in one call: `plan_run`).
 
+    python plan.py --model llama3-8b --gpus 8 --seq-len 3M   # --stack auto: the ranking a run
+                                                             # takes the fastest that fits from
     python plan.py --model llama3-8b --seq-len 3M --stack 5 --gpus 8 --gpu-mem 80GiB
     python plan.py --model llama3-8b --gpus 8 --host-mem 2TiB    # longest length per --stack
                                                                  # (--seq-len max, the default)
@@ -18,6 +21,10 @@ support/config.py) mean what they mean there; plan.py imports no train.py, train
 The counts are calibrated against GPU runs (docs/calibration.md: within a few percent), and
 "fits" keeps a margin of the worst under-prediction among them (`PLAN_MARGIN`). The host memory
 assumed (--host-mem, per node) can decide an answer: its first line says what was assumed.
+A GPU run's choices (--stack auto's techniques; U, --keep-attention, the MLP tile where the flags
+leave them open) are the candidates that fit, ranked by support/step_time.py's predicted step
+time (calibrated as the bytes are: docs/calibration.md, "Step time"); train.py applies the one
+value `plan_run` returns.
 
 Packed documents (--documents) change the plan very little, so it counts them as dense: the
 attention holds the same q, k, v, output and log-sum-exp whatever the mask, and positions,
@@ -782,6 +789,8 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
 # run reads what the host can hand out when it starts and needs some for itself besides. What
 # the flags themselves put there must fit the whole (host_memory_error).
 HOST_HEADROOM = 0.9
+# The Config fields a run's choice sets (RunChoice.settings; --checkpoint-layers' k joins them
+# when it lands, with its candidates in candidate_configs).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "keep_attention",
             "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk", "offload_model_state")
 

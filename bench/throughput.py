@@ -21,8 +21,8 @@ its own sequence of S tokens):
   none      no context parallelism: FSDP over the GPUs, each GPU attends over its whole sequence;
   ring      torch.distributed.tensor.experimental.context_parallel (load-balanced ring, SDPA);
   ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default: what
-            train.py chooses for the full-depth model: the fewest stages whose planned
-            step fits the GPU).
+            train.py takes for the full-depth model, plan.plan_run: the fewest stages
+            whose planned step fits the GPU; so is the MLP tile).
   METHOD+host-state   the same with the model state on the host (01's --offload-model-state:
             its extra step time is per layer, so the 1 + 2 layer extrapolation holds for it);
   METHOD+keep-attention   the same with 03's --keep-attention (the recompute runs no attention
