@@ -376,11 +376,12 @@ def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: i
     if not cfg.checkpoint:
         raise ValueError("the checkpointed layers are a setting of --checkpoint (03)")
     args = model_args(cfg)
-    for k in range(1, args.n_layers):
-        plan = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)
-        if fits_on_gpu(plan["peak"], gpu_mem):
-            return k
-    return args.n_layers
+    low, high = 1, args.n_layers  # the peak falls as k grows: bisect for the first that fits
+    while low < high:
+        middle = (low + high) // 2
+        plan = plan_memory(replace(cfg, checkpoint_layers=middle), world_size, args)
+        low, high = (low, middle) if fits_on_gpu(plan["peak"], gpu_mem) else (middle + 1, high)
+    return low
 
 
 # 04's MLP tiles a GPU run weighs besides 04's default of about dim tokens (candidate_configs):
@@ -789,10 +790,10 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
 # run reads what the host can hand out when it starts and needs some for itself besides. What
 # the flags themselves put there must fit the whole (host_memory_error).
 HOST_HEADROOM = 0.9
-# The Config fields a run's choice sets (RunChoice.settings; --checkpoint-layers' k joins them
-# when it lands, with its candidates in candidate_configs).
-SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "keep_attention",
-            "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk", "offload_model_state")
+# The Config fields a run's choice sets (RunChoice.settings).
+SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
+            "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
+            "offload_model_state")
 
 
 @dataclass
@@ -878,6 +879,8 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
     An impossible layout: the ValueError of the first candidate tried."""
     kernel = planned_kernel(cfg)
     rates = rates if rates and kernel in rates.attention else None
+    predicted = (lambda c: step_time.step_seconds_total(c, machine.gpus, rates, kernel)  # noqa: E731
+                 if rates else None)
     ranked, first_error = [], None
     for candidate in candidate_configs(cfg, machine.gpus):
         try:
@@ -885,10 +888,17 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
         except ValueError as error:
             first_error = first_error or error
             continue
-        seconds = (step_time.step_seconds_total(candidate, machine.gpus, rates, kernel)
-                   if rates else None)
-        ranked.append(Candidate(candidate, plan, seconds, candidate_fits(plan, candidate, cfg,
-                                                                         machine)))
+        fits = candidate_fits(plan, candidate, cfg, machine)
+        ranked.append(Candidate(candidate, plan, predicted(candidate), fits))
+        if fits and candidate.checkpoint and cfg.checkpoint_layers is None:
+            # 03's k of L blocks checkpointed, left open: the fewest that fit (each block left
+            # out skips its recompute, so they are the fastest that fit; fewer offloaded, so
+            # the host holds less too)
+            k = fewest_checkpointed_layers_that_fit(candidate, machine.gpus, machine.gpu_mem)
+            if k < model_args(candidate).n_layers:
+                fewer = replace(candidate, checkpoint_layers=k)
+                ranked.append(Candidate(fewer, plan_memory(fewer, machine.gpus),
+                                        predicted(fewer), True))
     if not ranked:
         raise first_error or ValueError("no configuration to plan")
     return sorted(ranked, key=lambda c: (not c.fits, c.seconds or 0, memory_order(c.cfg)))
@@ -918,9 +928,8 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
                                for t in MLP_TILE_CHOICES if min(t, local_tokens) > args.dim}])
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
-        # TODO(checkpoint-layers): k of the L blocks checkpointed (branch ckpt): for a
-        # checkpointing candidate one more setting here, k from the fewest that fit
-        # (plan.fewest_checkpointed_layers_that_fit) to L.
+        # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
+        # that fit need each candidate's plan.
         candidates += [replace(chosen, head_chunk=chunk, mlp_tile_tokens=tile, keep_attention=keep)
                        for chunk, tile, keep in product(chunks, tiles, kept)]
     return candidates
@@ -929,9 +938,10 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
 def auto_techniques(cfg: Config, world_size: int) -> list:
     """--stack auto's sets of techniques, before their settings: each technique off or on
     unless a flag given turns it on (--head-chunk asks for 05, --ring for sequence parallelism,
-    --keep-attention for 03, the tile sizes for their tiles). On one GPU (or --sp 1) the
-    attention is the model's own or 05's stages; on more, 02 or 05 over all of them (or --sp),
-    with 06's ring over each R that divides P. Contradicting flags: a ValueError."""
+    --keep-attention and --checkpoint-layers for 03, the tile sizes for their tiles). On one
+    GPU (or --sp 1) the attention is the model's own or 05's stages; on more, 02 or 05 over all
+    of them (or --sp), with 06's ring over each R that divides P. Contradicting flags: a
+    ValueError."""
     if cfg.head_chunk is not None and cfg.ulysses:
         raise ValueError("--head-chunk is a setting of --untied (05), and --ulysses (02) is its "
                          "alternative: give one of them with --stack auto")
@@ -947,7 +957,8 @@ def auto_techniques(cfg: Config, world_size: int) -> list:
                                                    else "ulysses")]
     on = lambda given: [True] if given else [False, True]  # noqa: E731
     checkpointing = ([(True, True)] if cfg.offload else
-                     [(True, False), (True, True)] if cfg.checkpoint or cfg.keep_attention
+                     [(True, False), (True, True)]
+                     if cfg.checkpoint or cfg.keep_attention or cfg.checkpoint_layers
                      else [(False, False), (True, False), (True, True)])
     return [replace(cfg, fsdp=True, ulysses=seam == "ulysses", untied=seam == "untied",
                     sp=cfg.sp if seam != "none" else None, ring=ring, checkpoint=checkpoint,
@@ -961,8 +972,8 @@ def auto_techniques(cfg: Config, world_size: int) -> list:
 def unconstrained(cfg: Config) -> Config:
     """cfg with no technique flag: what --stack auto alone would weigh (the layout kept)."""
     return replace(cfg, stack=config.AUTO, head_chunk=None, keep_attention=None, ring=None,
-                   mlp_tile_tokens=None, tile_norm=False, offload_model_state=False,
-                   **{flag: False for flag, _ in TECHNIQUES})
+                   checkpoint_layers=None, mlp_tile_tokens=None, tile_norm=False,
+                   offload_model_state=False, **{flag: False for flag, _ in TECHNIQUES})
 
 
 def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine) -> bool:
@@ -982,10 +993,11 @@ def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine)
 def memory_order(cfg: Config) -> tuple:
     """The memory-only order (a GPU without speed rates; ties): the fewest techniques in the
     files' order (the model state on the host last, then the ring, 05, 04, 03), then the
-    fewest stages, kept attention outputs, the largest MLP tile."""
+    fewest stages, kept attention outputs, the largest MLP tile, the fewest checkpointed
+    blocks."""
     return (cfg.offload_model_state, (cfg.ring or 1) > 1, cfg.untied, cfg.tile_mlp,
             cfg.tile_loss, cfg.offload, cfg.checkpoint, -(cfg.head_chunk or 0),
-            not cfg.keep_attention, -(cfg.mlp_tile_tokens or 0))
+            not cfg.keep_attention, -(cfg.mlp_tile_tokens or 0), cfg.checkpoint_layers or 2**31)
 
 
 def techniques_of(cfg: Config) -> tuple:
@@ -1013,8 +1025,8 @@ def flags_text(cfg: Config) -> str:
              ["--" + f.replace("_", "-") for f, _ in TECHNIQUES
               if f in on and not (f == "checkpoint" and cfg.offload)])
     flags += [f"--ring {cfg.ring}"] if (cfg.ring or 1) > 1 else []
-    return " ".join(flags + settings_flags(cfg, ("head_chunk", "keep_attention",
-                                                 "mlp_tile_tokens"))
+    return " ".join(flags + settings_flags(cfg, ("checkpoint_layers", "head_chunk",
+                                                 "keep_attention", "mlp_tile_tokens"))
                     + (["--tile-norm"] if cfg.tile_norm else [])
                     + (["--offload-model-state"] if cfg.offload_model_state else []))
 
@@ -1026,9 +1038,11 @@ def level_techniques(level: int) -> set:
 
 
 def settings_flags(cfg: Config, names) -> list:
-    """The flags of cfg's settings among `names` (05's U, 03's --keep-attention, 04's MLP
-    tile), where its techniques have them."""
+    """The flags of cfg's settings among `names` (03's checkpointed blocks and
+    --keep-attention, 05's U, 04's MLP tile), where its techniques have them."""
     flags = []
+    if "checkpoint_layers" in names and cfg.checkpoint and cfg.checkpoint_layers:
+        flags.append(f"--checkpoint-layers {cfg.checkpoint_layers}")
     if "head_chunk" in names and cfg.untied and cfg.head_chunk:
         flags.append(f"--head-chunk {cfg.head_chunk}")
     if "keep_attention" in names and cfg.checkpoint:

@@ -9,8 +9,9 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
     elementwise        per token, layer and unit of width (norms, rotary, SwiGLU, residuals,
                        casts), once per pass over the blocks
     the loss           its logits' bytes through memory; 04's fp32 weight-gradient sums per tile
-    03                 the recompute (one more forward of the blocks; with --keep-attention
-                       without attention's), and the offload copies that no compute hides
+    03                 the recompute (one more forward of the checkpointed blocks; with
+                       --keep-attention without attention's), and the offload copies that no
+                       compute hides
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
     01                 FSDP's per-parameter cost per step; the optimizer step on the GPU, or
                        on the host (--offload-model-state: CPU fused AdamW) with its copies
@@ -81,25 +82,28 @@ def rates_for(gpu_name: str | None) -> GpuRates | None:
 # ---- The FLOPs of a step (bench/throughput.py's MFU and bound count the same) ----------------
 
 def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = False, *,
-               checkpoint: bool = True, tile_mlp: bool = True, tile_loss: bool = True) -> dict:
+               checkpoint: bool = True, tile_mlp: bool = True, tile_loss: bool = True,
+               checkpoint_layers: int | None = None) -> dict:
     """FLOPs of one step of `sequences` sequences of `seq_len` tokens, on all GPUs together:
     {"attention": causal attention, "linear": the linear layers}. Per layer, causal attention's
     forward is 2 S^2 d (d = heads x head dim), its backward 2.5x that, and 03's recompute (with
-    `checkpoint`) one more forward unless `keep_attention`; a linear layer's forward is 2 x its
-    parameters x tokens, its backward twice that, and one more forward where it runs again: the
-    blocks' attention projections under 03's recompute, the MLP under 03 or 04's tiling (which
-    recomputes each tile; 03 then skips it), lm_head under 04's tiled loss. The defaults are the
-    ALST stack bench/throughput.py measures (every term counted four times)."""
+    `checkpoint`, in its first `checkpoint_layers` blocks: None, all) one more forward unless
+    `keep_attention`; a linear layer's forward is 2 x its parameters x tokens, its backward
+    twice that, and one more forward where it runs again: the attention projections of the
+    blocks 03 recomputes, the MLP there or under 04's tiling (which recomputes each tile; 03
+    then skips it), lm_head under 04's tiled loss. The defaults are the ALST stack
+    bench/throughput.py measures (every term counted four times)."""
+    layers = args.n_layers
+    recomputed = (checkpoint_layers or layers) if checkpoint else 0  # blocks run twice forward
     d = args.n_heads * args.head_dim
-    attention_forward = 2 * seq_len**2 * d * args.n_layers * sequences
+    attention_forward = 2 * seq_len**2 * d * sequences  # one layer's
     projections = args.dim * d + 2 * args.dim * args.n_kv_heads * args.head_dim + d * args.dim
     mlp = 3 * args.dim * args.ffn_dim
-    passes = lambda again: 3 + (1 if again else 0)  # noqa: E731 (forward, backward, recompute)
     linear_forward = 2 * seq_len * sequences
-    return {"attention": attention_forward * (3.5 + (checkpoint and not keep_attention)),
-            "linear": linear_forward * (args.n_layers * (projections * passes(checkpoint)
-                                                         + mlp * passes(checkpoint or tile_mlp))
-                                        + args.dim * args.vocab_size * passes(tile_loss))}
+    return {"attention": attention_forward * (3.5 * layers + recomputed * (not keep_attention)),
+            "linear": linear_forward * (projections * (3 * layers + recomputed)
+                                        + mlp * (3 * layers + (layers if tile_mlp else recomputed))
+                                        + args.dim * args.vocab_size * (3 + tile_loss))}
 
 
 # ---- A step's time per GPU, by term --------------------------------------------------------
@@ -120,13 +124,15 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     n = cfg.batch_size * cfg.seq_len // sp  # local tokens of one micro-batch
     layers, width = args.n_layers, args.dim + args.ffn_dim
     flops = step_flops(args, cfg.seq_len, sequences, bool(cfg.keep_attention),
-                       checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss)
+                       checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
+                       checkpoint_layers=cfg.checkpoint_layers)
+    recomputed = (cfg.checkpoint_layers or layers) / layers if cfg.checkpoint else 0  # share
     attention_rate = rates.attention[kernel] * (RING_RATE if ring > 1 else 1)
     linear_s = flops["linear"] / world_size / rates.matmul
     attention_s = flops["attention"] / world_size / attention_rate
-    passes = 3 + cfg.checkpoint  # forward, backward (twice its work), 03's recompute
+    passes = 3 + recomputed  # forward, backward (twice its work), 03's recompute
     norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
-    norm_runs = 1 + (cfg.checkpoint + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
+    norm_runs = 1 + (recomputed + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
     seconds = {
         "linear layers": linear_s,
         "attention": attention_s,
@@ -168,18 +174,19 @@ def exchange_seconds(cfg: Config, args, n: int, ulysses: int, b: int, rates: Gpu
 
 def offload_seconds(cfg: Config, args, n: int, b: int, rates: GpuRates,
                     layer_forward_s: float) -> float:
-    """Each block input but the last goes to the host during its block's forward and comes back
-    during the backward of the block above (with --keep-attention its kept output and fp32
-    log-sum-exp too); a copy longer than the compute beside it shows. The backward's compute is
-    about twice the forward's."""
-    if not cfg.offload or args.n_layers < 2:
+    """Each checkpointed block's input but the last goes to the host during its block's forward
+    and comes back during the backward of the block above (with --keep-attention its kept output
+    and fp32 log-sum-exp too); a copy longer than the compute beside it shows. The backward's
+    compute is about twice the forward's."""
+    checkpointed = cfg.checkpoint_layers or args.n_layers  # the last of them stays on the GPU
+    if not cfg.offload or checkpointed < 2:
         return 0.0
     nbytes = n * args.dim * b
     if cfg.keep_attention:
         nbytes += n * args.n_heads * (args.head_dim * b + 4)
     copy = nbytes / rates.pinned_copy
     shown = max(0.0, copy - layer_forward_s) + max(0.0, copy - 2 * layer_forward_s)
-    return (args.n_layers - 1) * shown
+    return (checkpointed - 1) * shown
 
 
 # ---- 04_alst_tiling.py: the fp32 weight-gradient sum of every tile -------------------------

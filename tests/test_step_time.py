@@ -194,7 +194,8 @@ def test_explicit_flags_win_and_a_disagreement_is_said():
     choice = planner.plan_run(stack_5, ONE_H200)
     chosen = replace(stack_5, **choice.settings)
     assert planner.techniques_of(chosen) == planner.techniques_of(stack_5)  # never overridden
-    assert set(choice.settings) <= {"head_chunk", "keep_attention", "mlp_tile_tokens"}
+    assert set(choice.settings) <= {"checkpoint_layers", "head_chunk", "keep_attention",
+                                    "mlp_tile_tokens"}
     said = [line for line in choice.lines if line.startswith("the planner's fastest plan")]
     assert said and "--stack 1" in said[0] and "which win" in said[0], choice.lines
     # a flag under --stack auto is kept, and the same line says what it costs
@@ -216,6 +217,22 @@ def test_open_settings_of_given_flags_are_the_fastest_that_fit():
     assert "--keep-attention" in choice.lines[0]
     given = planner.plan_run(replace(cfg, keep_attention=False, head_chunk=8), ONE_H200)
     assert "keep_attention" not in given.settings and "head_chunk" not in given.settings
+
+
+def test_open_checkpointed_layers_are_the_fewest_that_fit():
+    """--stack 3 at 32K on one H200 (Llama-3.2-3B): 03's k of 28 blocks, left open, is the
+    fewest that fit (each block left out skips its recompute: faster); given, it stays."""
+    cfg = _cfg("llama3.2-3b", 2**15, stack=3)
+    choice = planner.plan_run(cfg, ONE_H200)
+    chosen = choice.chosen.cfg
+    fewest = planner.fewest_checkpointed_layers_that_fit(replace(chosen, checkpoint_layers=None),
+                                                         1, ONE_H200.gpu_mem)
+    assert 1 < chosen.checkpoint_layers == fewest < 28 and choice.chosen.fits
+    assert f"--checkpoint-layers {fewest}" in choice.lines[0]
+    every = step_time.step_seconds_total(replace(chosen, checkpoint_layers=None), 1, H200, "fa4")
+    assert choice.chosen.seconds < every
+    given = planner.plan_run(replace(cfg, checkpoint_layers=28), ONE_H200)
+    assert "checkpoint_layers" not in given.settings
 
 
 @pytest.mark.parametrize("seq_len,gpu,host,kept", [
@@ -298,15 +315,17 @@ def test_a_length_nothing_fits_names_the_longest_that_does():
         planner.plan_run(_auto("llama3-8b", 12 * 2**20), EIGHT_80GB)
     text = str(error.value)
     assert text.startswith("--stack auto: nothing fits llama3-8b at 12,582,912 (12M) tokens")
-    longest = int(text.split("the longest that fits is ")[1].split(" tokens")[0].replace(",", ""))
-    fits = _auto("llama3-8b", longest, untied=True, offload=True, tile_mlp=True, tile_loss=True,
-                 offload_model_state=True, keep_attention=False)
+    longest = text.split("the longest that fits is ")[1]
+    length = int(longest.split(" tokens")[0].replace(",", ""))
+    flags = longest.split(" with ")[1].split(", where")[0]
+    assert flags.startswith("--stack 5") and "--offload-model-state" in flags, flags
+    fits = train.parse_args(["--model", "llama3-8b", "--seq-len", str(length), *flags.split(),
+                             "--device", "cpu", "--dtype", "bfloat16", "--attn-kernel", "fa4"])
     assert planner.plan_run(fits, EIGHT_80GB).chosen.fits  # it does fit, with those flags
-    assert "--stack 5 --no-keep-attention --offload-model-state" in text
     assert "on 16 GPUs it fits" in text, text
-    # flags given that rule the way out (Ulysses without the ring: at most 5.8M): said
+    # flags given that rule the way out (Ulysses without the ring: 5.7M at most): said
     with pytest.raises(ValueError, match="without the technique flags given it fits: --stack "
-                                         "auto alone takes --stack 5 --head-chunk 8"):
+                                         "auto alone takes --stack 5 "):
         planner.plan_run(_auto("llama3-8b", 6 * 2**20, ulysses=True, ring=1), EIGHT_80GB)
 
 
