@@ -48,8 +48,8 @@ class Run:
 def train(cfg: Config) -> Run:
     """The recipe: the plan's choices, the runtime, the model, the loop."""
     # On GPUs one call makes every choice the flags leave open (--stack auto's techniques, 05's
-    # U, --keep-attention, 04's MLP tile) and checks the host memory, before anything is
-    # claimed: --overwrite deletes an earlier run's outputs, which a refused run must not have.
+    # U, 03's --keep-attention and checkpointed blocks, 04's MLP tile) and checks host memory,
+    # before anything is claimed: --overwrite deletes an earlier run's outputs, a refused one not.
     choice = plan.plan_run(cfg, read_machine(cfg))  # a CPU run plans nothing
     cfg = replace(cfg, **choice.settings)
     rt = setup_runtime(cfg)

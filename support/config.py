@@ -200,7 +200,8 @@ def add_technique_flags(parser):
                        help="03: offload checkpoints to CPU (implies --checkpoint)")
     group.add_argument("--checkpoint-layers", type=int, default=None, metavar="K",
                        help="03: checkpoint (and offload) only the first K blocks; the others "
-                            "keep their activations and skip the recompute (default: all)")
+                            "keep their activations and skip the recompute (default: on a GPU "
+                            "the fewest the plan fits, said in a line; else all)")
     group.add_argument("--keep-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="03: keep each block's attention output (and log-sum-exp) with its "
                             "checkpoint, so backward's recompute skips the attention kernel: "
