@@ -785,10 +785,11 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
 # What a GPU run takes: every choice in one call (train.py applies it; --stack auto ranks them)
 # ---------------------------------------------------------------------------------------------
 
-# What the plan adds to the host (kept attention outputs; under --stack auto offloaded
-# checkpoints and the model state) must fit in this share of the host memory it plans with: a
-# run reads what the host can hand out when it starts and needs some for itself besides. What
-# the flags themselves put there must fit the whole (host_memory_error).
+# The kept attention outputs the plan turns on for speed (--keep-attention left open) must fit,
+# with everything else on the host, in this share of the host memory it plans with: a run reads
+# what the host can hand out when it starts and needs some for itself besides. What a run must
+# offload to fit (03's checkpoints, 01's model state: given, or taken by --stack auto) has to fit
+# the whole, as host_memory_error holds every run to.
 HOST_HEADROOM = 0.9
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
@@ -977,16 +978,16 @@ def unconstrained(cfg: Config) -> Config:
 
 
 def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine) -> bool:
-    """plan_fits on the machine, where what the planner adds to the host beyond the flags
-    (kept outputs, offload, the model state) must fit HOST_HEADROOM of it, and an unknown host
-    takes none of that."""
-    adds_to_host = ((candidate.keep_attention and cfg.keep_attention is None)
-                    or (candidate.offload and not cfg.offload)
-                    or (candidate.offload_model_state and not cfg.offload_model_state))
+    """plan_fits on the machine; with kept attention outputs the planner turned on, within
+    HOST_HEADROOM of the host; an unknown host takes nothing the planner would add there (kept
+    outputs, offload, the model state beyond the flags given)."""
+    kept_for_speed = candidate.keep_attention and cfg.keep_attention is None
     if machine.host_mem is None:
+        adds_to_host = (kept_for_speed or (candidate.offload and not cfg.offload)
+                        or (candidate.offload_model_state and not cfg.offload_model_state))
         host_mem = 0 if adds_to_host else 2**62
     else:
-        host_mem = machine.host_mem * (HOST_HEADROOM if adds_to_host else 1)
+        host_mem = machine.host_mem * (HOST_HEADROOM if kept_for_speed else 1)
     return all(plan_fits(plan, machine.gpus, machine.gpu_mem, host_mem, machine.gpus_per_node))
 
 
@@ -1100,10 +1101,11 @@ def nothing_fits_text(cfg: Config, machine: Machine) -> str:
     lines = [f"--stack auto: nothing fits {model_name(cfg)} at {plan_tokens_text(cfg.seq_len)} "
              f"tokens on {gpus_text(machine.gpus)} of {machine.gpu_mem / GiB:.1f} GiB with the "
              f"{PLAN_MARGIN:.1%} margin (host {host_text(machine.host_mem)} per node)"]
-    longest, host_mem = None, (machine.host_mem or 0) * HOST_HEADROOM
+    longest = None
     for candidate in frugal_configs(cfg, machine):
         try:
-            found = plan_longest_seq_len(candidate, machine.gpus, machine.gpu_mem, host_mem,
+            found = plan_longest_seq_len(candidate, machine.gpus, machine.gpu_mem,
+                                         machine.host_mem or 0,
                                          gpus_per_node=machine.gpus_per_node)
         except ValueError:
             continue
@@ -1186,8 +1188,10 @@ def plan_auto_table(cfg: Config, machine: Machine) -> str:
     choice = plan_run(cfg, machine)
     rates = step_time.rates_for(machine.gpu_name)
     fitting = [c for c in choice.ranking if c.fits]
-    speed = (f"step times predicted for {machine.gpu_name} GPUs (--gpu) with "
-             f"{planned_kernel(cfg)} attention" if rates else
+    kernel = planned_kernel(cfg)
+    speed = (f"step times predicted for {machine.gpu_name} GPUs (--gpu) with {kernel} attention"
+             + (" (--attn-kernel fa4 ranks for FlashAttention-4)"
+                if kernel == "cudnn" and cfg.attn_kernel == "auto" else "") if rates else
              f"no speed rates for {machine.gpu_name!r} (--gpu; support/step_time.py has "
              f"{', '.join(step_time.GPU_RATES)}): the memory-only order, the fewest techniques "
              f"first")

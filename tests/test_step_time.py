@@ -249,6 +249,19 @@ def test_keep_attention_is_on_where_the_plan_fits_it(seq_len, gpu, host, kept):
     assert bool(planner.plan_run(cfg, machine).chosen.cfg.keep_attention) is kept
 
 
+def test_auto_offloads_as_far_as_the_host_takes_and_keeps_outputs_within_its_headroom():
+    """1M tokens on 2 x H200 (251 GiB of host memory): --stack 5 runs there (2 x 124 GiB of
+    offloaded checkpoints), so --stack auto must too; kept outputs, a speed choice, would need
+    more than the host's 90% (HOST_HEADROOM) and stay off."""
+    two_h200 = Machine(gpus=2, gpu_name="NVIDIA H200", gpu_mem=int(139.8 * GiB),
+                       host_mem=251 * GiB, gpus_per_node=2)
+    chosen = planner.plan_run(_auto("llama3-8b", 2**20), two_h200).chosen
+    assert chosen.fits and chosen.cfg.offload and not chosen.cfg.keep_attention
+    assert 2 * chosen.plan["host"] <= 251 * GiB
+    kept = planner.plan_memory(replace(chosen.cfg, keep_attention=True), 2)
+    assert 2 * kept["host"] > planner.HOST_HEADROOM * 251 * GiB
+
+
 @pytest.mark.parametrize("model,seq_len,keep_attention,gpu,tile", [
     ("llama3.2-3b", 2**14, True, 139.8, 2**14),  # 16K: one tile, the whole sequence
     ("llama3-8b", 2**16, True, 139.8, 2**15),    # 64K: 32K tiles fit with the margin
