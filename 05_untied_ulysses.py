@@ -21,7 +21,7 @@ the standard order, so the numbers are those of 02 and of unsharded attention.
 
 In training, `python train.py --untied [--head-chunk U]` replaces 02 at the same seam: a larger
 U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run
-takes the fewest stages whose planned step fits (support/choices.py's `choose_head_chunk`).
+takes the planner's choice: the fewest stages whose planned step fits (plan.py's `plan_run`).
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
     torchrun --nproc-per-node 2 05_untied_ulysses.py --model llama3-8b --seq-len 256K   # GPUs

@@ -74,12 +74,13 @@ import torch
 import torch.distributed as dist
 
 from model import IGNORE_INDEX, token_scores as model_token_scores
+import plan
 import train
-from support import choices, config, saved_state
+from support import config, saved_state
 from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
 from support.lessons import tiling, ulysses_sp
-from support.runtime import setup_runtime
+from support.runtime import read_machine, setup_runtime
 
 
 FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -99,8 +100,10 @@ def eval_config(cfg: Config) -> Config:
 def build(cfg: Config):
     """(runtime, model, saved state's meta or None) for evaluation."""
     rt = setup_runtime(cfg)
-    # the fewest stages whose forward fits (a forward needs less than a training step)
-    cfg.head_chunk = choices.choose_head_chunk(cfg, rt, forward_only=True)
+    machine = read_machine(cfg)  # None on the CPU: 05's default U = P there
+    if machine and cfg.untied and cfg.head_chunk is None:  # the fewest stages whose forward fits
+        cfg.head_chunk = plan.fewest_stages_that_fit(cfg, rt.world, machine.gpu_mem,
+                                                     forward_only=True)
     model = train.build_model(cfg, rt)
     if cfg.tile_loss:
         tile_token_scores(model, cfg.loss_tile_tokens)

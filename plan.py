@@ -1,5 +1,8 @@
-"""plan.py - how much memory a training step needs per GPU, without a GPU.
+"""plan.py - how much memory a training step needs per GPU, without a GPU; and what a GPU run
+takes (every choice in one call: `plan_run`).
 
+    python plan.py --model llama3-8b --gpus 8 --seq-len 3M   # --stack auto: the ranking a run
+                                                             # takes the fastest that fits from
     python plan.py --model llama3-8b --seq-len 3M --stack 5 --gpus 8 --gpu-mem 80GiB
     python plan.py --model llama3-8b --gpus 8 --host-mem 2TiB    # longest length per --stack
                                                                  # (--seq-len max, the default)
@@ -18,6 +21,10 @@ support/config.py) mean what they mean there; plan.py imports no train.py, train
 The counts are calibrated against GPU runs (docs/calibration.md: within a few percent), and
 "fits" keeps a margin of the worst under-prediction among them (`PLAN_MARGIN`). The host memory
 assumed (--host-mem, per node) can decide an answer: its first line says what was assumed.
+A GPU run's choices (--stack auto's techniques; U, --keep-attention, the MLP tile where the flags
+leave them open) are the candidates that fit, ranked by support/step_time.py's predicted step
+time (calibrated as the bytes are: docs/calibration.md, "Step time"); train.py applies the one
+value `plan_run` returns.
 
 Packed documents (--documents) change the plan very little, so it counts them as dense: the
 attention holds the same q, k, v, output and log-sum-exp whatever the mask, and positions,
@@ -28,18 +35,18 @@ not counted here (`DOCUMENTS_NOTE`).
 """
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import product
 
 import torch
-import torch.distributed as dist
 
 import model
-from support import byte_counts, config, kernels
+from support import byte_counts, config, kernels, step_time
 from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
 from support.lessons import tiling, untied_sp
-from support.runtime import Runtime, check_layout
+from support.runtime import Machine, Runtime, check_layout
 
 GiB = 2**30
 # What a GPU cannot hand to tensors: the CUDA context, NCCL and cuBLAS workspaces, the
@@ -56,6 +63,7 @@ WORST_UNDER_PREDICTION = (3.781 - 3.641) / 3.781
 # planned x (1 + margin) = planned / (1 - w).
 PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
+DEFAULT_GPU = "NVIDIA H200"  # whose speed rates plan.py predicts with, when --gpu is not given
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
                   "loop adds up to one attention output and one dq/dk/dv while concatenating")
 PLAN_COMPONENTS = {  # component -> (label, when nothing is checkpointed, when some blocks are)
@@ -339,20 +347,11 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None,
             "head_chunk": head_chunk, "ring": ring, "forward_only": True}
 
 
-def smallest_gpu_memory(rt: Runtime) -> int:
-    """The smallest GPU's memory over all ranks: choices made from it are the same on every rank
-    (a head chunk that differed between ranks would mismatch the all-to-alls)."""
-    memory = torch.tensor([torch.cuda.get_device_properties(rt.device).total_memory],
-                          device=rt.device)
-    if dist.is_initialized():
-        dist.all_reduce(memory, op=dist.ReduceOp.MIN)
-    return int(memory.item())
-
-
 def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
                            forward_only: bool = False) -> int:
-    """Untied Ulysses' head chunk U when --head-chunk is not given, on a GPU: the largest valid
-    U (fewest stages) whose planned step fits (fits_on_gpu, with its margin), else U = P.
+    """Untied Ulysses' head chunk by memory alone (eval.py's forward, the longest-length tables;
+    a training run's comes from plan_run's ranking, which agrees where nothing else varies):
+    the largest valid U (fewest stages) whose planned step fits (fits_on_gpu), else U = P.
     Fewer, bigger stages run faster (bigger kernels and matmuls, fewer exchanges; README,
     throughput); the memory that U = P saves matters only near the longest length that fits, and
     there only U = P fits. One stage holds more memory than Ulysses (its backward keeps the output
@@ -377,32 +376,18 @@ def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: i
     if not cfg.checkpoint:
         raise ValueError("the checkpointed layers are a setting of --checkpoint (03)")
     args = model_args(cfg)
-    for k in range(1, args.n_layers):
-        plan = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)
-        if fits_on_gpu(plan["peak"], gpu_mem):
-            return k
-    return args.n_layers
+    low, high = 1, args.n_layers  # the peak falls as k grows: bisect for the first that fits
+    while low < high:
+        middle = (low + high) // 2
+        plan = plan_memory(replace(cfg, checkpoint_layers=middle), world_size, args)
+        low, high = (low, middle) if fits_on_gpu(plan["peak"], gpu_mem) else (middle + 1, high)
+    return low
 
 
-MLP_TILE_CHOICES = (32768, 16384, 8192)  # tokens; 04's default is about the model's dim
-
-
-def largest_mlp_tile_that_fits(cfg: Config, world_size: int, gpu_mem: int) -> int | None:
-    """04's MLP tile when --mlp-tile-tokens is not given, on a GPU: the largest of 32K, 16K and
-    8K tokens (the whole local sequence where shorter; cut into equal tiles of at most that)
-    whose planned step fits (fits_on_gpu, with its margin), else None (04's default, about dim
-    tokens). Larger tiles run the MLP's matmuls over more rows and add up fewer fp32 weight
-    gradients (16K-token tiles took 1.3% off a 128K Llama-3-8B step, docs/results.md); the
-    memory the default saves matters only near the longest length."""
-    args = model_args(cfg)
-    sp, _, _ = check_layout(cfg, world_size, args)
-    local_tokens = cfg.batch_size * cfg.seq_len // sp
-    tiles = {tiling.even_tile_tokens(local_tokens, min(t, local_tokens)) for t in MLP_TILE_CHOICES}
-    for tile in sorted((t for t in tiles if t > args.dim), reverse=True):
-        plan = plan_memory(replace(cfg, mlp_tile_tokens=tile), world_size, args)
-        if fits_on_gpu(plan["peak"], gpu_mem):
-            return tile
-    return None
+# 04's MLP tiles a GPU run weighs besides 04's default of about dim tokens (candidate_configs):
+# larger tiles run the MLP's matmuls over more rows and add up fewer fp32 weight gradients
+# (16K-token tiles took 1.3% off a 128K Llama-3-8B step, docs/results.md).
+MLP_TILE_CHOICES = (32768, 16384, 8192)  # tokens
 
 
 def gpus_sharing_a_node(world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> int:
@@ -549,11 +534,17 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
 
 
 def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
-               gpus_per_node: int = GPUS_PER_NODE) -> str:
-    """The per-GPU table of `train.py --plan` for cfg.seq_len; where it does not fit, the first
-    change that would (what_would_fit)."""
+               gpus_per_node: int = GPUS_PER_NODE, gpu_name: str = DEFAULT_GPU) -> str:
+    """The per-GPU table of `train.py --plan` for cfg.seq_len, with the head chunk a GPU run of
+    these flags takes (plan_run's choice); what else it takes (kept attention outputs, the MLP
+    tile) and its predicted step below; where it does not fit, the first change that would
+    (what_would_fit)."""
     args, asked = model_args(cfg), cfg
-    cfg, plan = plan_with_head_chunk(cfg, world_size, gpu_mem)
+    machine = Machine(world_size, gpu_name, gpu_mem, host_mem,
+                      gpus_sharing_a_node(world_size, gpus_per_node))
+    chosen = choose(asked, machine)[0]
+    cfg = replace(asked, head_chunk=chosen.cfg.head_chunk)
+    plan = plan_memory(cfg, world_size)
     gpu_fits, host_fits = plan_fits(plan, world_size, gpu_mem, host_mem, gpus_per_node)
     node = gpus_sharing_a_node(world_size, gpus_per_node)
     peak = plan["moments"][plan["peak_moment"]]
@@ -585,21 +576,18 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         "other moments: " + ", ".join(f"{m} {sum(c.values()) / GiB:.1f}" for m, c
                                       in plan["moments"].items() if m != plan["peak_moment"]),
     ]
-    as_run = replace(cfg, head_chunk=plan["head_chunk"])  # what a GPU run would choose
-    if cfg.checkpoint and not cfg.keep_attention and gpu_fits and host_fits:
-        kept = plan_memory(replace(as_run, keep_attention=True), world_size)
-        if all(plan_fits(kept, world_size, gpu_mem, host_mem, gpus_per_node)):
-            lines.append(f"--keep-attention fits too (GPU {kept['peak'] / GiB:.1f}, host "
-                         f"{kept['host'] / GiB:.1f} per GPU): the recompute skips attention's "
-                         f"forward, ~1.2x faster steps at long lengths (docs/training.md)")
-            if cfg.keep_attention is None:  # a GPU run turns it on, then plans its MLP tile
-                as_run = replace(as_run, keep_attention=True)
-    if cfg.tile_mlp and cfg.mlp_tile_tokens is None:
-        tile = largest_mlp_tile_that_fits(as_run, world_size, gpu_mem)
-        if tile is not None:
-            tiled = plan_memory(replace(as_run, mlp_tile_tokens=tile), world_size)
-            lines.append(f"a GPU run tiles the MLP {tile:,} tokens at a time, the largest tile "
-                         f"that fits (--mlp-tile-tokens): peak {tiled['peak'] / GiB:.1f} GiB")
+    if chosen.fits and chosen.cfg.keep_attention and asked.keep_attention is None:
+        lines.append(f"--keep-attention fits too (GPU {chosen.plan['peak'] / GiB:.1f}, host "
+                     f"{chosen.plan['host'] / GiB:.1f} per GPU): the recompute skips "
+                     f"attention's forward, ~1.2x faster steps at long lengths "
+                     f"(docs/training.md); a GPU run turns it on")
+    if chosen.fits and chosen.cfg.mlp_tile_tokens and asked.mlp_tile_tokens is None:
+        lines.append(f"a GPU run tiles the MLP {chosen.cfg.mlp_tile_tokens:,} tokens at a time "
+                     f"(--mlp-tile-tokens): peak {chosen.plan['peak'] / GiB:.1f} GiB")
+    if chosen.fits and chosen.seconds is not None:
+        lines.append(f"a GPU run of these flags: {flags_text(chosen.cfg)}, "
+                     f"{candidate_text(chosen, machine)}")
+        lines += disagreement_lines(asked, machine, chosen)
     if not (gpu_fits and host_fits):
         lines.append("to fit: "
                      + what_would_fit(asked, world_size, gpu_mem, host_mem, gpus_per_node))
@@ -794,6 +782,436 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
 
 
 # ---------------------------------------------------------------------------------------------
+# What a GPU run takes: every choice in one call (train.py applies it; --stack auto ranks them)
+# ---------------------------------------------------------------------------------------------
+
+# The kept attention outputs the plan turns on for speed (--keep-attention left open) must fit,
+# with everything else on the host, in this share of the host memory it plans with: a run reads
+# what the host can hand out when it starts and needs some for itself besides. What a run must
+# offload to fit (03's checkpoints, 01's model state: given, or taken by --stack auto) has to fit
+# the whole, as host_memory_error holds every run to.
+HOST_HEADROOM = 0.9
+# The Config fields a run's choice sets (RunChoice.settings).
+SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
+            "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
+            "offload_model_state")
+
+
+@dataclass
+class Candidate:
+    """One configuration the planner weighed: its Config, memory plan, predicted step time
+    (None: no speed rates for this GPU) and whether it fits GPU and host."""
+    cfg: Config
+    plan: dict
+    seconds: float | None
+    fits: bool
+
+
+@dataclass
+class RunChoice:
+    """Every choice the plan makes for one run: train.py applies `settings` (Config fields) and
+    prints `lines`. `ranking`: the fastest candidate of each set of techniques, fastest first
+    (those that fit first); `chosen` is the one the settings describe (None on the CPU)."""
+    settings: dict
+    lines: list
+    chosen: Candidate | None = None
+    ranking: list = field(default_factory=list)
+
+
+def plan_run(cfg: Config, machine: Machine | None) -> RunChoice:
+    """What a run of `cfg` on `machine` (support/runtime.py's read_machine; None on the CPU,
+    where nothing is planned) takes, in one value: with --stack auto the fastest configuration
+    that fits (techniques and their settings, the flags given kept), else the fastest settings
+    that fit among those the flags leave open (Untied Ulysses' U, --keep-attention, 04's MLP
+    tile); the lines the run prints about it (with a line where the planner would run other
+    techniques than the flags given); and the host-memory check. A ValueError, before anything
+    is built: an impossible layout, flags that contradict each other, --stack auto with nothing
+    that fits, host memory the chosen plan overfills (host_memory_error)."""
+    if machine is None:
+        if cfg.stack == config.AUTO:
+            raise ValueError("--stack auto plans for GPUs (their memory and speed): on the CPU "
+                             "give the techniques, --stack 0-5 (python plan.py ... --stack auto "
+                             "shows what a GPU run takes)")
+        return RunChoice({}, [])
+    chosen, ranking = choose(cfg, machine)
+    error = host_memory_error(chosen.cfg, machine.gpus, machine.gpus_per_node, machine.host_mem)
+    if error:
+        raise ValueError(error)
+    settings = {name: getattr(chosen.cfg, name) for name in SETTINGS
+                if getattr(chosen.cfg, name) != getattr(cfg, name)}
+    best = best_per_techniques(ranking)
+    lines = choice_lines(cfg, machine, chosen, best, settings)
+    return RunChoice(settings, lines + disagreement_lines(cfg, machine, chosen), chosen, best)
+
+
+def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list:
+    """Where technique flags were given (with or without --stack auto) and the speed model
+    would run other techniques, a line that says so: the flags win, never silently."""
+    constrained = cfg.stack != config.AUTO or config.techniques_given(replace(cfg, stack=None))
+    if not (constrained and chosen.fits and chosen.seconds is not None):
+        return []
+    try:
+        fastest = choose(unconstrained(cfg), machine)[0]
+    except ValueError:  # nothing fits without the flags: they are needed
+        return []
+    if techniques_of(fastest.cfg) == techniques_of(chosen.cfg):
+        return []
+    return [f"the planner's fastest plan that fits is {flags_text(fastest.cfg)} (predicted "
+            f"{fastest.seconds:.2f} s a step against {chosen.seconds:.2f} with the flags given, "
+            f"which win): --stack auto alone takes it"]
+
+
+def choose(cfg: Config, machine: Machine) -> tuple:
+    """(the chosen Candidate, the ranking): the first that fits, by predicted step time where
+    the GPU has speed rates (support/step_time.py), else in memory_order: the memory-only
+    choice. None fitting: --stack auto stops (nothing_fits_text); given flags run as given,
+    their open settings at the least memory."""
+    ranking = rank_candidates(cfg, machine, step_time.rates_for(machine.gpu_name))
+    if ranking[0].fits:
+        return ranking[0], ranking
+    if cfg.stack == config.AUTO:
+        raise ValueError(nothing_fits_text(cfg, machine))
+    return min(ranking, key=lambda c: c.plan["peak"]), ranking
+
+
+def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
+    """Every candidate of `cfg` (candidate_configs) planned, predicted and held to fits; those
+    that fit first, fastest first, ties (and every candidate, without rates) in memory_order.
+    An impossible layout: the ValueError of the first candidate tried."""
+    kernel = planned_kernel(cfg)
+    rates = rates if rates and kernel in rates.attention else None
+    predicted = (lambda c: step_time.step_seconds_total(c, machine.gpus, rates, kernel)  # noqa: E731
+                 if rates else None)
+    ranked, first_error = [], None
+    for candidate in candidate_configs(cfg, machine.gpus):
+        try:
+            plan = plan_memory(candidate, machine.gpus)
+        except ValueError as error:
+            first_error = first_error or error
+            continue
+        fits = candidate_fits(plan, candidate, cfg, machine)
+        ranked.append(Candidate(candidate, plan, predicted(candidate), fits))
+        if fits and candidate.checkpoint and cfg.checkpoint_layers is None:
+            # 03's k of L blocks checkpointed, left open: the fewest that fit (each block left
+            # out skips its recompute, so they are the fastest that fit; fewer offloaded, so
+            # the host holds less too)
+            k = fewest_checkpointed_layers_that_fit(candidate, machine.gpus, machine.gpu_mem)
+            if k < model_args(candidate).n_layers:
+                fewer = replace(candidate, checkpoint_layers=k)
+                ranked.append(Candidate(fewer, plan_memory(fewer, machine.gpus),
+                                        predicted(fewer), True))
+    if not ranked:
+        raise first_error or ValueError("no configuration to plan")
+    return sorted(ranked, key=lambda c: (not c.fits, c.seconds or 0, memory_order(c.cfg)))
+
+
+def candidate_configs(cfg: Config, world_size: int) -> list:
+    """The configurations the planner weighs for `cfg`: under --stack auto every combination
+    of the techniques (always FSDP, 01's fp32 master state: --stack 0 trains bf16 weights, so it
+    is never chosen for you) with the flags given kept on, and for each the settings they
+    leave open: U, --keep-attention, the MLP tile (04's default, or the largest tiles of 32K,
+    16K and 8K tokens, cut evenly). The sequence-parallel degree stays what the flags make it
+    (all GPUs, or --sp): every candidate trains the same tokens per step."""
+    techniques = auto_techniques(cfg, world_size) if cfg.stack == config.AUTO else [cfg]
+    args = model_args(cfg)
+    candidates = []
+    for chosen in techniques:
+        try:
+            sp, ring, _ = check_layout(replace(chosen, head_chunk=None), world_size, args)
+        except ValueError:
+            candidates.append(chosen)  # plan_memory names why
+            continue
+        local_tokens = chosen.batch_size * chosen.seq_len // sp
+        chunks = ([chosen.head_chunk] if chosen.head_chunk or not chosen.untied
+                  else untied_sp.valid_head_chunks(args, sp // ring))
+        tiles = ([chosen.mlp_tile_tokens] if chosen.mlp_tile_tokens or not chosen.tile_mlp
+                 else [None, *{tiling.even_tile_tokens(local_tokens, min(t, local_tokens))
+                               for t in MLP_TILE_CHOICES if min(t, local_tokens) > args.dim}])
+        kept = ([chosen.keep_attention] if chosen.keep_attention is not None
+                or not chosen.checkpoint else [False, True])
+        # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
+        # that fit need each candidate's plan.
+        candidates += [replace(chosen, head_chunk=chunk, mlp_tile_tokens=tile, keep_attention=keep)
+                       for chunk, tile, keep in product(chunks, tiles, kept)]
+    return candidates
+
+
+def auto_techniques(cfg: Config, world_size: int) -> list:
+    """--stack auto's sets of techniques, before their settings: each technique off or on
+    unless a flag given turns it on (--head-chunk asks for 05, --ring for sequence parallelism,
+    --keep-attention and --checkpoint-layers for 03, the tile sizes for their tiles). On one
+    GPU (or --sp 1) the attention is the model's own or 05's stages; on more, 02 or 05 over all
+    of them (or --sp), with 06's ring over each R that divides P. Contradicting flags: a
+    ValueError."""
+    if cfg.head_chunk is not None and cfg.ulysses:
+        raise ValueError("--head-chunk is a setting of --untied (05), and --ulysses (02) is its "
+                         "alternative: give one of them with --stack auto")
+    if cfg.ring not in (None, 1) and cfg.sp == 1:
+        raise ValueError(f"--ring {cfg.ring} splits the sequence over ranks, and --sp 1 splits "
+                         f"it over none: give one of them with --stack auto")
+    sp = cfg.sp or world_size
+    ring_options = [cfg.ring] if cfg.ring else [r for r in range(1, sp + 1) if sp % r == 0]
+    seams = ([("ulysses", r) for r in ring_options] + [("untied", r) for r in ring_options]
+             if sp > 1 or cfg.ring else [("none", None), ("untied", None)])
+    if cfg.ulysses or cfg.untied or cfg.head_chunk is not None:
+        seams = [(s, r) for s, r in seams if s == ("untied" if cfg.untied or cfg.head_chunk
+                                                   else "ulysses")]
+    on = lambda given: [True] if given else [False, True]  # noqa: E731
+    checkpointing = ([(True, True)] if cfg.offload else
+                     [(True, False), (True, True)]
+                     if cfg.checkpoint or cfg.keep_attention or cfg.checkpoint_layers
+                     else [(False, False), (True, False), (True, True)])
+    return [replace(cfg, fsdp=True, ulysses=seam == "ulysses", untied=seam == "untied",
+                    sp=cfg.sp if seam != "none" else None, ring=ring, checkpoint=checkpoint,
+                    offload=offload, tile_mlp=tile_mlp, tile_loss=tile_loss,
+                    offload_model_state=on_host)
+            for (seam, ring), (checkpoint, offload), tile_mlp, tile_loss, on_host in product(
+                seams, checkpointing, on(cfg.tile_mlp or cfg.mlp_tile_tokens),
+                on(cfg.tile_loss or cfg.loss_tile_tokens), on(cfg.offload_model_state))]
+
+
+def unconstrained(cfg: Config) -> Config:
+    """cfg with no technique flag: what --stack auto alone would weigh (the layout kept)."""
+    return replace(cfg, stack=config.AUTO, head_chunk=None, keep_attention=None, ring=None,
+                   checkpoint_layers=None, mlp_tile_tokens=None, tile_norm=False,
+                   offload_model_state=False, **{flag: False for flag, _ in TECHNIQUES})
+
+
+def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine) -> bool:
+    """plan_fits on the machine; with kept attention outputs the planner turned on, within
+    HOST_HEADROOM of the host; an unknown host takes nothing the planner would add there (kept
+    outputs, offload, the model state beyond the flags given)."""
+    kept_for_speed = candidate.keep_attention and cfg.keep_attention is None
+    if machine.host_mem is None:
+        adds_to_host = (kept_for_speed or (candidate.offload and not cfg.offload)
+                        or (candidate.offload_model_state and not cfg.offload_model_state))
+        host_mem = 0 if adds_to_host else 2**62
+    else:
+        host_mem = machine.host_mem * (HOST_HEADROOM if kept_for_speed else 1)
+    return all(plan_fits(plan, machine.gpus, machine.gpu_mem, host_mem, machine.gpus_per_node))
+
+
+def memory_order(cfg: Config) -> tuple:
+    """The memory-only order (a GPU without speed rates; ties): the fewest techniques in the
+    files' order (the model state on the host last, then the ring, 05, 04, 03), then the
+    fewest stages, kept attention outputs, the largest MLP tile, the fewest checkpointed
+    blocks."""
+    return (cfg.offload_model_state, (cfg.ring or 1) > 1, cfg.untied, cfg.tile_mlp,
+            cfg.tile_loss, cfg.offload, cfg.checkpoint, -(cfg.head_chunk or 0),
+            not cfg.keep_attention, -(cfg.mlp_tile_tokens or 0), cfg.checkpoint_layers or 2**31)
+
+
+def techniques_of(cfg: Config) -> tuple:
+    """What sets a configuration's techniques apart (not their settings U, keep, MLP tile)."""
+    return (cfg.fsdp, cfg.ulysses, cfg.untied, cfg.ring or 1, cfg.checkpoint, cfg.offload,
+            cfg.tile_mlp, cfg.tile_loss, cfg.tile_norm, cfg.offload_model_state)
+
+
+def best_per_techniques(ranking: list) -> list:
+    """The first (best) candidate of each set of techniques, in the ranking's order."""
+    seen, best = set(), []
+    for candidate in ranking:
+        if techniques_of(candidate.cfg) not in seen:
+            seen.add(techniques_of(candidate.cfg))
+            best.append(candidate)
+    return best
+
+
+def flags_text(cfg: Config) -> str:
+    """The flags that give cfg's techniques and settings: --stack N where its techniques are
+    exactly a level's, else each technique's own flag."""
+    on = {flag for flag, _ in TECHNIQUES if getattr(cfg, flag)}
+    level = next((n for n in range(MAX_STACK, -1, -1) if level_techniques(n) == on), None)
+    flags = ([f"--stack {level}"] if level is not None else
+             ["--" + f.replace("_", "-") for f, _ in TECHNIQUES
+              if f in on and not (f == "checkpoint" and cfg.offload)])
+    flags += [f"--ring {cfg.ring}"] if (cfg.ring or 1) > 1 else []
+    return " ".join(flags + settings_flags(cfg, ("checkpoint_layers", "head_chunk",
+                                                 "keep_attention", "mlp_tile_tokens"))
+                    + (["--tile-norm"] if cfg.tile_norm else [])
+                    + (["--offload-model-state"] if cfg.offload_model_state else []))
+
+
+def level_techniques(level: int) -> set:
+    """The techniques --stack `level` turns on (05 in place of 02 at 5)."""
+    on = {flag for flag, first in TECHNIQUES if first <= level}
+    return on - {"ulysses"} if "untied" in on else on
+
+
+def settings_flags(cfg: Config, names) -> list:
+    """The flags of cfg's settings among `names` (03's checkpointed blocks and
+    --keep-attention, 05's U, 04's MLP tile), where its techniques have them."""
+    flags = []
+    if "checkpoint_layers" in names and cfg.checkpoint and cfg.checkpoint_layers:
+        flags.append(f"--checkpoint-layers {cfg.checkpoint_layers}")
+    if "head_chunk" in names and cfg.untied and cfg.head_chunk:
+        flags.append(f"--head-chunk {cfg.head_chunk}")
+    if "keep_attention" in names and cfg.checkpoint:
+        flags.append("--keep-attention" if cfg.keep_attention else "--no-keep-attention")
+    if "mlp_tile_tokens" in names and cfg.tile_mlp and cfg.mlp_tile_tokens:
+        flags.append(f"--mlp-tile-tokens {cfg.mlp_tile_tokens}")
+    return flags
+
+
+def candidate_text(candidate: Candidate, machine: Machine) -> str:
+    """A candidate's predicted step (where the GPU has rates), peak and host bytes."""
+    plan, tokens = candidate.plan, candidate.cfg.batch_size * candidate.cfg.seq_len
+    speed = ""
+    if candidate.seconds is not None:
+        per_gpu = tokens * plan["dp"] * candidate.cfg.grad_accum / machine.gpus
+        speed = (f"predicted {candidate.seconds:.2f} s a step ({per_gpu / candidate.seconds:,.0f}"
+                 f" tokens/s per GPU), ")
+    return (f"{speed}peak {plan['peak'] / GiB:.1f} GiB of {machine.gpu_mem / GiB:.1f} (fits "
+            f"with the {PLAN_MARGIN:.1%} margin: {'yes' if candidate.fits else 'NO'}), host "
+            f"{plan['host'] / GiB:.1f} GiB per GPU")
+
+
+def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
+                 settings: dict) -> list:
+    """What a run prints first about the plan's choices: what it took and how, the predicted
+    step and peak, the runner-up; for flags that do not fit, that they run as given."""
+    how = ("the fastest that fits" if chosen.seconds is not None
+           else f"the memory-only choice (no speed rates for {machine.gpu_name!r}; "
+                f"support/step_time.py has {', '.join(step_time.GPU_RATES)}): the fewest "
+                f"techniques that fit, in the files' order")
+    if cfg.stack == config.AUTO:
+        lines = [f"--stack auto: {flags_text(chosen.cfg)}, {how}: "
+                 f"{candidate_text(chosen, machine)}"]
+        runner_up = next((c for c in best[1:] if c.fits), None)
+        if runner_up is not None:
+            lines.append(f"  runner-up: {flags_text(runner_up.cfg)}: "
+                         f"{candidate_text(runner_up, machine)} (python plan.py with these "
+                         f"flags ranks them all)")
+        return lines
+    if not chosen.fits:
+        return [f"the plan of these flags does not fit: {candidate_text(chosen, machine)}; they "
+                f"run as given, their open settings at the least memory (python plan.py with "
+                f"the same flags says what would fit)"]
+    chosen_flags = settings_flags(chosen.cfg, settings)
+    if not chosen_flags:
+        return []
+    return [f"the plan's settings for these flags: {' '.join(chosen_flags)}, {how}: "
+            f"{candidate_text(chosen, machine)}; give a flag to choose"]
+
+
+def nothing_fits_text(cfg: Config, machine: Machine) -> str:
+    """--stack auto and no configuration fits: the longest length that does (frugal_configs)
+    and what stops longer ones; where the flags given ruled techniques out, that without them
+    it fits; else the fewest more GPUs (2x, 4x, 8x) on which it fits."""
+    lines = [f"--stack auto: nothing fits {model_name(cfg)} at {plan_tokens_text(cfg.seq_len)} "
+             f"tokens on {gpus_text(machine.gpus)} of {machine.gpu_mem / GiB:.1f} GiB with the "
+             f"{PLAN_MARGIN:.1%} margin (host {host_text(machine.host_mem)} per node)"]
+    longest = None
+    for candidate in frugal_configs(cfg, machine):
+        try:
+            found = plan_longest_seq_len(candidate, machine.gpus, machine.gpu_mem,
+                                         machine.host_mem or 0,
+                                         gpus_per_node=machine.gpus_per_node)
+        except ValueError:
+            continue
+        if found[1] is not None and (longest is None or found[0] > longest[0]):
+            longest = (*found, candidate)
+    if longest is None:
+        lines.append("not even sp x 1,024 tokens fit")
+    else:
+        length, plan, candidate = longest
+        lines.append(f"the longest that fits is {length:,} tokens (--seq-len {length // 1024}K) "
+                     f"with {flags_text(candidate)}, where longer ones run out of "
+                     f"{plan['limit']} memory")
+    if config.techniques_given(replace(cfg, stack=None)):
+        try:
+            free = choose(unconstrained(cfg), machine)[0]
+        except ValueError:  # nothing fits without them either
+            pass
+        else:
+            lines.append(f"without the technique flags given it fits: --stack auto alone takes "
+                         f"{flags_text(free.cfg)}")
+            return "; ".join(lines)
+    for more in (2, 4, 8):
+        bigger = replace(machine, gpus=machine.gpus * more,
+                         gpus_per_node=min(machine.gpus * more, GPUS_PER_NODE))
+        if any(fits_somehow(c, cfg, bigger) for c in frugal_configs(cfg, bigger)):
+            lines.append(f"on {gpus_text(bigger.gpus)} it fits")
+            break
+    return "; ".join(lines)
+
+
+def fits_somehow(candidate: Config, cfg: Config, machine: Machine) -> bool:
+    try:
+        return candidate_fits(plan_memory(candidate, machine.gpus), candidate, cfg, machine)
+    except ValueError:  # a layout these GPUs cannot run
+        return False
+
+
+def frugal_configs(cfg: Config, machine: Machine) -> list:
+    """--stack auto's least GPU memory per ring degree, the model state on the GPUs or the
+    host: every other technique on (05 where it may run, at its least-memory U), no kept
+    attention outputs, 04's default tiles; on an unknown host nothing offloaded."""
+    known = machine.host_mem is not None
+    frugal = [c for c in auto_techniques(cfg, machine.gpus)
+              if c.checkpoint and c.tile_mlp and c.tile_loss and c.offload == known
+              and (known or not c.offload_model_state)]
+    if any(c.untied for c in frugal):
+        frugal = [c for c in frugal if c.untied]
+    return [replace(c, keep_attention=False) for c in frugal]
+
+
+def host_text(host_mem: int | None) -> str:
+    return "unknown" if host_mem is None else f"{host_mem / GiB:.1f} GiB"
+
+
+def host_memory_error(cfg: Config, world: int, local_ranks: int,
+                      available: int | None) -> str | None:
+    """Why the planned host memory of this node's ranks does not fit in `available` bytes, or
+    None (also where nothing is offloaded, or the host's memory is unknown)."""
+    if not (cfg.offload or cfg.offload_model_state) or available is None:
+        return None
+    planned = plan_memory(cfg, world)
+    need = planned["host"] * local_ranks
+    if need <= available:
+        return None
+    parts = ", ".join(f"{name} {nbytes / 2**30:.1f}"
+                      for name, nbytes in planned["host_parts"].items() if nbytes)
+    ranks = f"{local_ranks} rank{'s' if local_ranks > 1 else ''}"
+    return (f"the host memory planned for this node's {ranks}, {need / 2**30:.1f} GiB "
+            f"({parts} GiB per rank), is more than the {available / 2**30:.1f} GiB available"
+            + ("; --keep-attention doubles the offloaded checkpoints: drop it"
+               if cfg.keep_attention else "")
+            + "; or use more GPUs or a shorter --seq-len (python plan.py with the same flags "
+              "shows the plan)")
+
+
+def plan_auto_table(cfg: Config, machine: Machine) -> str:
+    """`python plan.py ... --stack auto` (or no technique flag, at a --seq-len): the ranking,
+    the fastest settings of each set of techniques that fits, fastest first; a GPU run takes the
+    first, and the lines it prints follow."""
+    choice = plan_run(cfg, machine)
+    rates = step_time.rates_for(machine.gpu_name)
+    fitting = [c for c in choice.ranking if c.fits]
+    kernel = planned_kernel(cfg)
+    speed = (f"step times predicted for {machine.gpu_name} GPUs (--gpu) with {kernel} attention"
+             + (" (--attn-kernel fa4 ranks for FlashAttention-4)"
+                if kernel == "cudnn" and cfg.attn_kernel == "auto" else "") if rates else
+             f"no speed rates for {machine.gpu_name!r} (--gpu; support/step_time.py has "
+             f"{', '.join(step_time.GPU_RATES)}): the memory-only order, the fewest techniques "
+             f"first")
+    rows = [f"--stack auto: {model_name(cfg)}, {plan_tokens_text(cfg.seq_len)} tokens x batch "
+            f"{cfg.batch_size} on {gpus_text(machine.gpus)} of {machine.gpu_mem / GiB:.1f} GiB "
+            f"({(machine.gpu_mem - PLAN_GPU_RESERVE) / GiB:.1f} usable) with {margin_text()}; "
+            f"{speed}; {len(fitting)} of {len(choice.ranking)} sets of techniques fit, each "
+            f"at its fastest settings",
+            f"{'#':>3} {'step s':>8} {'tok/s/GPU':>10} {'peak GiB':>9} {'host GiB/GPU':>13}  flags"]
+    for i, candidate in enumerate(fitting, 1):
+        plan, seconds = candidate.plan, candidate.seconds
+        per_gpu = (candidate.cfg.batch_size * candidate.cfg.seq_len * plan["dp"]
+                   * candidate.cfg.grad_accum / machine.gpus)
+        rows.append(f"{i:>3} {'-' if seconds is None else f'{seconds:.2f}':>8} "
+                    f"{'-' if seconds is None else f'{per_gpu / seconds:,.0f}':>10} "
+                    f"{plan['peak'] / GiB:>9.1f} {plan['host'] / GiB:>13.1f}  "
+                    f"{flags_text(candidate.cfg)}")
+    return "\n".join(rows + ["a GPU run takes #1 and says, in its first lines:"]
+                     + ["  " + line for line in choice.lines])
+# ---------------------------------------------------------------------------------------------
 # A step that did not fit: what to turn on next (train.py adds this to its out-of-memory error).
 # ---------------------------------------------------------------------------------------------
 
@@ -848,8 +1266,9 @@ def host_memory_line(host_mem_flag: str | None, host_mem: int, gpus_sharing: int
 
 def plan_main(argv) -> str:
     """`python plan.py ...` (or `python train.py --plan ...`): the per-GPU table at --seq-len, or
-    with --seq-len max (the default) the longest length per stack level; the first line says the
-    host memory assumed. The flags shared with train.py mean what they mean there; the compute
+    with --seq-len max (the default) the longest length per stack level, or with --stack auto
+    (or no technique flag) at --seq-len the ranking a GPU run chooses from; the first line says
+    the host memory assumed. The flags shared with train.py mean what they mean there; the compute
     dtype defaults to bfloat16 (the GPUs')."""
     parser = config.flags_parser(FLAG_GROUPS, description=__doc__.split("\n")[0],
                                  allow_abbrev=False)
@@ -866,9 +1285,16 @@ def plan_main(argv) -> str:
                          help="with --seq-len max: the longest length on each GPU count (default "
                               "8 16 32 64), the model state on the GPUs and on the host")
     planner.add_argument("--eval", action="store_true", help="eval.py's forward only")
+    planner.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
+                         help=f"the GPU kind whose speed --stack auto predicts, as "
+                              f"torch.cuda.get_device_name() names it (default {DEFAULT_GPU}; "
+                              f"rates for: {', '.join(step_time.GPU_RATES)})")
     parser.set_defaults(dtype="bfloat16", seq_len="max")
     opts = parser.parse_args(argv)
     longest = opts.seq_len.strip().lower() == "max"
+    if longest and opts.stack == config.AUTO:
+        raise ValueError("--stack auto ranks the configurations at one length: give --seq-len "
+                         "(--seq-len max lists the longest per --stack level)")
     if longest:  # each row sets its own length and techniques (plan_levels): the base needs
         # none of them, but --offload-model-state alone is refused without FSDP
         opts.seq_len, opts.fsdp = str(config.DEFAULTS.seq_len), True
@@ -888,8 +1314,12 @@ def plan_main(argv) -> str:
                                         forward_only=opts.eval)
         elif opts.eval:
             answer = plan_forward_table(cfg, opts.gpus, gpu_mem)
+        elif cfg.stack == config.AUTO or not config.techniques_given(cfg):  # the run's choice
+            answer = plan_auto_table(replace(cfg, stack=config.AUTO), Machine(
+                opts.gpus, opts.gpu, gpu_mem, host_mem,
+                gpus_sharing_a_node(opts.gpus, opts.gpus_per_node)))
         else:
-            answer = plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node)
+            answer = plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node, opts.gpu)
         sharing = gpus_sharing_a_node(opts.gpus, opts.gpus_per_node)
     return host_memory_line(opts.host_mem, host_mem, sharing) + "\n" + answer
 

@@ -1,15 +1,15 @@
 """train.py - compose the techniques of 01..06 and train.
 
     python train.py                                   # tiny model, synthetic data, CPU or GPU
-    torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M --stack 5
+    torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M   # --stack auto on GPUs
     python train.py --plan --model llama3-8b --seq-len 3M --stack 5   # its memory plan (plan.py)
 
 The recipe, top-down: the flags make a Config (support/config.py), the Config a runtime of
 data-parallel x sequence-parallel ranks (support/runtime.py), the runtime a model with the
 techniques applied, then steps in a loop. `--stack N` turns on the techniques of files 1..N
 (0 = plain training; at 5, 05 takes 02's place; 06's ring and 04's norm tiles have their own
-flags); each technique also has its own switch. They are applied to the model in this
-order, on the meta device, before any weight is allocated:
+flags), `--stack auto` the planner's fastest that fits (a GPU run's default); each technique
+also has its own switch. They are applied in this order, on the meta device, before any weight:
   attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
   -> tiling (04) -> checkpointing/offload (03) -> FSDP (01: each block, then the root)
 which is the order torchtitan uses (checkpoint inside, FSDP outside).
@@ -28,15 +28,14 @@ from tqdm import tqdm
 import plan
 from model import num_params
 from support import build, config, keep_attention, pretrained, progress, saved_state
-from support.choices import choose_for_run
 from support.config import Config, model_args, resolve_techniques  # noqa: F401 (tests, bench/)
 from support.data import Documents, TokenData
 from support.errors import (StepOutOfMemory, exit_on_error, out_of_memory_names,
                             quiet_unless_first_rank)
-from support.host_memory import check_host_memory, use_this_ranks_cores
+from support.host_memory import use_this_ranks_cores
 from support.lessons import checkpointing, ring_sp, tiling, ulysses_sp, untied_sp
 from support.progress import attention_kernel  # noqa: F401 (tests, bench/)
-from support.runtime import Runtime, setup_runtime
+from support.runtime import Runtime, read_machine, setup_runtime
 
 
 @dataclass
@@ -47,7 +46,12 @@ class Run:
 
 
 def train(cfg: Config) -> Run:
-    """The recipe: runtime, the choices and checks that need it, the model, the loop."""
+    """The recipe: the plan's choices, the runtime, the model, the loop."""
+    # On GPUs one call makes every choice the flags leave open (--stack auto's techniques, 05's
+    # U, 03's --keep-attention and checkpointed blocks, 04's MLP tile) and checks host memory,
+    # before anything is claimed: --overwrite deletes an earlier run's outputs, a refused one not.
+    choice = plan.plan_run(cfg, read_machine(cfg))  # a CPU run plans nothing
+    cfg = replace(cfg, **choice.settings)
     rt = setup_runtime(cfg)
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
@@ -55,13 +59,9 @@ def train(cfg: Config) -> Run:
     # data position stays the step: resuming needs no state.
     data = TokenData(replace(cfg, batch_size=cfg.batch_size * cfg.grad_accum), args.vocab_size,
                      rt.dp_rank, rt.dp, eos_id=args.eos_id)
-    # Before claiming the outputs: --overwrite deletes an earlier run's saved states and log
-    # there, which a run refused for its host memory must not have done.
-    cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choose_for_run(cfg, rt)  # planned
-    check_host_memory(cfg, rt)
     with saved_state.claim_outputs(cfg, rt) as log_file, saved_state.stop_signals(rt.rank) as stop:
-        if rt.rank == 0:
-            for line in progress.layout_lines(cfg, rt, args.n_heads):  # 06's and 05's layout
+        if rt.rank == 0:  # what the plan chose; 06's and 05's layout
+            for line in choice.lines + progress.layout_lines(cfg, rt, args.n_heads):
                 print(line)
         model = build_model(cfg, rt)
         optimizer = make_optimizer(model, cfg)
@@ -295,7 +295,7 @@ def parse_args(argv=None) -> Config:
         if unknown:  # the planner's --gpus, say
             parser.error(f"unrecognized arguments: {' '.join(unknown)} (the memory planner's flags "
                          f"go with --plan: python train.py --plan ..., or python plan.py --help)")
-    return config.config_from_flags(flags)
+    return config.config_from_flags(flags, auto_on_gpu=True)
 
 
 def main(argv=None):

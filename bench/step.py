@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from support import choices, kernels
+import plan as planner
+from support import kernels
+from support.runtime import read_machine
 from model import PRESETS, get_model_args
 from bench import snapshot
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
@@ -61,12 +63,13 @@ def main():
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
     cfg.model = with_layers(cfg.model, opts.layers)
+    # train.py's choices for these flags (the planner's, on this GPU), before the runtime
+    cfg = dataclasses.replace(cfg, **planner.plan_run(cfg, read_machine(cfg)).settings)
     rt = train.setup_runtime(cfg)
     if opts.snapshot or opts.snapshot_file:
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
-    cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choices.choose_for_run(cfg, rt)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}

@@ -21,8 +21,8 @@ its own sequence of S tokens):
   none      no context parallelism: FSDP over the GPUs, each GPU attends over its whole sequence;
   ring      torch.distributed.tensor.experimental.context_parallel (load-balanced ring, SDPA);
   ulysses   02_ulysses.py;   untied[:U]   05_untied_ulysses.py with head chunk U (default: what
-            train.py chooses for the full-depth model: the fewest stages whose planned
-            step fits the GPU).
+            train.py takes for the full-depth model, plan.plan_run: the fewest stages
+            whose planned step fits the GPU; so is the MLP tile).
   METHOD+host-state   the same with the model state on the host (01's --offload-model-state:
             its extra step time is per layer, so the 1 + 2 layer extrapolation holds for it);
   METHOD+keep-attention   the same with 03's --keep-attention (the recompute runs no attention
@@ -34,7 +34,8 @@ and 2-layer pair measures a layer as their difference, so a step's run-to-run no
 twice in it: compare methods within a few percent at full depth (--validate; `--seq-lens` with
 no lengths runs only those rows).
 
-FLOPs (per step, all GPUs), what MFU and the bound count: per layer, causal attention forward
+FLOPs (per step, all GPUs; support/step_time.py's step_flops, the count the speed model
+uses), what MFU and the bound count: per layer, causal attention forward
 2 S^2 d (d = heads x head dim), backward 2.5x forward, checkpoint recompute one more forward;
 linear layers 2 x params x tokens forward, 2x that backward, recompute one more forward (the
 tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
@@ -65,13 +66,15 @@ import torch
 import torch.distributed as dist
 
 from support import byte_counts, host_buffers, kernels
-from model import ModelArgs, get_model_args
+from support.step_time import step_flops
+from model import get_model_args
 import plan as planner
 from bench import bound, ring
 from bench.report import (default_out_dir, end_distributed, refuse_without_gpu, release,
                           synchronize, within_budget, write_result)
 from bench.step import with_layers
 from support.data import parse_tokens
+from support.runtime import read_machine
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -176,24 +179,8 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
-# FLOPs (the kernels' bound: bench/bound.py).
-# ---------------------------------------------------------------------------------------------
-
-def step_flops(args: ModelArgs, seq_len: int, sequences: int,
-               keep_attention: bool = False) -> dict:
-    """FLOPs of one step of `sequences` sequences of `seq_len` tokens (see the docstring);
-    keep_attention: the recompute runs no attention forward."""
-    d = args.n_heads * args.head_dim
-    attention_forward = 2 * seq_len**2 * d * args.n_layers * sequences
-    per_layer_params = (args.dim * d + 2 * args.dim * args.n_kv_heads * args.head_dim + d * args.dim
-                        + 3 * args.dim * args.ffn_dim)
-    linear_params = args.n_layers * per_layer_params + args.dim * args.vocab_size  # + lm_head
-    linear_forward = 2 * linear_params * seq_len * sequences
-    recompute = 0 if keep_attention else 1
-    return {"attention": attention_forward * (1 + 2.5 + recompute),
-            "linear": linear_forward * (1 + 2 + 1)}
-
-
+# The table (a step's FLOPs: support/step_time.py's step_flops, the speed model's count; the
+# kernels' bound: bench/bound.py).
 # ---------------------------------------------------------------------------------------------
 
 def summarize(rows: list[dict], args, world: int, rates: dict,
@@ -450,14 +437,11 @@ def run_rows(opts, result: dict, base: train.Config, rt, dtype, methods: list, m
             continue
         cfg = method_config(base, method, with_layers(opts.model, layers), seq_len)
         full_depth = dataclasses.replace(cfg, model=opts.model)
-        if opts.device == "cuda":  # what train.py would choose for the full-depth model
-            gpu_mem = planner.smallest_gpu_memory(rt)
-            if cfg.untied and cfg.head_chunk is None:
-                cfg.head_chunk = full_depth.head_chunk = planner.fewest_stages_that_fit(
-                    full_depth, rt.world, gpu_mem)
-            if cfg.tile_mlp and cfg.mlp_tile_tokens is None:
-                cfg.mlp_tile_tokens = full_depth.mlp_tile_tokens = \
-                    planner.largest_mlp_tile_that_fits(full_depth, rt.world, gpu_mem)
+        if opts.device == "cuda":  # U and the MLP tile train.py takes for the full-depth model
+            chosen = planner.plan_run(full_depth, read_machine(cfg)).settings
+            cfg = dataclasses.replace(cfg, **{name: chosen[name] for name in
+                                              ("head_chunk", "mlp_tile_tokens") if name in chosen})
+            full_depth = dataclasses.replace(cfg, model=opts.model)
         measure(method, seq_len, full_depth)  # before the model: the GPU is free
         steps = 1 if seq_len > parse(opts.single_step_above) else opts.steps
         row.update(time_steps(parse_method(method)[0], cfg, steps, opts.ring_gqa), steps=steps,

@@ -5,11 +5,12 @@ and name their problem in bytes in their docstrings. One section per lesson, in 
 calibration (docs/calibration.md, tests/test_plan.py) holds each formula to measured peaks.
 """
 
+import functools
 from dataclasses import replace
 
 import torch
 
-from model import Transformer, num_params
+from model import ModelArgs, Transformer, num_params
 from support.host_buffers import power_of_two_pieces
 from support.lessons import tiling, untied_sp
 
@@ -71,8 +72,7 @@ def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> d
     allocator reserves them, each shard rounded up to a power of two (FSDP2 pins each
     parameter's shard; the gradient shards arrive by non-blocking copies into pinned memory);
     Adam's moments are ordinary (pageable) host memory, exact."""
-    with torch.device("meta"):  # one block and the root; the shapes alone, no memory
-        shapes = {n: p.shape for n, p in Transformer(replace(args, n_layers=1)).named_parameters()}
+    shapes = block_and_root_shapes(tuple(vars(replace(args, n_layers=1)).items()))
     round_up = (lambda n: 1 << (n - 1).bit_length()) if pinned else (lambda n: n)
     held = 0  # one rank's pinned fp32 shards: dim 0 split over the ranks (padded)
     for name, shape in shapes.items():
@@ -81,6 +81,15 @@ def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> d
         held += shard * (args.n_layers if name.startswith("layers.") else 1)
     return {"parameters": held, "gradients": held,
             "optimizer": model_state_bytes(args, world_size)["optimizer"]}
+
+
+@functools.cache
+def block_and_root_shapes(args_fields: tuple) -> dict:
+    """The parameter shapes of a one-block model of these ModelArgs fields, from the meta device
+    (no memory); remembered, as the planner asks for the same model's many times."""
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**dict(args_fields)))
+        return {name: p.shape for name, p in model.named_parameters()}
 
 
 def offload_transfer_bytes(args, world_size: int) -> dict:

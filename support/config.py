@@ -22,7 +22,13 @@ from support.data import parse_tokens
 TECHNIQUES = [("fsdp", 1), ("ulysses", 2), ("checkpoint", 3), ("offload", 3), ("tile_mlp", 4),
               ("tile_loss", 4), ("untied", 5)]
 MAX_STACK = 5
+AUTO = "auto"  # --stack auto: the planner picks the techniques (plan.plan_run)
 MAX_TOKENS = 2**31  # per data-parallel rank and micro-batch
+# The flags that choose techniques or their settings: a GPU run given none of them takes
+# --stack auto; under auto each one given is kept (a constraint on what the planner ranks).
+TECHNIQUE_FIELDS = ("stack", *(flag for flag, _ in TECHNIQUES), "tile_norm", "offload_model_state",
+                    "ring", "checkpoint_layers", "keep_attention", "mlp_tile_tokens",
+                    "loss_tile_tokens", "head_chunk")
 
 
 @dataclass
@@ -46,7 +52,7 @@ class Config:
     documents: bool = False  # packed documents: positions, labels and attention per document
     doc_sep: int | None = None  # the token that ends a document (default: sidecar, model EOS)
     log: str | None = None
-    stack: int | None = None
+    stack: int | str | None = None  # a level 0..MAX_STACK, or AUTO
     fsdp: bool = False
     ulysses: bool = False
     sp: int | None = None  # sequence-parallel degree; default: all ranks
@@ -55,7 +61,7 @@ class Config:
     offload: bool = False
     checkpoint_layers: int | None = None  # 03: checkpoint the first K blocks; None: all
     keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
-    # None: decided on a GPU, from the plan (support/choices.py; off on the CPU)
+    # None: decided on a GPU, from the plan (plan.plan_run; off on the CPU)
     tile_mlp: bool = False
     tile_loss: bool = False
     tile_norm: bool = False
@@ -171,11 +177,13 @@ def add_document_flags(parser):
 
 def add_technique_flags(parser):
     group = parser.add_argument_group("techniques (01-06)")
-    group.add_argument("--stack", type=int, default=None,
+    group.add_argument("--stack", type=stack_flag, default=None,
                        help="0-5, each level adds to the one below: 1 --fsdp, 2 --ulysses, "
                             "3 --checkpoint --offload, 4 --tile-mlp --tile-loss, 5 --untied in "
                             "place of --ulysses; never --tile-norm, --offload-model-state or "
-                            "--ring (their own flags)")
+                            "--ring (their own flags). auto: the fastest configuration the "
+                            "planner fits (the technique flags given are kept); a GPU run with "
+                            "no technique flag takes it")
     group.add_argument("--fsdp", action="store_true", help="01: shard params/grads/optimizer")
     group.add_argument("--offload-model-state", action="store_true",
                        help="01: keep the sharded parameters, gradients and optimizer in host "
@@ -192,7 +200,8 @@ def add_technique_flags(parser):
                        help="03: offload checkpoints to CPU (implies --checkpoint)")
     group.add_argument("--checkpoint-layers", type=int, default=None, metavar="K",
                        help="03: checkpoint (and offload) only the first K blocks; the others "
-                            "keep their activations and skip the recompute (default: all)")
+                            "keep their activations and skip the recompute (default: on a GPU "
+                            "the fewest the plan fits, said in a line; else all)")
     group.add_argument("--keep-attention", action=argparse.BooleanOptionalAction, default=None,
                        help="03: keep each block's attention output (and log-sum-exp) with its "
                             "checkpoint, so backward's recompute skips the attention kernel: "
@@ -272,6 +281,16 @@ def add_export_flags(parser):
                        help="let --export-hf replace a folder that is not empty")
 
 
+def stack_flag(text: str):
+    """--stack's value: a level (checked in resolve_techniques) or auto."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a level 0-{MAX_STACK} or auto, got {text!r}")
+
+
 def flags_parser(groups, **parser_options) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(**parser_options)
     for add_flags in groups:
@@ -279,9 +298,10 @@ def flags_parser(groups, **parser_options) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_flags(flags: argparse.Namespace) -> Config:
+def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False) -> Config:
     """The Config of parsed flags, its techniques resolved; a field the command has no flag
-    for keeps its default."""
+    for keeps its default. auto_on_gpu (training): a GPU run given no technique flag takes
+    --stack auto, the planner's fastest configuration that fits."""
     if flags.init_from and flags.model is not None:
         raise ValueError(f"--model {flags.model} and --init-from: the --init-from folder's "
                          f"config.json names the model, --model would be ignored; drop --model")
@@ -292,6 +312,8 @@ def config_from_flags(flags: argparse.Namespace) -> Config:
     cfg.model = flags.model or DEFAULTS.model
     cfg.seq_len = parse_tokens(flags.seq_len)
     cfg.dtype = flags.dtype or ("bfloat16" if cfg.device == "cuda" else "float32")
+    if auto_on_gpu and cfg.device == "cuda" and not techniques_given(cfg):
+        cfg.stack = AUTO
     return resolve_techniques(cfg)
 
 
@@ -301,8 +323,10 @@ def config_from_flags(flags: argparse.Namespace) -> Config:
 
 def resolve_techniques(cfg: Config) -> Config:
     """Expand --stack, fill the defaults that follow the model (--lr, --min-lr) and refuse
-    combinations that cannot work."""
-    if cfg.stack is not None:
+    combinations that cannot work. Under --stack auto a setting given without its technique
+    (--head-chunk without --untied, say) asks the planner for that technique instead."""
+    auto = cfg.stack == AUTO
+    if cfg.stack is not None and not auto:
         if not 0 <= cfg.stack <= MAX_STACK:
             raise ValueError(f"--stack must be between 0 and {MAX_STACK}, got {cfg.stack}")
         for flag, level in TECHNIQUES:
@@ -314,20 +338,20 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
-    if cfg.checkpoint_layers is not None and not cfg.checkpoint:
+    if cfg.checkpoint_layers is not None and not cfg.checkpoint and not auto:
         raise ValueError("--checkpoint-layers is a setting of --checkpoint (03): add --checkpoint, "
                          "--offload or --stack 3 or higher")
     if cfg.checkpoint_layers is not None and cfg.checkpoint_layers < 1:
         raise ValueError(f"--checkpoint-layers must be at least 1 (without checkpointing, leave "
                          f"out --checkpoint), got {cfg.checkpoint_layers}")
-    if cfg.keep_attention and not cfg.checkpoint:
+    if cfg.keep_attention and not cfg.checkpoint and not auto:
         raise ValueError("--keep-attention is a setting of --checkpoint (03): add --checkpoint, "
                          "--offload or --stack 3 or higher")
     if cfg.doc_sep is not None:
         cfg.documents = True
-    if cfg.head_chunk is not None and not cfg.untied:
+    if cfg.head_chunk is not None and not cfg.untied and not auto:
         raise ValueError("--head-chunk is a setting of --untied (05)")
-    if cfg.offload_model_state and not cfg.fsdp:
+    if cfg.offload_model_state and not cfg.fsdp and not auto:
         raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
                          "--stack 1 or higher")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -341,7 +365,7 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError(f"--sp must be at least 1, got {cfg.sp}")
     if cfg.ring is not None and cfg.ring < 1:  # 0 would silently mean "picked"
         raise ValueError(f"--ring must be at least 1, got {cfg.ring}")
-    if cfg.ring is not None and not (cfg.ulysses or cfg.untied):
+    if cfg.ring is not None and not (cfg.ulysses or cfg.untied or auto):
         raise ValueError("--ring is a setting of --ulysses or --untied (02/05): add one, or "
                          "--stack 2 or higher")
     if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
@@ -380,6 +404,11 @@ def resolve_techniques(cfg: Config) -> Config:
     if cfg.export_hf:
         pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
     return cfg
+
+
+def techniques_given(cfg: Config) -> bool:
+    """Whether any flag that chooses a technique or its setting was given (TECHNIQUE_FIELDS)."""
+    return any(getattr(cfg, field) not in (None, False) for field in TECHNIQUE_FIELDS)
 
 
 def default_lr(cfg: Config) -> float:

@@ -4,9 +4,10 @@ sequence-parallel ranks as Ulysses P/R x ring R (06).
 `check_layout` holds a Config against a number of ranks and the techniques' own constraints
 (02's heads and sequence split, 05's head chunk, 06's ring, 04's tile sizes): training runs it
 before building anything, plan.py runs the same for the GPUs it plans. `ring_degree` picks R
-when --ring is not given. `setup_runtime` joins the process group (or starts a group of one)
-and builds the meshes. Above the techniques it checks,
-below the commands that use it (train.py, eval.py, plan.py).
+when --ring is not given. `read_machine` reads what the planner decides a GPU run with (the
+smallest GPU, the least host memory, the GPU's kind), the same on every rank; `setup_runtime`
+joins the process group (or starts a group of one) and builds the meshes. Above the techniques
+it checks, below the commands that use it (train.py, eval.py, plan.py).
 """
 
 import os
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from support import kernels
-from support.config import Config, model_args
+from support.config import AUTO, Config, model_args
+from support.host_memory import available_host_memory
 from support.lessons import ring_sp, tiling, ulysses_sp, untied_sp
 
 
@@ -46,22 +48,59 @@ class Runtime:
         return ring_sp.zigzag_order(seq_len, self.ring) if self.ring > 1 else None
 
 
-def setup_runtime(cfg: Config) -> Runtime:
-    """Join (or start a one-process) process group when a technique needs one."""
+@dataclass(frozen=True)
+class Machine:
+    """What the planner (plan.plan_run) decides a GPU run with; every rank reads the same."""
+    gpus: int
+    gpu_name: str | None  # torch.cuda.get_device_name(): the speed model's rates by kind
+    gpu_mem: int  # bytes of the smallest GPU
+    host_mem: int | None  # bytes the host can still hand out (the least any rank sees), per node
+    gpus_per_node: int  # the GPUs that share that host memory
+
+
+def read_machine(cfg: Config) -> Machine | None:
+    """The GPUs and host memory of this run, the least any rank has (a choice made from them,
+    such as a head chunk, must be the same on every rank); None on the CPU, where nothing is
+    planned. Under torchrun it joins the process group first."""
+    if cfg.device != "cuda":
+        return None
+    join_processes(cfg)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    least = torch.tensor([torch.cuda.get_device_properties(device).total_memory,
+                          available_host_memory() or -1], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    gpu_mem, host_mem = (int(n) for n in least.tolist())
+    return Machine(gpus=dist.get_world_size() if dist.is_initialized() else 1,
+                   gpu_name=torch.cuda.get_device_name(device), gpu_mem=gpu_mem,
+                   host_mem=host_mem if host_mem >= 0 else None,
+                   gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def join_processes(cfg: Config) -> None:
+    """Join (or start a one-process) process group when a technique needs one, or torchrun
+    started several."""
     needs_group = cfg.fsdp or cfg.ulysses or cfg.untied
     launched = "WORLD_SIZE" in os.environ
-    if not dist.is_initialized() and (launched or needs_group):
-        if cfg.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
-        if cfg.device == "cuda" and cfg.offload_model_state:
-            # Gradient clipping reduces the norms of the host-resident gradient shards: CPU
-            # tensors, which NCCL cannot reduce; gloo takes those.
-            backend = "cpu:gloo,cuda:nccl"
-        if launched:
-            dist.init_process_group(backend)
-        else:  # `python train.py --stack 5`: a group of one, its store in memory (no port)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized() or not (launched or needs_group):
+        return
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    if cfg.device == "cuda" and (cfg.offload_model_state or cfg.stack == AUTO):
+        # Gradient clipping reduces the norms of the host-resident gradient shards: CPU
+        # tensors, which NCCL cannot reduce; gloo takes those. (--stack auto joins before it
+        # knows whether the model state goes to the host.)
+        backend = "cpu:gloo,cuda:nccl"
+    if launched:
+        dist.init_process_group(backend)
+    else:  # `python train.py --stack 5`: a group of one, its store in memory (no port)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    """The process group (join_processes) and this rank's place in it: data x sequence."""
+    join_processes(cfg)
     kernels.use_kernel(cfg.attn_kernel)
     rt = Runtime()
     if dist.is_initialized():

@@ -17,7 +17,8 @@ from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
                        reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
-from support import host_buffers, host_memory, kernels
+import plan
+from support import host_buffers, kernels
 import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward
@@ -250,14 +251,14 @@ def test_host_memory_is_checked_before_a_gpu_run_builds_anything():
     GiB = 2**30
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
                                                 device="cpu", dtype="bfloat16"))
-    assert host_memory.host_memory_error(cfg, 2, 2, 251 * GiB) is None
-    assert "248.0 GiB" in host_memory.host_memory_error(cfg, 2, 2, 200 * GiB)
+    assert plan.host_memory_error(cfg, 2, 2, 251 * GiB) is None
+    assert "248.0 GiB" in plan.host_memory_error(cfg, 2, 2, 200 * GiB)
     kept = replace(cfg, keep_attention=True)
-    error = host_memory.host_memory_error(kept, 2, 2, 251 * GiB)
+    error = plan.host_memory_error(kept, 2, 2, 251 * GiB)
     assert "499.9 GiB" in error and "251.0 GiB available" in error and "--keep-attention" in error
     nothing_offloaded = replace(cfg, offload=False)
-    assert host_memory.host_memory_error(nothing_offloaded, 2, 2, 1) is None
-    assert host_memory.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
+    assert plan.host_memory_error(nothing_offloaded, 2, 2, 1) is None
+    assert plan.host_memory_error(kept, 2, 2, None) is None  # unknown: not refused
 
 
 @pytest.mark.parametrize("keep_attention", [False, True])
@@ -288,10 +289,10 @@ def test_a_run_refused_for_host_memory_leaves_the_earlier_run_alone(tmp_path, mo
     train.train(train.parse_args(run))
     before = sorted(os.listdir(tmp_path / "ckpt")), (tmp_path / "log").read_text()
 
-    def refuse(cfg, rt):
+    def refuse(cfg, machine):
         raise ValueError("the host memory planned ... is more than the ... available")
 
-    monkeypatch.setattr(train, "check_host_memory", refuse)
+    monkeypatch.setattr(plan, "plan_run", refuse)  # where a GPU run checks its host memory
     with pytest.raises(ValueError, match="host memory"):
         train.train(train.parse_args(run + ["--overwrite"]))
     assert (sorted(os.listdir(tmp_path / "ckpt")), (tmp_path / "log").read_text()) == before

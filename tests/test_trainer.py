@@ -20,8 +20,7 @@ from reference import full
 from test_train import error_of  # the one helper: run train.main, return its error text
 
 import plan as planner
-from support import choices, config, errors, host_memory, progress, saved_state
-from support.runtime import Runtime
+from support import config, errors, progress, saved_state
 
 train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +120,8 @@ def test_a_ranks_own_error_is_printed_by_that_rank(rank, error, printed, monkeyp
 def test_one_is_singular():
     cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
                                                 dtype="bfloat16", device="cpu"))
-    assert "this node's 1 rank, " in host_memory.host_memory_error(cfg, 1, 1, 10 * GiB)
-    assert "this node's 2 ranks, " in host_memory.host_memory_error(cfg, 2, 2, 10 * GiB)
+    assert "this node's 1 rank, " in planner.host_memory_error(cfg, 1, 1, 10 * GiB)
+    assert "this node's 2 ranks, " in planner.host_memory_error(cfg, 2, 2, 10 * GiB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,79 +306,15 @@ def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# --keep-attention decided from the plan
+# --keep-attention decided from the plan (on GPUs: tests/test_step_time.py, plan.plan_run)
 # ---------------------------------------------------------------------------------------------
-
-def llama_8b(seq_len: int, **flags):
-    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=seq_len, stack=5,
-                                                dtype="bfloat16", device="cpu", **flags))
-    cfg.head_chunk = planner.fewest_stages_that_fit(cfg, 1, int(139.8 * GiB))
-    return cfg
-
-
-@pytest.mark.parametrize("seq_len,gpu,host,fits", [
-    (2**17, 139.8, 125, True),     # one H200 at 128K: measured 1.17x faster with it
-    (2**17, 139.8, 64, False),     # 128K: the kept outputs double the 31 GiB on the host
-    (2**18, 139.8, 2048, False),   # 256K: the step alone is at the edge (135.9 of 136.8 GiB)
-    (2**17, 80, 2048, False),      # the step itself does not fit an 80 GB GPU
-])
-def test_keep_attention_is_on_where_the_plan_fits_it(seq_len, gpu, host, fits):
-    cfg = llama_8b(seq_len)
-    assert choices.keep_attention_fits(cfg, 1, int(gpu * GiB), int(host * GiB), 1) is fits
-    assert not choices.keep_attention_fits(cfg, 1, int(gpu * GiB), None, 1)  # host unknown
-
-
-# ---------------------------------------------------------------------------------------------
-# 04's MLP tile decided from the plan
-# ---------------------------------------------------------------------------------------------
-
-def planned_gpu(monkeypatch, gpu_gib: float) -> Runtime:
-    """A runtime on a GPU of gpu_gib, for the choices to plan with: nothing runs on it."""
-    monkeypatch.setattr(planner, "smallest_gpu_memory", lambda rt: int(gpu_gib * GiB))
-    return Runtime(device=torch.device("cuda"))
-
-
-@pytest.mark.parametrize("model,seq_len,keep_attention,gpu,tile", [
-    ("llama3.2-3b", 2**14, True, 139.8, 2**14),  # 16K: one tile, the whole sequence
-    ("llama3-8b", 2**16, True, 139.8, 2**15),    # 64K: 32K tiles fit with the margin
-    ("llama3-8b", 2**17, False, 139.8, 2**14),   # 128K: 32K tiles would not
-    ("llama3-8b", 2**17, True, 139.8, 2**14),    # ... nor with kept attention outputs
-    ("llama3-8b", 2**18, False, 139.8, None),    # 256K: every larger tile raises the edge
-    ("llama3-8b", 2**17, False, 80, None),       # the step itself does not fit 80 GB
-])
-def test_the_mlp_tile_is_the_largest_the_plan_fits(monkeypatch, capsys, model, seq_len,
-                                                   keep_attention, gpu, tile):
-    cfg = train.resolve_techniques(train.Config(model=model, seq_len=seq_len, stack=5,
-                                                dtype="bfloat16", device="cpu",
-                                                keep_attention=keep_attention))
-    cfg.head_chunk = planner.fewest_stages_that_fit(cfg, 1, int(gpu * GiB))
-    assert choices.choose_mlp_tile_tokens(cfg, planned_gpu(monkeypatch, gpu)) == tile
-    fits = lambda t: planner.fits_on_gpu(  # noqa: E731
-        planner.plan_memory(replace(cfg, mlp_tile_tokens=t), 1)["peak"], int(gpu * GiB))
-    if tile is not None:  # it fits with the margin, and the run says so
-        assert fits(tile)
-        assert f"--mlp-tile-tokens: {tile:,}" in capsys.readouterr().out
-    candidates = {min(t, seq_len) for t in planner.MLP_TILE_CHOICES}  # one GPU: all local
-    for larger in (t for t in candidates if t > (tile or 0)):
-        assert not fits(larger), larger
-
-
-def test_the_mlp_tile_flag_wins_and_the_cpu_keeps_the_default(monkeypatch):
-    cfg = llama_8b(2**14)
-    assert choices.choose_mlp_tile_tokens(cfg, Runtime()) is None  # the CPU: no plan
-    gpu = planned_gpu(monkeypatch, 139.8)
-    assert choices.choose_mlp_tile_tokens(replace(cfg, mlp_tile_tokens=4096), gpu) == 4096
-    assert choices.choose_mlp_tile_tokens(replace(cfg, tile_mlp=False), gpu) is None
-    assert choices.choose_mlp_tile_tokens(cfg, gpu) == 2**14
-
 
 def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     parse = lambda *flags: train.parse_args(["--stack", "3", *flags]).keep_attention  # noqa: E731
     assert (parse(), parse("--keep-attention"), parse("--no-keep-attention")) == (None, True, False)
-    cpu = Runtime()
-    undecided, given = (replace(llama_8b(2**17), keep_attention=k) for k in (None, True))
-    assert choices.choose_keep_attention(undecided, cpu) is False
-    assert choices.choose_keep_attention(given, cpu) is True
+    undecided = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**17, stack=5,
+                                                      dtype="bfloat16", device="cpu"))
+    assert planner.plan_run(undecided, None).settings == {}  # the CPU: no plan, nothing chosen
     run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1",
                                         "--device", "cpu"]))
     assert run.model.kept_attention is None  # off on the CPU

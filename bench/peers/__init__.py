@@ -10,7 +10,7 @@ One process per stack, one after another, bf16, AdamW, batch 1, random init from
 config (our preset; transformers' LlamaConfig made from it by support/pretrained.hf_config):
 
   ours:N|auto[@KERNEL][+offload]  train.py --stack N (or --stack auto: train.py's fastest plan
-                             that fits, branch `auto`) through its own functions
+                             that fits, plan.plan_run) through its own functions
                              (bench/peers/ours.py); @KERNEL its --attn-kernel, +offload its
                              --offload-model-state.
   alst[@VARIANT][+offload]   DeepSpeed's Arctic Long Sequence Training as ArcticTraining's

@@ -3,16 +3,15 @@
 `--stack N` as train.py reads it (support.config.resolve_techniques), the attention kernel of
 --attn-kernel (the spec's @KERNEL; default auto: FlashAttention-4 where installed, else cuDNN),
 keep-attention, Untied Ulysses' head chunk and 04's MLP tile decided per length as train.py
-decides them (support/choices.py: the planner, on a GPU), the model built by
+decides them (plan.plan_run: the planner, on a GPU), the model built by
 train.build_model (fp32 master weights, bf16 compute through FSDP2's mixed precision; a group of
 one process), train.make_optimizer (fused AdamW, fp32 state; with +offload on the host),
 and train.train_step (forward, backward, clipping at 1.0, the optimizer step).
 
 The run's Config is made by train.py's own flag parser from the flags a user would give
 (`train_flags`), again at every length, as a new run would: `ours:auto` passes `--stack auto`
-through as that string (train.py's speed-model choice, from branch `auto`; where train.py has
-no such value the stack says so and its rows are errors). A new model is built whenever the
-length changes what the run is (techniques, keep-attention, head chunk, MLP tile).
+through as that string (train.py's speed-model choice, plan.plan_run). A new model is built
+whenever the length changes what the run is (techniques, keep-attention, head chunk, MLP tile).
 """
 
 import contextlib
@@ -23,11 +22,11 @@ import time
 
 import torch
 
+import plan
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
 from bench.report import release
-from support.choices import choose_for_run
 from support.config import techniques_text
-from support.host_memory import check_host_memory
+from support.runtime import read_machine
 
 train = importlib.import_module("train")
 
@@ -52,9 +51,6 @@ def run_config(flags: list, spec: Spec):
             return train.parse_args(flags)
     except SystemExit:
         message = (errors.getvalue().strip().splitlines() or ["train.py refused the flags"])[-1]
-        if spec.level == "auto":
-            message = (f"this train.py has no --stack auto ({message}); it comes with the "
-                       f"speed model of branch `auto`")
         raise ValueError(f"{spec.text}: {message}") from None
 
 
@@ -76,9 +72,9 @@ class Stack:
     def prepare(self, seq_len: int) -> None:
         """train.py's per-run decisions at this length; a new model when they change."""
         cfg = run_config(self.flags(seq_len), self.spec)
-        cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens = choose_for_run(cfg, self.rt)
-        check_host_memory(cfg, self.rt)
-        self.cfg = cfg
+        cfg = dataclasses.replace(cfg, **plan.plan_run(cfg, read_machine(cfg)).settings)
+        # --stack auto's techniques may change with the length: the runtime follows them
+        self.cfg, self.rt = cfg, train.setup_runtime(cfg)
         decisions = dataclasses.replace(cfg, seq_len=0)
         if decisions == self.built_for:
             return
@@ -107,7 +103,7 @@ class Stack:
                                                               if cfg.offload_model_state else ""),
             "techniques": techniques_text(cfg, cfg.head_chunk, self.rt.ring),
             "keep_attention": cfg.keep_attention, "mlp_tile_tokens": cfg.mlp_tile_tokens,
-            "keep_attention_source": "support/choices.py (train.py's default, from the planner)",
+            "keep_attention_source": "plan.plan_run (train.py's default, from the planner)",
             "attention": train.attention_kernel(cfg, self.rt, self.args),
             "weights": "fp32 master, bf16 compute (FSDP2 mixed precision)"
                        if cfg.dtype == "bfloat16" else cfg.dtype,

@@ -1,0 +1,233 @@
+"""step_time.py - the speed model: how long one training step takes on a GPU, without one.
+
+plan.py ranks the configurations that fit by this prediction (`--stack auto`); bench/throughput.py
+counts its FLOPs with `step_flops` below (MFU and its kernel bound). A step is the sum of simple
+terms, one section per lesson as support/byte_counts.py has for bytes:
+
+    linear layers      FLOPs at the GPU's matmul rate
+    attention          causal FLOPs at the attention kernel's rate
+    elementwise        per token, layer and unit of width (norms, rotary, SwiGLU, residuals,
+                       casts), once per pass over the blocks
+    the loss           its logits' bytes through memory; 04's fp32 weight-gradient sums per tile
+    03                 the recompute (one more forward of the checkpointed blocks; with
+                       --keep-attention without attention's), and the offload copies that no
+                       compute hides
+    02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
+    01                 FSDP's per-parameter cost per step; the optimizer step on the GPU, or
+                       on the host (--offload-model-state: CPU fused AdamW) with its copies
+Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
+measured speeds, and a few constants fitted on measured steps (docs/calibration.md, "Step
+time"; tests/test_step_time.py holds every calibrated row within 10%). A GPU without rates gets
+no prediction: the planner then falls back to its memory-only choice and says so.
+"""
+
+from dataclasses import dataclass
+
+import model
+from support.config import Config, model_args
+from support.lessons import tiling
+from support.runtime import check_layout
+
+
+@dataclass(frozen=True)
+class GpuRates:
+    """One GPU kind's speeds. Measured: FLOP/s of a bf16 matmul at the model's shapes and of
+    each attention kernel (causal, forward + backward), bytes/s of memory-bound work, of pinned
+    host <-> GPU copies (each way) and of NCCL's all-to-all per GPU; seconds per element of one
+    RMSNorm's forward + backward, fused and op by op. Fitted on measured steps: the seconds
+    of elementwise work per token, layer and unit of width (dim + ffn_dim) per pass, of an
+    Untied Ulysses stage that exchanges per token and layer, of FSDP per parameter, and of the
+    host's AdamW step per parameter of a rank."""
+    matmul: float
+    attention: dict
+    memory: float
+    pinned_copy: float
+    all_to_all: float
+    norm_fused_s: float
+    norm_op_by_op_s: float
+    elementwise_s: float
+    stage_s: float
+    fsdp_s: float
+    host_adamw_s: float
+
+
+GPU_RATES = {
+    # Sources (docs/results): matmul and attention, bench.throughput's own measurements at
+    # 128K-1M (throughput_*.json "kernel_rates": matmul 667-811, median ~685 TFLOP/s; FA4
+    # 612-633; cuDNN 526-560); memory: the fp32 gradient sums of grad_sums_1gpu.json (a 4,096 x
+    # 14,336 fp32 sum read and written with its bf16 tile gradient, 10 bytes per value, in
+    # 0.21 ms); pinned copies: offload_llama3-8b_2gpu.json (55.1 GB/s each way); all-to-all:
+    # GUIDE's 280 GiB/s between 2 H200s; norms: rms_norm_1gpu.json (2.47 and 20.8 ms for 128K x
+    # 4096). The last four: fitted (tests/test_step_time.py --fit).
+    "NVIDIA H200": GpuRates(
+        matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
+        memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
+        norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
+        elementwise_s=7.02e-12, stage_s=6.31e-8, fsdp_s=2.63e-11, host_adamw_s=8.35e-10),
+}
+
+RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
+# 512K (ring_blocks_llama3-8b_1gpu_512k.json); the K/V blocks travel behind the kernel
+LOGIT_BYTES = 30  # per logit and step: bf16 out, fp32 copy, log-softmax, its gradient and cast
+RECOMPUTED_LOGIT_BYTES = 10  # 04's tiled loss computes each tile's logits again in backward
+GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp32 sum read, written
+ADAMW_BYTES = 40  # per fp32 parameter: AdamW reads 4 tensors and writes 3; clipping reads, scales
+
+
+def rates_for(gpu_name: str | None) -> GpuRates | None:
+    """This GPU kind's rates (torch.cuda.get_device_name()), or None: no speed model for it."""
+    return GPU_RATES.get(gpu_name)
+
+
+# ---- The FLOPs of a step (bench/throughput.py's MFU and bound count the same) ----------------
+
+def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = False, *,
+               checkpoint: bool = True, tile_mlp: bool = True, tile_loss: bool = True,
+               checkpoint_layers: int | None = None) -> dict:
+    """FLOPs of one step of `sequences` sequences of `seq_len` tokens, on all GPUs together:
+    {"attention": causal attention, "linear": the linear layers}. Per layer, causal attention's
+    forward is 2 S^2 d (d = heads x head dim), its backward 2.5x that, and 03's recompute (with
+    `checkpoint`, in its first `checkpoint_layers` blocks: None, all) one more forward unless
+    `keep_attention`; a linear layer's forward is 2 x its parameters x tokens, its backward
+    twice that, and one more forward where it runs again: the attention projections of the
+    blocks 03 recomputes, the MLP there or under 04's tiling (which recomputes each tile; 03
+    then skips it), lm_head under 04's tiled loss. The defaults are the ALST stack
+    bench/throughput.py measures (every term counted four times)."""
+    layers = args.n_layers
+    recomputed = (checkpoint_layers or layers) if checkpoint else 0  # blocks run twice forward
+    d = args.n_heads * args.head_dim
+    attention_forward = 2 * seq_len**2 * d * sequences  # one layer's
+    projections = args.dim * d + 2 * args.dim * args.n_kv_heads * args.head_dim + d * args.dim
+    mlp = 3 * args.dim * args.ffn_dim
+    linear_forward = 2 * seq_len * sequences
+    return {"attention": attention_forward * (3.5 * layers + recomputed * (not keep_attention)),
+            "linear": linear_forward * (projections * (3 * layers + recomputed)
+                                        + mlp * (3 * layers + (layers if tile_mlp else recomputed))
+                                        + args.dim * args.vocab_size * (3 + tile_loss))}
+
+
+# ---- A step's time per GPU, by term --------------------------------------------------------
+
+def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, args=None,
+                 fused_norm: bool = True) -> dict:
+    """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
+    sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
+    the RMSNorms op by op, as the calibration rows so marked ran them. A ValueError for an
+    impossible layout (check_layout's)."""
+    args = args or model_args(cfg)
+    sp, ring, head_chunk = check_layout(cfg, world_size, args)
+    if kernel not in rates.attention:
+        raise ValueError(f"no attention rate for kernel {kernel!r} on this GPU")
+    b = 2 if cfg.dtype == "bfloat16" else 4
+    micro = cfg.grad_accum
+    sequences = cfg.batch_size * (world_size // sp)
+    n = cfg.batch_size * cfg.seq_len // sp  # local tokens of one micro-batch
+    layers, width = args.n_layers, args.dim + args.ffn_dim
+    flops = step_flops(args, cfg.seq_len, sequences, bool(cfg.keep_attention),
+                       checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
+                       checkpoint_layers=cfg.checkpoint_layers)
+    recomputed = (cfg.checkpoint_layers or layers) / layers if cfg.checkpoint else 0  # share
+    attention_rate = rates.attention[kernel] * (RING_RATE if ring > 1 else 1)
+    linear_s = flops["linear"] / world_size / rates.matmul
+    attention_s = flops["attention"] / world_size / attention_rate
+    passes = 3 + recomputed  # forward, backward (twice its work), 03's recompute
+    norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
+    norm_runs = 1 + (recomputed + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
+    seconds = {
+        "linear layers": linear_s,
+        "attention": attention_s,
+        "elementwise": rates.elementwise_s * n * layers * width * passes,
+        "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
+        "loss": n * args.vocab_size * (LOGIT_BYTES + RECOMPUTED_LOGIT_BYTES * cfg.tile_loss)
+                / rates.memory,
+        "tiles (04)": tile_seconds(cfg, args, n, rates),
+        "offload copies (03)": offload_seconds(cfg, args, n, b, rates,
+                                               (linear_s + attention_s) / passes / layers),
+        "exchanges (02)": exchange_seconds(cfg, args, n, sp // ring, b, rates),
+        "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
+                        if cfg.untied else 0),
+        "FSDP (01)": rates.fsdp_s * model.num_params(args) if cfg.fsdp else 0,
+    }
+    seconds = {term: s * micro for term, s in seconds.items()}  # each micro-batch runs them
+    seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
+    return seconds
+
+
+def step_seconds_total(*arguments, **options) -> float:
+    return sum(step_seconds(*arguments, **options).values())
+
+
+# ---- 02_ulysses.py: the all-to-alls, which nothing overlaps ----------------------------------
+
+def exchange_seconds(cfg: Config, args, n: int, ulysses: int, b: int, rates: GpuRates) -> float:
+    """Per layer: q, k, v into the head layout and the output back in forward and in 03's
+    recompute; the output's gradient in, dq, dk, dv out in backward. K/V heads are replicated up
+    to the Ulysses degree. Each rank keeps 1/P of what it sends."""
+    if ulysses == 1:
+        return 0.0
+    per_pass = (n * (2 * args.n_heads + 2 * max(args.n_kv_heads, ulysses)) * args.head_dim * b
+                * (ulysses - 1) / ulysses)
+    return args.n_layers * (2 + cfg.checkpoint) * per_pass / rates.all_to_all
+
+
+# ---- 03_checkpoint_offload.py: the copies that no compute hides -----------------------------
+
+def offload_seconds(cfg: Config, args, n: int, b: int, rates: GpuRates,
+                    layer_forward_s: float) -> float:
+    """Each checkpointed block's input but the last goes to the host during its block's forward
+    and comes back during the backward of the block above (with --keep-attention its kept output
+    and fp32 log-sum-exp too); a copy longer than the compute beside it shows. The backward's
+    compute is about twice the forward's."""
+    checkpointed = cfg.checkpoint_layers or args.n_layers  # the last of them stays on the GPU
+    if not cfg.offload or checkpointed < 2:
+        return 0.0
+    nbytes = n * args.dim * b
+    if cfg.keep_attention:
+        nbytes += n * args.n_heads * (args.head_dim * b + 4)
+    copy = nbytes / rates.pinned_copy
+    shown = max(0.0, copy - layer_forward_s) + max(0.0, copy - 2 * layer_forward_s)
+    return (checkpointed - 1) * shown
+
+
+# ---- 04_alst_tiling.py: the fp32 weight-gradient sum of every tile -------------------------
+
+def tile_seconds(cfg: Config, args, n: int, rates: GpuRates) -> float:
+    """Each MLP tile adds its three weights' gradients into their fp32 sums; each loss tile
+    lm_head's: memory-bound work per tile and weight value."""
+    seconds = 0.0
+    if cfg.tile_mlp:
+        tiles = -(-n // min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n))
+        seconds += args.n_layers * tiles * 3 * args.dim * args.ffn_dim * GRAD_SUM_BYTES
+    if cfg.tile_loss:
+        tiles = -(-n // min(tiling.loss_tile_size(args.vocab_size, n, cfg.loss_tile_tokens), n))
+        seconds += tiles * args.vocab_size * args.dim * GRAD_SUM_BYTES
+    return seconds / rates.memory
+
+
+# ---- 05_untied_ulysses.py: H/U stages per layer --------------------------------------------
+
+def untied_seconds(args, n: int, head_chunk: int, ulysses: int, rates: GpuRates) -> float:
+    """What Untied Ulysses' stages cost beyond the work they share out: each stage exchanges its
+    own q, output and gradients, smaller all-to-alls one after another, per token and layer.
+    On one GPU (nothing exchanged) the stages measured no slower than one call over all heads
+    (docs/calibration.md)."""
+    if ulysses == 1:
+        return 0.0
+    return n * args.n_layers * rates.stage_s * (args.n_heads // head_chunk)
+
+
+# ---- 01_fsdp.py: the optimizer step, on the GPU or on the host -----------------------------
+
+def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates) -> float:
+    """The fused AdamW step and gradient clipping over this GPU's fp32 shard, memory-bound; with
+    --offload-model-state on the host instead, on the rank's share of its cores (16 per GPU on
+    the machines measured), with the clipping of host gradients and what the shards' copies
+    between host and GPU leave uncovered. Without FSDP one process steps the compute-dtype
+    state."""
+    n_params = model.num_params(args)
+    if not cfg.fsdp:
+        return n_params * ADAMW_BYTES / 2 / rates.memory
+    shard = n_params / world_size
+    if not cfg.offload_model_state:
+        return shard * ADAMW_BYTES / rates.memory
+    return shard * rates.host_adamw_s
