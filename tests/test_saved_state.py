@@ -1,5 +1,6 @@
 """Long runs that survive: resume is exact, saves are atomic, failures stop cleanly and clearly."""
 
+import dis
 import importlib
 import json
 import os
@@ -490,28 +491,43 @@ def test_sigterm_to_torchrun_alone_stops_cleanly(tmp_path):
     assert check_clean_stop(code, output, tmp_path) >= 3
 
 
+def in_a_kernel(kernel: torch.futures.Future):
+    """The main thread "in a long kernel": a C++ wait that releases the GIL and runs no Python
+    signal handler until it returns, which is when another thread sets `kernel`'s result."""
+    return torch._C.Future.wait(kernel)
+
+
+def is_inside(thread_id: int, function) -> bool:
+    """Whether `thread_id` is executing function's last call (in_a_kernel's C++ wait): from
+    that instruction's start to the wait no bytecode runs, so neither can a signal handler."""
+    frame = sys._current_frames().get(thread_id)
+    calls = [i.offset for i in dis.get_instructions(function) if i.opname.startswith("CALL")]
+    return frame is not None and frame.f_code is function.__code__ and frame.f_lasti == calls[-1]
+
+
 def test_a_signal_is_acknowledged_while_the_main_thread_is_busy_in_a_kernel(capfd):
     """Python runs signal handlers only between bytecodes of the main thread; in a long kernel
-    (a backward, a GPU sync) that is minutes away. The acknowledgement must not wait for it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    matrix = torch.randn(2500, 2500) / 50
+    (a backward, a GPU sync) that is minutes away. The acknowledgement must not wait for it.
+    No timing: the signal goes once the main thread is inside the wait, which ends only after
+    the acknowledgement (or 30 s without one: then the test fails)."""
+    kernel = torch.futures.Future()
     seen = {}
     with saved_state.stop_signals() as stop:
         def signal_then_watch():
-            time.sleep(0.2)
+            deadline = time.monotonic() + 30
+            while (not is_inside(threading.main_thread().ident, in_a_kernel)
+                   and time.monotonic() < deadline):
+                time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGTERM)
-            while "signal" not in stop and time.monotonic() < started + 30:
-                time.sleep(0.005)
-            seen["at"] = time.monotonic()
+            while "signal" not in stop and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen["acknowledged inside the kernel"] = "signal" in stop
+            kernel.set_result(None)  # the main thread returns to the interpreter only now
 
-        started = time.monotonic()
         helper = threading.Thread(target=signal_then_watch)
         helper.start()
-        torch.linalg.matrix_power(matrix, 32)  # one call into C: seconds without the interpreter
-        kernel_done = time.monotonic()
+        in_a_kernel(kernel)
         helper.join()
-    torch.set_num_threads(threads)
+    assert seen == {"acknowledged inside the kernel": True}
     assert stop == {"signal": "SIGTERM"}
-    assert seen["at"] < kernel_done, (seen["at"] - started, kernel_done - started)
     assert "SIGTERM received: stopping after the current step" in capfd.readouterr().err
