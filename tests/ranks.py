@@ -2,13 +2,17 @@
 
     run_ranks(2, body, arg1, arg2)      # body(arg1, arg2) runs on ranks 0 and 1 (gloo, CPU)
 
-Each rank is a fresh process with a free TCP port rendezvous, one CPU thread, and a clean
-teardown. On Linux the processes fork from a server that imported torch once for the session
-(multiprocessing's forkserver), so a rank starts in milliseconds instead of importing torch again
-(seconds of CPU per rank, per test). If any rank raises, the others are killed at once (they
-would otherwise wait forever in a collective) and the test fails with every rank's traceback; if
-nothing finishes within `timeout`, the test fails instead of hanging CI. `body` must be a
-module-level function (it is pickled into the children).
+Each rank is a fresh process with one CPU thread and a clean teardown. The ranks meet at a
+TCPStore that this (the parent) process serves for their whole run, on a port it bound and keeps
+(a free port picked, released and handed to the ranks could be taken by any other process before
+rank 0 binds it); each rank joins as a client and passes the store to init_process_group, which
+works alike for gloo and NCCL (NCCL exchanges its unique id through the store). On Linux the
+processes fork from a server that imported torch once for the session (multiprocessing's
+forkserver), so a rank starts in milliseconds instead of importing torch again (seconds of CPU
+per rank, per test). If any rank raises, the others are killed at once (they would otherwise wait
+forever in a collective) and the test fails with every rank's traceback; if nothing finishes
+within `timeout`, the test fails instead of hanging CI. `body` must be a module-level function
+(it is pickled into the children).
 
 NCCL ranks take one GPU each; with fewer GPUs than ranks (one H200, say) they share them
 (rank r on GPU r mod count), each told it is a host of its own (NCCL_HOSTID), so NCCL connects
@@ -20,7 +24,6 @@ links) is not measured by tests.
 
 import multiprocessing
 import os
-import socket
 import sys
 import time
 import traceback
@@ -30,14 +33,18 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+HOST = "127.0.0.1"
+TIMEOUT = timedelta(seconds=120)  # of the rendezvous and of every collective
+
+
+def _serve_store() -> dist.TCPStore:
+    """The ranks' rendezvous, served from this process on a port the OS picks (0) and that stays
+    bound while the returned store lives: no rank has to bind it."""
+    return dist.TCPStore(HOST, 0, None, True, TIMEOUT, wait_for_workers=False)
 
 
 def _entry(rank, world_size, port, backend, body, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
@@ -48,8 +55,9 @@ def _entry(rank, world_size, port, backend, body, args, errors):
                                   NCCL_NVLS_ENABLE="0")
                 os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
             torch.cuda.set_device(rank % gpus)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+        store = dist.TCPStore(HOST, port, world_size, False, TIMEOUT)  # the parent's
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=TIMEOUT)
         body(*args)
         dist.barrier()
     except BaseException:
@@ -79,8 +87,9 @@ def _context():
 def run_ranks(world_size: int, body, *args, backend: str = "gloo", timeout: float = 300.0):
     ctx = _context()
     errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, backend, body, args, errors))
+    store = _serve_store()  # kept until the ranks are gone
+    procs = [ctx.Process(target=_entry,
+                         args=(rank, world_size, store.port, backend, body, args, errors))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -98,6 +107,7 @@ def run_ranks(world_size: int, body, *args, backend: str = "gloo", timeout: floa
         if p.is_alive():
             p.kill()
         p.join()
+    del store  # every rank has ended: the port is free again
     messages = []
     while not errors.empty():
         rank, tb = errors.get()
