@@ -279,40 +279,62 @@ def test_document_spans_refuse_boundaries_of_another_batch():
 
 def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", dtype="float32",
                              model_name="tiny"):
+    """cases: (--stack, --sp[, --ring[, more Config fields]]): with keep_attention, every block's
+    attention output is kept and taken back (its own cu_seqlens path, support/keep_attention.py);
+    with grad_accum N, the rows (batch_size, unless the case names its own) go through N
+    micro-batches, each its documents' part of the window (train.rows_of)."""
     stream = make_stream(lengths)
     world = dist.get_world_size()
-    for stack, sp, *ring in cases:  # ring: 06's degree R, when the case names one
+    for case in cases:
+        stack, sp, ring, more = _case(*case)
+        rows = more.get("batch_size", batch_size)
         # attn_kernel: the one this process was given (with_kernel), as setup_runtime sets it again
-        cfg = train.Config(model=model_name, stack=stack, sp=sp, ring=ring[0] if ring else None,
-                           seq_len=SEQ_LEN,
-                           batch_size=batch_size, data=path, doc_sep=SEP, mlp_tile_tokens=8,
-                           loss_tile_tokens=8, device=device, dtype=dtype,
-                           attn_kernel=kernels._requested["kernel"])
+        cfg = train.Config(**{**dict(
+            model=model_name, stack=stack, sp=sp, ring=ring, seq_len=SEQ_LEN, batch_size=rows,
+            data=path, doc_sep=SEP, mlp_tile_tokens=8, loss_tile_tokens=8, device=device,
+            dtype=dtype, attn_kernel=kernels._requested["kernel"]), **more})
         cfg = train.resolve_techniques(cfg)
         rt = train.setup_runtime(cfg)
         model = train.build_model(cfg, rt)
         data = TokenData(cfg, 256, rt.dp_rank, rt.dp)
         tokens = data.batch(0)
-        loss = train.forward_backward(model, tokens, rt, documents=data.documents(0, tokens))
+        loss = train.forward_backward(model, tokens, rt, documents=data.documents(0, tokens),
+                                      micro_batches=cfg.grad_accum)
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         ref_loss, ref_grads = reference_loss_and_grads(
-            reference_fragments(stream, lengths, rt.dp * batch_size), model_name=model_name)
-        what = f"stack {stack}, world {world}, dp {rt.dp} x sp {rt.sp} (ring {rt.ring})"
+            reference_fragments(stream, lengths, rt.dp * rows), model_name=model_name)
+        what = (f"stack {stack}, world {world}, dp {rt.dp} x sp {rt.sp} (ring {rt.ring})"
+                + "".join(f", {k} {v}" for k, v in more.items()))
         # 05 sums its attention in another order (see test_05): compare whole-tensor errors.
         grads = {n: g.float().cpu() for n, g in grads.items()}
-        whole = TokenData(replace(cfg, batch_size=rt.dp * batch_size), 256, 0, 1)  # bf16's rule
+        whole = TokenData(replace(cfg, batch_size=rt.dp * rows), 256, 0, 1)  # bf16's rule
         every_row = whole.batch(0)
         assert_step_matches(loss.float().cpu(), grads, ref_loss, ref_grads, model_name, every_row,
                             None, dtype, what=what, documents=whole.documents(0, every_row),
                             norm_rtol=2e-6 if cfg.untied or rt.ring > 1 else None)
+        if cfg.keep_attention:  # the kept path ran: each block kept once and took it back
+            stats = model.kept_attention.stats  # (of the last micro-batch: a step restarts it)
+            assert stats["kept"] == stats["taken"] == len(model.layers), (what, stats)
         if rt.rank == 0:
             print(f"{what}: packed == documents alone (loss {float(loss):.6f})")
 
 
-STACKS = {1: [(stack, None) for stack in range(0, 6)],
-          2: [(1, None)] + [(stack, 2) for stack in range(2, 6)] + [(5, 2, 2)],
+def _case(stack, sp, ring=None, more=None):
+    return stack, sp, ring, more or {}
+
+
+KEEP = {"keep_attention": True}
+# (--stack, --sp, --ring, more): 06's ring, Ulysses 2 x 2, 1 x 4; --keep-attention through 02's
+# kernel, 05's stages and the ring; --grad-accum 2 and 3 (micro-batches of one row each)
+STACKS = {1: [(stack, None) for stack in range(0, 6)]
+             + [(3, None, None, KEEP), (5, None, None, {**KEEP, "grad_accum": 2})],
+          2: [(1, None)] + [(stack, 2) for stack in range(2, 6)] + [(5, 2, 2)]
+             + [(3, 2, None, KEEP), (5, 2, None, {**KEEP, "grad_accum": 2}),
+                (5, 2, 2, {**KEEP, "grad_accum": 3, "batch_size": 3})],
           4: [(1, None)] + [(stack, 4) for stack in range(2, 6)] + [(2, 2), (5, 2)]
-             + [(2, 4, 2), (5, 4, 4)]}  # (--stack, --sp, --ring): 06's ring, Ulysses 2 x 2, 1 x 4
+             + [(2, 4, 2), (5, 4, 4)]
+             + [(5, 2, None, {"grad_accum": 3, "batch_size": 3}),
+                (3, 4, 2, {**KEEP, "grad_accum": 2})]}
 
 
 @pytest.mark.parametrize("world_size", [world if world == 2 else pytest.param(
@@ -320,7 +342,8 @@ STACKS = {1: [(stack, None) for stack in range(0, 6)],
 def test_packed_training_equals_each_document_alone(world_size, tmp_path):
     """--stack 0..5 at P = world; at 4 ranks also dp 2 x sp 2 (Ulysses and Untied) and FSDP
     alone (dp 4); Ulysses x ring (06: 1 x 2, 2 x 2, Untied 1 x 4), whose block pairs mask by
-    document. Windows of 2 rows per data-parallel rank, so 2-8 windows."""
+    document; --keep-attention; --grad-accum 2 and 3, on one and several ranks, with the ring.
+    Windows of 2 rows per data-parallel rank (3 where 3 micro-batches), so 2-8 windows."""
     lengths = document_lengths(8 * (SEQ_LEN + 1) + 1)
     path = tmp_path / "packed.bin"
     write_token_file(path, make_stream(lengths))
@@ -333,7 +356,7 @@ def test_packed_training_equals_each_document_alone(world_size, tmp_path):
 def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_path):
     """02 and 05 (with the rest of --stack 5), and both as Ulysses 1 x ring 2 (06), on 2 GPUs in
     bf16 against the fp32 reference, with each GPU kernel through the per-document loop, and with
-    FA4's varlen launch; the tiny shape
+    FA4's varlen launch, --keep-attention through 02's kernel and the ring; the tiny shape
     with real models' head size (tests/reference.py)."""
     if varlen and kernel != "fa4":
         pytest.skip("varlen is FlashAttention-4's")
@@ -341,8 +364,9 @@ def test_packed_training_nccl_bf16_matches_fp32_documents(kernel, varlen, tmp_pa
     path = tmp_path / "packed.bin"
     write_token_file(path, make_stream(lengths))
     run_ranks(2, with_kernel, kernel, _with_varlen, varlen, _packed_equals_documents,
-              [(2, 2), (4, 2), (5, 2), (2, 2, 2), (5, 2, 2)], str(path), lengths, 2, "cuda",
-              "bfloat16", "tiny-hd64", backend="nccl")
+              [(2, 2), (4, 2), (5, 2), (2, 2, 2), (5, 2, 2), (4, 2, None, KEEP),
+               (5, 2, 2, KEEP)], str(path), lengths, 2, "cuda", "bfloat16", "tiny-hd64",
+              backend="nccl")
 
 
 def _with_varlen(varlen, body, *args):
