@@ -128,36 +128,46 @@ def test_one_is_singular():
 # Gradient accumulation: --grad-accum N is --batch-size N (every loss and weight)
 # ---------------------------------------------------------------------------------------------
 
-def _grad_accum_equals_the_larger_batch(flags: dict):
-    """Losses and gradient norms within fp32 summation order (the micro-batches' summed losses
-    add in another order than one batch's; at P > 1 the gradients are reduce-scattered twice):
-    1e-5 relative. Weights within 1% of one step's lr: AdamW divides each gradient by its own
-    magnitude, so a component near its eps (1e-8) turns a 1e-10 rounding difference into a
-    thousandth of a step."""
-    base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
-    accumulated = train.train(train.resolve_techniques(train.Config(batch_size=1, grad_accum=2,
-                                                                    **base)))
-    larger = train.train(train.resolve_techniques(train.Config(batch_size=2, **base)))
-    assert len(accumulated.history) == len(larger.history) == 3
-    for a, b in zip(accumulated.history, larger.history):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a, b)
-    for (name, a), b in zip(accumulated.model.named_parameters(), larger.model.parameters()):
-        torch.testing.assert_close(full(a), full(b), rtol=0, atol=0.01 * base["lr"], msg=name)
+def _grad_accum_equals_the_larger_batch(cases: list):
+    """Each (flags, N): --grad-accum N equals --batch-size N. Losses and gradient norms within
+    fp32 summation order (the micro-batches' summed losses add in another order than one
+    batch's; at P > 1 the gradients are reduce-scattered N times): 1e-5 relative. Weights within
+    1% of one step's lr: AdamW divides each gradient by its own magnitude, so a component near
+    its eps (1e-8) turns a 1e-10 rounding difference into a thousandth of a step."""
+    for flags, n in cases:
+        base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
+        accumulated = train.train(train.resolve_techniques(train.Config(batch_size=1,
+                                                                        grad_accum=n, **base)))
+        larger = train.train(train.resolve_techniques(train.Config(batch_size=n, **base)))
+        assert len(accumulated.history) == len(larger.history) == 3
+        for a, b in zip(accumulated.history, larger.history):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (flags, n, a, b)
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (flags, n, a, b)
+        for (name, a), b in zip(accumulated.model.named_parameters(), larger.model.parameters()):
+            torch.testing.assert_close(full(a), full(b), rtol=0, atol=0.01 * base["lr"],
+                                       msg=lambda m: f"{flags}, N {n}, {name}: {m}")
 
 
-@pytest.mark.parametrize("flags", [{}, {"doc_sep": 0}], ids=["plain", "documents"])
-def test_grad_accum_equals_the_larger_batch_one_process(flags):
-    _grad_accum_equals_the_larger_batch(flags)
+@pytest.mark.parametrize("flags,n", [({}, 2), ({"doc_sep": 0}, 2), ({"doc_sep": 0}, 3)],
+                         ids=["plain", "documents", "documents-3"])
+def test_grad_accum_equals_the_larger_batch_one_process(flags, n):
+    _grad_accum_equals_the_larger_batch([(flags, n)])
 
 
-def test_grad_accum_equals_the_larger_batch_two_ranks_stack_5():
-    run_ranks(2, _grad_accum_equals_the_larger_batch, {"stack": 5})
+def test_grad_accum_equals_the_larger_batch_two_ranks():
+    """--stack 5; with packed documents through the ring (06, Ulysses 1 x ring 2); with the model
+    state on the host (01's --offload-model-state: the gradients accumulate in host memory)."""
+    run_ranks(2, _grad_accum_equals_the_larger_batch, [
+        ({"stack": 5}, 2), ({"stack": 5, "ring": 2, "doc_sep": 0}, 3),
+        ({"stack": 5, "offload_model_state": True, "doc_sep": 0}, 3),
+        ({"stack": 5, "offload_model_state": True}, 2)])
 
 
 @pytest.mark.slow
 def test_grad_accum_equals_the_larger_batch_dp_2_x_sp_2():
-    run_ranks(4, _grad_accum_equals_the_larger_batch, {"stack": 5, "sp": 2})
+    run_ranks(4, _grad_accum_equals_the_larger_batch, [
+        ({"stack": 5, "sp": 2}, 2), ({"stack": 5, "sp": 2, "doc_sep": 0}, 3),
+        ({"stack": 5, "ring": 2, "doc_sep": 0}, 2)])
 
 
 def test_grad_accum_is_saved_and_a_changed_one_refused(tmp_path, capsys):
