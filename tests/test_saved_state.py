@@ -1,5 +1,6 @@
 """Long runs that survive: resume is exact, saves are atomic, failures stop cleanly and clearly."""
 
+import contextlib
 import dis
 import importlib
 import json
@@ -30,21 +31,70 @@ def config(save_dir, steps, **extra):
                                                  save_dir=str(save_dir), **extra))
 
 
-def _resume_equals_straight(tmp, stack):
-    straight = train.train(config(f"{tmp}/a", 6, stack=stack))
-    train.train(config(f"{tmp}/b", 3, stack=stack))
-    resumed = train.train(config(f"{tmp}/b", 6, stack=stack, resume=True))
-    assert [h["step"] for h in resumed.history] == [3, 4, 5]
-    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in straight.history[3:]]
-    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        assert torch.equal(full(a), full(b)), name
-    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
-        assert torch.equal(full(a["exp_avg_sq"]), full(b["exp_avg_sq"]))
+def _resume_equals_straight(tmp, cases):
+    """Each case (flags): 6 steps straight, and a run of --steps 6 that saves every 3 and dies in
+    its step 3, resumed, give identical losses, learning rates, parameters and optimizer state
+    (every entry: exp_avg, exp_avg_sq, step). Both runs ask for --steps 6: the decay of the
+    schedule is over --steps (a first run of --steps 3 would decay over 3)."""
+    for number, flags in enumerate(cases):
+        folder = f"{tmp}/{number}"
+        straight = train.train(config(f"{folder}/a", 6, **flags))
+        with pytest.raises(Preempted):
+            with preempted_at(3):
+                train.train(config(f"{folder}/b", 6, save_every=3, **flags))
+        resumed = train.train(config(f"{folder}/b", 6, resume=True, **flags))
+        assert [h["step"] for h in resumed.history] == [3, 4, 5]
+        for key in ("loss", "lr"):
+            assert [h[key] for h in resumed.history] == [h[key] for h in straight.history[3:]], \
+                (flags, key)
+        for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+            assert torch.equal(full(a), full(b)), (flags, name)
+        assert_same_optimizer(straight.optimizer, resumed.optimizer, flags)
+
+
+class Preempted(Exception):
+    """The job was killed (a preemption, a node failure) in the middle of a step."""
+
+
+@contextlib.contextmanager
+def preempted_at(step: int):
+    """train.train_step dies at `step`, on every rank, before it changes anything."""
+    real = train.train_step
+
+    def step_or_die(*args, step=0, **kwargs):
+        if step == died_at:
+            raise Preempted(f"step {step}")
+        return real(*args, step=step, **kwargs)
+
+    died_at, train.train_step = step, step_or_die
+    try:
+        yield
+    finally:
+        train.train_step = real
+
+
+def assert_same_optimizer(want, got, what):
+    """Bit for bit: each parameter's whole state, and each group's settings (its lr: the
+    schedule's position after the resume)."""
+    assert [{k: v for k, v in g.items() if k != "params"} for g in got.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in want.param_groups], what
+    for a, b in zip(want.param_groups[0]["params"], got.param_groups[0]["params"]):
+        assert want.state[a].keys() == got.state[b].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in want.state[a].items():
+            assert torch.equal(full(value), full(got.state[b][key])), (what, key)
+
+
+# --warmup-steps 5: resumed at step 3, inside the warm-up; warm-up 1 then a decay: resumed
+# mid-schedule; with --grad-accum, packed documents and the ring (06).
+RESUMED = [{"stack": MAX_STACK, "warmup_steps": 5, "lr_schedule": "cosine", "grad_accum": 2},
+           {"stack": MAX_STACK, "warmup_steps": 1, "lr_schedule": "linear", "doc_sep": 0,
+            "ring": 2, "grad_accum": 3}]
 
 
 def test_six_steps_equal_three_plus_resume_three(tmp_path):
-    """The whole stack at P=2: identical losses, parameters and Adam state."""
-    run_ranks(2, _resume_equals_straight, str(tmp_path), MAX_STACK)
+    """The whole stack at P=2: identical losses, parameters and Adam state, resumed in the
+    warm-up and in a decay."""
+    run_ranks(2, _resume_equals_straight, str(tmp_path), RESUMED)
 
 
 def _resume_across_model_state_offload(tmp):
@@ -71,8 +121,11 @@ def _resume_across_model_state_offload(tmp):
                                        msg=lambda m: f"{name}: {m}")
         for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
             assert float(b["step"]) == float(a["step"]) == 6
+            assert b.keys() == a.keys() == {"step", "exp_avg", "exp_avg_sq"}
             torch.testing.assert_close(full(b["exp_avg_sq"]), full(a["exp_avg_sq"]),
                                        rtol=1e-4, atol=1e-9)
+            torch.testing.assert_close(full(b["exp_avg"]), full(a["exp_avg"]),
+                                       rtol=1e-4, atol=1e-8)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         exported = get_model_state_dict(resumed.model, options=options)
         reference = get_model_state_dict(straight.model, options=options)
