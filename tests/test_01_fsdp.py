@@ -125,10 +125,11 @@ def test_fsdp_nccl_bf16_matches_fp32_reference():
 # --offload-model-state: the same training, the state in host memory.
 # ---------------------------------------------------------------------------------------------
 
-def _train_recording_grads(cfg, steps):
+def _train_recording_grads(cfg, steps, rt=None):
     """(model, optimizer, per step: loss, grad norm and every full gradient as the optimizer
-    sees it) for `steps` steps of train.train_step on the same batches."""
-    rt = train.setup_runtime(cfg)
+    sees it) for `steps` steps of train.train_step on the same batches. rt: the runtime (a plain
+    train.Runtime() for a one-process reference inside a rank), else set up from cfg."""
+    rt = rt or train.setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     grads = []
