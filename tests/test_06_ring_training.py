@@ -1,19 +1,27 @@
 """06 in training: Ulysses (P/R) x ring (R) through train.py's own build and step equals plain,
 unsharded training (loss and every gradient), for heads that do not divide P but do divide
 P/R, with --stack 2 (02's seam) and --stack 5 (05's stages each running the ring), dp x sp, and a
-ring degree picked when none is given. Packed documents through the ring: tests/test_packed.py."""
+ring degree picked when none is given; eight ranks under torchrun equal one process. Packed
+documents through the ring: tests/test_packed.py."""
 
 import importlib
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
-                       reference_loss_and_grads, train_loss_and_grads, with_kernel)
+                       reference_loss_and_grads, relative_error, train_loss_and_grads, with_kernel)
+from test_train import ROOT, read_log
+from test_trainer import PARAMETERS_RTOL  # the parameters after Adam steps, and why
 
 import model as llama
-from support import kernels, runtime
+from support import kernels, runtime, saved_state
 
 train = importlib.import_module("train")
 
@@ -135,3 +143,60 @@ def _ring_on_gpus_matches_fp32(stack):
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 def test_ring_training_nccl_bf16_matches_fp32_reference(kernel, stack):
     run_ranks(2, with_kernel, kernel, _ring_on_gpus_matches_fp32, stack, backend="nccl")
+
+
+# ---------------------------------------------------------------------------------------------
+# Eight ranks end to end: torchrun, train.py's command line, the log and the saved weights
+# ---------------------------------------------------------------------------------------------
+
+EIGHT_RANKS = {  # layout -> (dp, sp, train.py's flags for a global batch of 2 windows a step)
+    "dp 2 x (Ulysses 2 x ring 2)": (2, 4, ["--sp", "4", "--batch-size", "1"]),
+    "dp 1 x (Ulysses 4 x ring 2), 2 micro-batches": (1, 8, ["--batch-size", "1",
+                                                            "--grad-accum", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", EIGHT_RANKS)
+def test_eight_ranks_under_torchrun_train_like_one_process(layout, tmp_path):
+    """`torchrun --nproc-per-node 8 train.py --stack 5 --ring 2` on the tiny model (8 query, 2
+    KV heads: at Ulysses 4 each KV head serves two ranks) with packed documents from a token
+    file, against `python train.py` with the same global batch and no technique: every step's
+    loss and gradient norm at fp32 rounding, and the saved weights after the last step."""
+    common = ["--seq-len", "64", "--steps", "3", "--data", str(token_file(tmp_path)),
+              "--doc-sep", "255"]
+    train.main(common + ["--batch-size", "2", "--save-dir", str(tmp_path / "one"),
+                         "--log-file", str(tmp_path / "one.jsonl")])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "8", "train.py", "--stack", "5", "--ring", "2",
+                           *common, *EIGHT_RANKS[layout][2], "--save-dir", str(tmp_path / "eight"),
+                           "--log-file", str(tmp_path / "eight.jsonl")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (header, eight), (_, one) = (read_log(tmp_path / f"{n}.jsonl") for n in ("eight", "one"))
+    assert ((header["world_size"], header["dp"], header["sp"], header["ring"])
+            == (8, *EIGHT_RANKS[layout][:2], 2)), header
+    assert len(eight) == len(one) == 3
+    for a, b in zip(eight, one):
+        for key in ("loss", "grad_norm", "lr"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (layout, key, a, b)
+        if header["dp"] == 1:  # the log counts rank 0's documents: the step's at dp 1 alone
+            assert a["documents"] == b["documents"], (layout, a, b)
+    weights = {}
+    for name in ("eight", "one"):
+        weights[name] = llama.Transformer(llama.get_model_args("tiny"))
+        saved_state.load_model_state(str(tmp_path / name), weights[name])
+    for (name, a), b in zip(weights["eight"].named_parameters(), weights["one"].parameters()):
+        assert relative_error(a, b) < PARAMETERS_RTOL, (layout, name, relative_error(a, b))
+
+
+def token_file(folder) -> Path:
+    """Random documents of 1 to 60 tokens, each ending with 255, in a uint16 token file."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 255, (3 * 2 * 65,), generator=generator)
+    ends = torch.randint(0, 60, (12,), generator=generator).cumsum(0)
+    tokens[ends[ends < tokens.numel()]] = 255
+    path = Path(folder, "tokens.bin")
+    tokens.numpy().astype("<u2").tofile(path)
+    return path
