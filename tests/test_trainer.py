@@ -206,7 +206,11 @@ def test_the_planner_holds_the_gradients_across_micro_batches():
 # The training flags, and techniques outside their --stack: equal to one plain process
 # ---------------------------------------------------------------------------------------------
 
-TRAINING_FLAGS = ("weight_decay", "grad_clip")  # the reference takes these, not the techniques
+# The reference takes these, not the techniques: training's and the rotary settings (context
+# extension: the model's own, applied at the global positions every shard is given).
+TRAINING_FLAGS = ("weight_decay", "grad_clip")
+REFERENCE_FLAGS = TRAINING_FLAGS + ("rope_theta", "rope_scaling", "rope_factor",
+                                    "rope_original_context")
 # The parameters after 3 steps, each tensor's relative error. Not elementwise: Adam's first update
 # of a gradient near its eps (1e-8) is lr g / (|g| + eps), so a 3e-10 rounding difference in
 # g = -2.6e-9 (05's stages through the ring) moves that weight by 2% of lr (seen: 1 of 8192).
@@ -229,8 +233,9 @@ def _flags_train_like_one_process(cases):
         dp = world // (cfg.sp or world) if cfg.ulysses or cfg.untied else world
         model, _, metrics, grads = _train_recording_grads(cfg, 3)
         training = {k: v for k, v in flags.items() if k in TRAINING_FLAGS}
+        shared = {k: v for k, v in flags.items() if k in REFERENCE_FLAGS}
         reference = train.resolve_techniques(train.Config(model="tiny", seq_len=32,
-                                                          batch_size=2 * dp, lr=3e-3, **training))
+                                                          batch_size=2 * dp, lr=3e-3, **shared))
         ref_model, _, ref_metrics, ref_grads = _train_recording_grads(reference, 3, Runtime())
         for step, (got, want) in enumerate(zip(metrics, ref_metrics)):
             for key in ("loss", "grad_norm"):
@@ -245,6 +250,8 @@ def _flags_train_like_one_process(cases):
             assert error < PARAMETERS_RTOL, (flags, name, error)
         applied = techniques_applied(model)
         assert applied == {f for f in ("untied", "tile_norm") if getattr(cfg, f)}, (flags, applied)
+        for key in set(shared) - set(training):  # the sharded model has the rotary settings
+            assert getattr(model.args, key) == flags[key], (flags, key)
         if "grad_clip" in training:
             check_the_clip_acts(cfg.grad_clip, ref_metrics, ref_grads)
         if "weight_decay" in training:
@@ -280,7 +287,8 @@ def check_the_clip_acts(clip: float, metrics, grads):
 
 
 # (techniques, training flags): the flags under the whole stack, the clip over the host-resident
-# shards; 05 at --stack 2 and 3, where it replaces 02; 04's norm tiles with 05 and with the ring.
+# shards; 05 at --stack 2 and 3, where it replaces 02; 04's norm tiles with 05 and with the ring;
+# yarn context extension (pretrained at 8 tokens, trained at 32) through 05 x the ring.
 FLAG_CASES = [{"stack": 5, "weight_decay": 0.1},
               {"stack": 5, "grad_clip": 0.5, "offload_model_state": True},
               {"stack": 5, "grad_clip": 0},
@@ -288,7 +296,9 @@ FLAG_CASES = [{"stack": 5, "weight_decay": 0.1},
               {"stack": 3, "untied": True},
               {"stack": 4, "untied": True, "tile_norm": True},
               {"stack": 5, "ring": 2, "tile_norm": True},
-              {"stack": 3, "ring": 2, "tile_norm": True}]
+              {"stack": 3, "ring": 2, "tile_norm": True},
+              {"stack": 5, "ring": 2, "rope_scaling": "yarn", "rope_factor": 4.0,
+               "rope_original_context": 8, "rope_theta": 1e4}]
 
 
 def test_flags_without_a_lesson_train_like_one_process():
