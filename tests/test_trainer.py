@@ -285,10 +285,11 @@ def check_the_clip_acts(clip: float, metrics, grads):
 
 
 # (techniques, training flags): the flags under the whole stack, the clip over the host-resident
-# shards; 05 at --stack 2 and 3, where it replaces 02; 04's norm tiles with 05 and with the ring;
-# yarn context extension (pretrained at 8 tokens, trained at 32) through 05 x the ring.
+# shards (with the ring); 05 at --stack 2 and 3, where it replaces 02; 04's norm tiles with 05
+# and with the ring; yarn context extension (pretrained at 8 tokens, trained at 32) through 05 x
+# the ring.
 FLAG_CASES = [{"stack": 5, "weight_decay": 0.1},
-              {"stack": 5, "grad_clip": 0.5, "offload_model_state": True},
+              {"stack": 5, "grad_clip": 0.5, "offload_model_state": True, "ring": 2},
               {"stack": 5, "grad_clip": 0},
               {"stack": 2, "untied": True},
               {"stack": 3, "untied": True},
