@@ -6,21 +6,22 @@ local sequence:
   - the MLP, down(silu(gate(x)) * up(x)), keeps four tokens x 14,336 intermediates for backward
     (10.5 GiB each in bf16: 42 GiB per layer, six of them, 63 GiB, at once inside its backward);
   - the loss needs the logits, tokens x 128,256 vocabulary entries in fp32: 188 GiB, and its
-    log-softmax and gradient as much again.
+    log-softmax and gradient as much again;
+  - where an RMSNorm runs op by op (off CUDA) its backward holds six fp32 copies of its input:
+    24 x 4,096 bytes per token, 36 GiB (on CUDA F.rms_norm is one fused kernel: --tile-norm is
+    in no --stack level).
 
-The idea. Both are independent per token: cut the local sequence into tiles and compute one tile
-at a time. Forward runs each tile without autograd and keeps only the input; backward recomputes
-one tile at a time with autograd on, writes that tile's input gradient and adds the weight
-gradients up across tiles, returning them once (FSDP2 then reduce-scatters each once). A
-4,096-token MLP tile holds 0.44 GiB, a 2,092-token loss tile 1 GiB of fp32 logits. The price is
-one more forward of the MLP and lm_head per step; under 03's checkpointing the tiled MLP skips its
-output in the block's recompute (nothing there reads it), so the MLP still runs forward twice.
-
-`TiledMLP` below is the idea in its plainest form; `SequenceTiledRecompute` is the same loop
-made general (labels cut with the tokens, per-tile sums for the loss, the recompute skip), and
-serves the MLP, the RMSNorms (`--tile-norm`: where they run op by op, in fp32) and the loss.
-Every rank cuts the same number of tiles (sizes follow shapes only): where tiles call
-collectives, a rank with fewer tiles deadlocks the others.
+The idea. All three are independent per token: cut the local sequence into tiles and compute one
+tile at a time. Forward keeps only the input. Backward recomputes one tile's intermediates, runs
+the chain rule by hand, writes that tile's input gradient, and adds each weight's gradient into
+an fp32 sum with one matmul: on CUDA in bf16 cuBLAS accumulates straight into the fp32 sum, so
+no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py: 7-16% over the bare
+matmul, 380-770x less error). The sums are returned once: FSDP2 reduce-scatters each weight
+once. A 4,096-token MLP tile holds 0.66 GiB, a 2,092-token loss tile 1 GiB of fp32 logits and
+as much for their softmax. The price is one more forward of the MLP and lm_head per step; under
+03's checkpointing the tiled MLP skips its output in the block's recompute (nothing there reads
+it), so the MLP still runs forward twice. Every rank cuts the same number of tiles (sizes
+follow shapes only): where tiles call collectives, a rank with fewer tiles deadlocks the others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -28,12 +29,12 @@ Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
     torchrun --nproc-per-node 2 04_alst_tiling.py --model llama3-8b --seq-len 128K   # GPUs
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from model import IGNORE_INDEX, rms_norm
 from support import checkpointed  # is_recomputing: 03 marks its recompute
@@ -42,165 +43,75 @@ GiB = 2**30
 MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits
 
 
-# The idea, plainly: the MLP over tiles of tokens, recomputed tile by tile in backward.
-
-def swiglu(x, gate_weight, up_weight, down_weight):
-    """model.MLP's formula, down(silu(gate(x)) * up(x)), with its weights as arguments."""
-    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
-
-
 class TiledMLP(torch.autograd.Function):
-    """swiglu(x, *weights) for x (tokens, dim), `tile_tokens` tokens at a time. Kept for the
-    reader, and as the tests' reference for the general version below."""
+    """model.MLP, down(silu(gate(x)) * up(x)), over x (tokens, dim) `tile_tokens` at a time.
+    The weights are read by the caller at call time (under FSDP2: the gathered parameters)."""
 
     @staticmethod
-    def forward(ctx, x, tile_tokens: int, *weights):
-        ctx.save_for_backward(x, *weights)  # the input only: no tile's intermediates survive
+    def forward(ctx, x, tile_tokens: int, gate_weight, up_weight, down_weight):
+        weights = (gate_weight, up_weight, down_weight)
+        ctx.save_for_backward(x, *weights)  # the input only: nothing per tile survives
         ctx.tile_tokens = tile_tokens
-        out = torch.empty_like(x)
-        for tile in token_tiles(x.shape[0], tile_tokens):
-            out[tile] = swiglu(x[tile], *weights)
-        return out
+        if checkpointed.is_recomputing():
+            # In 03's recompute the block is rerun only to rebuild what its ops save; this output
+            # feeds nothing but the residual add that ends the block, and our backward recomputes
+            # every tile anyway: computing it here would be a third forward.
+            return torch.empty_like(x)
+        return tiled_over_tokens(swiglu, x, (), weights, tile_tokens, sum_tiles=False)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *weights = ctx.saved_tensors
-        weights = [w.detach().requires_grad_() for w in weights]
-        grad_x = torch.empty_like(x)
-        weight_grads = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
-        for tile in token_tiles(x.shape[0], ctx.tile_tokens):
-            x_tile = x[tile].detach().requires_grad_()
-            with torch.enable_grad():  # this tile's intermediates, and only this tile's
-                out = swiglu(x_tile, *weights)
-            grad_x[tile], *grads = torch.autograd.grad(out, [x_tile, *weights], grad_out[tile])
-            for total, grad in zip(weight_grads, grads):
-                total += grad  # added up in fp32, handed to FSDP once
-        return grad_x, None, *(g.to(w.dtype) for g, w in zip(weight_grads, weights))
+        grad_x, grad_sums = torch.empty_like(x), fp32_zeros_like(weights)
+        for tile in token_tiles(len(x), ctx.tile_tokens):
+            grad_x[tile] = swiglu_backward(x[tile], grad_out[tile], *weights, grad_sums)
+        return grad_x, None, *in_weight_dtypes(grad_sums, weights)
 
 
-def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
-    """Consecutive slices of `tile_tokens` tokens; the last is shorter when they don't divide."""
-    return [slice(start, min(start + tile_tokens, n_tokens))
-            for start in range(0, n_tokens, tile_tokens)]
+def swiglu(x, gate_weight, up_weight, down_weight):
+    """model.MLP's formula with its weights as arguments."""
+    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
 
 
-# The same loop made general: token arguments (labels), per-tile sums (the loss), the recompute
-# skip. Each tile's weight gradient is rounded once, the fp32 sum once at the end.
+def swiglu_backward(x, grad_out, gate_weight, up_weight, down_weight, grad_sums):
+    """One tile of swiglu's backward: its intermediates recomputed (six tile x ffn tensors at
+    most), each weight's gradient added into its fp32 sum in `grad_sums` (gate, up, down).
+    Returns x's gradient."""
+    gate, up = F.linear(x, gate_weight), F.linear(x, up_weight)
+    act = F.silu(gate)
+    add_matmul(grad_sums[2], grad_out.t(), act * up)  # down: grad_out^T (silu(gate) * up)
+    grad_hidden = grad_out @ down_weight  # of silu(gate) * up
+    grad_up = grad_hidden * act
+    # silu'(g) = s (1 + g (1 - s)), s = sigmoid(g): aten's silu_backward multiplies it in, one
+    # kernel (as autograd does); the product's gradient overwrites grad_hidden (one tensor less)
+    grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
+    add_matmul(grad_sums[0], grad_gate.t(), x)
+    add_matmul(grad_sums[1], grad_up.t(), x)
+    return grad_gate @ gate_weight + grad_up @ up_weight
 
-@dataclass(frozen=True)
-class Tiling:
-    """How SequenceTiledRecompute cuts and runs `fn` (its non-tensor arguments, named)."""
-    fn: Callable              # fn(x_tile, *token_arg_tiles, *weights)
-    tile_tokens: int
-    sum_tiles: bool           # False: fn returns one row per token; True: a scalar per tile
-    skip_in_recompute: bool   # see forward
-    n_token_args: int         # how many of the tensors after x are cut into tiles (labels)
 
-
-class SequenceTiledRecompute(torch.autograd.Function):
-    """fn(x, *token_args, *weights) over tokens (dim 0), `tile_tokens` tokens at a time.
-
-    x: (tokens, ...) differentiable input; token_args: tensors cut into the same tiles but not
-    differentiated (labels); weights: used whole by every tile, read by the caller at call time
-    (under FSDP2 they are the block's gathered parameters). sum_tiles=False: the tiles' rows are
-    written into one output buffer; sum_tiles=True: the tiles' scalars are added.
-    """
+class TiledLoss(torch.autograd.Function):
+    """model.Transformer.loss_sum (final norm + lm_head + cross-entropy summed over the tokens
+    whose label counts) over h (tokens, dim) and labels (tokens,), `tile_tokens` at a time:
+    logits of all tokens never exist at once."""
 
     @staticmethod
-    def forward(ctx, tiling: Tiling, x, *tensors):
-        token_args, weights = tensors[:tiling.n_token_args], tensors[tiling.n_token_args:]
-        ctx.tiling = tiling
-        # Only the input, labels and weights: nothing per tile survives the forward.
-        ctx.save_for_backward(x, *tensors)
-        if tiling.skip_in_recompute and checkpointed.is_recomputing():
-            # In 03's recompute the block is rerun only to rebuild what its ops save; this output
-            # (same shape as x) feeds nothing but the residual add that ends the block, and our
-            # backward recomputes every tile anyway: computing it here would be a third forward.
-            return torch.empty_like(x)
-        out = None
-        for tile in token_tiles(x.shape[0], tiling.tile_tokens):  # autograd is off in forward
-            piece = tiling.fn(x[tile], *(t[tile] for t in token_args), *weights)
-            if tiling.sum_tiles:
-                out = piece if out is None else out + piece
-            else:
-                if out is None:
-                    out = piece.new_empty((x.shape[0], *piece.shape[1:]))
-                out[tile] = piece
-        return out
+    def forward(ctx, h, labels, tile_tokens: int, eps: float, norm_weight, lm_head_weight):
+        weights = (norm_weight, lm_head_weight)
+        ctx.save_for_backward(h, labels, *weights)
+        ctx.tile_tokens, ctx.eps = tile_tokens, eps
+        return tiled_over_tokens(partial(norm_lm_head_loss, eps=eps), h, (labels,), weights,
+                                 tile_tokens, sum_tiles=True)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        tiling = ctx.tiling
-        x, *tensors = ctx.saved_tensors
-        token_args, weights = tensors[:tiling.n_token_args], tensors[tiling.n_token_args:]
-        _, x_needs_grad, *tensors_need_grad = ctx.needs_input_grad
-        weight_needs_grad = tensors_need_grad[tiling.n_token_args:]
-        # Fresh leaves, so each tile's graph ends here and autograd.grad returns the pieces.
-        weight_leaves = [w.detach().requires_grad_(need)
-                         for w, need in zip(weights, weight_needs_grad)]
-        wanted_weights = [w for w in weight_leaves if w.requires_grad]
-        grad_x = torch.empty_like(x) if x_needs_grad else None
-        # Weight gradients are added up in fp32: in bf16 every one of a hundred additions
-        # would round again. Each tile's gradient is rounded once, the sum once at the end.
-        # This costs a transient fp32 copy of each weight (2 GiB for Llama-3-8B's lm_head).
-        weight_grad_sums = [None] * len(wanted_weights)
-        for tile in token_tiles(x.shape[0], tiling.tile_tokens):
-            if grad_x is None and not wanted_weights:
-                break
-            x_tile = x[tile].detach().requires_grad_(x_needs_grad)
-            with torch.enable_grad():
-                piece = tiling.fn(x_tile, *(t[tile] for t in token_args), *weight_leaves)
-            wanted = ([x_tile] if x_needs_grad else []) + wanted_weights
-            grad_piece = grad_out if tiling.sum_tiles else grad_out[tile]
-            grads = list(torch.autograd.grad(piece, wanted, grad_piece))
-            if x_needs_grad:
-                grad_x[tile] = grads.pop(0)
-            for i, grad in enumerate(grads):
-                if weight_grad_sums[i] is None:
-                    weight_grad_sums[i] = grad.float()  # fp32 weights: no copy
-                else:
-                    weight_grad_sums[i] += grad
-        sums = iter(weight_grad_sums)
-        weight_grads = [next(sums).to(w.dtype) if w.requires_grad else None for w in weight_leaves]
-        return (None, grad_x, *([None] * tiling.n_token_args), *weight_grads)
+    def backward(ctx, grad_loss):
+        h, labels, *weights = ctx.saved_tensors
+        grad_h, grad_sums = torch.empty_like(h), fp32_zeros_like(weights)
+        for tile in token_tiles(len(h), ctx.tile_tokens):
+            grad_h[tile] = loss_backward(h[tile], labels[tile], grad_loss, *weights, grad_sums,
+                                         ctx.eps)
+        return grad_h, None, None, None, *in_weight_dtypes(grad_sums, weights)
 
-
-def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool,
-                      skip_in_recompute: bool = False):
-    """SequenceTiledRecompute with its arguments named (autograd's apply takes positions only)."""
-    tiling = Tiling(fn, tile_tokens, sum_tiles, skip_in_recompute, len(token_args))
-    return SequenceTiledRecompute.apply(tiling, x, *token_args, *weights)
-
-
-# --- Seam 3: the MLP ---------------------------------------------------------------------------
-
-def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
-    """model.MLP.forward, computed `tile_tokens` tokens at a time (batch and sequence together)."""
-    tokens = x.reshape(-1, x.shape[-1])
-    tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
-    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # read now: FSDP
-    # The MLP is the last op of a block: in 03's recompute its output is not needed (see above).
-    return tiled_over_tokens(swiglu, tokens, (), weights, tile, sum_tiles=False,
-                             skip_in_recompute=True).view(x.shape)
-
-
-# --- Seam 4: the blocks' RMSNorms, per token as well ------------------------------------------
-
-def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
-    """model.RMSNorm.forward `tile_tokens` tokens at a time. The norm computes in fp32. Where it
-    runs op by op (F.rms_norm off CUDA) and untiled, it keeps an fp32 copy of the whole local
-    sequence for backward and its backward holds six (24 x dim bytes per token: 36 GiB for
-    Llama-3-8B at 393,216 tokens per GPU, the largest buffer left once the MLP and the loss are
-    tiled). Tiled, they exist for one tile at a time; what stays is the input, which the residual
-    stream holds anyway. On CUDA F.rms_norm is one fused kernel whose fp32 values never leave it:
-    it keeps what the tiled norm keeps, and tiling it only adds a recompute."""
-    tokens = x.reshape(-1, x.shape[-1])
-    tile = mlp_tile_size(x.shape[-1], tokens.shape[0], tile_tokens)
-    return tiled_over_tokens(partial(rms_norm, eps=norm.eps), tokens, (), (norm.weight,), tile,
-                             sum_tiles=False).view(x.shape)
-
-
-# --- Seam 5: final norm + lm_head + cross-entropy ----------------------------------------------
 
 def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
     """model.Transformer.loss_sum's formula with its weights as arguments: fp32 logits, the
@@ -209,26 +120,145 @@ def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def loss_backward(h, labels, grad_loss, norm_weight, lm_head_weight, grad_sums, eps: float):
+    """One tile of norm_lm_head_loss's backward (grad_sums: norm, lm_head). Returns h's."""
+    normed = rms_norm(h, norm_weight, eps)  # recomputed: this tile's only
+    # fp32 logits, as in the loss, that die with the call: at most they and their softmax exist
+    grad_logits = cross_entropy_backward(F.linear(normed, lm_head_weight).float(), labels,
+                                         grad_loss).to(h.dtype)
+    add_matmul(grad_sums[1], grad_logits.t(), normed)  # lm_head: grad_logits^T normed
+    return rms_norm_backward(h, grad_logits @ lm_head_weight, norm_weight, grad_sums[0], eps)
+
+
+def cross_entropy_backward(logits, labels, grad_loss):
+    """grad_loss x d(the counted rows' cross-entropy, summed) / d logits: softmax(row) -
+    one_hot(label) where the label counts, 0 where it is ignored (a tile of ignored labels
+    gives zeros, never NaN)."""
+    probs = torch.softmax(logits, dim=-1)
+    rows = torch.arange(len(labels), device=labels.device)
+    probs[rows, labels.clamp(min=0)] -= 1  # an ignored row's column is zeroed below
+    counted = (labels != IGNORE_INDEX).unsqueeze(1)
+    return probs.mul_(counted * grad_loss)
+
+
+def rms_norm_backward(x, grad_out, weight, weight_grad_sum, eps: float):
+    """One tile of rms_norm's backward, in fp32: y = x_hat * w with x_hat = x / rms(x) gives
+    dw = sum over tokens of dy * x_hat (added into weight_grad_sum) and
+    dx = (g - x_hat * mean(g * x_hat)) / rms(x) with g = dy * w. Returns dx in x's dtype."""
+    x32, grad32 = x.float(), grad_out.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = x32 * inv_rms
+    weight_grad_sum += (grad32 * x_hat).sum(0)
+    g = grad32 * weight.float()
+    return (inv_rms * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+
+
+class TiledNorm(torch.autograd.Function):
+    """model.RMSNorm over x (tokens, dim), `tile_tokens` at a time (--tile-norm): what pays
+    where the norm runs op by op, whose fp32 copies then exist for one tile at a time."""
+
+    @staticmethod
+    def forward(ctx, x, tile_tokens: int, eps: float, weight):
+        ctx.save_for_backward(x, weight)  # the input, which the residual stream holds anyway
+        ctx.tile_tokens, ctx.eps = tile_tokens, eps
+        return tiled_over_tokens(partial(rms_norm, eps=eps), x, (), (weight,), tile_tokens,
+                                 sum_tiles=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_sums = torch.empty_like(x), fp32_zeros_like([weight])
+        for tile in token_tiles(len(x), ctx.tile_tokens):
+            grad_x[tile] = rms_norm_backward(x[tile], grad_out[tile], weight, grad_sums[0],
+                                             ctx.eps)
+        return grad_x, None, None, *in_weight_dtypes(grad_sums, [weight])
+
+
+# The tiles, and the weight gradients' fp32 sums.
+
+def token_tiles(n_tokens: int, tile_tokens: int) -> list[slice]:
+    """Consecutive slices of `tile_tokens` tokens; the last is shorter when they don't divide."""
+    return [slice(start, min(start + tile_tokens, n_tokens))
+            for start in range(0, n_tokens, tile_tokens)]
+
+
+def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: bool):
+    """fn(x_tile, *token_arg_tiles, *weights) tile by tile (the Functions' forwards, where
+    autograd is off): the tiles' rows written into one buffer, or (sum_tiles) their scalars
+    added. token_args are cut with x (labels); weights are used whole by every tile."""
+    out = None
+    for tile in token_tiles(len(x), tile_tokens):
+        piece = fn(x[tile], *(t[tile] for t in token_args), *weights)
+        if sum_tiles:
+            out = piece if out is None else out + piece
+        else:
+            if out is None:
+                out = piece.new_empty((len(x), *piece.shape[1:]))
+            out[tile] = piece
+    return out
+
+
+# torch 2.8 gave CUDA matmuls an fp32 output for bf16/fp16 inputs, with the added matrix in the
+# inputs' dtype; pytorch#167931 (late 2025) let it be the fp32 output itself, as 2.11 (measured)
+# and 2.14 do. The CPU has no such kernel.
+CUDA_FP32_ACCUMULATE = TorchVersion(torch.__version__) >= "2.11"
+
+
+def add_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b into the fp32 total. On CUDA in bf16 (or fp16) one matmul reads and
+    writes total as its addend, accumulating in fp32; elsewhere (the CPU, fp32 inputs, torch
+    before 2.11) the fp32 matmul."""
+    if CUDA_FP32_ACCUMULATE and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total.addmm_(a.float(), b.float())
+
+
+def fp32_zeros_like(weights) -> list[torch.Tensor]:
+    """One fp32 sum per weight: in bf16 each of a hundred tiles' additions would round again."""
+    return [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+
+
+def in_weight_dtypes(grad_sums, weights) -> list[torch.Tensor]:
+    return [total.to(w.dtype) for total, w in zip(grad_sums, weights)]  # fp32: no copy
+
+
+# --- Seams 3, 4 and 5: the MLP, the blocks' RMSNorms, the final norm + lm_head + loss ----------
+
+def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
+    """model.MLP.forward, computed `tile_tokens` tokens at a time (batch and sequence together)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    tile = mlp_tile_size(x.shape[-1], len(tokens), tile_tokens)
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # read now: FSDP
+    return TiledMLP.apply(tokens, tile, *weights).view(x.shape)
+
+
+def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
+    """model.RMSNorm.forward, computed `tile_tokens` tokens at a time."""
+    tokens = x.reshape(-1, x.shape[-1])
+    tile = norm_tile_size(x.shape[-1], len(tokens), tile_tokens)
+    return TiledNorm.apply(tokens, tile, norm.eps, norm.weight).view(x.shape)
+
+
 def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: int | None = None):
-    """model.Transformer.loss_sum, computed `tile_tokens` tokens at a time: logits of all tokens
-    never exist at once."""
+    """model.Transformer.loss_sum, computed `tile_tokens` tokens at a time."""
     tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
-    tile = loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
-    loss_fn = partial(norm_lm_head_loss, eps=model.norm.eps)
-    return tiled_over_tokens(loss_fn, tokens, (flat_labels,), weights, tile, sum_tiles=True)
+    tile = loss_tile_size(weights[1].shape[0], len(tokens), tile_tokens)
+    return TiledLoss.apply(tokens, flat_labels, tile, model.norm.eps, *weights)
 
 
 def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
                  mlp_tile_tokens: int | None = None, loss_tile_tokens: int | None = None,
                  tile_norm: bool = False) -> None:
     """Replace every block's MLP forward, its two RMSNorms' forwards and/or the model's
-    loss_sum with their tiled versions (norm tiles are as long as MLP tiles; eval.py tiles the
-    loss's per-token sibling, token_scores, the same way).
+    loss_sum with their tiled versions (mlp_tile_tokens sets the norms' tiles too, as
+    --mlp-tile-tokens does; eval.py tiles the loss's per-token sibling, token_scores, with
+    tiled_over_tokens).
 
     Only forward functions are replaced (on the instances; parameter names are unchanged) and
     no parameter is captured, so this works on the meta device before checkpointing and FSDP.
-    Tile sizes: tokens per tile, or None for the shape-derived defaults above.
+    Tile sizes: tokens per tile, or None for the shape-derived defaults below.
     """
     check_tile_tokens("mlp_tile_tokens", mlp_tile_tokens)
     check_tile_tokens("loss_tile_tokens", loss_tile_tokens)
@@ -267,6 +297,13 @@ def mlp_tile_size(dim: int, n_tokens: int, tile_tokens: int | None = None) -> in
     """Tokens per MLP tile: `tile_tokens` if set, else about `dim` (ALST's rule: ceil(tokens /
     dim) tiles). A tile's intermediates are then 3.5x its input (14,336 / 4,096 for Llama-3-8B),
     and each matmul is still (4096 x 4096) x (4096 x 14336): large enough to run at full speed."""
+    return tile_tokens or even_tile_tokens(n_tokens, dim)
+
+
+def norm_tile_size(dim: int, n_tokens: int, tile_tokens: int | None = None) -> int:
+    """Tokens per RMSNorm tile: `tile_tokens` if set (--mlp-tile-tokens sets both), else about
+    `dim`, as for the MLP: a tile's six fp32 copies are then 24 x dim x dim bytes (0.38 GiB for
+    Llama-3-8B), and a tile is still thousands of tokens long."""
     return tile_tokens or even_tile_tokens(n_tokens, dim)
 
 

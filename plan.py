@@ -104,7 +104,8 @@ def planned_kernel(cfg: Config) -> str:
 
 
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
-                forward_only: bool = False, fused_norm: bool = True) -> dict:
+                forward_only: bool = False, fused_norm: bool = True,
+                autograd_tiles: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from support/byte_counts.py.
 
@@ -125,6 +126,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     forward_only=True: evaluation's forward instead (`plan_forward_memory`).
     fused_norm=False: the RMSNorms op by op, as the GPU calibration rows so marked measured them
     (byte_counts.block_recompute_bytes); F.rms_norm is one fused kernel on CUDA.
+    autograd_tiles=True: 04's tiles as the GPU calibration rows so marked measured them, each
+    running autograd (byte_counts' note in its 04 section).
     """
     if forward_only:
         return plan_forward_memory(cfg, world_size, args, fused_norm)
@@ -158,13 +161,13 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     attention = partial(byte_counts.hybrid_attention_bytes, args, tokens, sp, ring, b,
                         kernel=planned_kernel(cfg), untied=cfg.untied, head_chunk=head_chunk)
     mlp = partial(byte_counts.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
-                  cfg.mlp_tile_tokens, b)
+                  cfg.mlp_tile_tokens, b, autograd_tiles=autograd_tiles)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
     norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b,
-                                              fused_norm) if cfg.tile_norm
+                                              fused_norm, autograd_tiles) if cfg.tile_norm
              else byte_counts.block_recompute_bytes(args, local_tokens, b, fused_norm))
     loss = byte_counts.loss_temporary_bytes(args, local_tokens, cfg.tile_loss,
-                                            cfg.loss_tile_tokens, b, fused_norm)
+                                            cfg.loss_tile_tokens, b, fused_norm, autograd_tiles)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.

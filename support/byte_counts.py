@@ -235,18 +235,26 @@ def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) 
 
 # ---- 04_alst_tiling.py: the MLP's, the loss's and the norms' token-sized temporaries --------
 
+# Until 04 wrote its tiles' backward by hand, each tile ran autograd.grad: a
+# bf16 weight gradient per tile beside the fp32 sum, three fp32 logits-sized tensors in the loss
+# tile's backward, the fused norm's backward in a norm tile. The calibration rows measured then
+# say "tile_backward": "autograd" and are predicted with autograd_tiles=True.
+
 def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
-                        bytes_per_value: int = 2, saved_only: bool = False) -> int:
+                        bytes_per_value: int = 2, saved_only: bool = False,
+                        autograd_tiles: bool = False) -> int:
     """Bytes of the MLP's own tensors while one layer runs forward and backward, beyond its input
     and output gradient: the peak, in backward (default), or what it keeps for backward.
 
     Untiled: autograd keeps gate, silu(gate), up and their product, ffn_dim values per token
     each (4 x tokens x ffn_dim); when the product's gradient splits into the gradients of
     silu(gate) and up, six such tensors exist at once. Tiled: nothing is kept but the input;
-    backward holds the input-gradient buffer (tokens x dim), one tile's six intermediates, and
-    the weight gradients added up in fp32 plus one tile's in the compute dtype
-    (3 x dim x ffn_dim x (4 + bytes)).
-    Llama-3-8B, 393,216 tokens per GPU: 63 GiB untiled, 4.6 GiB tiled (4,096-token tiles).
+    backward holds the input-gradient buffer (tokens x dim), one tile's six intermediates
+    (04's swiglu_backward), and the three weight gradients' fp32 sums (3 x dim x ffn_dim x 4),
+    into which each tile's matmul accumulates (the sums' casts to the weights' dtype are the
+    unsharded gradients FSDP's count holds).
+    Llama-3-8B, 393,216 tokens per GPU: 63 GiB untiled, 4.3 GiB tiled (4,096-token tiles).
+    autograd_tiles: as the rows measured while each tile ran autograd (the note above).
     """
     ffn, dim, b = args.ffn_dim, args.dim, bytes_per_value
     if not tiled:
@@ -254,11 +262,13 @@ def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int |
     if saved_only:
         return 0
     tile = min(tiling.mlp_tile_size(dim, local_tokens, tile_tokens), local_tokens)
-    return local_tokens * dim * b + 6 * tile * ffn * b + 3 * dim * ffn * (4 + b)
+    weight_grads = 3 * dim * ffn * (4 + b if autograd_tiles else 4)
+    return local_tokens * dim * b + 6 * tile * ffn * b + weight_grads
 
 
 def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2, fused_norm: bool = True) -> int:
+                         bytes_per_value: int = 2, fused_norm: bool = True,
+                         autograd_tiles: bool = False) -> int:
     """Bytes the loss seam (final norm + lm_head + cross-entropy) holds at its peak, in backward.
 
     Untiled: the final RMSNorm keeps its input, 1/rms and its output (lm_head's input),
@@ -266,34 +276,39 @@ def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int 
     normalized copy and the output, dim x (4 + 2 x bytes)); then the logits, tokens x vocab
     in fp32: at the log-softmax's backward its output, the incoming gradient and the input
     gradient exist at once, 3 x 4 bytes per logit. Tiled: the input kept for backward and the
-    input-gradient buffer (2 x tokens x dim), one tile's three fp32 logits-sized tensors, and
-    lm_head's weight gradient added up in fp32 plus one tile's in the compute dtype
-    (vocab x dim x (4 + bytes)).
-    Llama-3-8B, 393,216 tokens per GPU: 576 GiB untiled, 11.9 GiB tiled.
+    input-gradient buffer (2 x tokens x dim), one tile's fp32 logits and their softmax (04's
+    cross_entropy_backward; its forward holds the logits and their log-softmax, as much), and
+    lm_head's weight gradient summed in fp32 (vocab x dim x 4).
+    Llama-3-8B, 393,216 tokens per GPU: 576 GiB untiled, 9.96 GiB tiled.
+    autograd_tiles: as the rows measured while each tile ran autograd (the note above).
     """
     vocab, dim, b = args.vocab_size, args.dim, bytes_per_value
     if not tiled:
         final_norm = 2 * dim * b + 4 if fused_norm else dim * (4 + 2 * b)
         return local_tokens * (3 * vocab * 4 + final_norm)
     tile = min(tiling.loss_tile_size(vocab, local_tokens, tile_tokens), local_tokens)
-    return 2 * local_tokens * dim * b + 3 * tile * vocab * 4 + vocab * dim * (4 + b)
+    logits, lm_head = (3, 4 + b) if autograd_tiles else (2, 4)  # fp32 logits-sized; bytes
+    return 2 * local_tokens * dim * b + logits * tile * vocab * 4 + vocab * dim * lm_head
 
 
 def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,
-                         bytes_per_value: int = 2, fused_norm: bool = True) -> dict:
+                         bytes_per_value: int = 2, fused_norm: bool = True,
+                         autograd_tiles: bool = False) -> dict:
     """The tiled counterpart of block_recompute_bytes (untiled RMSNorms), same keys. Per
     block: the two norms' outputs, kept by the projections and the MLP that read them, and the
-    inputs the tiled norms keep (SequenceTiledRecompute saves its input): the post-attention
-    norm's input, the residual stream h (post_norm_input, until that norm's backward), and the
-    first norm's input, the block input (block_input: with checkpointing it is the checkpoint
-    itself, no extra bytes); the peak of one norm's backward: one tile's output and input
-    gradient (fused_norm=False, op by op: the tile's six fp32 tensors)."""
-    tile = min(tiling.mlp_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
+    inputs the tiled norms keep (04's TiledNorm saves its input): the post-attention norm's
+    input, the residual stream h (post_norm_input, until that norm's backward), and the first
+    norm's input, the block input (block_input: with checkpointing it is the checkpoint
+    itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors
+    (04's rms_norm_backward runs op by op on every device). autograd_tiles (the note above):
+    each tile ran autograd through rms_norm, whose fused kernel (fused_norm) held one tile's
+    output and input gradient."""
+    tile = min(tiling.norm_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
     hidden = bytes_per_value * args.dim * local_tokens
-    tile_backward_bytes_per_value = 2 * bytes_per_value if fused_norm else 24
     return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
             "block_input": hidden,
-            "norm_backward": tile_backward_bytes_per_value * args.dim * tile}
+            "norm_backward": (2 * bytes_per_value if fused_norm and autograd_tiles else 24)
+                             * args.dim * tile}
 
 
 # ---- 05_untied_ulysses.py: one headwise stage at a time -------------------------------------

@@ -66,25 +66,66 @@ def test_tiled_mlp_equals_untiled(tile_tokens):
                                    msg=lambda m: f"tile {tile_tokens} grad {name}: {m}")
 
 
-@pytest.mark.parametrize("tile_tokens", [10, 7, 64])
-def test_plain_tiled_mlp_is_the_reference_of_the_general_one(tile_tokens):
-    """04's plain TiledMLP (the idea as the reader meets it first) equals the untiled MLP, and
-    the general SequenceTiledRecompute that the training path uses gives the very same bits."""
+def _autograd_grads(output, inputs, grad_out):
+    """What autograd gives on the plain formula: the inputs' gradients."""
+    return torch.autograd.grad(output, inputs, grad_out)
+
+
+def _with_start(weights):
+    """fp32 sums that already hold a value (as after earlier tiles), and those values."""
+    starts = [torch.randn(w.shape) for w in weights]
+    return [s.clone() for s in starts], starts
+
+
+def test_swiglu_backward_by_hand_equals_autograd():
+    """One tile of 04's SwiGLU backward by hand, against autograd on the plain formula (fp32,
+    CPU): the input's gradient, and each weight's gradient added onto its fp32 sum."""
     mlp, x = _mlp_and_input()
-    grad_out = torch.randn(BATCH, SEQ, ARGS.dim)
-    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    plain_x = x.reshape(-1, ARGS.dim).clone().requires_grad_()
-    plain_out = tiling.TiledMLP.apply(plain_x, tile_tokens, *weights)
-    plain_out.backward(grad_out.reshape(-1, ARGS.dim))
-    plain_grads = [w.grad.clone() for w in weights]
-    (out, dx, grads), (tiled_out, tiled_dx, tiled_grads) = _untiled_and_tiled_mlp(tile_tokens)
-    torch.testing.assert_close(plain_out.view_as(out), out, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(plain_x.grad.view_as(dx), dx, rtol=1e-5, atol=1e-6)
-    assert torch.equal(plain_out.view_as(tiled_out), tiled_out.detach())
-    assert torch.equal(plain_x.grad.view_as(tiled_dx), tiled_dx)
-    for name, plain in zip(("gate_proj.weight", "up_proj.weight", "down_proj.weight"), plain_grads):
-        torch.testing.assert_close(plain, grads[name], rtol=1e-5, atol=1e-6)
-        assert torch.equal(plain, tiled_grads[name]), name
+    x, grad_out = x[0], torch.randn(SEQ, ARGS.dim)  # one tile of 25 tokens
+    weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, *weights)]
+    want_x, *want_weights = _autograd_grads(tiling.swiglu(*leaves), leaves, grad_out)
+    sums, starts = _with_start(weights)
+    got_x = tiling.swiglu_backward(x, grad_out, *(w.detach() for w in weights), sums)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6)
+    for got, start, want in zip(sums, starts, want_weights):
+        torch.testing.assert_close(got - start, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ignored", ["some", "all"])
+def test_loss_backward_by_hand_equals_autograd(ignored):
+    """One tile of 04's norm + lm_head + cross-entropy backward by hand, against autograd on
+    the plain formula (fp32, CPU), with a loss gradient other than 1: h's gradient and the two
+    weights' added onto their sums. A tile whose labels are all ignored gives exact zeros."""
+    model, labels = _loss_model(), _labels()[0]
+    if ignored == "all":
+        labels = torch.full_like(labels, llama.IGNORE_INDEX)
+    h = torch.randn(SEQ, ARGS.dim, generator=torch.Generator().manual_seed(2))
+    weights = [model.norm.weight, model.lm_head.weight]
+    grad_loss, eps = torch.tensor(0.37), model.norm.eps
+    leaves = [t.detach().clone().requires_grad_() for t in (h, *weights)]
+    loss = tiling.norm_lm_head_loss(leaves[0], labels, *leaves[1:], eps=eps)
+    want_h, *want_weights = _autograd_grads(loss, leaves, grad_loss)
+    sums, starts = _with_start(weights)
+    got_h = tiling.loss_backward(h, labels, grad_loss, *(w.detach() for w in weights), sums, eps)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-6)
+    for got, start, want in zip(sums, starts, want_weights):
+        torch.testing.assert_close(got - start, want, rtol=1e-5, atol=1e-6)
+    if ignored == "all":
+        assert torch.count_nonzero(got_h) == 0 and all(torch.equal(g, s)
+                                                       for g, s in zip(sums, starts))
+
+
+def test_rms_norm_backward_by_hand_equals_autograd():
+    torch.manual_seed(3)
+    x, grad_out = torch.randn(SEQ, ARGS.dim), torch.randn(SEQ, ARGS.dim)
+    weight = torch.rand(ARGS.dim) + 0.5
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+    want_x, want_weight = _autograd_grads(llama.rms_norm(*leaves, 1e-5), leaves, grad_out)
+    (total,), (start,) = _with_start([weight])
+    got_x = tiling.rms_norm_backward(x, grad_out, weight, total, 1e-5)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total - start, want_weight, rtol=1e-5, atol=1e-6)
 
 
 def _loss_model(seed=0):
@@ -280,18 +321,22 @@ def test_tiling_acts_norm_never_upcasts_the_whole_sequence():
 
 def test_under_checkpointing_the_mlp_runs_forward_twice_not_three_times(monkeypatch):
     """The tiled MLP's backward recomputes its tiles; 03's block recompute would run them a third
-    time for an output nothing reads there, so it skips them (count the tile computations)."""
+    time for an output nothing reads there, so it skips them (count the tile computations: the
+    forward's, and the backward's, which recomputes the forward's intermediates)."""
     checkpointing = importlib.import_module("03_checkpoint_offload")
     calls = []
-    swiglu = tiling.swiglu
-    monkeypatch.setattr(tiling, "swiglu", lambda *a: calls.append(1) or swiglu(*a))
+    for name in ("swiglu", "swiglu_backward"):
+        fn = getattr(tiling, name)
+        monkeypatch.setattr(tiling, name,
+                            lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     model = llama.Transformer(ARGS)
     llama.init_weights(model)
     tiling.apply_tiling(model, tile_mlp=True, tile_loss=False, mlp_tile_tokens=10)
     checkpointing.apply_checkpointing(model)
     ids = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ))
     model(ids, torch.arange(SEQ).expand(BATCH, -1), ids).backward()
-    assert len(calls) == 2 * 5  # 50 tokens in 5 tiles: forward once, backward once
+    # 50 tokens in 5 tiles: forward once, backward once
+    assert calls == ["swiglu"] * 5 + ["swiglu_backward"] * 5
 
 
 def test_saved_for_backward_is_only_the_input():
@@ -324,20 +369,29 @@ def test_planner_bytes():
             == local * (128_256 * 12 + 4096 * 4 + 4))
     assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False, fused_norm=False)
             == local * (128_256 * 12 + 4096 * 8))
-    # Tiled: a tile's logits are at most 1 GiB; the input and its gradient stay sequence-wide.
+    # Tiled: a tile's logits are at most 1 GiB, and their softmax; the input and its gradient
+    # stay sequence-wide; lm_head's gradient is summed in fp32.
     tiled_loss = byte_counts.loss_temporary_bytes(llama8b, local, tiled=True)
-    lm_head_grads = 128_256 * 4096 * (4 + 2)
-    assert (2 * local * 4096 * 2 + lm_head_grads < tiled_loss
-            <= 2 * local * 4096 * 2 + lm_head_grads + 3 * 2**30)
+    lm_head_sum = 128_256 * 4096 * 4
+    assert (2 * local * 4096 * 2 + lm_head_sum < tiled_loss
+            <= 2 * local * 4096 * 2 + lm_head_sum + 2 * 2**30)
     assert (byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True)
             == 42 * 2**30)
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False) == 63 * 2**30
-    weight_grads = 3 * 4096 * 14336 * (4 + 2)
+    weight_sums = 3 * 4096 * 14336 * 4
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True) == (
-        local * 4096 * 2 + 6 * 4096 * 14336 * 2 + weight_grads)
+        local * 4096 * 2 + 6 * 4096 * 14336 * 2 + weight_sums)
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True, saved_only=True) == 0
     assert (byte_counts.mlp_temporary_bytes(llama8b, 100, tiled=True, tile_tokens=1000)
-            == 100 * 4096 * 2 + 6 * 100 * 14336 * 2 + weight_grads)
+            == 100 * 4096 * 2 + 6 * 100 * 14336 * 2 + weight_sums)
+    # The rows measured while each tile ran autograd: a bf16 weight gradient per tile beside
+    # the fp32 sums, three fp32 logits-sized tensors in a loss tile's backward.
+    autograd_mlp = byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True,
+                                                   autograd_tiles=True)
+    assert autograd_mlp == local * 4096 * 2 + 6 * 4096 * 14336 * 2 + 3 * 4096 * 14336 * 6
+    loss_tile = tiling.loss_tile_size(128_256, local)
+    assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=True, autograd_tiles=True)
+            - tiled_loss == loss_tile * 128_256 * 4 + 128_256 * 4096 * 2)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
@@ -468,3 +522,49 @@ def test_gpu_bf16_tiled_equals_untiled_with_lower_peak():
         assert results["tiled peak"] < results["unsharded peak"] / 2, (part, results)
         assert_within_bf16_error(results["tiled"], results["unsharded"], results["reference"],
                                  f"tiled {part}")
+
+
+class OpsSeen(TorchDispatchMode):
+    """Every ATen op run while active, forward and backward (autograd's device threads too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_weight_gradients_are_one_matmul_into_the_fp32_sum():
+    """On CUDA in bf16 every tile's weight gradient is one matmul accumulating into its fp32 sum
+    (addmm's out_dtype overload), never the fp32 fallback; and the tiled MLP and loss stay
+    within the one bf16 rule of the fp32 untiled ones."""
+    args = replace(llama.get_model_args("small"), n_layers=1, vocab_size=32768)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = llama.Transformer(args).to(torch.bfloat16)
+        x = torch.randn(1, 4096, args.dim, dtype=torch.bfloat16)
+        labels = torch.randint(0, args.vocab_size, (1, 4096))
+    labels[0, :1024] = llama.IGNORE_INDEX  # the first loss tile: all ignored
+    model32 = copy.deepcopy(model).float()
+    for part, untiled, tiled, matmuls in [
+            ("mlp", lambda m, x: llama.MLP.forward(m.layers[0].mlp, x),
+             lambda m, x: tiling.tiled_mlp_forward(m.layers[0].mlp, x, 1024), 3 * 4),
+            ("loss", lambda m, h: llama.Transformer.loss_sum(m, h, labels),
+             lambda m, h: tiling.tiled_loss_sum(m, h, labels, 1024), 4)]:
+        results = {}
+        for name, this, run, inputs in (("reference", model32, untiled, x.float()),
+                                        ("unsharded", model, untiled, x),
+                                        ("tiled", model, tiled, x)):
+            with OpsSeen() as seen:
+                _, out, grad = _peak(partial(run, this), inputs)
+            results[name] = {"out": out, "dx": grad, **{
+                f"d{n}": p.grad.float().clone() for n, p in this.named_parameters()
+                if p.grad is not None}}
+            this.zero_grad(set_to_none=True)
+        assert seen.ops.count(torch.ops.aten.addmm.dtype_out) == matmuls, part
+        assert torch.ops.aten.addmm_.default not in seen.ops, part
+        assert_within_bf16_error(results["tiled"], results["unsharded"], results["reference"],
+                                 f"tiled {part}, fused fp32 sums")

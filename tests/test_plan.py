@@ -72,6 +72,7 @@ def measured_gib(row: dict) -> float:
 def predicted_bytes(row: dict) -> tuple:
     """(bytes, where the peak is) as train.py's planner or the numbered files count them."""
     fused_norm = row.get("rms_norm") != "op by op"  # rows measured before F.rms_norm say so
+    autograd_tiles = row.get("tile_backward") == "autograd"  # before 04's backward by hand
     if "train_args" in row:
         cfg = train.parse_args(row["train_args"] + ["--dtype", "bfloat16"])
         args = llama.get_model_args(cfg.model)
@@ -81,7 +82,8 @@ def predicted_bytes(row: dict) -> tuple:
         adam = row.get("adam_allocated", row["kind"] == "step")
         # kind "forward": an evaluation forward (eval.py, bench/max_length.py --forward-only)
         plan = planner.plan_memory(cfg, row["gpus"], args, adam_allocated=adam,
-                                   forward_only=row["kind"] == "forward", fused_norm=fused_norm)
+                                   forward_only=row["kind"] == "forward", fused_norm=fused_norm,
+                                   autograd_tiles=autograd_tiles)
         if row["kind"] == "model_state":
             return plan["model_state"], "after the optimizer step"
         moments = {m: sum(c.values()) for m, c in plan["moments"].items()}
@@ -107,9 +109,10 @@ def predicted_bytes(row: dict) -> tuple:
         return nbytes, "backward"
     local_tokens = seq_len // sp
     if row["phase"] == "mlp":
-        return byte_counts.mlp_temporary_bytes(LLAMA8B, local_tokens, row["tiled"]), "backward"
+        return byte_counts.mlp_temporary_bytes(LLAMA8B, local_tokens, row["tiled"],
+                                               autograd_tiles=autograd_tiles), "backward"
     nbytes = byte_counts.loss_temporary_bytes(LLAMA8B, local_tokens, row["tiled"],
-                                              fused_norm=fused_norm)
+                                              fused_norm=fused_norm, autograd_tiles=autograd_tiles)
     return nbytes - local_tokens * LLAMA8B.dim * 2, "backward"  # the benchmark's input
 
 
