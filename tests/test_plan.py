@@ -642,7 +642,7 @@ def test_one_definition_of_fits():
     at_the_edge = planner.plan_main(["--model", "llama3-8b", "--seq-len", "248K", "--stack", "5",
                                      "--gpus", "1", "--gpu-mem", "139.8GiB",
                                      "--host-mem", "125GiB"])
-    assert re.search(r"total at the peak +136\.3 +does NOT fit in 136\.8 usable of 139\.8",
+    assert re.search(r"total at the peak +135\.9 +does NOT fit in 136\.8 usable of 139\.8",
                      at_the_edge)
     assert "at the edge" in at_the_edge
 
