@@ -122,8 +122,8 @@ def tile_token_scores(model, tile_tokens: int | None = None) -> None:
 def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor,
                        tile_tokens: int | None = None) -> torch.Tensor:
     """model.Transformer.token_scores, `tile_tokens` tokens at a time: the same tiles as 04's
-    loss, one output row of 2 per token. Under torch.no_grad 04's Function only runs its forward
-    loop: no recompute."""
+    loss, one output row of 2 per token. Under torch.no_grad 04's shared forward loop
+    (tiled_over_tokens) runs alone: no recompute."""
     tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
     tile = tiling.loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)

@@ -1,15 +1,16 @@
-"""04's fp32 weight-gradient sums over tiles, two ways, on one GPU: what 04 does (each tile's
-weight gradient as a bf16 matmul, then added into the fp32 sum: fp32 += bf16) against one matmul
+"""04's fp32 weight-gradient sums over tiles, two ways, on one GPU: what 04 did until its
+backward was written by hand (each tile's weight gradient as a bf16 matmul, then added into the
+fp32 sum: fp32 += bf16) against what it does since, on CUDA (04's add_matmul): one matmul
 that accumulates into the fp32 sum itself (torch.addmm with out_dtype=float32: cuBLAS reads the
 fp32 sum as its C and writes it back). Time per tile and the error of the sum against fp64.
 
     python3 -m bench.grad_sums          # Llama-3-8B's MLP and lm_head tiles, Llama-3.2-3B's MLP
 
-Why it matters: 04 adds one tile's gradient into each weight's fp32 sum per tile (per layer,
+Why it mattered: 04 added one tile's gradient into each weight's fp32 sum per tile (per layer,
 3 MLP weights x tokens / 4,096 tiles; once per step, lm_head's 128,256 x dim per loss tile).
-The add reads and writes the fp32 sum and reads the bf16 product: a memory-bound pass the size
+The add read and wrote the fp32 sum and read the bf16 product: a memory-bound pass the size
 of the weight, after a matmul that already accumulated in fp32 and rounded to bf16. The profile
-of a 128K step shows these adds as its "mixed-dtype elementwise" kernels (docs/results.md).
+of a 128K step showed these adds as its "mixed-dtype elementwise" kernels (docs/results.md).
 """
 
 import argparse

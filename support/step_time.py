@@ -193,7 +193,11 @@ def offload_seconds(cfg: Config, args, n: int, b: int, rates: GpuRates,
 
 def tile_seconds(cfg: Config, args, n: int, rates: GpuRates) -> float:
     """Each MLP tile adds its three weights' gradients into their fp32 sums; each loss tile
-    lm_head's: memory-bound work per tile and weight value."""
+    lm_head's: memory-bound work per tile and weight value. Calibrated on steps measured while
+    04 added a bf16 tile gradient to the sum (GRAD_SUM_BYTES); since its hand-written backward
+    accumulates into the sum inside the matmul on CUDA (04's add_matmul), this over-counts a
+    little (bench/grad_sums.py: the lm_head tile 3.22 ms for both against 4.70) until steps of
+    the new code are calibrated."""
     seconds = 0.0
     if cfg.tile_mlp:
         tiles = -(-n // min(tiling.mlp_tile_size(args.dim, n, cfg.mlp_tile_tokens), n))
