@@ -36,7 +36,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from model import IGNORE_INDEX
-from support import kernels
+from base import kernels
 
 GiB = 2**30
 

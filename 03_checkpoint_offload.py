@@ -16,7 +16,7 @@ The idea, in two steps.
      GPU keeps only the last block's input (backward starts there): 3 GiB; during backward two,
      the one the current block recomputes from and the next one coming back: 6 GiB, for 4 layers
      or 80. The host holds 31 per GPU: 93 GiB, in pinned buffers reused every step
-     (support/host_buffers.py: power-of-two pieces, which the pinned allocator does not round up).
+     (base/host_buffers.py: power-of-two pieces, which the pinned allocator does not round up).
 Where memory allows, only the first k blocks need it (`layers=k`, train.py's --checkpoint-layers):
 the other L - k keep their activations and skip the recompute, one forward pass each (plan.py
 finds the smallest k that fits).
@@ -33,7 +33,7 @@ the saved-tensors mechanism, outside the region it recomputes, so `saved_tensors
 unpack)` around the call sees exactly them: `pack` moves the hidden state to the host and returns
 a handle, `unpack` returns it on the GPU. FSDP2 (one `fully_shard` per block) gathers the block's
 parameters around its forward and its recompute. Ops inside a block can ask which block runs and
-whether it is the recompute (support/checkpointed.py), and keep more through the checkpoint: the
+whether it is the recompute (base/checkpointed.py), and keep more through the checkpoint: the
 offloader's `hold` moves them with the block input (--keep-attention, support/keep_attention.py).
 
     python 03_checkpoint_offload.py                       # CPU: small model, bytes kept
@@ -49,8 +49,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from support import checkpointed
-from support.host_buffers import HostBuffer, HostBufferPool
+from base import checkpointed
+from base.host_buffers import HostBuffer, HostBufferPool
 
 GiB, MiB = 2**30, 2**20
 
@@ -80,7 +80,7 @@ def checkpointed_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
 
 def block_contexts(layer: int, offloader):
     """checkpoint's context_fn: (around the block's forward, around its recompute), each saying
-    which block runs and which of its two runs this is (support/checkpointed.py)."""
+    which block runs and which of its two runs this is (base/checkpointed.py)."""
     return (checkpointed.running(layer, False, offloader),
             checkpointed.running(layer, True, offloader))
 

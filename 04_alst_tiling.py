@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
 from model import IGNORE_INDEX, rms_norm
-from support import checkpointed  # is_recomputing: 03 marks its recompute
+from base import checkpointed  # is_recomputing: 03 marks its recompute
 
 GiB = 2**30
 MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from support import kernels, keep_attention
+from base import kernels
+from support import keep_attention
 from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")

@@ -37,7 +37,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from support import keep_attention, kernels
+from base import kernels
+from support import keep_attention
 
 ulysses = importlib.import_module("02_ulysses")
 untied_ulysses = importlib.import_module("05_untied_ulysses")

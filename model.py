@@ -20,7 +20,7 @@ The numbered files plug into its seams, attributes replaced from outside without
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather. Packed documents (support/data.py): positions restart at 0 at
 each document, labels are IGNORE_INDEX at each document's last token, and `cu_seqlens` (the
-whole batch's document boundaries as global token offsets, support/kernels.py) goes to the two
+whole batch's document boundaries as global token offsets, base/kernels.py) goes to the two
 attention seams, where the kernel masks; norms, MLP and loss are per token.
 
 Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints without the leading
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support.kernels import causal_attention
+from base.kernels import causal_attention
 
 IGNORE_INDEX = -100  # label value that contributes nothing to the loss
 

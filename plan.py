@@ -42,7 +42,8 @@ from itertools import product
 import torch
 
 import model
-from support import byte_counts, config, kernels, step_time
+from base import kernels
+from support import byte_counts, config, step_time
 from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
 from support.lessons import tiling, untied_sp

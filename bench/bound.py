@@ -38,7 +38,7 @@ import math
 import torch
 
 from bench.report import event_times_ms, release
-from support import kernels
+from base import kernels
 
 tiling = importlib.import_module("04_alst_tiling")
 untied = importlib.import_module("05_untied_ulysses")

@@ -49,7 +49,7 @@ tensors plus the interpreter's own memory, a rough figure.
 The cheap kernel (--window W, default 256 with FlashAttention-4 on a GPU): at millions of
 tokens rank r's attention takes minutes per layer. FlashAttention-4's two entry points
 (flash_attn.cute.flash_attn_func and flash_attn.cute.interface._flash_attn_bwd, which
-support/kernels.py and FA4's own autograd look up at call time) are wrapped in this process
+base/kernels.py and FA4's own autograd look up at call time) are wrapped in this process
 only so that every call attends over a causal local window of W keys: the output, the
 log-sum-exp and the backward's workspace keep their shapes, the work drops from S^2 to S x W.
 `--compare-window LEN` runs one length with both kernels and records both peaks (equal is the
@@ -89,7 +89,8 @@ from model import PRESETS, get_model_args, num_params
 import plan as planner
 from bench import max_length
 from bench.report import release, synchronize, write_result
-from support import byte_counts, checkpointed, kernels
+from base import checkpointed, kernels
+from support import byte_counts
 from support.data import parse_tokens
 from support.lessons import ulysses_sp
 from support.runtime import check_layout

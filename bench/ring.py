@@ -26,7 +26,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from support import errors, kernels
+from base import kernels
+from support import errors
 from model import IGNORE_INDEX
 
 train = importlib.import_module("train")

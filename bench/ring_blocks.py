@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from model import get_model_args
 from bench.report import peak_and_times, refuse_without_gpu, release, write_result
-from support import kernels
+from base import kernels
 from support.data import parse_tokens
 from support.lessons import ring_sp
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import plan as planner
-from support import kernels
+from base import kernels
 from support.runtime import read_machine
 from model import PRESETS, get_model_args
 from bench import snapshot

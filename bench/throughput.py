@@ -65,7 +65,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from support import byte_counts, host_buffers, kernels
+from base import host_buffers, kernels
+from support import byte_counts
 from support.step_time import step_flops
 from model import get_model_args
 import plan as planner

@@ -1,3 +1,4 @@
-"""The plumbing shared by the numbered files and the commands: attention kernels, data, run
-configuration, saved training state, Hugging Face checkpoints in and out, demo helpers. Nothing
-here is one of the lessons; each module says which of them it serves."""
+"""support/: what the commands (train.py, eval.py, plan.py, bench/) use, above the lessons:
+building, run time, configuration, byte counts, data, saved state, checkpoints in and out.
+base/: what the lessons themselves use, below them (kernels, the recompute flag, host buffers).
+Imports point down only: support/ -> the numbered files (support/lessons.py) -> model.py, base/."""

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from model import ModelArgs, Transformer, num_params
-from support.host_buffers import power_of_two_pieces
+from base.host_buffers import power_of_two_pieces
 from support.lessons import tiling, untied_sp
 
 # ---- 01_fsdp.py: model state, sharded; FSDP2's gathered copies; the state on the host -------
@@ -104,7 +104,7 @@ def offload_transfer_bytes(args, world_size: int) -> dict:
             "end_of_backward": 4 * -(-root // world_size)}
 
 
-# ---- support/kernels.py: what an attention backward kernel allocates for itself -------------
+# ---- base/kernels.py: what an attention backward kernel allocates for itself -------------
 
 def backward_workspace_bytes(n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
                              bytes_per_value: int = 2, kernel: str = "cudnn") -> int:
@@ -175,7 +175,7 @@ def checkpoint_memory_bytes(args, seq_len: int, sp: int, offload: bool,
     back.) The recompute of one block's activations is `block_recompute_bytes`; the blocks not
     checkpointed keep their activations, as without 03 (plan.py adds them).
     pinned=True: the host bytes as the pinned allocator reserves them for the offloader's
-    power-of-two pieces (support/host_buffers.py): the data, to within 2 MiB per tensor.
+    power-of-two pieces (base/host_buffers.py): the data, to within 2 MiB per tensor.
     also_kept: the bytes of each other tensor a block keeps where its input is kept
     (--keep-attention: kept_attention_bytes).
     """

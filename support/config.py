@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from model import PRESETS, ROPE_SCALINGS, ModelArgs, get_model_args, num_params
-from support import kernels, pretrained
+from base import kernels
+from support import pretrained
 from support.data import parse_tokens
 
 # (flag, the first --stack level that turns it on)

@@ -14,7 +14,7 @@ back); without it every layer's output stays on the GPU (32 x 3 GiB here).
 How it hooks in (all of it is here; the lessons know only `forward_or_kept`):
   - `apply_keep_attention` wraps each block's forward before 03 checkpoints it, so the wrapper
     runs inside the checkpoint, in the block's forward and again in its recompute, where
-    support/checkpointed.py says which block runs, which of its two runs this is, and which
+    base/checkpointed.py says which block runs, which of its two runs this is, and which
     offloader moves the block input (the kept tensors go with it: the offloader's `hold`).
   - Inside a block it stands in for kernels.causal_attention (the plain model's and 02's
     kernel: `kernels.standing_in`) with `AttentionFromKept`, for kernels that return their
@@ -30,13 +30,13 @@ from functools import partial
 
 import torch
 
-from support import checkpointed, kernels
+from base import checkpointed, kernels
 
 
 def apply_keep_attention(model, enabled: bool = True) -> None:
     """--keep-attention on `model`, before 03's apply_checkpointing (whose recompute must rerun
     the forward wrapped here). `model.kept_attention`: the KeptAttention, or None if disabled.
-    Every block is wrapped; it acts only in those 03 checkpoints (support/checkpointed.py)."""
+    Every block is wrapped; it acts only in those 03 checkpoints (base/checkpointed.py)."""
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("--keep-attention must be applied before checkpointing (03), so that the "
                          "block's recompute runs inside it")

@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from model import num_params
-from support import config, kernels
+from base import kernels
+from support import config
 from support.config import model_name, techniques_text
 
 # The run's first lines and its log's first record.

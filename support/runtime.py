@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from support import kernels
+from base import kernels
 from support.config import AUTO, Config, model_args
 from support.host_memory import available_host_memory
 from support.lessons import ring_sp, tiling, ulysses_sp, untied_sp

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from support import kernels
+from base import kernels
 import model as llama
 
 train = importlib.import_module("train")

@@ -9,7 +9,7 @@ from ranks import run_ranks
 from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_step_matches, assert_within_bf16_error,
                        make_batch, reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
-from support import kernels
+from base import kernels
 import model as llama
 from support.data import parse_tokens
 

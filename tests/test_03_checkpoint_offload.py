@@ -18,7 +18,7 @@ from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, m
                        reference_loss_and_grads, train_loss_and_grads, with_kernel)
 
 import plan
-from support import host_buffers, kernels
+from base import host_buffers, kernels
 import model as llama
 from support.data import TokenData
 from support.demos import bytes_saved_for_backward

@@ -20,7 +20,7 @@ from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_matches, assert_within_
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from support import kernels
+from base import kernels
 from support import byte_counts
 import model as llama
 

@@ -16,7 +16,7 @@ from ranks import run_ranks
 from reference import assert_within_bf16_error, plain_attention_results
 
 import model as llama
-from support import kernels
+from base import kernels
 from support.demos import LargestTensor, measure_stage_memory
 from support import byte_counts
 

@@ -21,7 +21,8 @@ from test_train import ROOT, read_log
 from test_trainer import PARAMETERS_RTOL  # the parameters after Adam steps, and why
 
 import model as llama
-from support import kernels, runtime, saved_state
+from base import kernels
+from support import runtime, saved_state
 
 train = importlib.import_module("train")
 

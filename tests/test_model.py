@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from support import kernels
+from base import kernels
 import model as llama
 
 

@@ -23,7 +23,7 @@ from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_step_matches, assert_wi
                        full, plain_attention_results, with_kernel)
 
 from support import data as data_module
-from support import kernels
+from base import kernels
 import model as llama
 from support.data import TokenData, documents_in_windows
 

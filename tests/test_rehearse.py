@@ -139,7 +139,7 @@ def test_the_window_replaces_fa4s_arguments(monkeypatch):
                          ("flash_attn.cute.interface", interface)):
         monkeypatch.setitem(sys.modules, name, module)
     with rehearse.windowed_attention(128):
-        from flash_attn.cute import flash_attn_func as forward  # as support/kernels.py does
+        from flash_attn.cute import flash_attn_func as forward  # as base/kernels.py does
         from flash_attn.cute.interface import _flash_attn_bwd as backward
 
         forward(1, 2, 3, causal=False, return_lse=True)
