@@ -32,16 +32,13 @@ operands (never zeros: they run faster than data), rotated among enough sets tha
 exceed 4x the GPU's L2 cache, so no call finds the previous call's operands there.
 """
 
-import importlib
 import math
 
 import torch
 
 from bench.report import event_times_ms, release
 from base import kernels
-
-tiling = importlib.import_module("04_alst_tiling")
-untied = importlib.import_module("05_untied_ulysses")
+from support.lessons import tiling, untied_sp as untied
 
 L2_MULTIPLE = 4  # the rotated operand sets exceed this many L2 caches
 MAX_SETS = 16
