@@ -2,8 +2,10 @@
 
 The numbered files plug into its seams, attributes replaced from outside without editing this file:
 
-  1. `Attention.core(q, k, v, cu_seqlens)`   the kernel over local tensors (B, S, heads, D).
-                                             02_ulysses.py wraps it in two all-to-alls.
+  1. `Attention.core(q, k, v, cu_seqlens)`   the kernel over local tensors (B, S, heads, D):
+                                             torch's SDPA here (`sdpa_attention`); the build
+                                             (support/build.py) puts base/kernels.py's in its
+                                             place. 02_ulysses.py wraps it in two all-to-alls.
   2. `Attention.attend(x, rope, cu_seqlens)` normed input (B, S, dim) -> pre-`o_proj` output
                                              (B, S, heads * D). 05_untied_ulysses.py replaces
                                              it: it projects Q/K/V one head chunk at a time.
@@ -20,7 +22,7 @@ The numbered files plug into its seams, attributes replaced from outside without
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather. Packed documents (support/data.py): positions restart at 0 at
 each document, labels are IGNORE_INDEX at each document's last token, and `cu_seqlens` (the
-whole batch's document boundaries as global token offsets, base/kernels.py) goes to the two
+whole batch's document boundaries as global token offsets, `sdpa_attention`) goes to the two
 attention seams, where the kernel masks; norms, MLP and loss are per token.
 
 Weight names and layouts are those of Hugging Face Llama/Qwen3 checkpoints without the leading
@@ -35,8 +37,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from base.kernels import causal_attention
 
 IGNORE_INDEX = -100  # label value that contributes nothing to the loss
 
@@ -196,6 +196,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu_seqlens=None) -> torch.Tensor:
+    """Seam 1 as this file runs it: causal softmax(q k^T / sqrt(D)) v by torch's SDPA, q (B, S, H,
+    D), k and v (B, S, Hkv, D), query head h using KV head h // (H // Hkv). cu_seqlens: packed
+    documents, (0, ..., B*S), the boundaries of the B*S tokens taken as one stream (every row
+    start among them; FlashAttention's convention): each document attends only to itself."""
+    if cu_seqlens is not None:
+        lengths = [end - start for start, end in zip(cu_seqlens, cu_seqlens[1:])]
+        documents = zip(*(t.flatten(0, 1)[None].split(lengths, dim=1) for t in (q, k, v)))
+        return torch.cat([sdpa_attention(*document) for document in documents], 1).view_as(q)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, heads, S, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -209,7 +225,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.core = causal_attention  # seam 1: (q, k, v, cu_seqlens=None) -> out, local tensors
+        self.core = sdpa_attention  # seam 1: (q, k, v, cu_seqlens=None) -> out, local tensors
 
     def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
         return self.o_proj(self.attend(x, rope, cu_seqlens=cu_seqlens))
@@ -275,7 +291,7 @@ class Transformer(nn.Module):
                 per_token: bool = False, cu_seqlens=None):
         """input_ids, position_ids, labels: (B, S) local tokens with their global positions.
         cu_seqlens: packed documents' boundaries over the whole (unsharded) batch, global token
-        offsets (kernels.py); None: one document per row.
+        offsets (`sdpa_attention`); None: one document per row.
 
         With labels: the summed cross-entropy over non-ignored labels (divide by the global
         token count to get the mean); with per_token=True instead `token_scores` (B, S, 2).

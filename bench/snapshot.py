@@ -32,8 +32,8 @@ from pathlib import Path
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[1]
 REPO_FILES = {p.name for p in REPO.glob("*.py")}
-ATTENTION_FUNCTIONS = {"causal_attention", "attend", "project_qkv", "apply_rope", "core",
-                       "ulysses_attention", "all_to_all", "seq_to_heads", "heads_to_seq"}
+ATTENTION_FUNCTIONS = {"causal_attention", "sdpa_attention", "attend", "project_qkv", "apply_rope",
+                       "core", "ulysses_attention", "all_to_all", "seq_to_heads", "heads_to_seq"}
 ATTENTION_FILES = {"05_untied_ulysses.py"}
 ATTENTION_KERNELS = ("scaled_dot_product", "attention_backward", "flash_attn", "fmha")  # C++ frames
 MODEL_STATE_MARKS = ("torch/optim/", "foreach_reduce")

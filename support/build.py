@@ -1,6 +1,7 @@
 """build.py - a model that never exists whole in one process.
 
-The model is created on the meta device (shapes, no memory), the techniques rewrite its seams,
+The model is created on the meta device (shapes, no memory), its attention is given the fast
+kernels (base/kernels.py: model.py alone runs plain SDPA), the techniques rewrite its seams,
 01's FSDP shards it, and only then does each rank allocate and initialize its own shard: an 8B
 model is never materialized whole. train.py builds this way; so do support/pretrained.py (whose
 weights then fill the shards from a Hugging Face folder) and 03's demo. What of this is about
@@ -11,6 +12,7 @@ embeddings again after that, and drawing each rank's rows of the initial weights
 import torch
 
 import model
+from base import kernels
 from support.lessons import sharding
 
 
@@ -19,13 +21,15 @@ def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float
                 offload_model_state: bool = False):
     """Build, optionally transform, shard and initialize a model.
 
-    `before_sharding(model)` applies the seam-level techniques (02-05) on the meta device; with
-    a `mesh` FSDP shards the model, and each rank's shard is then allocated and initialized.
+    Seam 1 gets base/kernels.py's attention (`use_kernels`), then `before_sharding(model)`
+    applies the seam-level techniques (02-06) on the meta device; with a `mesh` FSDP shards
+    the model, and each rank's shard is then allocated and initialized.
     With offload_model_state the shards are allocated in host memory (model.py's model has no
     buffers to place). exact_init: initialize as the unsharded model would (model.init_weights).
     """
     with torch.device("meta"):
         transformer = model.Transformer(args)
+    use_kernels(transformer)
     if before_sharding is not None:
         before_sharding(transformer)
     if mesh is not None:
@@ -40,6 +44,13 @@ def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float
     if mesh is None and compute_dtype != torch.float32:
         transformer.to(compute_dtype)  # single process, no FSDP: plain low-precision training
     return transformer
+
+
+def use_kernels(transformer) -> None:
+    """Seam 1 runs base/kernels.py's causal attention (FlashAttention-4, cuDNN, ... as
+    --attn-kernel picks) instead of model.py's plain SDPA: the techniques then wrap that."""
+    for block in transformer.layers:
+        block.self_attn.core = kernels.causal_attention
 
 
 def allocate(transformer, device) -> None:
