@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from support.data import parse_tokens
+from base import kernels
 from model import Attention, get_model_args, rope_cos_sin
+from support.data import parse_tokens
 
 
 def start_ranks() -> SimpleNamespace:
@@ -41,7 +42,8 @@ def end_ranks() -> None:
 
 
 def attention_demo_setup(script: str) -> SimpleNamespace:
-    """What the demos of 02 and 05 share: flags, the process group, one attention layer."""
+    """What the attention demos (02, 05, 06) share: flags, the process group, one attention
+    layer with training's kernel (base/kernels.py)."""
     parser = argparse.ArgumentParser(description=f"{script}: attention-stage memory per rank")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seq-len", default="16K")
@@ -54,6 +56,7 @@ def attention_demo_setup(script: str) -> SimpleNamespace:
     torch.manual_seed(0)
     with torch.device(ranks.device):
         attn = Attention(args).to(ranks.dtype)
+    attn.core = kernels.causal_attention
     return SimpleNamespace(**vars(ranks), model=opts.model, args=args, seq_len=seq_len,
                            sp=ranks.world, attn=attn)
 
