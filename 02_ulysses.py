@@ -186,11 +186,12 @@ def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, la
 # Applying it: every attention layer's core; the ranks as a (data, sequence) grid.
 
 def apply_ulysses(model, group) -> None:
-    """Make every attention layer of `model` sequence-parallel over `group`."""
+    """Make every attention layer of `model` sequence-parallel over `group`: its own kernel (seam
+    1 as it finds it) runs between the two exchanges, over all tokens of this rank's heads."""
     args = model.args
     check_ulysses_shapes(args.n_heads, args.n_kv_heads, dist.get_world_size(group))
     for block in model.layers:
-        block.self_attn.core = partial(ulysses_attention, group=group)
+        block.self_attn.core = partial(ulysses_attention, group=group, kernel=block.self_attn.core)
 
 
 def data_sequence_mesh(device_type: str, sp: int):

@@ -33,8 +33,7 @@ the saved-tensors mechanism, outside the region it recomputes, so `saved_tensors
 unpack)` around the call sees exactly them: `pack` moves the hidden state to the host and returns
 a handle, `unpack` returns it on the GPU. FSDP2 (one `fully_shard` per block) gathers the block's
 parameters around its forward and its recompute. Ops inside a block can ask which block runs and
-whether it is the recompute (base/checkpointed.py), and keep more through the checkpoint: the
-offloader's `hold` moves them with the block input (--keep-attention, support/keep_attention.py).
+whether it is the recompute (base/checkpointed.py).
 
     python 03_checkpoint_offload.py                       # CPU: small model, bytes kept
     torchrun --nproc-per-node 2 03_checkpoint_offload.py  # FSDP + Ulysses: CPU/gloo, or GPUs
@@ -89,13 +88,11 @@ def block_contexts(layer: int, offloader):
 
 @dataclass
 class HeldTensor:
-    """What the offloader holds for one tensor a block keeps for backward: its input (autograd
-    holds this handle instead of it) or another tensor the block keeps with it."""
+    """What the offloader holds for a block input; autograd holds this handle instead of it."""
     layer: int
-    name: str | None                       # None for the block input; else the caller's name
     nbytes: int
     device: torch.device
-    pool: object = None                    # its host buffer's key
+    key: object = None                     # its host buffer's key in the pool (03: the layer)
     host: HostBuffer | None = None         # the copy in host memory while it waits
     on_device: torch.Tensor | None = None  # kept (last block) or brought back, until used
     copied_back: object = None             # CUDA event on the side stream: the copy back is done
@@ -105,46 +102,45 @@ class HeldTensor:
 
 class BlockInputOffloader:
     """Moves checkpointed block inputs to host memory in forward and back in backward, one block
-    ahead of their use; other tensors a block keeps (`hold`, named) travel with its input."""
+    ahead of their use."""
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers  # the checkpointed blocks: 0 .. n_layers - 1 (the last stays)
         self.host_buffers = HostBufferPool()  # pinned host memory by layer, reused every step
-        self.waiting = {}       # layer -> its groups of HeldTensors on the host, input's first
+        self.waiting = {}       # layer -> its input's HeldTensor, on the host
         self.stream = None      # the side CUDA stream for every copy, made on first use
         self.stats = new_step_record()  # this step's: what moved, in which order (below)
 
-    # --- forward: pack, and what a block keeps with its input ------------------------------
+    # --- forward: pack ------------------------------------------------------------------------
 
     def pack(self, layer: int, x_ref: weakref.ref, t: torch.Tensor):
         if not is_block_input(t, x_ref):
             return t  # anything else checkpoint saves (an empty placeholder, in some versions)
-        if layer == 0:  # a new step: a step whose backward never ran gives its buffers back
-            self.stats = new_step_record()
-            for group in (g for groups in self.waiting.values() for g in groups):
-                for held in group:
-                    self.let_go(held)
-            self.waiting.clear()
-        return self.hold(layer, [t])[0]
+        if layer == 0:
+            self.new_step()
+        held = self.hold(layer, t, key=layer)
+        if not held.kept:
+            self.waiting[layer] = held
+        record(self.stats, "keep" if held.kept else "offload", held)
+        return held
 
-    def hold(self, layer: int, tensors, name: str | None = None) -> list[HeldTensor]:
-        """Block `layer`'s input ([t], from `pack`), or other tensors the block keeps for its
-        backward (`name`: theirs in the events; `take_back` returns them): kept on the device
-        for the last checkpointed block (backward reaches it first, so copying out would only
-        make backward wait), else copied to host buffers, to come back with the block input."""
-        group = [self.hold_one(layer, t, name, i) for i, t in enumerate(tensors)]
-        if not group[0].kept:
-            self.waiting.setdefault(layer, []).append(group)
-        record(self.stats, "keep" if group[0].kept else "offload", group[0])
-        return group
+    def new_step(self) -> None:
+        """Block 0 saves its input: a step whose backward never ran gives its buffers back."""
+        self.stats = new_step_record()
+        for held in self.waiting.values():
+            self.let_go(held)
+        self.waiting.clear()
 
-    def hold_one(self, layer: int, t: torch.Tensor, name, i: int) -> HeldTensor:
-        held = HeldTensor(layer, name, t.numel() * t.element_size(), t.device)
+    def hold(self, layer: int, t: torch.Tensor, key) -> HeldTensor:
+        """t, kept by block `layer` for its backward: on the device for the last checkpointed
+        block (backward reaches it first, so copying out would only make backward wait), else
+        copied to a host buffer of the pool's `key`."""
+        held = HeldTensor(layer, t.numel() * t.element_size(), t.device)
         if layer == self.n_layers - 1:
             held.on_device, held.kept = t, True
             return held
-        held.pool = layer if name is None else (layer, name, i)
-        held.host = self.host_buffers.take(held.pool, t)
+        held.key = key
+        held.host = self.host_buffers.take(key, t)
         t = t.contiguous()  # (block inputs are; a copy would be recorded below like t)
         if not t.is_cuda:
             held.host.copy_from(t)
@@ -169,26 +165,19 @@ class BlockInputOffloader:
                                    f"second backward through the same graph is not supported")
             self.bring_back(held.layer, "fetch")  # nobody prefetched it: fetch it now
         x = self.hand_over(held)  # now the recompute holds the only reference
-        # Backward runs the blocks in reverse: start bringing back the previous block's input
-        # (and what it keeps with it), so the copies overlap this block's recompute and backward.
+        # Backward runs the blocks in reverse: start bringing back the previous block's input,
+        # so the copy overlaps this block's recompute and backward.
         self.bring_back(held.layer - 1, "prefetch")
         record(self.stats, "use", held)
         return x
 
-    def take_back(self, group: list[HeldTensor]) -> tuple:
-        """What `hold` held under a name, on the device (its block's recompute runs)."""
-        if group[0].host is not None:  # its block input is not back yet either
-            self.bring_back(group[0].layer, "fetch")
-        record(self.stats, "use", group[0])
-        return tuple(self.hand_over(held) for held in group)
-
     def bring_back(self, layer: int, event: str) -> None:
-        """Start the copies back of everything block `layer` has waiting on the host."""
-        for group in self.waiting.pop(layer, []):
-            for held in group:
-                held.prefetched = event == "prefetch"
-                self.copy_back(held)
-            record(self.stats, event, group[0])
+        """Start the copy back of block `layer`'s input, if it waits on the host."""
+        held = self.waiting.pop(layer, None)
+        if held is not None:
+            held.prefetched = event == "prefetch"
+            self.copy_back(held)
+            record(self.stats, event, held)
 
     def copy_back(self, held: HeldTensor) -> None:
         """Start the copy from the host into a new device tensor, `held.on_device`."""
@@ -209,7 +198,7 @@ class BlockInputOffloader:
                 held.copied_back.record(stream)
         # Every copy into or out of a host buffer is on the one side stream, in order: the next
         # step's copy out cannot overtake this copy back, so the buffer is free again now.
-        self.host_buffers.give_back(held.pool, host)
+        self.host_buffers.give_back(held.key, host)
         held.host = None
 
     def hand_over(self, held: HeldTensor) -> torch.Tensor:
@@ -222,7 +211,7 @@ class BlockInputOffloader:
     def let_go(self, held: HeldTensor) -> None:
         """A held tensor whose backward never ran: its host buffer goes back to the pool."""
         if held.host is not None:
-            self.host_buffers.give_back(held.pool, held.host)
+            self.host_buffers.give_back(held.key, held.host)
             held.host = None
 
     def side_stream(self, device: torch.device):
@@ -238,14 +227,16 @@ def is_block_input(t: torch.Tensor, x_ref: weakref.ref) -> bool:
                                          and t.dtype == x.dtype))
 
 
-def apply_checkpointing(model, offload: bool = False, layers: int | None = None) -> None:
+def apply_checkpointing(model, offload: bool = False, layers: int | None = None,
+                        offloader_class=BlockInputOffloader) -> None:
     """Recompute the first `layers` blocks (None: all) in backward from their saved inputs;
     with offload, those inputs wait in host memory between forward and backward (all but the
     last checkpointed block's). The other blocks keep their activations, as plain training does.
 
     Runs on the meta-device model before FSDP: only the blocks' forward functions are replaced
     (instance attributes, so parameter names are unchanged) and no parameter is captured. The
-    offloader is `model.checkpoint_offload` (None without offload).
+    offloader is `model.checkpoint_offload` (None without offload), an `offloader_class` (a
+    subclass may move more with each block input).
     """
     layers = check_model(model, layers)
     # The first blocks (Megatron's "block" method). For memory any choice of k blocks is the
@@ -253,7 +244,7 @@ def apply_checkpointing(model, offload: bool = False, layers: int | None = None)
     # the first are the best in backward, which reaches the blocks that kept everything first
     # and frees them before any recompute starts. The last checkpointed block is the offloader's
     # "last": backward reaches its input first among the checkpoints, so it stays on the GPU.
-    offloader = BlockInputOffloader(layers) if offload else None
+    offloader = offloader_class(layers) if offload else None
     model.checkpoint_offload = offloader
     for layer, block in enumerate(model.layers[:layers]):
         # block.forward is read now: the model's own, or what a technique applied before this
@@ -288,12 +279,11 @@ def new_step_record() -> dict:
 
 
 def record(stats: dict, event: str, held) -> None:
-    """Append "event layer" ("event name layer" for tensors kept with the input); a block input's
-    offload, keep and use from the host also count, with their bytes."""
-    stats["events"].append(f"{event} {held.layer}" if held.name is None
-                           else f"{event} {held.name} {held.layer}")
+    """Append "event layer"; an offload, a keep and a use from the host also count, with their
+    bytes."""
+    stats["events"].append(f"{event} {held.layer}")
     counted = {"offload": "offloaded", "keep": "kept", "use": "restored"}.get(event)
-    if held.name is None and counted and not (event == "use" and held.kept):
+    if counted and not (event == "use" and held.kept):
         stats[counted] += 1
         stats[f"{counted}_bytes"] += held.nbytes
         stats["prefetched"] += event == "use" and held.prefetched

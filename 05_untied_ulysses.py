@@ -15,9 +15,9 @@ With grouped-query attention consecutive stages share KV heads (a KV group): K/V
 and exchanged once per group. Backward keeps the input, the output and each stage's log-sum-exp;
 per stage it recomputes the projections (rotary's gradient is the inverse rotation), exchanges
 the output and its gradient, and runs the kernel's backward: no attention forward (03's
-recompute reruns it, unless --keep-attention: support/keep_attention.py). At U = P a stage holds
-0.75 GiB per tensor instead of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads keep
-the standard order, so the numbers are those of 02 and of unsharded attention.
+recompute reruns it, unless --keep-attention: base/checkpointed.py's seam). At U = P a stage
+holds 0.75 GiB per tensor instead of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads
+keep the standard order, so the numbers are those of 02 and of unsharded attention.
 
 In training, `python train.py --untied [--head-chunk U]` replaces 02 at the same seam: a larger
 U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run
@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from base import kernels
-from support import keep_attention
+from base import checkpointed, kernels
 from model import apply_rope, rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
@@ -117,9 +116,8 @@ class UntiedUlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layout: StageLayout, x, cos, sin, wq, wk, wv, q_norm, k_norm):
-        # (--keep-attention: kept through 03's checkpoint, no stage reruns in its recompute)
-        out, *lses = keep_attention.forward_or_kept(UntiedUlyssesAttention.stages, layout, x,
-                                                    cos, sin, wq, wk, wv, q_norm, k_norm)
+        out, *lses = checkpointed.forward_or_kept(  # --keep-attention: not rerun in recompute
+            UntiedUlyssesAttention.stages, layout, x, cos, sin, wq, wk, wv, q_norm, k_norm)
         ctx.save_for_backward(x, cos, sin, wq, wk, wv, q_norm, k_norm, out, *lses)
         ctx.layout = layout
         return out

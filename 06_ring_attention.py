@@ -37,8 +37,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from base import kernels
-from support import keep_attention
+from base import checkpointed, kernels
 
 ulysses = importlib.import_module("02_ulysses")
 untied_ulysses = importlib.import_module("05_untied_ulysses")
@@ -214,9 +213,8 @@ def piece_kernel(queries: slice, keys: slice) -> str | None:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, cu_seqlens):
-        # (--keep-attention: kept through 03's checkpoint, no ring reruns in its recompute)
-        out, lse = keep_attention.forward_or_kept(ring_attention_forward, q, k, v, group,
-                                                  cu_seqlens)
+        out, lse = checkpointed.forward_or_kept(  # --keep-attention: not rerun in recompute
+            ring_attention_forward, q, k, v, group, cu_seqlens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.cu_seqlens = group, cu_seqlens
         return out

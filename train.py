@@ -77,7 +77,9 @@ def build_model(cfg: Config, rt: Runtime):
     args = model_args(cfg)
     dtype = getattr(torch, cfg.dtype)
 
-    def apply_techniques(model):  # the composition order: seam (02/05, 06) -> 04 -> 03; then 01
+    def apply_techniques(model):  # the order: (keep-attention) -> seam (02/05, 06) -> 04 -> 03; 01
+        if cfg.checkpoint:  # --keep-attention's kernel first: 02 wraps it, 03 its blocks
+            keep_attention.apply_keep_attention(model, cfg.keep_attention)
         if rt.ring > 1:  # Ulysses over P/R ranks around a ring over R (06), for 02 or 05
             ring_sp.apply_ring(model, rt.ulysses_group, rt.ring_group, cfg.untied, cfg.head_chunk)
         elif cfg.ulysses:
@@ -88,10 +90,10 @@ def build_model(cfg: Config, rt: Runtime):
             tiling.apply_tiling(model, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
                                 mlp_tile_tokens=cfg.mlp_tile_tokens,
                                 loss_tile_tokens=cfg.loss_tile_tokens, tile_norm=cfg.tile_norm)
-        if cfg.checkpoint:
-            keep_attention.apply_keep_attention(model, cfg.keep_attention)  # before: 03 wraps it
-            checkpointing.apply_checkpointing(model, offload=cfg.offload,
-                                              layers=cfg.checkpoint_layers)
+        if cfg.checkpoint:  # --keep-attention's offloader moves the kept outputs with the inputs
+            offloader = (keep_attention.Offloader if cfg.keep_attention
+                         else checkpointing.BlockInputOffloader)
+            checkpointing.apply_checkpointing(model, cfg.offload, cfg.checkpoint_layers, offloader)
 
     mesh = rt.fsdp_mesh if cfg.fsdp else None  # 01's apply_fsdp shards over it (support/build.py)
     if cfg.init_from:

@@ -10,9 +10,6 @@ q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head 
                                                    log-sum-exp, so it needs the forward and the
                                                    backward kernel separately; no attention
                                                    forward is re-run.
-Inside a block that 03 checkpoints with --keep-attention, support/keep_attention.py stands in
-for `causal_attention` (`standing_in`): it keeps the forward's output and log-sum-exp, and the
-block's recompute in backward takes them back instead of running the kernel.
 
 Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   fa4     FlashAttention-4 (`pip install flash-attn-4`, Hopper and Blackwell GPUs): the fastest
@@ -40,8 +37,6 @@ the log-sum-exp is only handed back to the backward of the same path. `use_varle
 the loop (tests/test_packed.py runs both).
 """
 
-import contextlib
-import contextvars
 import functools
 import logging
 import warnings
@@ -91,10 +86,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     parallelism intercepts; bench/ring.py). cu_seqlens: packed documents (module docstring),
     each attending only to itself.
     """
-    # --keep-attention's stand-in, where a kernel returns its log-sum-exp (not the S x S math one)
-    stand_in = _stand_in.get()
-    if stand_in is not None and not sdpa_only and q.shape[1] > 1 and lse_kernel(q)[0] != "math":
-        return stand_in(q, k, v, cu_seqlens)
     if cu_seqlens is not None:
         return document_attention(q, k, v, cu_seqlens, sdpa_only)
     if q.shape[1] == 1:  # one token (a 1-token document) sees only itself: softmax over one key
@@ -115,22 +106,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         with sdpa_kernel(_sdpa_backends(kernel), set_priority=True):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)
-
-
-# A function (q, k, v, cu_seqlens) -> out that runs in place of `causal_attention` while
-# `standing_in` says so: support/keep_attention.py's, inside a block checkpointed with
-# --keep-attention (it runs `attention_forward_lse` itself and keeps what it returns).
-_stand_in = contextvars.ContextVar("causal_attention_stand_in", default=None)
-
-
-@contextlib.contextmanager
-def standing_in(attention):
-    """Within: `causal_attention` calls `attention` instead (where a kernel returns its lse)."""
-    token = _stand_in.set(attention)
-    try:
-        yield
-    finally:
-        _stand_in.reset(token)
 
 
 def _sdpa_backends(kernel: str):

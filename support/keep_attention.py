@@ -11,38 +11,40 @@ recompute then takes it instead of running the kernel, and the kernel's backward
 its log-sum-exp. With offload the GPU pays one more block input's bytes (the kept output coming
 back); without it every layer's output stays on the GPU (32 x 3 GiB here).
 
-How it hooks in (all of it is here; the lessons know only `forward_or_kept`):
-  - `apply_keep_attention` wraps each block's forward before 03 checkpoints it, so the wrapper
-    runs inside the checkpoint, in the block's forward and again in its recompute, where
-    base/checkpointed.py says which block runs, which of its two runs this is, and which
-    offloader moves the block input (the kept tensors go with it: the offloader's `hold`).
-  - Inside a block it stands in for kernels.causal_attention (the plain model's and 02's
-    kernel: `kernels.standing_in`) with `AttentionFromKept`, for kernels that return their
-    log-sum-exp.
-  - 05's stages and 06's ring run their own forward through `forward_or_kept`, which keeps
-    its result or takes it back in the recompute: the ring's output and log-sum-exp, 05's output
-    and every stage's log-sum-exp itself.
+How it hooks in (all of it is here; the lessons know only base/checkpointed.py's seam,
+`forward_or_kept`, which runs a forward plainly unless a keeper is installed):
+  - `apply_keep_attention`, before the attention seam (02/05/06) and 03, wraps each block's
+    forward; 03 then checkpoints that, so it runs in the block's forward and again in its
+    recompute, and installs the block's keeper there (`KeptAttention.forward_or_kept`).
+  - Seam 1's kernel becomes `attention_from_kept` (02 wraps it in its exchanges): inside a
+    checkpointed block, for kernels that return their log-sum-exp, `AttentionFromKept` runs the
+    kernel's forward through the seam and its backward from the kept output.
+  - 05's stages and 06's ring run their own forward through the seam: 05's output and every
+    stage's log-sum-exp, the ring's output and log-sum-exp are kept.
+  - With offload, `Offloader` (03's, subclassed) moves the kept tensors with the block inputs.
 What plan.py adds per block: support/byte_counts.py's `kept_attention_bytes`.
 """
 
-import contextvars
 from functools import partial
 
 import torch
 
 from base import checkpointed, kernels
+from support.lessons import checkpointing
 
 
 def apply_keep_attention(model, enabled: bool = True) -> None:
-    """--keep-attention on `model`, before 03's apply_checkpointing (whose recompute must rerun
-    the forward wrapped here). `model.kept_attention`: the KeptAttention, or None if disabled.
-    Every block is wrapped; it acts only in those 03 checkpoints (base/checkpointed.py)."""
+    """--keep-attention on `model`, before the attention seam (02 wraps the kernel it finds) and
+    before 03's apply_checkpointing (whose recompute must rerun the forward wrapped here; with
+    offload 03 takes `Offloader`). `model.kept_attention`: the KeptAttention, or None if
+    disabled. Every block is wrapped; it acts only in those 03 checkpoints."""
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("--keep-attention must be applied before checkpointing (03), so that the "
                          "block's recompute runs inside it")
     model.kept_attention = KeptAttention() if enabled else None
     for block in model.layers if enabled else ():
         block.forward = partial(model.kept_attention.run_block, block.forward)
+        block.self_attn.core = attention_from_kept
 
 
 class KeptAttention:
@@ -52,7 +54,7 @@ class KeptAttention:
     restarts at block 0)."""
 
     def __init__(self):
-        self.waiting = {}  # layer -> kept tensors (offloaded: the offloader's HeldTensors)
+        self.waiting = {}  # layer -> kept tensors (offloaded: the Offloader's HeldTensors)
         self.stats = new_stats()
 
     def run_block(self, forward, x, rope, cu_seqlens=None):
@@ -63,12 +65,17 @@ class KeptAttention:
         # gradients): nothing will be recomputed, so nothing is kept here either.
         if block is None:
             return forward(x, rope, cu_seqlens)
-        token = _inside.set((self, block))
-        try:
-            with kernels.standing_in(attention_from_kept):
-                return forward(x, rope, cu_seqlens)
-        finally:
-            _inside.reset(token)
+        with checkpointed.keeping(partial(self.forward_or_kept, block)):
+            return forward(x, rope, cu_seqlens)
+
+    def forward_or_kept(self, block: checkpointed.Block, forward, *args, **kwargs) -> tuple:
+        """The seam's keeper in `block`: forward's result, kept in the block's forward; in its
+        recompute the kept result, forward not run."""
+        if block.recomputing:
+            return self.take(block)
+        result = forward(*args, **kwargs)
+        self.keep(block, result)
+        return result
 
     def keep(self, block: checkpointed.Block, tensors) -> None:
         if block.layer == 0:  # a new step: what a step whose backward never ran left goes now
@@ -83,7 +90,7 @@ class KeptAttention:
         if block.offloader is None:
             self.waiting[block.layer] = tensors
             return
-        self.waiting[block.layer] = block.offloader.hold(block.layer, tensors, "attention")
+        self.waiting[block.layer] = block.offloader.hold_kept(block.layer, tensors)
         self.stats["offloaded_bytes"] += 0 if self.waiting[block.layer][0].kept else nbytes
 
     def take(self, block: checkpointed.Block) -> tuple:
@@ -96,7 +103,7 @@ class KeptAttention:
         if block.offloader is None:
             return kept
         self.stats["restored_bytes"] += 0 if kept[0].kept else sum(held.nbytes for held in kept)
-        return block.offloader.take_back(kept)
+        return block.offloader.take_kept(kept)
 
 
 def new_stats() -> dict:
@@ -104,28 +111,57 @@ def new_stats() -> dict:
     return {"kept": 0, "kept_bytes": 0, "taken": 0, "offloaded_bytes": 0, "restored_bytes": 0}
 
 
-# The KeptAttention and checkpointed block the attention runs in (None outside one).
-_inside = contextvars.ContextVar("kept_attention_block", default=None)
+class Offloader(checkpointing.BlockInputOffloader):
+    """03's offloader, moving each block's kept attention tensors with its input: to the host in
+    forward (but the last checkpointed block's, which stay), back when the input comes back,
+    one block ahead in backward. Its events name them ("offload attention 0", ...)."""
 
+    def __init__(self, n_layers: int):
+        super().__init__(n_layers)
+        self.kept = {}  # layer -> the HeldTensors of its kept attention, on the host
 
-def forward_or_kept(forward, *args, **kwargs) -> tuple:
-    """forward(*args, **kwargs) -> (out, *lses), an attention's forward (the kernel's, 05's
-    stages, 06's ring) under --keep-attention: inside a checkpointed block, its result is kept
-    in the block's forward and taken back in the recompute instead of running it again;
-    elsewhere, forward's result."""
-    inside = _inside.get()
-    if inside is None:
-        return forward(*args, **kwargs)
-    kept, block = inside
-    if block.recomputing:
-        return kept.take(block)
-    result = forward(*args, **kwargs)
-    kept.keep(block, result)
-    return result
+    def hold_kept(self, layer: int, tensors) -> list:
+        group = [self.hold(layer, t, key=(layer, "attention", i)) for i, t in enumerate(tensors)]
+        if not group[0].kept:
+            self.kept[layer] = group
+        self.note("keep" if group[0].kept else "offload", layer)
+        return group
+
+    def take_kept(self, group: list) -> tuple:
+        """What `hold_kept` held, on the device (its block's recompute runs)."""
+        if group[0].layer in self.kept:  # nobody brought it back yet
+            self.bring_kept_back(group[0].layer, "fetch")
+        self.note("use", group[0].layer)
+        return tuple(self.hand_over(held) for held in group)
+
+    def bring_back(self, layer: int, event: str) -> None:
+        super().bring_back(layer, event)  # the block input first, then what it keeps
+        if layer in self.kept:
+            self.bring_kept_back(layer, event)
+
+    def bring_kept_back(self, layer: int, event: str) -> None:
+        for held in self.kept.pop(layer):
+            held.prefetched = event == "prefetch"
+            self.copy_back(held)
+        self.note(event, layer)
+
+    def new_step(self) -> None:
+        super().new_step()
+        for held in (held for group in self.kept.values() for held in group):
+            self.let_go(held)
+        self.kept.clear()
+
+    def note(self, event: str, layer: int) -> None:
+        self.stats["events"].append(f"{event} attention {layer}")
 
 
 def attention_from_kept(q, k, v, cu_seqlens=None):
-    """kernels.causal_attention inside a block (`kernels.standing_in`)."""
+    """Seam 1's kernel under --keep-attention: inside a checkpointed block, where the kernel
+    returns its log-sum-exp (not the S x S math one; not for one token), `AttentionFromKept`;
+    elsewhere kernels.causal_attention."""
+    if (checkpointed.current_block() is None or q.shape[1] == 1
+            or kernels.lse_kernel(q)[0] == "math"):
+        return kernels.causal_attention(q, k, v, cu_seqlens=cu_seqlens)
     return AttentionFromKept.apply(q, k, v, cu_seqlens)
 
 
@@ -137,7 +173,8 @@ class AttentionFromKept(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens):
-        out, lse = forward_or_kept(kernels.attention_forward_lse, q, k, v, cu_seqlens=cu_seqlens)
+        out, lse = checkpointed.forward_or_kept(kernels.attention_forward_lse, q, k, v,
+                                                cu_seqlens=cu_seqlens)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu_seqlens = cu_seqlens
         return out
