@@ -28,7 +28,6 @@ Run the demo (attention-stage bytes per rank, with and without Ulysses):
     torchrun --nproc-per-node 2 02_ulysses.py --model llama3-8b --seq-len 128K   # on GPUs
 """
 
-import contextlib
 from functools import partial
 
 import torch
@@ -151,39 +150,24 @@ def global_token_count(labels: torch.Tensor, group=None) -> torch.Tensor:
     return count.clamp(min=1.0)  # all labels ignored: loss 0, not NaN
 
 
-def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None, labels=None,
-                      phase=contextlib.nullcontext, documents=None, n_tokens=None,
-                      order=None) -> torch.Tensor:
+def loss_and_backward(model, tokens, sp_rank: int, sp: int, world_group=None,
+                      labels=None) -> torch.Tensor:
     """One forward + backward on this rank's shard of `tokens` (B, S + 1); returns the loss,
     the mean over the non-ignored labels of every rank in `world_group` (detached, summed over
     ranks). Each rank divides its summed loss by the global count, so the ranks' gradients add
-    up (FSDP sums them) to the unsharded model's. `phase(name)` wraps forward and backward (train.py
-    names the phase of an out-of-memory error). documents: packed documents of `tokens`
-    (data.Documents: its labels and positions replace the plain ones, and its global boundaries
-    go to the model whole, unsharded). n_tokens: the count to divide by instead (train.py's
-    gradient accumulation passes the count of all its micro-batches). order: the token order
-    before the split (`shard_sequence`; 06's zigzag)."""
-    positions = cu_seqlens = None
-    if documents is not None:
-        if labels is not None:
-            raise ValueError("pass labels or documents (which carry their labels), not both")
-        labels = documents.labels.to(tokens.device)
-        positions = documents.position_ids.to(tokens.device)
-        cu_seqlens = documents.cu_seqlens
-    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels, positions, order)
-    if n_tokens is None:
-        n_tokens = global_token_count(labels, world_group)
-    with phase("forward"):
-        loss = model(input_ids, positions, labels, cu_seqlens=cu_seqlens) / n_tokens
-    with phase("backward"):
-        loss.backward()
+    up (FSDP sums them) to the unsharded model's. train.py's forward_backward is this step with
+    packed documents, micro-batches and 06's token order."""
+    input_ids, labels, positions = shard_sequence(tokens, sp_rank, sp, labels)
+    n_tokens = global_token_count(labels, world_group)
+    loss = model(input_ids, positions, labels) / n_tokens
+    loss.backward()
     loss = loss.detach()
     if world_group is not None:
         dist.all_reduce(loss, group=world_group)  # every rank's share of the mean, added up
     return loss
 
 
-# Applying it: every attention layer's core; the ranks as a (data, sequence) grid.
+# Applying it: every attention layer's core.
 
 def apply_ulysses(model, group) -> None:
     """Make every attention layer of `model` sequence-parallel over `group`: its own kernel (seam
@@ -192,15 +176,6 @@ def apply_ulysses(model, group) -> None:
     check_ulysses_shapes(args.n_heads, args.n_kv_heads, dist.get_world_size(group))
     for block in model.layers:
         block.self_attn.core = partial(ulysses_attention, group=group, kernel=block.self_attn.core)
-
-
-def data_sequence_mesh(device_type: str, sp: int):
-    """Ranks as a (dp, sp) grid; sequence-parallel groups are contiguous ranks (one node)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    check_data_sequence_layout(world, sp)
-    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
 
 
 # ---- below: checks, demo -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import plan
 from model import num_params
 from support import build, config, keep_attention, pretrained, progress, saved_state
 from support.config import Config, model_args, resolve_techniques  # noqa: F401 (tests, bench/)
-from support.data import Documents, TokenData
+from support.data import TokenData
 from support.errors import (StepOutOfMemory, exit_on_error, out_of_memory_names,
                             quiet_unless_first_rank)
 from support.host_memory import use_this_ranks_cores
@@ -119,11 +119,14 @@ def make_optimizer(model, cfg: Config):
 
 # One step.
 
-def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None,
-                     documents=None, micro_batches: int = 1) -> torch.Tensor:
+def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None, documents=None,
+                     micro_batches: int = 1, phase=out_of_memory_names) -> torch.Tensor:
     """Loss (global token mean, detached) after backward on this rank's part of `tokens`
-    (B, S + 1): 02's sharded step, with an out-of-memory error naming its phase. documents:
-    the packed documents of `tokens` (data.Documents), None for one document per row.
+    (B, S + 1): 02's step (`loss_and_backward`: shift, shard, divide by the global count) with
+    what a run adds to it. documents: the packed documents of `tokens` (data.Documents: their
+    labels and positions replace the plain ones, their global boundaries go to the model whole),
+    None for one document per row; with a ring, 06's token order; `phase(name)` around forward
+    and backward (an out-of-memory error names it).
 
     micro_batches > 1 (--grad-accum): the rows in that many micro-batches, one forward and
     backward each, whose gradients add up to the whole batch's: the labels of all of them (and
@@ -131,39 +134,32 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None,
     reduce-scatters each micro-batch's gradients as its backward goes, into the sharded ones:
     no unsharded gradient waits between micro-batches (deferring the reduction would keep a
     whole model's gradients per GPU through the next forward, the memory long sequences need)."""
-    world_group = dist.group.WORLD if rt.world > 1 else None
-    tokens = tokens.to(rt.device)
-    labels = None if labels is None else labels.to(rt.device)
-    order = rt.token_order(tokens.shape[1] - 1)  # 06's zigzag with a ring, else None
-    if micro_batches == 1:
-        return ulysses_sp.loss_and_backward(model, tokens, rt.sp_rank, rt.sp, world_group, labels,
-                                            phase=out_of_memory_names, documents=documents,
-                                            order=order)
     if tokens.shape[0] % micro_batches:
         raise ValueError(f"{tokens.shape[0]} rows do not split into {micro_batches} micro-batches")
-    every_label = documents.labels.to(rt.device) if documents is not None else labels
-    local_labels = ulysses_sp.shard_sequence(tokens, rt.sp_rank, rt.sp, every_label,
-                                             order=order)[1]
-    n_tokens = ulysses_sp.global_token_count(local_labels, world_group)
-    rows = tokens.shape[0] // micro_batches
-    loss = 0
-    for first in range(0, tokens.shape[0], rows):
-        part = slice(first, first + rows)
-        loss += ulysses_sp.loss_and_backward(
-            model, tokens[part], rt.sp_rank, rt.sp, world_group,
-            None if labels is None else labels[part], phase=out_of_memory_names,
-            documents=None if documents is None else rows_of(documents, part), n_tokens=n_tokens,
-            order=order)
+    tokens, positions = tokens.to(rt.device), None
+    if documents is not None:
+        if labels is not None:
+            raise ValueError("pass labels or documents (which carry their labels), not both")
+        labels, positions = documents.labels, documents.position_ids.to(rt.device)
+    order = rt.token_order(tokens.shape[1] - 1)  # 06's zigzag with a ring, else None
+    input_ids, labels, positions = ulysses_sp.shard_sequence(
+        tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device), positions,
+        order)
+    world_group = dist.group.WORLD if rt.world > 1 else None
+    n_tokens = ulysses_sp.global_token_count(labels, world_group)  # every micro-batch's
+    rows, loss = tokens.shape[0] // micro_batches, 0
+    for part in (slice(first, first + rows) for first in range(0, tokens.shape[0], rows)):
+        bounds = None if documents is None else documents.rows(part).cu_seqlens
+        with phase("forward"):
+            part_loss = model(input_ids[part], positions[part], labels[part],
+                              cu_seqlens=bounds) / n_tokens
+        with phase("backward"):
+            part_loss.backward()
+        part_loss = part_loss.detach()
+        if world_group is not None:
+            dist.all_reduce(part_loss, group=world_group)  # every rank's share, added up
+        loss += part_loss
     return loss
-
-
-def rows_of(documents: Documents, rows: slice) -> Documents:
-    """The packed documents of some rows of a batch: each row starts a document, so the
-    boundaries inside them, shifted to the first row, are theirs."""
-    seq_len = documents.labels.shape[1]
-    first, last = rows.start * seq_len, rows.stop * seq_len
-    return Documents(documents.labels[rows], documents.position_ids[rows],
-                     tuple(b - first for b in documents.cu_seqlens if first <= b <= last))
 
 
 def learning_rate(cfg: Config, step: int) -> float:

@@ -15,8 +15,8 @@ all-gather copies the local input into each chunk; all-to-all, reduce-scatter, a
 the ring's sends and receives leave their outputs as they were allocated). The process then runs
 rank r's own part of the N-rank step: the same shapes, allocations and kernels. The step is the
 project's own, unchanged: train.build_model and train.make_optimizer through bench.max_length's
-trial (the missing layers' model state as ballast, Adam's moments allocated), then 02's
-loss_and_backward and the optimizer step as train.train_step runs them, less its finite check
+trial (the missing layers' model state as ballast, Adam's moments allocated), then train.py's
+forward_backward and the optimizer step as train.train_step runs them, less its finite check
 (the values are garbage by design; the check is off in this script's step only). The allocator
 is capped at the rehearsed GPU's memory less what a real rank loses outside PyTorch
 (`torch.cuda.set_per_process_memory_fraction`), so a step that would not fit that GPU runs out
@@ -92,7 +92,6 @@ from bench.report import release, synchronize, write_result
 from base import checkpointed, kernels
 from support import byte_counts
 from support.data import parse_tokens
-from support.lessons import ulysses_sp
 from support.runtime import check_layout
 
 train = importlib.import_module("train")
@@ -400,7 +399,7 @@ class Traffic:
 
 
 # ---------------------------------------------------------------------------------------------
-# The step: train.train_step's, through 02's loss_and_backward, without the finite check.
+# The step: train.train_step's, through its forward_backward, without the finite check.
 # ---------------------------------------------------------------------------------------------
 
 def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic: Traffic,
@@ -422,9 +421,6 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
                              f"{kernel} here; --window 0 runs the full kernel")
     for group in optimizer.param_groups:
         group["lr"] = train.learning_rate(cfg, 0)
-    world_group = dist.group.WORLD if rt.world > 1 else None
-    tokens = tokens.to(rt.device)
-    order = rt.token_order(tokens.shape[1] - 1)
     late_gradients = []
 
     pending_reduce = []
@@ -442,8 +438,7 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
 
     with (layer_marks(model, trace, allocate_late_gradients, free_pending_reduce),
           windowed_attention(window), traffic.counting()):
-        ulysses_sp.loss_and_backward(model, tokens, rt.sp_rank, rt.sp, world_group,
-                                     phase=trace.phase, order=order)
+        train.forward_backward(model, tokens, rt, phase=trace.phase)
         free_pending_reduce()  # one block: its own post-backward, at the end of backward
         trace.mark("gradient clipping")
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")

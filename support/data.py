@@ -72,6 +72,14 @@ class Documents:
     def count(self) -> int:
         return len(self.cu_seqlens) - 1
 
+    def rows(self, rows: slice) -> "Documents":
+        """The packed documents of some rows of the batch (a micro-batch): each row starts a
+        document, so the boundaries inside them, shifted to the first row, are theirs."""
+        seq_len = self.labels.shape[1]
+        first, last = rows.start * seq_len, rows.stop * seq_len
+        return Documents(self.labels[rows], self.position_ids[rows],
+                         tuple(b - first for b in self.cu_seqlens if first <= b <= last))
+
 
 def documents_in_windows(windows: torch.Tensor, starts: torch.Tensor,
                          first_positions: torch.Tensor) -> Documents:

@@ -110,7 +110,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     args = model_args(cfg)
     rt.sp, rt.ring, _ = check_layout(cfg, rt.world, args)
     if dist.is_initialized():
-        mesh = ulysses_sp.data_sequence_mesh(cfg.device, rt.sp)
+        mesh = data_sequence_mesh(cfg.device, rt.sp)
         rt.dp_rank, rt.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         rt.sp_rank, rt.sp_group = mesh["sp"].get_local_rank(), mesh["sp"].get_group()
         rt.ulysses_group = rt.sp_group
@@ -122,6 +122,15 @@ def setup_runtime(cfg: Config) -> Runtime:
 
             rt.fsdp_mesh = init_device_mesh(cfg.device, (rt.world,))
     return rt
+
+
+def data_sequence_mesh(device_type: str, sp: int):
+    """Ranks as a (dp, sp) grid; sequence-parallel groups are contiguous ranks (one node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    ulysses_sp.check_data_sequence_layout(world, sp)
+    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
 
 
 def check_layout(cfg: Config, world_size: int, args) -> tuple:

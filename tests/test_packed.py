@@ -26,6 +26,7 @@ from support import data as data_module
 from base import kernels
 import model as llama
 from support.data import TokenData, documents_in_windows
+from support.runtime import Runtime
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
@@ -529,8 +530,8 @@ def test_a_document_computes_the_same_bits_wherever_it_lands():
 
 
 def test_the_sharded_step_hands_the_model_document_positions_and_boundaries():
-    """02's loss_and_backward: each rank gets its slice of the documents' labels and positions
-    and the whole batch's boundaries, unsharded."""
+    """train.py's forward_backward (02's step with documents): each rank gets its slice of the
+    documents' labels and positions and the whole batch's boundaries, unsharded."""
     tokens = torch.tensor([[5, 6, SEP, 7, SEP, 8, 9, 1, 2]])
     starts = torch.zeros_like(tokens, dtype=torch.bool)
     starts[0, [0, 3, 5]] = True
@@ -543,7 +544,7 @@ def test_the_sharded_step_hands_the_model_document_positions_and_boundaries():
         return weight * 0
 
     for rank in range(2):
-        ulysses.loss_and_backward(fake_model, tokens, rank, 2, documents=docs)
+        train.forward_backward(fake_model, tokens, Runtime(sp_rank=rank, sp=2), documents=docs)
     I = llama.IGNORE_INDEX
     assert seen == [([[0, 1, 2, 0]], [[6, SEP, I, SEP]], (0, 3, 5, 8)),
                     ([[1, 0, 1, 2]], [[I, 9, 1, 2]], (0, 3, 5, 8))]
