@@ -97,9 +97,9 @@ def build_model(cfg: Config, rt: Runtime):
 
     mesh = rt.fsdp_mesh if cfg.fsdp else None  # 01's apply_fsdp shards over it (support/build.py)
     if cfg.init_from:
-        return pretrained.build_from_hf(cfg.init_from, rt.device, mesh, dtype,
-                                        before_sharding=apply_techniques, args=args,
-                                        offload_model_state=cfg.offload_model_state)[0]
+        return build.build_from_hf(cfg.init_from, rt.device, mesh, dtype,
+                                   before_sharding=apply_techniques, args=args,
+                                   offload_model_state=cfg.offload_model_state)[0]
     # Draw weights whole on the CPU (identical to the unsharded model) while that is cheap;
     # the big presets draw each rank's shard on its device.
     exact = num_params(args) < 2e8

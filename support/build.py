@@ -3,8 +3,9 @@
 The model is created on the meta device (shapes, no memory), its attention is given the fast
 kernels (base/kernels.py: model.py alone runs plain SDPA), the techniques rewrite its seams,
 01's FSDP shards it, and only then does each rank allocate and initialize its own shard: an 8B
-model is never materialized whole. train.py builds this way; so do support/pretrained.py (whose
-weights then fill the shards from a Hugging Face folder) and 03's demo. What of this is about
+model is never materialized whole. train.py builds this way, and so does `build_from_hf`, whose
+weights then fill the shards from a Hugging Face folder (support/pretrained.py reads them and
+each rank loads only its slices). What of this is about
 distribution lives here, so that model.py knows nothing of it: allocating the shards, tying the
 embeddings again after that, and drawing each rank's rows of the initial weights.
 """
@@ -13,6 +14,7 @@ import torch
 
 import model
 from base import kernels
+from support import pretrained
 from support.lessons import sharding
 
 
@@ -44,6 +46,25 @@ def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float
     if mesh is None and compute_dtype != torch.float32:
         transformer.to(compute_dtype)  # single process, no FSDP: plain low-precision training
     return transformer
+
+
+def build_from_hf(path: str, device: torch.device, mesh=None, compute_dtype=torch.float32,
+                  before_sharding=None, args=None, use_dcp: bool = True,
+                  offload_model_state: bool = False):
+    """(model, args): the model of the Hugging Face folder `path` (train.py --init-from), built
+    as `build_model` builds (its techniques applied by `before_sharding`, sharded over `mesh`)
+    and filled from the files.
+
+    args: the ModelArgs to build (default: read from config.json); pass them to change what the
+    checkpoint does not fix (e.g. the rotary scaling to train with), shapes must match."""
+    args = args or pretrained.model_args_from_hf(path)
+    with torch.device("meta"):  # the checks before anything is allocated
+        pretrained.check_checkpoint(model.Transformer(args), path)
+    transformer = build_model(args, device, mesh, compute_dtype, exact_init=False,
+                              before_sharding=before_sharding,
+                              offload_model_state=offload_model_state)
+    pretrained.load_hf_weights(transformer, path, use_dcp=use_dcp)
+    return transformer, args
 
 
 def use_kernels(transformer) -> None:

@@ -21,6 +21,7 @@ is refused when the config is read, naming the field, before anything is allocat
     args = model_args_from_hf(path)                  # ModelArgs from config.json
     model = build_model(args, device, mesh, ...)     # support/build.py: sharded
     load_hf_weights(model, path)                     # each rank reads its slices
+                                                     # (the three: build.build_from_hf)
     ...train...
     export_hf(model, args, out_dir)                  # config.json + safetensors + index
 """
@@ -36,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from model import ROPE_SCALINGS, ModelArgs
-from support.build import build_model
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 INDEX_NAME = "model.safetensors.index.json"
@@ -563,26 +563,3 @@ def _swap_into_place(tmp: str, out_dir: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Build a model from a folder (train.py --init-from, tests)
-# ---------------------------------------------------------------------------------------------
-
-def build_from_hf(path: str, device: torch.device, mesh=None, compute_dtype=torch.float32,
-                  before_sharding=None, args: ModelArgs | None = None, use_dcp: bool = True,
-                  offload_model_state: bool = False):
-    """(model, args): the model of the Hugging Face folder `path`, its techniques applied
-    (`before_sharding`), sharded over `mesh` (support/build.py) and filled from the files.
-
-    args: the ModelArgs to build (default: read from config.json); pass them to change what the
-    checkpoint does not fix (e.g. the rotary scaling to train with), shapes must match."""
-    args = args or model_args_from_hf(path)
-    with torch.device("meta"):  # the checks before anything is allocated
-        from model import Transformer
-
-        check_checkpoint(Transformer(args), path)
-    model = build_model(args, device, mesh, compute_dtype, exact_init=False,
-                        before_sharding=before_sharding, offload_model_state=offload_model_state)
-    load_hf_weights(model, path, use_dcp=use_dcp)
-    return model, args

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import model as llama
-from support import pretrained
+from support import build, pretrained
 from ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +95,7 @@ def our_name(hf_name):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_loss_and_gradients_equal_transformers(tmp_path, case):
     hf = make_hf_model(tmp_path, case)
-    model, args = pretrained.build_from_hf(str(tmp_path), CPU)
+    model, args = build.build_from_hf(str(tmp_path), CPU)
     assert args.tie_word_embeddings == CASES[case][2]
     assert args.qk_norm == (CASES[case][0] == "qwen3")
     if args.tie_word_embeddings:
@@ -163,7 +163,7 @@ def adamw_steps(model, steps=3):
 @pytest.mark.parametrize("case", ["llama-yarn", "qwen3-tied-yarn", "llama-tied", "qwen3-qknorm"])
 def test_export_round_trip(tmp_path, case):
     make_hf_model(tmp_path / "in", case)
-    model, args = pretrained.build_from_hf(str(tmp_path / "in"), CPU)
+    model, args = build.build_from_hf(str(tmp_path / "in"), CPU)
     adamw_steps(model)
     out = tmp_path / "out"
     # several shards, so the index is exercised
@@ -186,14 +186,14 @@ def test_export_round_trip(tmp_path, case):
         assert type(hf).__name__ == ("Qwen3ForCausalLM" if args.qk_norm else "LlamaForCausalLM")
         assert hf.config.tie_word_embeddings == args.tie_word_embeddings
         assert rel_err(hf(ids).logits, want) < 1e-5
-        again, again_args = pretrained.build_from_hf(str(out), CPU)
+        again, again_args = build.build_from_hf(str(out), CPU)
         assert again_args == args
         assert torch.equal(again(ids, pos), want)
 
 
 def test_export_bf16_and_load_into_fp32(tmp_path):
     make_hf_model(tmp_path / "in", "llama-llama3")
-    model, args = pretrained.build_from_hf(str(tmp_path / "in"), CPU)
+    model, args = build.build_from_hf(str(tmp_path / "in"), CPU)
     pretrained.export_hf(model, args, str(tmp_path / "out"))  # bf16, one shard
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["torch_dtype"] == config["dtype"] == "bfloat16"
@@ -201,7 +201,7 @@ def test_export_bf16_and_load_into_fp32(tmp_path):
 
     with safe_open(str(tmp_path / "out" / "model-00001-of-00001.safetensors"), "pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
-    again, _ = pretrained.build_from_hf(str(tmp_path / "out"), CPU)
+    again, _ = build.build_from_hf(str(tmp_path / "out"), CPU)
     assert again.norm.weight.dtype == torch.float32
     torch.testing.assert_close(again.norm.weight, model.norm.weight.bfloat16().float())
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
@@ -211,7 +211,7 @@ def test_export_bf16_and_load_into_fp32(tmp_path):
 def test_export_refuses_a_non_empty_folder_and_a_failure_keeps_the_previous(tmp_path,
                                                                                monkeypatch):
     make_hf_model(tmp_path / "in", "llama-tied")
-    model, args = pretrained.build_from_hf(str(tmp_path / "in"), CPU)
+    model, args = build.build_from_hf(str(tmp_path / "in"), CPU)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -294,7 +294,7 @@ def snapshot(model):
                                      "missing tensor", "unexpected tensor", "shape mismatch"])
 def test_bad_checkpoints_are_refused_before_loading(tmp_path, problem):
     make_hf_model(tmp_path, "llama-llama3")
-    model, args = pretrained.build_from_hf(str(tmp_path), CPU)
+    model, args = build.build_from_hf(str(tmp_path), CPU)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -328,7 +328,7 @@ def test_bad_checkpoints_are_refused_before_loading(tmp_path, problem):
     assert all(torch.equal(after[n], before[n]) for n in before)  # nothing was loaded
     if problem != "no config":
         with pytest.raises(ValueError, match=match):
-            pretrained.build_from_hf(str(tmp_path), CPU)
+            build.build_from_hf(str(tmp_path), CPU)
 
 
 def test_tied_checkpoint_with_an_lm_head_copy_loads(tmp_path):
@@ -336,7 +336,7 @@ def test_tied_checkpoint_with_an_lm_head_copy_loads(tmp_path):
     make_hf_model(tmp_path, "llama-tied")
     rewrite_weights(tmp_path, lambda t: t.update(
         {"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
-    model, _ = pretrained.build_from_hf(str(tmp_path), CPU)
+    model, _ = build.build_from_hf(str(tmp_path), CPU)
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
@@ -400,7 +400,7 @@ def _sharded_load_matches_single_process(path, use_dcp, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     ids, pos, _, labels = batch(rows=6)
-    reference, args = pretrained.build_from_hf(path, CPU)  # no mesh: one process's model
+    reference, args = build.build_from_hf(path, CPU)  # no mesh: one process's model
     ref_loss = reference(ids, pos, labels)
     ref_loss.backward()
     total = sum(p.numel() * 4 for p in reference.parameters())
@@ -408,7 +408,7 @@ def _sharded_load_matches_single_process(path, use_dcp, world_size):
     safetensors.safe_open = ByteCounter(safetensors.safe_open)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     ByteCounter.bytes_read = 0
-    model, _ = pretrained.build_from_hf(path, CPU, mesh, use_dcp=use_dcp)
+    model, _ = build.build_from_hf(path, CPU, mesh, use_dcp=use_dcp)
     mine = ByteCounter.bytes_read
     if args.tie_word_embeddings:
         assert model.lm_head.weight is model.embed_tokens.weight
@@ -458,7 +458,7 @@ def _sharded_export_equals_single_process(path, out, want):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model, args = pretrained.build_from_hf(path, CPU, mesh)
+    model, args = build.build_from_hf(path, CPU, mesh)
     pretrained.export_hf(model, args, out, dtype=torch.float32)
     dist.barrier()
     got = {}
@@ -547,7 +547,7 @@ def test_export_that_can_never_be_written_is_refused_before_training(tmp_path, w
 
 def test_export_has_the_umask_permissions(tmp_path):
     make_hf_model(tmp_path / "in", "llama-tied")
-    model, args = pretrained.build_from_hf(str(tmp_path / "in"), CPU)
+    model, args = build.build_from_hf(str(tmp_path / "in"), CPU)
     old = os.umask(0o022)
     try:
         pretrained.export_hf(model, args, str(tmp_path / "out"))
