@@ -81,6 +81,7 @@ from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
 from support.lessons import tiling, ulysses_sp
 from support.runtime import read_machine, setup_runtime
+from support.errors import exit_on_error, out_of_memory_names
 
 
 FILLER_TEXT = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -144,7 +145,7 @@ def token_scores(model, tokens: torch.Tensor, rt, labels=None, documents=None):
     input_ids, labels, positions = ulysses_sp.shard_sequence(
         tokens, rt.sp_rank, rt.sp, None if labels is None else labels.to(rt.device), positions,
         rt.token_order(tokens.shape[1] - 1))
-    with train.out_of_memory_names("forward"):
+    with out_of_memory_names("forward"):
         scores = model(input_ids, positions, labels, per_token=True, cu_seqlens=cu_seqlens)
     return scores.float(), labels, positions
 
@@ -551,7 +552,7 @@ def summary(result: dict) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    train.exit_on_error(lambda: evaluate(argv))
+    exit_on_error(lambda: evaluate(argv))
 
 
 def evaluate(argv):

@@ -47,7 +47,7 @@ from support import byte_counts, config, step_time
 from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
                             resolve_techniques, techniques_text)
 from support.lessons import tiling, untied_sp
-from support.runtime import Machine, Runtime, check_layout
+from support.runtime import Machine, check_layout
 
 GiB = 2**30
 # What a GPU cannot hand to tensors: the CUDA context, NCCL and cuBLAS workspaces, the
@@ -1215,47 +1215,19 @@ def plan_auto_table(cfg: Config, machine: Machine) -> str:
                     f"{flags_text(candidate.cfg)}")
     return "\n".join(rows + ["a GPU run takes #1 and says, in its first lines:"]
                      + ["  " + line for line in choice.lines])
-# ---------------------------------------------------------------------------------------------
-# A step that did not fit: what to turn on next (train.py adds this to its out-of-memory error).
-# ---------------------------------------------------------------------------------------------
-
-def next_memory_technique(cfg: Config, sp: int) -> str:
-    """What to turn on next when a step does not fit, in the order of the files."""
-    if not cfg.fsdp:
-        return "--fsdp (01: shard the model state)"
-    if not (cfg.ulysses or cfg.untied):
-        return "--ulysses (02: split the sequence over the GPUs)"
-    if not cfg.checkpoint:
-        return "--checkpoint (03: keep only each block's input for backward)"
-    n_layers = model_args(cfg).n_layers
-    if (cfg.checkpoint_layers or n_layers) < n_layers:
-        return (f"a larger --checkpoint-layers (03: up to all {n_layers} blocks; python plan.py "
-                f"with the same flags names the fewest that fit)")
-    if not cfg.offload:
-        return "--offload (03: move those inputs to CPU memory)"
-    if not (cfg.tile_mlp and cfg.tile_loss):  # not --tile-norm: the fused CUDA norm needs none
-        return "--tile-mlp --tile-loss (04: no sequence-wide MLP or logits buffers)"
-    if not cfg.untied:
-        return "--untied (05: one head chunk of Q/K/V resident at a time)"
-    if cfg.head_chunk and cfg.head_chunk > sp:
-        return f"a smaller --head-chunk (down to {sp})"
-    if not cfg.offload_model_state:
-        return "--offload-model-state (01: parameters, gradients and Adam in host memory)"
-    return "fewer tokens per GPU: a shorter --seq-len or more GPUs"
-
-
-def out_of_memory_report(error: Exception, cfg: Config, rt: Runtime) -> str:
-    summary = ""
-    if torch.cuda.is_available():
-        summary = (f"\npeak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
-                   f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB; "
-                   f"allocator summary:\n{torch.cuda.memory_summary(rt.device, abbreviated=True)}")
-    return f"{error}{summary}\nnext: try {next_memory_technique(cfg, rt.ulysses)}"
-
-
 # The flags shared with train.py that the plan reads.
 FLAG_GROUPS = (config.add_model_flags, config.add_step_flags, config.add_accumulation_flags,
                config.add_document_flags, config.add_technique_flags)
+
+
+def planner_argv(argv: list) -> list:
+    """`python train.py --plan ...`: argv without --plan and the flags that only training reads
+    (--lr, --save-dir, ...); at training's --seq-len unless it gives one (plan.py's own default
+    is max)."""
+    training_only = [group for group in config.FLAG_GROUPS if group not in FLAG_GROUPS]
+    parser = config.flags_parser(training_only, add_help=False, allow_abbrev=False)
+    return ["--seq-len", str(config.DEFAULTS.seq_len)] + [
+        arg for arg in parser.parse_known_args(argv)[1] if arg != "--plan"]
 
 
 def host_memory_line(host_mem_flag: str | None, host_mem: int, gpus_sharing: int) -> str:

@@ -4,18 +4,20 @@
     torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M   # --stack auto on GPUs
     python train.py --plan --model llama3-8b --seq-len 3M --stack 5   # its memory plan (plan.py)
 
-The recipe, top-down: the flags make a Config (support/config.py), the Config a runtime of
-data-parallel x sequence-parallel ranks (support/runtime.py), the runtime a model with the
-techniques applied, then steps in a loop. `--stack N` turns on the techniques of files 1..N
-(0 = plain training; at 5, 05 takes 02's place; 06's ring and 04's norm tiles have their own
-flags), `--stack auto` the planner's fastest that fits (a GPU run's default); each technique
-also has its own switch. They are applied in this order, on the meta device, before any weight:
-  attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
-  -> tiling (04) -> checkpointing/offload (03) -> FSDP (01: each block, then the root)
+The recipe, top-down: the flags make a Config (support/config.py), on GPUs the planner fills
+what they leave open (plan.py), the Config makes a runtime of data-parallel x sequence-parallel
+ranks (support/runtime.py), the runtime a model with the techniques applied, then steps in a
+loop. `--stack N` turns on the techniques of files 1..N (0 = plain training; at 5, 05 takes 02's
+place; 06's ring and 04's norm tiles have their own flags), `--stack auto` the planner's fastest
+that fits (a GPU run's default); each technique also has its own switch. They are applied in
+this order, on the meta device, before any weight:
+  --keep-attention's kernel (support/keep_attention.py, a speed setting of 03)
+  -> attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
+  -> tiling (04) -> checkpointing/offload (03)
+  -> FSDP (01: each block, then the root; --offload-model-state keeps the shards on the host)
 which is the order torchtitan uses (checkpoint inside, FSDP outside).
 """
 
-import json
 import math
 import sys
 import time
@@ -25,16 +27,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import plan
 from model import num_params
-from support import build, config, keep_attention, pretrained, progress, saved_state
-from support.config import Config, model_args, resolve_techniques  # noqa: F401 (tests, bench/)
+from support import build, config, errors, keep_attention, progress, saved_state
+from support.config import Config, learning_rate, model_args
 from support.data import TokenData
-from support.errors import (StepOutOfMemory, exit_on_error, out_of_memory_names,
-                            quiet_unless_first_rank)
+from support.errors import exit_on_error, out_of_memory_names
 from support.host_memory import use_this_ranks_cores
 from support.lessons import checkpointing, ring_sp, tiling, ulysses_sp, untied_sp
-from support.progress import attention_kernel  # noqa: F401 (tests, bench/)
 from support.runtime import Runtime, read_machine, setup_runtime
 
 
@@ -47,11 +46,16 @@ class Run:
 
 def train(cfg: Config) -> Run:
     """The recipe: the plan's choices, the runtime, the model, the loop."""
-    # On GPUs one call makes every choice the flags leave open (--stack auto's techniques, 05's
-    # U, 03's --keep-attention and checkpointed blocks, 04's MLP tile) and checks host memory,
-    # before anything is claimed: --overwrite deletes an earlier run's outputs, a refused one not.
-    choice = plan.plan_run(cfg, read_machine(cfg))  # a CPU run plans nothing
-    cfg = replace(cfg, **choice.settings)
+    # On GPUs the planner makes every choice the flags leave open (--stack auto's techniques,
+    # 05's U, 03's --keep-attention and checkpointed blocks, 04's MLP tile) and checks host
+    # memory, before anything is claimed (--overwrite deletes an earlier run's outputs, a
+    # refused one not). The CPU plans nothing (--stack auto there: the planner says why not).
+    machine, plan_lines = read_machine(cfg), []  # the GPUs and host memory; None on the CPU
+    if machine is not None or cfg.stack == config.AUTO:
+        import plan  # only where a run plans
+
+        choice = plan.plan_run(cfg, machine)
+        cfg, plan_lines = replace(cfg, **choice.settings), choice.lines
     rt = setup_runtime(cfg)
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
@@ -59,14 +63,14 @@ def train(cfg: Config) -> Run:
     # data position stays the step: resuming needs no state.
     data = TokenData(replace(cfg, batch_size=cfg.batch_size * cfg.grad_accum), args.vocab_size,
                      rt.dp_rank, rt.dp, eos_id=args.eos_id)
-    with saved_state.claim_outputs(cfg, rt) as log_file, saved_state.stop_signals(rt.rank) as stop:
+    with saved_state.run_outputs(cfg, rt) as outputs:  # the log, saved states, a stop, the export
         if rt.rank == 0:  # what the plan chose; 06's and 05's layout
-            for line in choice.lines + progress.layout_lines(cfg, rt, args.n_heads):
+            for line in plan_lines + progress.layout_lines(cfg, rt, args.n_heads):
                 print(line)
         model = build_model(cfg, rt)
         optimizer = make_optimizer(model, cfg)
         first_step = saved_state.load_state(cfg, rt, model, optimizer) if cfg.resume else 0
-        return train_loop(cfg, rt, model, optimizer, data, first_step, log_file, stop)
+        return train_loop(cfg, rt, model, optimizer, data, first_step, outputs)
 
 
 # The model: the techniques in their composition order, then FSDP; and its optimizer.
@@ -122,18 +126,14 @@ def make_optimizer(model, cfg: Config):
 def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None, documents=None,
                      micro_batches: int = 1, phase=out_of_memory_names) -> torch.Tensor:
     """Loss (global token mean, detached) after backward on this rank's part of `tokens`
-    (B, S + 1): 02's step (`loss_and_backward`: shift, shard, divide by the global count) with
-    what a run adds to it. documents: the packed documents of `tokens` (data.Documents: their
-    labels and positions replace the plain ones, their global boundaries go to the model whole),
-    None for one document per row; with a ring, 06's token order; `phase(name)` around forward
-    and backward (an out-of-memory error names it).
+    (B, S + 1): 02's loss_and_backward (shift, shard, divide by the global count) with packed
+    `documents` (data.Documents: their labels and positions; their global boundaries go to the
+    model whole), 06's token order, and `phase(name)` naming an out-of-memory error's phase.
 
     micro_batches > 1 (--grad-accum): the rows in that many micro-batches, one forward and
-    backward each, whose gradients add up to the whole batch's: the labels of all of them (and
-    of every rank) are counted first, and each divides its summed loss by that one count. FSDP
-    reduce-scatters each micro-batch's gradients as its backward goes, into the sharded ones:
-    no unsharded gradient waits between micro-batches (deferring the reduction would keep a
-    whole model's gradients per GPU through the next forward, the memory long sequences need)."""
+    backward each, each dividing by the count of all of them: their gradients add up to the
+    whole batch's. FSDP reduce-scatters each micro-batch's gradients as its backward goes: no
+    unsharded gradient waits for the next forward (the memory long sequences need)."""
     if tokens.shape[0] % micro_batches:
         raise ValueError(f"{tokens.shape[0]} rows do not split into {micro_batches} micro-batches")
     tokens, positions = tokens.to(rt.device), None
@@ -162,22 +162,6 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None, docu
     return loss
 
 
-def learning_rate(cfg: Config, step: int) -> float:
-    """The learning rate of `step`: a linear warmup to --lr over --warmup-steps, then
-    --lr-schedule: constant, or a cosine or linear decay from --lr that reaches --min-lr at
-    --steps. A function of the step alone, so resuming needs no state."""
-    peak = cfg.lr if cfg.lr is not None else config.default_lr(cfg)  # a Config made in code
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return peak * ((step + 1) / cfg.warmup_steps)
-    if cfg.lr_schedule == "constant":
-        return peak
-    low = cfg.min_lr if cfg.min_lr is not None else config.MIN_LR_FRACTION * peak
-    fraction = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    shape = (0.5 * (1 + math.cos(math.pi * fraction)) if cfg.lr_schedule == "cosine"
-             else 1 - fraction)
-    return low + (peak - low) * shape
-
-
 def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0,
                documents=None) -> dict:
     """One optimizer step on `tokens`: cfg.grad_accum micro-batches of its rows. A non-finite
@@ -200,26 +184,20 @@ def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, 
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 
 
-# The loop: steps, the log, saved state, a stop by signal, the export.
+# The loop: steps and what they leave (support/saved_state.py: the log, saves, a stop, the export).
 
 def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, first_step: int,
-               log_file, stop: dict) -> Run:
+               outputs: saved_state.Outputs) -> Run:
     args, is_main = model_args(cfg), rt.rank == 0
     header = progress.run_header(cfg, rt, args, first_step)
     if is_main:
         print(progress.opening_text(cfg, rt, header, data))
-    if log_file:
-        log_file.write(json.dumps(header) + "\n")
-    history, last_saved, run_start = [], None, time.perf_counter()
+    outputs.log(header)
+    history, run_start = [], time.perf_counter()
     tokens_per_gpu = cfg.batch_size * cfg.grad_accum * cfg.seq_len * rt.dp / rt.world
     # Bars only on a terminal: written into a log file they would garble the step lines.
     show_bar = progress.on_a_terminal(is_main)
     per = "gpu" if rt.device.type == "cuda" else "rank"
-
-    def summary():
-        return progress.summary_line(history, tokens_per_gpu, time.perf_counter() - run_start,
-                                     per, last_saved, saved_state.resume_command(sys.argv))
-
     with progress.layer_bars(model, cfg.grad_accum, show_bar) as start_bar:
         for step in tqdm(range(first_step, cfg.steps), disable=not show_bar, desc="train",
                          leave=False):
@@ -230,11 +208,9 @@ def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, firs
                 torch.cuda.synchronize()
             start_bar(step)
             start = time.perf_counter()
-            try:
+            with errors.what_to_try_next(cfg, rt):  # an out-of-memory step says it
                 metrics = train_step(model, optimizer, tokens, rt, cfg, step=step,
                                      documents=documents)
-            except StepOutOfMemory as error:  # with what to turn on next
-                raise StepOutOfMemory(plan.out_of_memory_report(error, cfg, rt)) from error
             if rt.device.type == "cuda":
                 torch.cuda.synchronize()
             record = progress.step_record(step, metrics, time.perf_counter() - start,
@@ -242,53 +218,25 @@ def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, firs
             history.append(record)
             if is_main:
                 tqdm.write(progress.step_text(record, per))
-                if log_file:
-                    log_file.write(json.dumps(record) + "\n")
-                    log_file.flush()
-            stopping = saved_state.any_rank("signal" in stop, rt)  # all stop after one step
-            done = step + 1
-            if cfg.save_dir and (stopping or done == cfg.steps
-                                 or (cfg.save_every and done % cfg.save_every == 0)):
-                path = last_saved = saved_state.save_state(cfg, rt, model, optimizer, done)
-                if is_main:
-                    tqdm.write(f"saved {path}")
-            if stopping:
-                signal = stop.get("signal", "a signal to another rank")
-                why = f"stopped by {signal} after step {step}"
-                if not cfg.save_dir:  # nothing to continue from: not a success
-                    raise saved_state.StopRequested(f"{why}: no checkpoint written (no --save-dir)")
-                if is_main:
-                    print(f"{why}: checkpoint {path}; resume with:\n  "
-                          f"{saved_state.resume_command(sys.argv)}", flush=True)
-                    print(summary(), flush=True)
-                return Run(history, model, optimizer)  # no export: the run is not finished
-    if cfg.export_hf:  # every rank: the export gathers each tensor from its shards
-        # fp32 runs export fp32 (exact); GPU runs bf16, as published checkpoints are.
-        pretrained.export_hf(model, args, cfg.export_hf, overwrite=cfg.overwrite_export,
-                             dtype=getattr(torch, cfg.dtype), source_dir=cfg.init_from,
-                             data_path=None if cfg.data == "synthetic" else cfg.data,
-                             max_position_embeddings=max(cfg.seq_len, args.rope_original_context))
-        if is_main:
-            print(f"exported {cfg.export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")
+            outputs.log(record)
+            if outputs.after_step(model, optimizer, step):  # saves when due; True: a signal
+                break  # stopped the run (every rank after the same step)
+    outputs.finish(model, args)  # --export-hf, unless stopped: the run is not finished then
     if is_main:
-        print(summary(), flush=True)
+        print(progress.summary_line(history, tokens_per_gpu, time.perf_counter() - run_start,
+                                    per, outputs.last_saved, saved_state.resume_command(sys.argv)),
+              flush=True)
     return Run(history, model, optimizer)
 
 
 # The command line: training's flags, or --plan's.
 
-FLAG_GROUPS = (config.add_model_flags, config.add_rotary_flags, config.add_step_flags,
-               config.add_accumulation_flags, config.add_process_flags, config.add_data_flags,
-               config.add_document_flags, config.add_technique_flags, config.add_training_flags,
-               config.add_saved_state_flags, config.add_export_flags)
-
-
 def parse_args(argv=None) -> Config:
     parser = config.flags_parser(
-        FLAG_GROUPS, description="Train a Llama on long sequences with 01..06.",
+        config.FLAG_GROUPS, description="Train a Llama on long sequences with 01..06.",
         epilog="the memory a run needs, without a GPU: python train.py --plan <these flags>, "
                "or python plan.py --help")
-    with quiet_unless_first_rank():  # argparse's own errors and --help: once under torchrun
+    with errors.quiet_unless_first_rank():  # argparse's own errors and --help: once (torchrun)
         flags, unknown = parser.parse_known_args(argv)
         if unknown:  # the planner's --gpus, say
             parser.error(f"unrecognized arguments: {' '.join(unknown)} (the memory planner's flags "
@@ -299,17 +247,10 @@ def parse_args(argv=None) -> Config:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--plan" in argv:  # this run's memory plan: plan.py, given the flags it reads
-        return plan.main(planner_argv(argv))
+        import plan
+
+        return plan.main(plan.planner_argv(argv))
     exit_on_error(lambda: train(parse_args(argv)))
-
-
-def planner_argv(argv: list) -> list:
-    """argv without --plan and the flags that only training reads (--lr, --save-dir, ...); at
-    training's --seq-len unless it gives one (plan.py's own default is max)."""
-    training_only = [group for group in FLAG_GROUPS if group not in plan.FLAG_GROUPS]
-    parser = config.flags_parser(training_only, add_help=False, allow_abbrev=False)
-    return ["--seq-len", str(config.DEFAULTS.seq_len)] + [
-        arg for arg in parser.parse_known_args(argv)[1] if arg != "--plan"]
 
 
 if __name__ == "__main__":

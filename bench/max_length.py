@@ -59,6 +59,8 @@ from bench.step import with_layers
 from bench.throughput import method_config
 from support.data import parse_tokens
 from support.progress import attention_kernel
+from support.runtime import setup_runtime
+from support.config import Config, resolve_techniques
 
 train = importlib.import_module("train")
 evaluate = importlib.import_module("eval")
@@ -101,7 +103,7 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
     cfg = method_config(base, method, with_layers(base.model, layers), seq_len)
     if forward_only:
         cfg = evaluate.eval_config(cfg)
-    rt = train.setup_runtime(cfg)
+    rt = setup_runtime(cfg)
     if cfg.untied and cfg.head_chunk is None:
         cfg.head_chunk = rt.sp  # U = P, the least memory: what this search is about
     row = {"method": method, "seq_len": seq_len, "head_chunk": cfg.head_chunk}
@@ -141,7 +143,7 @@ def trial(base, method: str, seq_len: int, layers: int, forward_only: bool = Fal
                     "host_ballast_gib" if on_host else "ballast_gib": ballast_gib})
         if rt.device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / GiB
-    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
+    except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         row.update(status="OOM", error=str(error).split("\n")[0])
     # Full depth would keep n_layers - 1 block inputs in pinned host memory per GPU (training).
     host = (0 if forward_only else
@@ -226,11 +228,11 @@ def main():
                        "--first-length 1K --granularity 256 --max-trials 2")
     started = time.perf_counter()
     parse = parse_tokens
-    base = train.Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,
-                        offload=True, tile_mlp=True, tile_loss=True,
-                        offload_model_state=opts.offload_model_state,
-                        dtype="bfloat16" if opts.device == "cuda" else "float32")
-    rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
+    base = Config(model=opts.model, device=opts.device, steps=1, fsdp=True, checkpoint=True,
+                  offload=True, tile_mlp=True, tile_loss=True,
+                  offload_model_state=opts.offload_model_state,
+                  dtype="bfloat16" if opts.device == "cuda" else "float32")
+    rt = setup_runtime(resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     gpu_bytes = (torch.cuda.get_device_properties(rt.device).total_memory
                  if opts.device == "cuda" else 0)
 
@@ -251,7 +253,7 @@ def main():
     for method in opts.methods:  # the kernel each method's ranks run, for the record
         cfg = method_config(base, method, opts.model, 1024)
         result["attention_kernel"][method] = attention_kernel(
-            cfg, train.setup_runtime(cfg), get_model_args(opts.model))
+            cfg, setup_runtime(cfg), get_model_args(opts.model))
     name = (f"max_length_{opts.model}_{rt.world}gpu"
             + ("_offload_model_state" if opts.offload_model_state else "")
             + ("_eval" if opts.forward_only else "")

@@ -93,6 +93,8 @@ from base import checkpointed, kernels
 from support import byte_counts
 from support.data import parse_tokens
 from support.runtime import check_layout
+from support.errors import out_of_memory_names
+from support.config import Config, learning_rate, model_args
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -262,7 +264,7 @@ class PeakTrace:
         """02's `phase`: a moment, and train.py's out-of-memory error naming it."""
         self.mark({"forward": "forward: embedding",
                    "backward": "backward: loss and head"}.get(name, name))
-        with train.out_of_memory_names(name):
+        with out_of_memory_names(name):
             yield
 
     def summary(self) -> dict:
@@ -420,7 +422,7 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
             raise ValueError(f"--window {window} cuts FlashAttention-4's work, but attention runs "
                              f"{kernel} here; --window 0 runs the full kernel")
     for group in optimizer.param_groups:
-        group["lr"] = train.learning_rate(cfg, 0)
+        group["lr"] = learning_rate(cfg, 0)
     late_gradients = []
 
     pending_reduce = []
@@ -444,7 +446,7 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         trace.mark("optimizer step")
-        with train.out_of_memory_names("optimizer step"):
+        with out_of_memory_names("optimizer step"):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         late_gradients.clear()  # as zero_grad frees the gradients of full depth
@@ -468,7 +470,7 @@ def train_args(opts, seq_len: int, head_chunk: int | None) -> list:
     return flags
 
 
-def full_config(opts, seq_len: int, head_chunk: int | None = None) -> train.Config:
+def full_config(opts, seq_len: int, head_chunk: int | None = None) -> Config:
     """The full-depth Config the planner reads (train.parse_args of `train_args`)."""
     dtype = "bfloat16" if opts.device == "cuda" else "float32"
     return train.parse_args(train_args(opts, seq_len, head_chunk)
@@ -485,10 +487,10 @@ def choose_head_chunk(opts, seq_len: int) -> int | None:
         return opts.head_chunk
     if opts.device == "cuda":
         return planner.fewest_stages_that_fit(cfg, opts.gpus, opts.gpu_mem_bytes)
-    return check_layout(cfg, opts.gpus, train.model_args(cfg))[2]
+    return check_layout(cfg, opts.gpus, model_args(cfg))[2]
 
 
-def base_config(opts) -> train.Config:
+def base_config(opts) -> Config:
     """bench.max_length's base Config for `trial`: the techniques of --stack, one step; the
     seam (02 or 05) comes from the method string (`method_of`)."""
     cfg = full_config(opts, 1024 * opts.gpus * 2)

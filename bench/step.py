@@ -26,7 +26,7 @@ import torch
 
 import plan as planner
 from base import kernels
-from support.runtime import read_machine
+from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import snapshot
 from bench.report import end_distributed, profile, refuse_without_gpu, write_result
@@ -65,7 +65,7 @@ def main():
     cfg.model = with_layers(cfg.model, opts.layers)
     # train.py's choices for these flags (the planner's, on this GPU), before the runtime
     cfg = dataclasses.replace(cfg, **planner.plan_run(cfg, read_machine(cfg)).settings)
-    rt = train.setup_runtime(cfg)
+    rt = setup_runtime(cfg)
     if opts.snapshot or opts.snapshot_file:
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
@@ -105,7 +105,7 @@ def main():
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
                       losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
-    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
+    except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
     if opts.profile and result.get("status") == "ok":
         def one_step():

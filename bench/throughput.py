@@ -75,7 +75,8 @@ from bench.report import (default_out_dir, end_distributed, refuse_without_gpu, 
                           synchronize, within_budget, write_result)
 from bench.step import with_layers
 from support.data import parse_tokens
-from support.runtime import read_machine
+from support.runtime import read_machine, setup_runtime
+from support.config import Config, resolve_techniques
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -108,7 +109,7 @@ def parse_method(method: str) -> tuple:
     return name, int(chunk) if chunk else None, kernel or "auto"
 
 
-def method_config(base: train.Config, method: str, model_name: str, seq_len: int) -> train.Config:
+def method_config(base: Config, method: str, model_name: str, seq_len: int) -> Config:
     name, chunk, kernel = parse_method(method)
     ring = RING.search(method)
     cfg = dataclasses.replace(base, model=model_name, seq_len=seq_len, attn_kernel=kernel,
@@ -116,10 +117,10 @@ def method_config(base: train.Config, method: str, model_name: str, seq_len: int
                               ring=int(ring.group(1)) if ring else base.ring,
                               **{field: getattr(base, field) or suffix in method
                                  for suffix, field in SUFFIXES.items()})
-    return train.resolve_techniques(cfg)
+    return resolve_techniques(cfg)
 
 
-def warm_pinned_cache(cfg: train.Config, rt) -> None:
+def warm_pinned_cache(cfg: Config, rt) -> None:
     """Allocate and free the pinned buffers this row's offload will ask for (the offloader's
     HostBuffer, the same pieces), so PyTorch's host cache holds them and no row's timed step
     pays for pinning memory (~1 s for 4 GiB)."""
@@ -135,10 +136,10 @@ def warm_pinned_cache(cfg: train.Config, rt) -> None:
     del buffers
 
 
-def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dict:
+def time_steps(method: str, cfg: Config, steps: int, ring_gqa: str) -> dict:
     """Build the model for `cfg` and time `steps` optimizer steps: the median of those after
     the first counts."""
-    rt = train.setup_runtime(cfg)
+    rt = setup_runtime(cfg)
     vocab = get_model_args(cfg.model).vocab_size
     # Ring and sequence parallelism: one sequence shared by all ranks; none: one per rank.
     seed = rt.rank if method == "none" else 0
@@ -171,7 +172,7 @@ def time_steps(method: str, cfg: train.Config, steps: int, ring_gqa: str) -> dic
         row = {"status": "ok", "step_times_s": times,
                "step_time_s": statistics.median(times[1:] or times),
                "peak_gib": peaks[-1] if peaks else None, "loss": float(loss)}
-    except torch.OutOfMemoryError as error:  # train.StepOutOfMemory is one
+    except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         row = {"status": "OOM", "error": str(error).split("\n")[0]}
     model = optimizer = None  # frees them; step_fn's closure shares these names, so no `del`
     release(rt.device)
@@ -250,7 +251,7 @@ def stop_if_faster_than_bound(table: list[dict], device) -> None:
                                                  else "rank 0 found a step faster than its bound"))
 
 
-def matmul_term(cfg: train.Config, method: str, seq_len: int, world: int, device, dtype,
+def matmul_term(cfg: Config, method: str, seq_len: int, world: int, device, dtype,
                 measured: dict) -> dict:
     """The bound's GEMM term of one GPU of a row at full depth (cfg: the full-depth config)."""
     args = get_model_args(cfg.model)
@@ -359,10 +360,10 @@ def main():
                        "--methods none ulysses untied")
     started = time.perf_counter()
     args = get_model_args(opts.model)
-    base = train.Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
-                        offload=True, tile_mlp=True, tile_loss=True,
-                        dtype="bfloat16" if opts.device == "cuda" else "float32")
-    rt = train.setup_runtime(train.resolve_techniques(dataclasses.replace(base, seq_len=1024)))
+    base = Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
+                  offload=True, tile_mlp=True, tile_loss=True,
+                  dtype="bfloat16" if opts.device == "cuda" else "float32")
+    rt = setup_runtime(resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     dtype = getattr(torch, base.dtype)
     methods = [m for m in opts.methods  # the ring peer is CUDA only
                if not (parse_method(m)[0] == "ring" and opts.device == "cpu")]
@@ -404,7 +405,7 @@ def main():
 
 
 def measure_bound(result: dict, rt, dtype, repeats: int, method: str, seq_len: int,
-                  full_depth: train.Config) -> None:
+                  full_depth: Config) -> None:
     """The bound's two terms for a row (on a GPU): the attention kernel's rate at this length
     (once per length and kernel) and the full-depth step's GEMMs (once per method and length)."""
     if rt.device.type != "cuda":
@@ -423,7 +424,7 @@ def measure_bound(result: dict, rt, dtype, repeats: int, method: str, seq_len: i
                                             dtype, result["gemm_times_ms"])
 
 
-def run_rows(opts, result: dict, base: train.Config, rt, dtype, methods: list, measure,
+def run_rows(opts, result: dict, base: Config, rt, dtype, methods: list, measure,
              in_budget, save) -> None:
     """Each method and length at 1 and 2 layers (and --validate's at full depth): its bound,
     then its steps."""
@@ -457,7 +458,7 @@ def run_rows(opts, result: dict, base: train.Config, rt, dtype, methods: list, m
         save()
 
 
-def rebound_rows(paths: list, result: dict, base: train.Config, rt, measure, in_budget) -> None:
+def rebound_rows(paths: list, result: dict, base: Config, rt, measure, in_budget) -> None:
     """--rows-from: the rows of earlier results (same model and GPU count), no steps run; the
     bound measured now, for each row's method, length, head chunk and MLP tile as it ran (rows
     from before the MLP tile was recorded ran 04's default; before U was, 05's default U = P)."""

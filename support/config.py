@@ -282,6 +282,12 @@ def add_export_flags(parser):
                        help="let --export-hf replace a folder that is not empty")
 
 
+# Every group, in --help's order: train.py reads them all; eval.py and plan.py some of them.
+FLAG_GROUPS = (add_model_flags, add_rotary_flags, add_step_flags, add_accumulation_flags,
+               add_process_flags, add_data_flags, add_document_flags, add_technique_flags,
+               add_training_flags, add_saved_state_flags, add_export_flags)
+
+
 def stack_flag(text: str):
     """--stack's value: a level (checked in resolve_techniques) or auto."""
     if text.strip().lower() == AUTO:
@@ -419,6 +425,22 @@ def default_lr(cfg: Config) -> float:
         return INIT_FROM_LR
     n_params = num_params(model_args(cfg))
     return next(lr for limit, lr in DEFAULT_LRS if n_params < limit)
+
+
+def learning_rate(cfg: Config, step: int) -> float:
+    """The learning rate of `step`: a linear warmup to --lr over --warmup-steps, then
+    --lr-schedule: constant, or a cosine or linear decay from --lr that reaches --min-lr at
+    --steps. A function of the step alone, so resuming needs no state."""
+    peak = cfg.lr if cfg.lr is not None else default_lr(cfg)  # a Config made in code
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * ((step + 1) / cfg.warmup_steps)
+    if cfg.lr_schedule == "constant":
+        return peak
+    low = cfg.min_lr if cfg.min_lr is not None else MIN_LR_FRACTION * peak
+    fraction = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    shape = (0.5 * (1 + math.cos(math.pi * fraction)) if cfg.lr_schedule == "cosine"
+             else 1 - fraction)
+    return low + (peak - low) * shape
 
 
 def model_args(cfg: Config) -> ModelArgs:

@@ -24,6 +24,9 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from tqdm import tqdm
+
+from support import pretrained
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +432,67 @@ def take_lock(save_dir: str):
     f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
     f.flush()
     return f
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run leaves, step by step (train.py's loop): the log, saves when due, a stop, the export.
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def run_outputs(cfg, rt):
+    """The run's Outputs, its --save-dir held and its log open (claim_outputs), signals that
+    stop it noted (stop_signals)."""
+    with claim_outputs(cfg, rt) as log_file, stop_signals(rt.rank) as stop:
+        yield Outputs(cfg, rt, log_file, stop)
+
+
+class Outputs:
+    """A record per step in the log (rank 0), a saved state when one is due (every
+    --save-every steps, after the last step, at a stop), the stop a signal asks for, and at the
+    end the --export-hf folder. `last_saved`: the newest save's path."""
+
+    def __init__(self, cfg, rt, log_file, stop: dict):
+        self.cfg, self.rt, self.log_file, self.stop = cfg, rt, log_file, stop
+        self.last_saved, self.stopped = None, False
+
+    def log(self, record: dict) -> None:
+        if self.log_file:
+            self.log_file.write(json.dumps(record) + "\n")
+            self.log_file.flush()
+
+    def after_step(self, model, optimizer, step: int) -> bool:
+        """Save when due; True when a signal stops the run, which every rank agrees on
+        (any_rank): its state saved, the resume command printed."""
+        cfg, done = self.cfg, step + 1
+        self.stopped = any_rank("signal" in self.stop, self.rt)
+        if cfg.save_dir and (self.stopped or done == cfg.steps
+                             or (cfg.save_every and done % cfg.save_every == 0)):
+            self.last_saved = save_state(cfg, self.rt, model, optimizer, done)
+            if self.rt.rank == 0:
+                tqdm.write(f"saved {self.last_saved}")
+        if self.stopped:
+            signal_name = self.stop.get("signal", "a signal to another rank")
+            why = f"stopped by {signal_name} after step {step}"
+            if not cfg.save_dir:  # nothing to continue from: not a success
+                raise StopRequested(f"{why}: no checkpoint written (no --save-dir)")
+            if self.rt.rank == 0:
+                print(f"{why}: checkpoint {self.last_saved}; resume with:\n  "
+                      f"{resume_command(sys.argv)}", flush=True)
+        return self.stopped
+
+    def finish(self, model, args) -> None:
+        """--export-hf, on every rank (the export gathers each tensor from its shards); not
+        after a stop, as the run is not finished. fp32 runs export fp32 (exact), GPU runs bf16,
+        as published checkpoints are."""
+        cfg = self.cfg
+        if not cfg.export_hf or self.stopped:
+            return
+        pretrained.export_hf(model, args, cfg.export_hf, overwrite=cfg.overwrite_export,
+                             dtype=getattr(torch, cfg.dtype), source_dir=cfg.init_from,
+                             data_path=None if cfg.data == "synthetic" else cfg.data,
+                             max_position_embeddings=max(cfg.seq_len, args.rope_original_context))
+        if self.rt.rank == 0:
+            print(f"exported {cfg.export_hf} (transformers: AutoModelForCausalLM.from_pretrained)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ import torch.nn.functional as F
 
 from base import kernels
 import model as llama
+from support.config import Config, resolve_techniques
+from support.runtime import Runtime, setup_runtime
+from support import build
 
 train = importlib.import_module("train")
 
@@ -60,8 +63,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=None):
     """Build the model exactly as train.py does and run one forward+backward on this rank's
     share of `tokens` (rows of its data-parallel rank). Returns loss and full gradients."""
-    cfg = train.resolve_techniques(cfg)
-    rt = rt or train.setup_runtime(cfg)
+    cfg = resolve_techniques(cfg)
+    rt = rt or setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     rows = tokens.shape[0] // rt.dp
     mine = slice(rt.dp_rank * rows, (rt.dp_rank + 1) * rows)
@@ -161,10 +164,10 @@ def unsharded_bf16_loss_and_grads(model_name: str, tokens, labels, documents=Non
     """The unsharded bf16 run of the rule: the model built as train.py builds it in one process
     (no technique), in bf16 on this GPU, with this process's attention kernel, one forward and
     backward over the whole batch. Returns loss_and_grads_dict's form."""
-    cfg = train.Config(model=model_name, seq_len=tokens.shape[1] - 1, batch_size=tokens.shape[0],
-                       device="cuda", dtype="bfloat16", attn_kernel=kernels._requested["kernel"])
-    rt = train.Runtime(device=torch.device("cuda", torch.cuda.current_device()))
-    model = train.build_model(cfg, rt) if args is None else train.build.build_model(
+    cfg = Config(model=model_name, seq_len=tokens.shape[1] - 1, batch_size=tokens.shape[0],
+                 device="cuda", dtype="bfloat16", attn_kernel=kernels._requested["kernel"])
+    rt = Runtime(device=torch.device("cuda", torch.cuda.current_device()))
+    model = train.build_model(cfg, rt) if args is None else build.build_model(
         args, rt.device, None, torch.bfloat16, seed=cfg.seed)
     loss = train.forward_backward(model, tokens, rt, None if documents is not None else labels,
                                   documents)

@@ -10,8 +10,9 @@ from reference import assert_within_bf16_error, full, make_batch
 
 import model as llama
 from support import byte_counts
-from support.config import MAX_STACK
+from support.config import Config, MAX_STACK, learning_rate, resolve_techniques
 from support.lessons import sharding
+from support.runtime import Runtime, setup_runtime
 
 train = importlib.import_module("train")
 
@@ -20,13 +21,13 @@ ROWS_PER_RANK, SEQ_LEN = 2, 32
 
 def _fsdp_steps_match_single_process(steps, rtol=1e-5, atol=1e-6):
     world = dist.get_world_size()
-    cfg = train.Config(model="tiny", fsdp=True, seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK)
-    rt = train.setup_runtime(cfg)
+    cfg = Config(model="tiny", fsdp=True, seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK)
+    rt = setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     # The reference: one process, no FSDP, fp32, the whole global batch.
-    ref_cfg = train.Config(model="tiny", seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK * world)
-    ref_rt = train.Runtime()
+    ref_cfg = Config(model="tiny", seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK * world)
+    ref_rt = Runtime()
     ref_model = train.build_model(ref_cfg, ref_rt)
     ref_optimizer = train.make_optimizer(ref_model, ref_cfg)
     mine = slice(rt.dp_rank * ROWS_PER_RANK, (rt.dp_rank + 1) * ROWS_PER_RANK)
@@ -41,7 +42,7 @@ def _fsdp_steps_match_single_process(steps, rtol=1e-5, atol=1e-6):
     # (Adam is blind to a wrong gradient *scale*: the grad-norm check above is what catches it.)
     for (name, param), ref_param in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(full(param).float().cpu(), ref_param, rtol=rtol,
-                                   atol=max(atol, 10 * train.learning_rate(cfg, 0) * 1e-3),
+                                   atol=max(atol, 10 * learning_rate(cfg, 0) * 1e-3),
                                    msg=lambda m: f"{name} after {steps} steps: {m}")
 
 
@@ -105,14 +106,14 @@ def _fsdp_bf16_steps_match_fp32(steps):
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     whole = ROWS_PER_RANK * world
-    reference = _fsdp_step_results(train.Config(model="tiny", seq_len=SEQ_LEN, batch_size=whole),
-                                   train.Runtime(), steps)
+    reference = _fsdp_step_results(Config(model="tiny", seq_len=SEQ_LEN, batch_size=whole),
+                                   Runtime(), steps)
     alone = init_device_mesh("cuda", (world, 1), mesh_dim_names=("ranks", "alone"))["alone"]
     bf16 = dict(model="tiny", fsdp=True, seq_len=SEQ_LEN, device="cuda", dtype="bfloat16")
-    unsharded = _fsdp_step_results(train.Config(batch_size=whole, **bf16),
-                                   train.Runtime(device=device, fsdp_mesh=alone), steps)
-    cfg = train.Config(batch_size=ROWS_PER_RANK, **bf16)
-    got = _fsdp_step_results(cfg, train.setup_runtime(cfg), steps)
+    unsharded = _fsdp_step_results(Config(batch_size=whole, **bf16),
+                                   Runtime(device=device, fsdp_mesh=alone), steps)
+    cfg = Config(batch_size=ROWS_PER_RANK, **bf16)
+    got = _fsdp_step_results(cfg, setup_runtime(cfg), steps)
     assert_within_bf16_error(got, unsharded, reference, f"FSDP over {world} ranks, bf16")
 
 
@@ -128,8 +129,8 @@ def test_fsdp_nccl_bf16_matches_fp32_reference():
 def _train_recording_grads(cfg, steps, rt=None):
     """(model, optimizer, per step: loss, grad norm and every full gradient as the optimizer
     sees it) for `steps` steps of train.train_step on the same batches. rt: the runtime (a plain
-    train.Runtime() for a one-process reference inside a rank), else set up from cfg."""
-    rt = rt or train.setup_runtime(cfg)
+    Runtime() for a one-process reference inside a rank), else set up from cfg."""
+    rt = rt or setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     grads = []
@@ -147,8 +148,8 @@ def _train_recording_grads(cfg, steps, rt=None):
 def _offload_steps_equal_resident(steps):
     runs = {}
     for offload in (False, True):
-        cfg = train.resolve_techniques(train.Config(model="tiny", stack=5, seq_len=SEQ_LEN,
-                                                    offload_model_state=offload))
+        cfg = resolve_techniques(Config(model="tiny", stack=5, seq_len=SEQ_LEN,
+                                        offload_model_state=offload))
         runs[offload] = _train_recording_grads(cfg, steps)
     (model, optimizer, metrics, grads), (ref_model, ref_optimizer, ref_metrics, ref_grads) = (
         runs[True], runs[False])
@@ -185,8 +186,8 @@ def test_offloaded_model_state_trains_like_the_resident_one(world_size):
 def _state_lives_on_the_host():
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    cfg = train.resolve_techniques(train.Config(model="tiny", stack=5, seq_len=SEQ_LEN,
-                                                offload_model_state=True))
+    cfg = resolve_techniques(Config(model="tiny", stack=5, seq_len=SEQ_LEN,
+                                    offload_model_state=True))
     model, optimizer, _, _ = _train_recording_grads(cfg, 1)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules()
               if isinstance(m, FSDPModule)]
@@ -216,9 +217,9 @@ def test_offloaded_model_state_is_on_the_host():
 
 def test_offload_needs_fsdp():
     with pytest.raises(ValueError, match="--offload-model-state is a setting of --fsdp"):
-        train.resolve_techniques(train.Config(offload_model_state=True))
+        resolve_techniques(Config(offload_model_state=True))
     for level in range(1, MAX_STACK + 1):  # composable with every level that shards
-        assert train.resolve_techniques(train.Config(stack=level, offload_model_state=True)).fsdp
+        assert resolve_techniques(Config(stack=level, offload_model_state=True)).fsdp
 
 
 def test_host_bytes_of_offloaded_llama3_8b():
@@ -240,9 +241,9 @@ def _gpu_holds_no_model_state():
     on_gpu, losses = {}, {}
     args = llama.get_model_args("small")
     for offload in (False, True):
-        cfg = train.resolve_techniques(train.Config(model="small", stack=5, seq_len=1024,
-                                                    device="cuda", dtype="bfloat16",
-                                                    offload_model_state=offload))
+        cfg = resolve_techniques(Config(model="small", stack=5, seq_len=1024,
+                                        device="cuda", dtype="bfloat16",
+                                        offload_model_state=offload))
         model, optimizer, metrics, _ = _train_recording_grads(cfg, 2)
         torch.cuda.synchronize()
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731

@@ -12,6 +12,7 @@ from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_step_matches, assert_wi
 from base import kernels
 import model as llama
 from support.data import parse_tokens
+from support.config import Config
 
 ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")
@@ -69,8 +70,8 @@ def test_attention_output_and_grads_equal_unsharded(world_size):
 
 
 def _model_matches_unsharded(sp, ignore, device="cpu", dtype="float32", model="tiny"):
-    cfg = train.Config(model=model, fsdp=True, ulysses=True, sp=sp, seq_len=32, device=device,
-                       dtype=dtype, attn_kernel=kernels._requested["kernel"])
+    cfg = Config(model=model, fsdp=True, ulysses=True, sp=sp, seq_len=32, device=device,
+                 dtype=dtype, attn_kernel=kernels._requested["kernel"])
     dp = dist.get_world_size() // sp
     tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp, ignore_frac=0.3 if ignore else 0)
     if ignore:

@@ -24,6 +24,8 @@ from support.data import TokenData
 from support.demos import bytes_saved_for_backward
 from support import byte_counts
 import plan as planner
+from support.config import Config, resolve_techniques
+from support.runtime import Machine, setup_runtime
 
 checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
@@ -41,8 +43,8 @@ ROWS, SEQ = 2, 32
 
 def _build(cfg):
     """The model exactly as train.py builds it, with its runtime."""
-    cfg = train.resolve_techniques(cfg)
-    rt = train.setup_runtime(cfg)
+    cfg = resolve_techniques(cfg)
+    rt = setup_runtime(cfg)
     return train.build_model(cfg, rt), rt, cfg
 
 
@@ -76,17 +78,17 @@ def _equal_with_and_without_checkpoint_and_offload():
     ref_loss, ref_grads = reference_loss_and_grads(MODEL, tokens, labels)
     results = {}
     for checkpointing, offloading in [(False, False), (True, False), (True, True)]:
-        cfg = train.Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=checkpointing,
-                           offload=offloading, seq_len=SEQ, batch_size=ROWS)
+        cfg = Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=checkpointing,
+                     offload=offloading, seq_len=SEQ, batch_size=ROWS)
         loss, grads = train_loss_and_grads(cfg, tokens, labels)
         what = f"checkpoint={checkpointing} offload={offloading} sp={sp}"
         assert_matches(loss, grads, ref_loss, ref_grads, what=what)
         results[what] = (loss, grads)
     # --checkpoint-layers k < L: checkpointed alone, and offloaded with --keep-attention.
     for k, offloading in [(k, offloading) for k in range(1, L) for offloading in (False, True)]:
-        cfg = train.Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=True,
-                           offload=offloading, keep_attention=offloading, checkpoint_layers=k,
-                           seq_len=SEQ, batch_size=ROWS)
+        cfg = Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=True,
+                     offload=offloading, keep_attention=offloading, checkpoint_layers=k,
+                     seq_len=SEQ, batch_size=ROWS)
         model, rt, _ = _build(cfg)
         loss = train.forward_backward(model, tokens, rt, labels)
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
@@ -110,8 +112,8 @@ def _equal_with_and_without_checkpoint_and_offload():
         assert all(torch.equal(grads[name], grads0[name]) for name in grads0)
 
     # The offload acts: count what moved during one step of the same configuration.
-    model, rt, _ = _build(train.Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
-                                       seq_len=SEQ, batch_size=ROWS))
+    model, rt, _ = _build(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
+                                 seq_len=SEQ, batch_size=ROWS))
     offloader = model.checkpoint_offload
     train.forward_backward(model, tokens, rt, labels)
     _check_offload_stats(offloader.stats, SEQ // sp)
@@ -140,9 +142,9 @@ def _live_tensors() -> int:
 
 def _repeated_steps_do_not_grow(keep_attention: bool):
     sp = dist.get_world_size()
-    model, rt, cfg = _build(train.Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
-                                         keep_attention=keep_attention, seq_len=SEQ,
-                                         batch_size=ROWS, lr=1e-3))
+    model, rt, cfg = _build(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
+                                   keep_attention=keep_attention, seq_len=SEQ,
+                                   batch_size=ROWS, lr=1e-3))
     offloader = model.checkpoint_offload
     optimizer = train.make_optimizer(model, cfg)
     data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
@@ -192,9 +194,9 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
         for seam, offloading in [(s, o) for s in ("ulysses", "untied") for o in (False, True)]:
             results = {}
             for keep in (False, True):
-                cfg = train.Config(model=MODEL, fsdp=True, checkpoint=True, offload=offloading,
-                                   keep_attention=keep, seq_len=SEQ, batch_size=ROWS,
-                                   **{seam: True})
+                cfg = Config(model=MODEL, fsdp=True, checkpoint=True, offload=offloading,
+                             keep_attention=keep, seq_len=SEQ, batch_size=ROWS,
+                             **{seam: True})
                 calls.clear()
                 model, rt, cfg = _build(cfg)
                 train.forward_backward(model, tokens, rt, labels)
@@ -249,8 +251,8 @@ def test_host_memory_is_checked_before_a_gpu_run_builds_anything():
     with --keep-attention they do not (2 x 249.9): refused with the numbers and what to drop,
     where the kernel would otherwise kill a rank mid-step."""
     GiB = 2**30
-    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
-                                                device="cpu", dtype="bfloat16"))
+    cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**20, stack=5,
+                                    device="cpu", dtype="bfloat16"))
     assert plan.host_memory_error(cfg, 2, 2, 251 * GiB) is None
     assert "248.0 GiB" in plan.host_memory_error(cfg, 2, 2, 200 * GiB)
     kept = replace(cfg, keep_attention=True)
@@ -266,8 +268,8 @@ def test_a_forward_whose_backward_never_ran_leaves_nothing_behind(keep_attention
     """A forward with gradients and no backward (an error between them, say) leaves offloaded
     inputs and kept outputs behind; the next step hands their host buffers back to the pool
     instead of pinning new ones, and ends with nothing waiting."""
-    model, rt, _ = _build(train.Config(model=MODEL, offload=True, keep_attention=keep_attention,
-                                       seq_len=SEQ, batch_size=ROWS))
+    model, rt, _ = _build(Config(model=MODEL, offload=True, keep_attention=keep_attention,
+                                 seq_len=SEQ, batch_size=ROWS))
     offloader = model.checkpoint_offload
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
     train.forward_backward(model, tokens, rt, labels)
@@ -292,7 +294,9 @@ def test_a_run_refused_for_host_memory_leaves_the_earlier_run_alone(tmp_path, mo
     def refuse(cfg, machine):
         raise ValueError("the host memory planned ... is more than the ... available")
 
-    monkeypatch.setattr(plan, "plan_run", refuse)  # where a GPU run checks its host memory
+    # A GPU run's machine, and its planner refusing it there, where it checks host memory.
+    monkeypatch.setattr(train, "read_machine", lambda cfg: Machine(1, None, 80 * 2**30, None, 1))
+    monkeypatch.setattr(plan, "plan_run", refuse)
     with pytest.raises(ValueError, match="host memory"):
         train.train(train.parse_args(run + ["--overwrite"]))
     assert (sorted(os.listdir(tmp_path / "ckpt")), (tmp_path / "log").read_text()) == before
@@ -305,8 +309,8 @@ def test_offload_acts_on_memory_kept_for_backward():
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=1)
     kept, host = {}, {}
     for mode, (checkpoints, offloading) in checkpointing.MODES.items():
-        model, rt, _ = _build(train.Config(model=MODEL, checkpoint=checkpoints,
-                                           offload=offloading, seq_len=SEQ, batch_size=ROWS))
+        model, rt, _ = _build(Config(model=MODEL, checkpoint=checkpoints,
+                                     offload=offloading, seq_len=SEQ, batch_size=ROWS))
         offloader = model.checkpoint_offload if checkpoints else None
         kept[mode] = bytes_saved_for_backward(
             lambda: train.forward_backward(model, tokens, rt, labels), offloader)
@@ -329,8 +333,8 @@ def test_checkpointing_k_blocks_keeps_k_inputs_and_the_others_activations():
     block_input = ROWS * SEQ * ARGS.dim * 4
     kept, moments = {}, {}
     for k, offloading in [(k, o) for k in range(L + 1) for o in (False, True) if k or not o]:
-        cfg = train.Config(model=MODEL, checkpoint=k > 0, offload=offloading,
-                           checkpoint_layers=k or None, seq_len=SEQ, batch_size=ROWS)
+        cfg = Config(model=MODEL, checkpoint=k > 0, offload=offloading,
+                     checkpoint_layers=k or None, seq_len=SEQ, batch_size=ROWS)
         model, rt, cfg = _build(cfg)
         offloader = model.checkpoint_offload if k else None
         kept[k, offloading] = bytes_saved_for_backward(
@@ -354,7 +358,7 @@ def test_offloaded_inputs_are_really_released():
     original: after forward, every offloaded input must be gone (only the last block's stays),
     which is what lets the GPU reuse that memory. (A strong reference from the pack hook once
     kept them all alive on the GPU although the copies were made and counted.)"""
-    model, rt, _ = _build(train.Config(model=MODEL, offload=True, seq_len=SEQ, batch_size=ROWS))
+    model, rt, _ = _build(Config(model=MODEL, offload=True, seq_len=SEQ, batch_size=ROWS))
     offloader = model.checkpoint_offload
     seen, pack = [], offloader.pack
 
@@ -374,8 +378,8 @@ def test_offloaded_inputs_are_really_released():
 
 
 def test_no_grad_forward_saves_nothing_and_matches():
-    model, rt, _ = _build(train.Config(model=MODEL, offload=True, seq_len=SEQ))
-    plain, _, _ = _build(train.Config(model=MODEL, seq_len=SEQ))
+    model, rt, _ = _build(Config(model=MODEL, offload=True, seq_len=SEQ))
+    plain, _, _ = _build(Config(model=MODEL, seq_len=SEQ))
     ids = torch.randint(0, ARGS.vocab_size, (1, SEQ))
     positions = torch.arange(SEQ)[None]
     with torch.no_grad():
@@ -448,13 +452,13 @@ def _gpu_offload_is_pinned_async_and_exact():
     base = dict(model=MODEL, fsdp=True, ulysses=True, seq_len=SEQ, batch_size=ROWS,
                 device="cuda", dtype="float32")
     for offloading in (False, True):
-        cfg = train.Config(checkpoint=True, offload=offloading, **base)
+        cfg = Config(checkpoint=True, offload=offloading, **base)
         loss, grads = train_loss_and_grads(cfg, tokens, labels)
         # fp32 on the GPU, as tight as on the CPU: nothing here enables TF32.
         assert_matches(loss.cpu(), {n: g.cpu() for n, g in grads.items()}, ref_loss, ref_grads,
                        what=f"cuda fp32 offload={offloading}")
 
-    model, rt, cfg = _build(train.Config(offload=True, **base))
+    model, rt, cfg = _build(Config(offload=True, **base))
     offloader = model.checkpoint_offload
     optimizer = train.make_optimizer(model, cfg)
     after_step = []
@@ -491,8 +495,8 @@ def _gpu_memory_after_forward_and_syncs(offloading: bool, args, seq_len: int):
     """GPU bytes held between forward and backward, and how many times forward + backward made
     the host wait for the GPU (torch's sync debug mode)."""
     llama.PRESETS["small-8L"] = args
-    model, rt, _ = _build(train.Config(model="small-8L", checkpoint=True, offload=offloading,
-                                       seq_len=seq_len, device="cuda", dtype="float32"))
+    model, rt, _ = _build(Config(model="small-8L", checkpoint=True, offload=offloading,
+                                 seq_len=seq_len, device="cuda", dtype="float32"))
     ids = torch.randint(0, args.vocab_size, (1, seq_len), device="cuda")
     positions = torch.arange(seq_len, device="cuda")[None]
     model(ids, positions, ids).backward()  # warm-up: first-call allocations and plans
@@ -547,11 +551,11 @@ def _gpu_keep_attention_matches_fp32(seam: str):
     """bf16 on the GPU with --keep-attention against the fp32 unsharded model; the forward
     kernel runs once per block (05: per stage) and never in the recompute."""
     sp = dist.get_world_size()
-    cfg = train.Config(model="tiny-hd64", fsdp=True, offload=True, keep_attention=True,
-                       seq_len=256, batch_size=2, device="cuda", dtype="bfloat16",
-                       attn_kernel=kernels._requested["kernel"],
-                       **({"untied": True, "head_chunk": sp} if seam == "untied"
-                          else {"ulysses": True}))
+    cfg = Config(model="tiny-hd64", fsdp=True, offload=True, keep_attention=True,
+                 seq_len=256, batch_size=2, device="cuda", dtype="bfloat16",
+                 attn_kernel=kernels._requested["kernel"],
+                 **({"untied": True, "head_chunk": sp} if seam == "untied"
+                    else {"ulysses": True}))
     args = llama.get_model_args(cfg.model)
     tokens, labels = make_batch(args.vocab_size, 2, cfg.seq_len, seed=5, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)

@@ -21,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model as llama
 from support.demos import LargestTensor
 from support import byte_counts
+from support.config import Config, resolve_techniques
+from support.runtime import setup_runtime
 
 tiling = importlib.import_module("04_alst_tiling")
 train = importlib.import_module("train")
@@ -418,10 +420,10 @@ def test_apply_tiling_keeps_parameter_names_and_works_on_meta():
 # The full model, built by train.py, against plain single-process training.
 # ---------------------------------------------------------------------------------------------
 
-def tiling_config(offload: bool, **techniques) -> "train.Config":
+def tiling_config(offload: bool, **techniques) -> "Config":
     """FSDP + Ulysses + tiling, with or without checkpointing + offload (03)."""
-    return train.Config(model="tiny", seq_len=32, batch_size=2, fsdp=True, ulysses=True,
-                        checkpoint=offload, offload=offload, **techniques)
+    return Config(model="tiny", seq_len=32, batch_size=2, fsdp=True, ulysses=True,
+                  checkpoint=offload, offload=offload, **techniques)
 
 
 # (tile_mlp, tile_loss, tile_norm, mlp/norm tile, loss tile, checkpoint + offload).
@@ -445,7 +447,7 @@ def _model_matches_unsharded():
     for tile_mlp, tile_loss, tile_norm, mlp_tile, loss_tile, offload in MODEL_CASES:
         cfg = tiling_config(offload, tile_mlp=tile_mlp, tile_loss=tile_loss, tile_norm=tile_norm,
                             mlp_tile_tokens=mlp_tile, loss_tile_tokens=loss_tile)
-        rt = rt or train.setup_runtime(train.resolve_techniques(cfg))
+        rt = rt or setup_runtime(resolve_techniques(cfg))
         loss, grads = train_loss_and_grads(cfg, tokens, labels, rt)
         assert_matches(loss, grads, ref_loss, ref_grads,
                        what=f"P={dist.get_world_size()} mlp={tile_mlp}/{mlp_tile} "

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from base import kernels
 from support import byte_counts
 import model as llama
+from support.config import Config
 
 untied = importlib.import_module("05_untied_ulysses")
 ulysses = importlib.import_module("02_ulysses")
@@ -170,8 +171,8 @@ def test_attention_layer_equals_unsharded_and_ulysses(world_size):
 def _model_matches(sp, chunks):
     dp = dist.get_world_size() // sp
     for chunk in chunks:
-        cfg = train.Config(model="tiny", sp=sp, head_chunk=chunk, seq_len=32, batch_size=2,
-                           stack=5)
+        cfg = Config(model="tiny", sp=sp, head_chunk=chunk, seq_len=32, batch_size=2,
+                     stack=5)
         tokens, labels = make_batch(256, dp * 2, cfg.seq_len, seed=sp + chunk, ignore_frac=0.3)
         labels[-1, :] = llama.IGNORE_INDEX  # one whole sample ignored
         ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)

@@ -23,6 +23,8 @@ from test_trainer import PARAMETERS_RTOL  # the parameters after Adam steps, and
 import model as llama
 from base import kernels
 from support import runtime, saved_state
+from support.config import Config, resolve_techniques
+from support.runtime import setup_runtime
 
 train = importlib.import_module("train")
 
@@ -51,10 +53,10 @@ CASES = {
 def _ring_training_matches_unsharded(cases):
     for n_heads, n_kv_heads, stack, sp, ring, expected_ring in cases:
         name = f"tiny-{n_heads}q{n_kv_heads}kv"
-        cfg = train.resolve_techniques(train.Config(
+        cfg = resolve_techniques(Config(
             model=name, stack=stack, sp=sp, ring=ring, seq_len=SEQ_LEN, mlp_tile_tokens=8,
             loss_tile_tokens=8, keep_attention=False))
-        rt = train.setup_runtime(cfg)
+        rt = setup_runtime(cfg)
         assert rt.ring == expected_ring and rt.ulysses == sp // expected_ring
         tokens, labels = make_batch(256, 2 * rt.dp, SEQ_LEN, seed=n_heads, ignore_frac=0.2)
         ref_loss, ref_grads = reference_loss_and_grads(name, tokens, labels)
@@ -76,24 +78,24 @@ def test_ulysses_times_ring_training_equals_unsharded(world_size):
 
 def test_a_ring_degree_that_cannot_work_is_refused_at_start():
     args = llama.get_model_args("tiny")
-    cfg = train.resolve_techniques(train.Config(model="tiny", stack=2, ring=3, seq_len=24))
+    cfg = resolve_techniques(Config(model="tiny", stack=2, ring=3, seq_len=24))
     with pytest.raises(ValueError, match=r"ring degree R \(3\) must divide the sequence-parallel "
                                          r"degree P \(4\)"):
         runtime.check_layout(cfg, 4, args)
-    cfg = train.resolve_techniques(train.Config(model="tiny", stack=2, ring=2, seq_len=20))
+    cfg = resolve_techniques(Config(model="tiny", stack=2, ring=2, seq_len=20))
     with pytest.raises(ValueError, match=r"sequence length \(20\) must be divisible by 2R = 8"):
         runtime.check_layout(replace(cfg, ring=4), 4, args)
     with pytest.raises(ValueError, match=r"--ring must be at least 1, got 0"):  # not "picked"
-        train.resolve_techniques(train.Config(model="tiny", stack=2, ring=0))
+        resolve_techniques(Config(model="tiny", stack=2, ring=0))
     with pytest.raises(ValueError, match="--ring is a setting of --ulysses or --untied"):
-        train.resolve_techniques(train.Config(model="tiny", fsdp=True, ring=2))
+        resolve_techniques(Config(model="tiny", fsdp=True, ring=2))
     # heads that split over no P/R: named with the Ulysses rule (7 heads, 2 KV, P = 4: R = 4
     # leaves P/R = 1, which works, so ask for R = 2 explicitly)
     llama.PRESETS.setdefault("tiny-7q7kv", replace(args, n_heads=7, n_kv_heads=7))
     with pytest.raises(ValueError, match=r"query heads \(7\) to be divisible by the "
                                          r"sequence-parallel degree \(2\)"):
-        cfg = train.resolve_techniques(train.Config(model="tiny-7q7kv", stack=2, ring=2,
-                                                    seq_len=24))
+        cfg = resolve_techniques(Config(model="tiny-7q7kv", stack=2, ring=2,
+                                        seq_len=24))
         runtime.check_layout(cfg, 4, args=llama.get_model_args("tiny-7q7kv"))
 
 
@@ -102,10 +104,10 @@ def _keep_attention_through_the_ring():
     checkpoint and the recompute takes them (no second ring), for 02's seam and 05's stages;
     loss and gradients still equal unsharded training."""
     for stack, untied in ((3, False), (5, True)):
-        cfg = train.resolve_techniques(train.Config(
+        cfg = resolve_techniques(Config(
             model="tiny", stack=stack, ring=2, seq_len=SEQ_LEN, keep_attention=True,
             mlp_tile_tokens=8, loss_tile_tokens=8))
-        rt = train.setup_runtime(cfg)
+        rt = setup_runtime(cfg)
         tokens, labels = make_batch(256, 2, SEQ_LEN, ignore_frac=0.2)
         ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
         model = train.build_model(cfg, rt)
@@ -125,11 +127,11 @@ def test_keep_attention_keeps_the_rings_output():
 
 def _ring_on_gpus_matches_fp32(stack):
     """Ulysses 1 x ring 2 on two GPUs over NCCL, bf16, against the fp32 unsharded reference."""
-    cfg = train.resolve_techniques(train.Config(
+    cfg = resolve_techniques(Config(
         model="tiny-hd64", stack=stack, ring=2, seq_len=64, device="cuda", dtype="bfloat16",
         mlp_tile_tokens=16, loss_tile_tokens=16, keep_attention=False,
         attn_kernel=kernels._requested["kernel"]))
-    rt = train.setup_runtime(cfg)
+    rt = setup_runtime(cfg)
     assert rt.ring == 2
     tokens, labels = make_batch(256, 2, cfg.seq_len, seed=stack, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads("tiny-hd64", tokens, labels)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -378,9 +379,8 @@ def test_kernel_classes_sort_a_traces_kernels():
 def _bound_config(method: str, seq_len: int):
     from bench import throughput
 
-    train = importlib.import_module("train")
-    base = train.Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
-                        offload=True, tile_mlp=True, tile_loss=True)
+    base = Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
+                  offload=True, tile_mlp=True, tile_loss=True)
     return throughput.method_config(base, method, "llama3-8b", seq_len)
 
 
@@ -497,9 +497,8 @@ def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
         {"method": "ring", "seq_len": 131072, "layers": 1, "status": "OOM"}]}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(saved))
-    train = importlib.import_module("train")
-    base = train.Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
-                        offload=True, tile_mlp=True, tile_loss=True)
+    base = Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
+                  offload=True, tile_mlp=True, tile_loss=True)
     measured = []
 
     def measure(method, seq_len, full_depth):

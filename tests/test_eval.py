@@ -17,6 +17,8 @@ from ranks import run_ranks
 
 import model as llama
 from support import saved_state
+from support.config import Config, resolve_techniques
+from support.runtime import Runtime, setup_runtime
 
 train = importlib.import_module("train")
 evaluate = importlib.import_module("eval")
@@ -28,12 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def eval_cfg(save_dir, **flags):
-    return evaluate.eval_config(train.resolve_techniques(
-        train.Config(model="tiny", seq_len=SEQ_LEN, save_dir=save_dir, **flags)))
+    return evaluate.eval_config(resolve_techniques(
+        Config(model="tiny", seq_len=SEQ_LEN, save_dir=save_dir, **flags)))
 
 
 def loss_buckets(cfg, rt=None):
-    rt = rt or train.setup_runtime(cfg)
+    rt = rt or setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     saved_state.load_model_state(cfg.save_dir, model)
     return evaluate.loss_by_position(model, cfg, rt, WINDOWS, first_window=5,
@@ -56,8 +58,8 @@ def trained(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train.train(train.resolve_techniques(train.Config(model="tiny", seq_len=SEQ_LEN,
-                                                          steps=10, save_dir=save_dir)))
+        train.train(resolve_techniques(Config(model="tiny", seq_len=SEQ_LEN,
+                                              steps=10, save_dir=save_dir)))
         return save_dir, loss_buckets(eval_cfg(save_dir))
     finally:
         torch.set_num_threads(threads)
@@ -79,7 +81,7 @@ def test_single_process_result_has_log_buckets_from_the_checkpoint(trained):
     total = sum(b["mean_loss"] * b["tokens"] for b in expected["buckets"]) / (64 * WINDOWS)
     assert expected["mean_loss"] == pytest.approx(total)
     cfg = eval_cfg(None)
-    rt = train.Runtime()
+    rt = Runtime()
     untrained = evaluate.loss_by_position(train.build_model(cfg, rt), cfg, rt, WINDOWS, 5,
                                           BUCKET_START)
     assert untrained["mean_loss"] != pytest.approx(expected["mean_loss"], rel=1e-4)  # it loaded
@@ -129,7 +131,7 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
     cfg = eval_cfg(save_dir, data=packed_file, doc_sep=SEP)
     result = loss_buckets(cfg)
     assert result["positions"] == "within each document"
-    model = train.build_model(eval_cfg(save_dir), train.Runtime())
+    model = train.build_model(eval_cfg(save_dir), Runtime())
     saved_state.load_model_state(save_dir, model)
     data, window = evaluate.window_source(cfg, 256)
     edges = evaluate.bucket_edges(SEQ_LEN, BUCKET_START)
@@ -237,8 +239,8 @@ def test_a_tiny_model_trained_on_recall_retrieves_the_key(one_thread):
     a marker at a random depth in 64 tokens, asked for at the end. Greedy exact match must be
     far above chance at depths it was not told about."""
     torch.manual_seed(0)
-    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=64, lr=3e-3))
-    rt = train.Runtime()
+    cfg = resolve_techniques(Config(model="tiny", seq_len=64, lr=3e-3))
+    rt = Runtime()
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     before = evaluate.passkey_grid(model, cfg, rt, [64], [0.0, 0.5, 1.0], 16, 2, VOCABULARY,
@@ -291,7 +293,7 @@ def test_per_token_loss_equals_transformers(tmp_path):
         if tiled:
             tiling.apply_tiling(ours, loss_tile_tokens=10, mlp_tile_tokens=16, tile_norm=True)
             evaluate.tile_token_scores(ours, 10)
-        scores, labels, positions = evaluate.token_scores(ours, tokens, train.Runtime())
+        scores, labels, positions = evaluate.token_scores(ours, tokens, Runtime())
         torch.testing.assert_close(scores[..., 0], expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(scores[..., 1].long(), logits.argmax(-1))
     edges = evaluate.bucket_edges(96, 16)
@@ -390,8 +392,8 @@ def test_command_line_errors(tmp_path, capsys):
 
 def test_planner_forward_only_needs_less_and_reaches_further():
     for stack in range(1, 6):
-        cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=stack,
-                                                    dtype="bfloat16", device="cpu"))
+        cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**20, stack=stack,
+                                        dtype="bfloat16", device="cpu"))
         step, forward = plan.plan_memory(cfg, 8), plan.plan_memory(cfg, 8, forward_only=True)
         assert forward["peak"] < step["peak"], stack
         gpu = 80 * 2**30

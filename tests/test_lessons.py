@@ -82,8 +82,8 @@ LESSONS = {p.stem for p in ROOT.glob("0[0-9]_*.py")}
 def test_every_import_points_down():
     """model.py imports nothing of the project; base/ only base/; a lesson (its module, not the
     demo below its marker, a command that uses support/ as train.py does) only model.py, base/
-    and the lessons before it; support/config.py (and what it imports) no lesson; support/ no
-    command (plan.py, train.py, eval.py)."""
+    and the lessons before it; support/config.py (and what it imports) no lesson; train.py the
+    planner only inside a function; support/ no command (plan.py, train.py, eval.py)."""
     assert reached("model") == set()
     for path in (ROOT / "base").glob("*.py"):
         assert all(name.startswith("base") for name in reached(f"base.{path.stem}")), path
@@ -92,6 +92,7 @@ def test_every_import_points_down():
         assert all(name in below or name.startswith("base")
                    for name in reached(lesson, module_level=True)), (lesson, reached(lesson))
     assert not reached("support.config") & (LESSONS | {"support.lessons"})
+    assert "plan" not in reached("train", module_level=True)  # only where a run plans
     for path in (ROOT / "support").glob("*.py"):
         commands = {"plan", "train", "eval"} & reached(f"support.{path.stem}")
         assert not commands, (path, commands)

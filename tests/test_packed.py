@@ -26,7 +26,8 @@ from support import data as data_module
 from base import kernels
 import model as llama
 from support.data import TokenData, documents_in_windows
-from support.runtime import Runtime
+from support.runtime import Runtime, setup_runtime
+from support.config import Config, resolve_techniques
 
 train = importlib.import_module("train")
 ulysses = importlib.import_module("02_ulysses")
@@ -124,8 +125,8 @@ def test_documents_of_a_small_window():
 
 
 def _token_data(path, rows, **overrides):
-    cfg = train.Config(model="tiny", seq_len=SEQ_LEN, batch_size=rows, data=str(path), **overrides)
-    return TokenData(train.resolve_techniques(cfg), 256, 0, 1)
+    cfg = Config(model="tiny", seq_len=SEQ_LEN, batch_size=rows, data=str(path), **overrides)
+    return TokenData(resolve_techniques(cfg), 256, 0, 1)
 
 
 def test_separator_and_boundary_index_agree(tmp_path):
@@ -151,7 +152,7 @@ def test_separator_and_boundary_index_agree(tmp_path):
 
 
 def test_synthetic_documents_end_with_the_separator():
-    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=256, batch_size=2, doc_sep=7))
+    cfg = resolve_techniques(Config(model="tiny", seq_len=256, batch_size=2, doc_sep=7))
     data = TokenData(cfg, 256, 0, 1)
     tokens = data.batch(3)
     docs = data.documents(3, tokens)
@@ -283,19 +284,19 @@ def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", d
     """cases: (--stack, --sp[, --ring[, more Config fields]]): with keep_attention, every block's
     attention output is kept and taken back (its own cu_seqlens path, support/keep_attention.py);
     with grad_accum N, the rows (batch_size, unless the case names its own) go through N
-    micro-batches, each its documents' part of the window (train.rows_of)."""
+    micro-batches, each its documents' part of the window (data.Documents.rows)."""
     stream = make_stream(lengths)
     world = dist.get_world_size()
     for case in cases:
         stack, sp, ring, more = _case(*case)
         rows = more.get("batch_size", batch_size)
         # attn_kernel: the one this process was given (with_kernel), as setup_runtime sets it again
-        cfg = train.Config(**{**dict(
+        cfg = Config(**{**dict(
             model=model_name, stack=stack, sp=sp, ring=ring, seq_len=SEQ_LEN, batch_size=rows,
             data=path, doc_sep=SEP, mlp_tile_tokens=8, loss_tile_tokens=8, device=device,
             dtype=dtype, attn_kernel=kernels._requested["kernel"]), **more})
-        cfg = train.resolve_techniques(cfg)
-        rt = train.setup_runtime(cfg)
+        cfg = resolve_techniques(cfg)
+        rt = setup_runtime(cfg)
         model = train.build_model(cfg, rt)
         data = TokenData(cfg, 256, rt.dp_rank, rt.dp)
         tokens = data.batch(0)
@@ -469,9 +470,9 @@ def _one_document_changes_nothing_else(path, changed_path):
         world = dist.get_world_size()
         if stack == 0 and world > 1:
             continue
-        cfg = train.resolve_techniques(train.Config(model="tiny", stack=stack, seq_len=SEQ_LEN,
-                                                    batch_size=2, doc_sep=SEP))
-        rt = train.setup_runtime(cfg)
+        cfg = resolve_techniques(Config(model="tiny", stack=stack, seq_len=SEQ_LEN,
+                                        batch_size=2, doc_sep=SEP))
+        rt = setup_runtime(cfg)
         model = train.build_model(cfg, rt)
         results = []
         for data_path in (path, changed_path):
@@ -630,7 +631,7 @@ def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
     starts = np.fromfile(out + ".docs", dtype="<i8").tolist()
     assert starts == [0, 7, 9, 15]
     # data.py reads it back: the separator from the sidecar, the boundaries from the index.
-    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=19, data=out, documents=True))
+    cfg = resolve_techniques(Config(model="tiny", seq_len=19, data=out, documents=True))
     data = TokenData(cfg, 256, 0, 1)
     tokens = data.batch(0)
     docs = data.documents(0, tokens)

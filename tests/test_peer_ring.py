@@ -11,17 +11,19 @@ from reference import assert_step_matches, full, make_batch, reference_loss_and_
 
 import train
 from bench import ring
+from support.config import Config, resolve_techniques
+from support.runtime import setup_runtime
 
 
 def _ring_matches_unsharded(gqa: str, dtype: str):
-    cfg = train.resolve_techniques(train.Config(
+    cfg = resolve_techniques(Config(
         model="tiny", device="cuda", dtype=dtype, seq_len=256, fsdp=True, checkpoint=True,
         offload=True, tile_mlp=True, tile_loss=True, tile_norm=True, mlp_tile_tokens=48,
         loss_tile_tokens=40))
     tokens, labels = make_batch(256, 1, cfg.seq_len, seed=3, ignore_frac=0.2)
     labels[0, : cfg.seq_len // 4] = -100  # rank 0's first load-balanced chunk: all ignored
     ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
-    rt = train.setup_runtime(cfg)
+    rt = setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     ring.use_ring_attention(model, gqa)
     loss = ring.ring_forward_backward(model, tokens, rt, ring.context_parallel_mesh("cuda"), labels)

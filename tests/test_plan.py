@@ -31,9 +31,10 @@ from ranks import run_ranks  # noqa: E402
 import model as llama  # noqa: E402
 import plan as planner
 from support import byte_counts
-from support.config import MAX_STACK
+from support.config import Config, MAX_STACK, resolve_techniques
 from support.demos import measure_stage_memory
 from support.lessons import tiling, ulysses_sp, untied_sp
+from support.runtime import setup_runtime
 
 train = importlib.import_module("train")  # noqa: E402
 
@@ -320,8 +321,8 @@ def _model_state_bytes_match_fsdp(preset):
     rank's shards of parameters, gradients and AdamW's moments are model_state_bytes. A later
     step of the fused AdamW allocates nothing of a parameter's size (the plan's optimizer step
     counts no temporaries)."""
-    cfg = train.Config(model=preset, fsdp=True, seq_len=32, steps=1)
-    rt = train.setup_runtime(cfg)
+    cfg = Config(model=preset, fsdp=True, seq_len=32, steps=1)
+    rt = setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     tokens = torch.randint(0, llama.get_model_args(preset).vocab_size, (1, 33))
@@ -346,15 +347,15 @@ def _training_and_plan_refuse_alike():
     world = dist.get_world_size()
     llama.PRESETS["plan-odd-heads"] = llama.ModelArgs(dim=40, n_layers=1, n_heads=5, n_kv_heads=1,
                                                        head_dim=8, ffn_dim=64, vocab_size=64)
-    bad = [train.Config(model="tiny", seq_len=32),  # several processes without FSDP
-           train.Config(model="tiny", seq_len=32, fsdp=True, ulysses=True, sp=3),
+    bad = [Config(model="tiny", seq_len=32),  # several processes without FSDP
+           Config(model="tiny", seq_len=32, fsdp=True, ulysses=True, sp=3),
            # 5 heads over 2 ranks: Ulysses alone (--ring 1) cannot split them
-           train.Config(model="plan-odd-heads", seq_len=32, fsdp=True, ulysses=True, ring=1),
-           train.Config(model="tiny", seq_len=33, fsdp=True, ulysses=True),
-           train.Config(model="tiny", seq_len=32, fsdp=True, untied=True, head_chunk=3)]
+           Config(model="plan-odd-heads", seq_len=32, fsdp=True, ulysses=True, ring=1),
+           Config(model="tiny", seq_len=33, fsdp=True, ulysses=True),
+           Config(model="tiny", seq_len=32, fsdp=True, untied=True, head_chunk=3)]
     for cfg in bad:
         with pytest.raises(ValueError) as training:
-            train.setup_runtime(cfg)
+            setup_runtime(cfg)
         with pytest.raises(ValueError) as planning:
             planner.plan_memory(cfg, world)
         assert str(planning.value) == str(training.value)
@@ -388,8 +389,8 @@ def test_parse_bytes():
 
 
 def _cfg(stack, seq_len, model="llama3-8b", **flags):
-    return train.resolve_techniques(train.Config(model=model, seq_len=seq_len,
-                                                 dtype="bfloat16", stack=stack, **flags))
+    return resolve_techniques(Config(model=model, seq_len=seq_len,
+                                     dtype="bfloat16", stack=stack, **flags))
 
 
 def test_each_technique_acts_where_its_file_says():
@@ -419,9 +420,9 @@ def test_each_technique_acts_where_its_file_says():
 def test_tiled_norms_without_checkpointing_keep_the_running_blocks_input():
     """Without checkpointing, a tiled RMSNorm's saved input (the block input) is still there in
     its own block's backward: one hidden state more than the other layers' activations."""
-    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**19, dtype="bfloat16",
-                                                fsdp=True, ulysses=True, tile_mlp=True,
-                                                tile_loss=True, tile_norm=True))
+    cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**19, dtype="bfloat16",
+                                    fsdp=True, ulysses=True, tile_mlp=True,
+                                    tile_loss=True, tile_norm=True))
     plan = planner.plan_memory(cfg, 2)
     hidden = 2**19 // 2 * LLAMA8B.dim * 2
     norms = byte_counts.norm_temporary_bytes(LLAMA8B, 2**18, None, 2)
@@ -810,7 +811,7 @@ def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
     buffers (K/V and dK/dV in flight, fp32 accumulators) in place of one kernel's workspace;
     attention bytes per GPU fall with R; Llama-3-8B (32 query heads) plans on 64 GPUs."""
     args = llama.get_model_args("llama3-8b")
-    cfg = train.resolve_techniques(train.Config(model="llama3-8b", stack=5, seq_len=16 * 2**20))
+    cfg = resolve_techniques(Config(model="llama3-8b", stack=5, seq_len=16 * 2**20))
     plans = {r: planner.plan_memory(replace(cfg, ring=r), 64) for r in (2, 4, 8, 16)}
     attention = {r: p["moments"]["backward of the last layer"]["attention"]
                  for r, p in plans.items()}

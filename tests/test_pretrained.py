@@ -20,6 +20,8 @@ import torch.distributed as dist
 import model as llama
 from support import build, pretrained
 from ranks import run_ranks
+from support.config import Config
+from support.runtime import Runtime
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -487,12 +489,11 @@ def test_sharded_export_writes_whole_tensors(tmp_path):
 def _stack5_equals_single_process(path):
     from reference import assert_matches, make_batch, train_loss_and_grads
 
-    train = __import__("train")
     tokens, labels = make_batch(256, 1, 64, ignore_frac=0.1)
-    ref_loss, ref_grads = train_loss_and_grads(train.Config(init_from=path, seq_len=64), tokens,
-                                               labels, rt=train.Runtime())
-    loss, grads = train_loss_and_grads(train.Config(init_from=path, seq_len=64, stack=5,
-                                                    head_chunk=dist.get_world_size()),
+    ref_loss, ref_grads = train_loss_and_grads(Config(init_from=path, seq_len=64), tokens,
+                                               labels, rt=Runtime())
+    loss, grads = train_loss_and_grads(Config(init_from=path, seq_len=64, stack=5,
+                                              head_chunk=dist.get_world_size()),
                                        tokens, labels)
     assert_matches(loss, grads, ref_loss, ref_grads, rtol=1e-5, atol=1e-6,
                    what=f"--init-from --stack 5 at P={dist.get_world_size()}")
@@ -511,15 +512,15 @@ def test_train_exports_and_init_from_the_export_continues_exactly(tmp_path):
 
     make_hf_model(tmp_path / "a", "qwen3-tied-yarn")
     common = dict(seq_len=SEQ, data="synthetic", lr=1e-3)
-    run = train.train(train.Config(init_from=str(tmp_path / "a"), steps=3,
-                                   export_hf=str(tmp_path / "b"), **common))
+    run = train.train(Config(init_from=str(tmp_path / "a"), steps=3,
+                             export_hf=str(tmp_path / "b"), **common))
     ids, pos, _, labels = batch()
     with torch.no_grad():
         ours = run.model(ids, pos)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / "b").float()(ids).logits
     assert rel_err(theirs, ours) < 1e-5
-    again = train.train(train.Config(init_from=str(tmp_path / "b"), steps=0, **common))
+    again = train.train(Config(init_from=str(tmp_path / "b"), steps=0, **common))
     with torch.no_grad():
         assert torch.equal(again.model(ids, pos, labels), run.model(ids, pos, labels))
     # the rotary settings the run trained with travel in config.json

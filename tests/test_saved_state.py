@@ -19,16 +19,16 @@ from reference import full
 from test_train import ROOT
 
 import model as llama
-import plan as planner
 from support import errors, saved_state
-from support.config import MAX_STACK
+from support.config import Config, MAX_STACK, resolve_techniques
+from support.runtime import Runtime
 
 train = importlib.import_module("train")
 
 
 def config(save_dir, steps, **extra):
-    return train.resolve_techniques(train.Config(model="tiny", seq_len=32, steps=steps,
-                                                 save_dir=str(save_dir), **extra))
+    return resolve_techniques(Config(model="tiny", seq_len=32, steps=steps,
+                                     save_dir=str(save_dir), **extra))
 
 
 def _resume_equals_straight(tmp, cases):
@@ -257,16 +257,16 @@ def test_named_out_of_memory_is_still_torchs_and_named_once():
 
 
 def test_next_technique_follows_the_files():
-    cfg = train.Config()
-    assert planner.next_memory_technique(cfg, 8).startswith("--fsdp")
-    cfg = train.Config(fsdp=True, ulysses=True, checkpoint=True)
-    assert planner.next_memory_technique(cfg, 8).startswith("--offload")
-    cfg = train.resolve_techniques(train.Config(stack=5, head_chunk=16))
-    assert planner.next_memory_technique(cfg, 8) == "a smaller --head-chunk (down to 8)"
-    cfg = train.resolve_techniques(train.Config(stack=5))
-    assert planner.next_memory_technique(cfg, 8).startswith("--offload-model-state")
-    cfg = train.resolve_techniques(train.Config(stack=5, offload_model_state=True))
-    assert planner.next_memory_technique(cfg, 8).startswith("fewer tokens per GPU")
+    cfg = Config()
+    assert errors.next_memory_technique(cfg, 8).startswith("--fsdp")
+    cfg = Config(fsdp=True, ulysses=True, checkpoint=True)
+    assert errors.next_memory_technique(cfg, 8).startswith("--offload")
+    cfg = resolve_techniques(Config(stack=5, head_chunk=16))
+    assert errors.next_memory_technique(cfg, 8) == "a smaller --head-chunk (down to 8)"
+    cfg = resolve_techniques(Config(stack=5))
+    assert errors.next_memory_technique(cfg, 8).startswith("--offload-model-state")
+    cfg = resolve_techniques(Config(stack=5, offload_model_state=True))
+    assert errors.next_memory_technique(cfg, 8).startswith("fewer tokens per GPU")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def test_resume_honours_a_new_lr_and_says_so(tmp_path, capsys):
             "weight decay 0.0, warmup steps 0)" in capsys.readouterr().out)
     # fresh model, then load the checkpoint's weights
     saved = train.train(config(tmp_path / "copy", 0))
-    saved_state.restore_state(train.Runtime(), saved_state.complete_saves(str(tmp_path))[0],
+    saved_state.restore_state(Runtime(), saved_state.complete_saves(str(tmp_path))[0],
                               saved.model, saved.optimizer)
     for a, b in zip(run.model.parameters(), saved.model.parameters()):
         assert torch.equal(a, b)

@@ -26,6 +26,7 @@ import model as llama  # noqa: E402
 import plan as planner  # noqa: E402
 from support import step_time  # noqa: E402
 from support.runtime import Machine  # noqa: E402
+from support.config import Config, resolve_techniques
 
 train = importlib.import_module("train")
 
@@ -145,8 +146,8 @@ EIGHT_80GB = Machine(gpus=8, gpu_name="NVIDIA H200", gpu_mem=80 * GiB, host_mem=
 
 
 def _cfg(model: str, seq_len: int, **flags):
-    return train.resolve_techniques(train.Config(model=model, seq_len=seq_len, device="cpu",
-                                                 dtype="bfloat16", attn_kernel="fa4", **flags))
+    return resolve_techniques(Config(model=model, seq_len=seq_len, device="cpu",
+                                     dtype="bfloat16", attn_kernel="fa4", **flags))
 
 
 def _auto(model: str, seq_len: int, **flags):

@@ -11,7 +11,8 @@ import pytest
 import torch
 from ranks import run_ranks
 
-from support.config import MAX_STACK
+from support.config import Config, MAX_STACK
+from support.runtime import setup_runtime
 
 train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def test_default_run_exits_0_and_loss_goes_down(tmp_path):
     header, steps = read_log(tmp_path / "log.jsonl")
     assert header["config"]["model"] == "tiny" and header["world_size"] == 1
     assert header["torch"] == torch.__version__ and header["attention_kernel"]
-    assert len(steps) == train.Config().steps
+    assert len(steps) == Config().steps
     assert ({"step", "loss", "tokens_per_s_per_gpu", "peak_gpu_mem_gib", "step_time_s"}
             <= steps[0].keys())
     first, last = [sum(s["loss"] for s in part) / 10 for part in (steps[:10], steps[-10:])]
@@ -151,7 +152,7 @@ def test_warmup_scales_the_first_steps_learning_rate():
 
 def _several_processes_need_fsdp():
     with pytest.raises(ValueError, match="2 processes need --fsdp"):
-        train.setup_runtime(train.Config(model="tiny"))
+        setup_runtime(Config(model="tiny"))
 
 
 def test_several_processes_without_fsdp_are_refused():

@@ -23,7 +23,8 @@ from test_train import error_of  # the one helper: run train.main, return its er
 import plan as planner
 from support import config, errors, progress, saved_state
 from support.lessons import tiling, untied_sp
-from support.runtime import Runtime
+from support.runtime import Runtime, setup_runtime
+from support.config import Config, resolve_techniques
 
 train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +122,8 @@ def test_a_ranks_own_error_is_printed_by_that_rank(rank, error, printed, monkeyp
 
 
 def test_one_is_singular():
-    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**20, stack=5,
-                                                dtype="bfloat16", device="cpu"))
+    cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**20, stack=5,
+                                    dtype="bfloat16", device="cpu"))
     assert "this node's 1 rank, " in planner.host_memory_error(cfg, 1, 1, 10 * GiB)
     assert "this node's 2 ranks, " in planner.host_memory_error(cfg, 2, 2, 10 * GiB)
 
@@ -139,9 +140,9 @@ def _grad_accum_equals_the_larger_batch(cases: list):
     its eps (1e-8) turns a 1e-10 rounding difference into a thousandth of a step."""
     for flags, n in cases:
         base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
-        accumulated = train.train(train.resolve_techniques(train.Config(batch_size=1,
-                                                                        grad_accum=n, **base)))
-        larger = train.train(train.resolve_techniques(train.Config(batch_size=n, **base)))
+        accumulated = train.train(resolve_techniques(Config(batch_size=1,
+                                                            grad_accum=n, **base)))
+        larger = train.train(resolve_techniques(Config(batch_size=n, **base)))
         assert len(accumulated.history) == len(larger.history) == 3
         for a, b in zip(accumulated.history, larger.history):
             assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (flags, n, a, b)
@@ -184,8 +185,8 @@ def test_grad_accum_is_saved_and_a_changed_one_refused(tmp_path, capsys):
 def test_the_planner_holds_the_gradients_across_micro_batches():
     """From the second micro-batch on, the gradients so far are held through its forward and
     backward: the sharded gradients under FSDP; with the model state on the host, none."""
-    cfg = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**17, stack=5,
-                                                dtype="bfloat16", device="cpu", head_chunk=8))
+    cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**17, stack=5,
+                                    dtype="bfloat16", device="cpu", head_chunk=8))
     grads = planner.byte_counts.model_state_bytes(planner.model_args(cfg), 8)["gradients"]
     one, two = (planner.plan_memory(replace(cfg, grad_accum=n), 8) for n in (1, 2))
     for moment in ("end of forward (loss)", "backward of the last layer"):
@@ -197,7 +198,7 @@ def test_the_planner_holds_the_gradients_across_micro_batches():
     on_host = replace(cfg, offload_model_state=True)
     assert (planner.plan_memory(replace(on_host, grad_accum=2), 8)["peak"]
             == planner.plan_memory(on_host, 8)["peak"])
-    assert "--grad-accum" in train.planner_argv(["--grad-accum", "2", "--lr", "1e-3"])
+    assert "--grad-accum" in planner.planner_argv(["--grad-accum", "2", "--lr", "1e-3"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,14 +227,14 @@ def _flags_train_like_one_process(cases):
     against the reference without it. The techniques named are checked to run in the model."""
     world = torch.distributed.get_world_size()
     for flags in cases:
-        cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=32, batch_size=2,
-                                                    lr=3e-3, **flags))
+        cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=2,
+                                        lr=3e-3, **flags))
         dp = world // (cfg.sp or world) if cfg.ulysses or cfg.untied else world
         model, _, metrics, grads = _train_recording_grads(cfg, 3)
         training = {k: v for k, v in flags.items() if k in TRAINING_FLAGS}
         shared = {k: v for k, v in flags.items() if k in REFERENCE_FLAGS}
-        reference = train.resolve_techniques(train.Config(model="tiny", seq_len=32,
-                                                          batch_size=2 * dp, lr=3e-3, **shared))
+        reference = resolve_techniques(Config(model="tiny", seq_len=32,
+                                              batch_size=2 * dp, lr=3e-3, **shared))
         ref_model, _, ref_metrics, ref_grads = _train_recording_grads(reference, 3, Runtime())
         for step, (got, want) in enumerate(zip(metrics, ref_metrics)):
             for key in ("loss", "grad_norm"):
@@ -311,20 +312,20 @@ def test_flags_without_a_lesson_train_like_one_process():
 def test_the_schedule_follows_its_formula():
     lr, low, warmup, steps = 1e-3, 1e-4, 10, 110
     for schedule in config.LR_SCHEDULES:
-        cfg = train.resolve_techniques(train.Config(lr=lr, min_lr=low, warmup_steps=warmup,
-                                                    steps=steps, lr_schedule=schedule))
+        cfg = resolve_techniques(Config(lr=lr, min_lr=low, warmup_steps=warmup,
+                                        steps=steps, lr_schedule=schedule))
         for step in (0, 4, 9):
-            assert train.learning_rate(cfg, step) == pytest.approx(lr * (step + 1) / warmup)
+            assert config.learning_rate(cfg, step) == pytest.approx(lr * (step + 1) / warmup)
         for step in (10, 35, 60, 85, 109, 110):
             progress = (step - warmup) / (steps - warmup)
             expected = {"constant": lr,
                         "cosine": low + (lr - low) * 0.5 * (1 + math.cos(math.pi * progress)),
                         "linear": lr - (lr - low) * progress}[schedule]
-            assert (train.learning_rate(cfg, step)
+            assert (config.learning_rate(cfg, step)
                     == pytest.approx(expected, rel=1e-12)), (schedule, step)
-    cosine = train.resolve_techniques(train.Config(lr=lr, lr_schedule="cosine", steps=100))
+    cosine = resolve_techniques(Config(lr=lr, lr_schedule="cosine", steps=100))
     assert cosine.min_lr == pytest.approx(0.1 * lr)  # --min-lr's default
-    assert train.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
+    assert config.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
 
 
 @pytest.mark.slow
@@ -358,7 +359,7 @@ def test_a_changed_schedule_on_resume_is_said(tmp_path, capsys):
     ({"model": "llama3-8b", "lr": 1e-5}, 1e-5),
 ])
 def test_the_default_lr_follows_the_model_size(flags, lr):
-    assert train.resolve_techniques(train.Config(**flags)).lr == lr
+    assert resolve_techniques(Config(**flags)).lr == lr
 
 
 @pytest.mark.slow
@@ -368,7 +369,7 @@ def test_the_default_lr_of_init_from_is_fine_tuning_and_printed(tmp_path):
                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
                                   max_position_embeddings=256)
     transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "hf")
-    assert config.default_lr(train.Config(init_from=str(tmp_path / "hf"))) == 2e-5
+    assert config.default_lr(Config(init_from=str(tmp_path / "hf"))) == 2e-5
     result = run_script("train.py", "--init-from", str(tmp_path / "hf"), "--seq-len", "32",
                         "--steps", "1")
     assert result.returncode == 0, result.stderr
@@ -406,9 +407,9 @@ def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
             super().close()
 
     monkeypatch.setattr(progress, "tqdm", CountedBar)
-    cfg = train.resolve_techniques(train.Config(model="tiny", seq_len=32, checkpoint=True,
-                                                grad_accum=2))
-    rt = train.setup_runtime(cfg)
+    cfg = resolve_techniques(Config(model="tiny", seq_len=32, checkpoint=True,
+                                    grad_accum=2))
+    rt = setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     passes = 2 * 2 * len(model.layers)  # forward and backward of each block, per micro-batch
@@ -427,8 +428,8 @@ def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
 def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     parse = lambda *flags: train.parse_args(["--stack", "3", *flags]).keep_attention  # noqa: E731
     assert (parse(), parse("--keep-attention"), parse("--no-keep-attention")) == (None, True, False)
-    undecided = train.resolve_techniques(train.Config(model="llama3-8b", seq_len=2**17, stack=5,
-                                                      dtype="bfloat16", device="cpu"))
+    undecided = resolve_techniques(Config(model="llama3-8b", seq_len=2**17, stack=5,
+                                          dtype="bfloat16", device="cpu"))
     assert planner.plan_run(undecided, None).settings == {}  # the CPU: no plan, nothing chosen
     run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1",
                                         "--device", "cpu"]))

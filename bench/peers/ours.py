@@ -25,8 +25,9 @@ import torch
 import plan
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
 from bench.report import release
-from support.config import techniques_text
-from support.runtime import read_machine
+from support.config import model_args, techniques_text
+from support.runtime import read_machine, setup_runtime
+from support.progress import attention_kernel
 
 train = importlib.import_module("train")
 
@@ -61,8 +62,8 @@ class Stack:
                                                  seq_len)
         self.spec = spec
         self.cfg = run_config(self.flags(256), spec)  # refuses bad flags before any row
-        self.rt = train.setup_runtime(self.cfg)
-        self.args = train.model_args(self.cfg)
+        self.rt = setup_runtime(self.cfg)
+        self.args = model_args(self.cfg)
         self.vocab_size = self.args.vocab_size
         self.model = self.optimizer = None
         self.built_for = None  # the Config (less the length) of the model in hand
@@ -74,7 +75,7 @@ class Stack:
         cfg = run_config(self.flags(seq_len), self.spec)
         cfg = dataclasses.replace(cfg, **plan.plan_run(cfg, read_machine(cfg)).settings)
         # --stack auto's techniques may change with the length: the runtime follows them
-        self.cfg, self.rt = cfg, train.setup_runtime(cfg)
+        self.cfg, self.rt = cfg, setup_runtime(cfg)
         decisions = dataclasses.replace(cfg, seq_len=0)
         if decisions == self.built_for:
             return
@@ -104,7 +105,7 @@ class Stack:
             "techniques": techniques_text(cfg, cfg.head_chunk, self.rt.ring),
             "keep_attention": cfg.keep_attention, "mlp_tile_tokens": cfg.mlp_tile_tokens,
             "keep_attention_source": "plan.plan_run (train.py's default, from the planner)",
-            "attention": train.attention_kernel(cfg, self.rt, self.args),
+            "attention": attention_kernel(cfg, self.rt, self.args),
             "weights": "fp32 master, bf16 compute (FSDP2 mixed precision)"
                        if cfg.dtype == "bfloat16" else cfg.dtype,
             "optimizer": "torch AdamW fused, fp32 state on the "
