@@ -188,7 +188,7 @@ def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, 
 
 def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, first_step: int,
                outputs: saved_state.Outputs) -> Run:
-    args, is_main = model_args(cfg), rt.rank == 0
+    args, is_main = model.args, rt.rank == 0
     header = progress.run_header(cfg, rt, args, first_step)
     if is_main:
         print(progress.opening_text(cfg, rt, header, data))
