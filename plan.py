@@ -17,7 +17,8 @@ numbered file (`model_state_bytes` for 01, `attention_activation_bytes` for 02,
 `checkpoint_memory_bytes` for 03, `mlp_temporary_bytes` / `loss_temporary_bytes` for 04,
 `untied_attention_bytes` for 05, `ring_buffer_bytes` for 06); this file adds them up at the
 moments a step can peak. The flags it shares with train.py (one definition,
-support/config.py) mean what they mean there; plan.py imports no train.py, train.py imports it.
+support/config.py) mean what they mean there; plan.py imports no train.py, and train.py imports
+it only where a run plans (a GPU run, --plan).
 The counts are calibrated against GPU runs (docs/calibration.md: within a few percent), and
 "fits" keeps a margin of the worst under-prediction among them (`PLAN_MARGIN`). The host memory
 assumed (--host-mem, per node) can decide an answer: its first line says what was assumed.
