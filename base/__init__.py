@@ -1,4 +1,4 @@
-"""base/: what model.py's seams and the numbered lessons build on, below them: the attention
-kernels, which checkpointed block runs (03's recompute flag), pinned host buffers.
-support/: what the commands use, above the lessons (building, run time, byte counts, ...).
-Nothing here imports the project outside base/; each module says which lessons it serves."""
+"""base/: what the numbered lessons build on, below them: the attention kernels (the build puts
+them in model.py's seam 1), which checkpointed block runs (03's recompute flag, keep-attention's
+seam), pinned host buffers. Nothing here imports the project outside base/.
+support/: what the commands use, above the lessons (building, run time, byte counts, ...)."""
