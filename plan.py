@@ -1216,6 +1216,8 @@ def plan_auto_table(cfg: Config, machine: Machine) -> str:
                     f"{flags_text(candidate.cfg)}")
     return "\n".join(rows + ["a GPU run takes #1 and says, in its first lines:"]
                      + ["  " + line for line in choice.lines])
+
+
 # The flags shared with train.py that the plan reads.
 FLAG_GROUPS = (config.add_model_flags, config.add_step_flags, config.add_accumulation_flags,
                config.add_document_flags, config.add_technique_flags)

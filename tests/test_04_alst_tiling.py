@@ -494,17 +494,24 @@ def _peak(run, x):
     return torch.cuda.max_memory_allocated() - base, out.detach().float(), x.grad.float()
 
 
+def _gpu_bf16_layer(tokens: int):
+    """A one-layer small model with a 32K vocabulary in bf16 on the GPU, a hidden state of
+    `tokens` tokens and their labels."""
+    args = replace(llama.get_model_args("small"), n_layers=1, vocab_size=32768)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = llama.Transformer(args).to(torch.bfloat16)
+        x = torch.randn(1, tokens, args.dim, dtype=torch.bfloat16)
+        labels = torch.randint(0, args.vocab_size, (1, tokens))
+    return model, x, labels
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_tiled_equals_untiled_with_lower_peak():
     """The tiled MLP and loss in bf16 against the untiled ones in fp32 (the same weights), by the
     one bf16 rule (tests/reference.py), whose unsharded run is the untiled bf16 computation; and
     less than half its peak."""
-    args = replace(llama.get_model_args("small"), n_layers=1, vocab_size=32768)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = llama.Transformer(args).to(torch.bfloat16)
-        x = torch.randn(1, 16384, args.dim, dtype=torch.bfloat16)
-        labels = torch.randint(0, args.vocab_size, (1, 16384))
+    model, x, labels = _gpu_bf16_layer(16384)
     model32 = copy.deepcopy(model).float()
     for part, untiled, tiled in [
             ("mlp", lambda m, x: llama.MLP.forward(m.layers[0].mlp, x),
@@ -543,12 +550,7 @@ def test_gpu_bf16_weight_gradients_are_one_matmul_into_the_fp32_sum():
     """On CUDA in bf16 every tile's weight gradient is one matmul accumulating into its fp32 sum
     (addmm's out_dtype overload), never the fp32 fallback; and the tiled MLP and loss stay
     within the one bf16 rule of the fp32 untiled ones."""
-    args = replace(llama.get_model_args("small"), n_layers=1, vocab_size=32768)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = llama.Transformer(args).to(torch.bfloat16)
-        x = torch.randn(1, 4096, args.dim, dtype=torch.bfloat16)
-        labels = torch.randint(0, args.vocab_size, (1, 4096))
+    model, x, labels = _gpu_bf16_layer(4096)
     labels[0, :1024] = llama.IGNORE_INDEX  # the first loss tile: all ignored
     model32 = copy.deepcopy(model).float()
     for part, untiled, tiled, matmuls in [
