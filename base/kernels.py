@@ -290,6 +290,9 @@ def _backward(kernel, grad_out, q, k, v, out, lse, causal: bool = True):
     seq_q, seq_k = q.shape[2], k.shape[2]
     # Dropout is off, so the random-state arguments are never read; pass defined placeholders.
     unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    # The ATen kernels read lse as dense, whatever its strides: under cuDNN a document's slice of
+    # a packed row's lse (the loop in attention_backward_lse) gave gradients 7x off (gpu_tests).
+    lse = lse.contiguous()
     if kernel == "cudnn":  # attn_bias, cum_seq_q, cum_seq_k = None: dense, unmasked beyond causal
         if lse.dim() == 3:  # (B, H, S), e.g. a ring's merged lse: cuDNN reads (B, H, S, 1) only
             lse = lse.unsqueeze(-1)

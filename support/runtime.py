@@ -21,6 +21,14 @@ from support.config import AUTO, Config, model_args
 from support.host_memory import available_host_memory
 from support.lessons import ring_sp, tiling, ulysses_sp, untied_sp
 
+# PyTorch's caching allocator keeps freed blocks at their sizes; at long lengths a step's
+# tensors come in many sizes (tiles, stages, the last tile's remainder), and the gaps between them
+# grew to 3.8-16 GiB reserved but unallocated when a rehearsed record ran out of memory at
+# dfc7e27 (docs/results.md, "rehearsing"). Expandable segments map memory in pages as it is
+# needed, so freed space can be reused by any size. Read when the allocator first runs: set here,
+# before any CUDA tensor exists, unless the user set the variable.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 
 @dataclass
 class Runtime:

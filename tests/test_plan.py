@@ -278,8 +278,9 @@ def _block_saves_what_the_norm_and_mlp_counts_say(device: str, dtype: torch.dtyp
         not_its_own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *rope]}
         saved = {}
 
-        def pack(t):  # one-element tensors: the CUDA attention kernel's RNG seed and offset
-            if t.numel() > 1 and t.untyped_storage().data_ptr() not in not_its_own:
+        def pack(t):  # not the CUDA attention kernel's RNG seed and offset (one or two ints)
+            rng_state = not t.is_floating_point() and t.numel() <= 2
+            if not rng_state and t.untyped_storage().data_ptr() not in not_its_own:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
