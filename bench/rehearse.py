@@ -75,6 +75,7 @@ import functools
 import gc
 import importlib
 import inspect
+import os
 import shlex
 import sys
 import threading
@@ -584,7 +585,8 @@ def rehearse(opts, result: dict, save, started: float) -> None:
               else torch.device("cpu"))
     if device.type == "cuda":
         run["allocator"] = {**cap_allocator(device, opts.gpu_mem_bytes, opts.outside_bytes),
-                            "outside_allocator_gib": opts.outside_bytes / GiB}
+                            "outside_allocator_gib": opts.outside_bytes / GiB,
+                            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     save()
 
     def room_for(seq_len: int, window: int) -> bool:
