@@ -3,8 +3,9 @@
 The memory problem. After 01-03, Llama-3-8B at 3M tokens on 8 GPUs gives each GPU 393,216
 tokens, and the largest allocations left are temporaries of per-token operations over the whole
 local sequence:
-  - the MLP, down(silu(gate(x)) * up(x)), keeps four tokens x 14,336 intermediates for backward
-    (10.5 GiB each in bf16: 42 GiB per layer, six of them, 63 GiB, at once inside its backward);
+  - the MLP, down(silu(gate(x)) * up(x)), keeps three tokens x 14,336 intermediates for
+    backward (10.5 GiB each in bf16: 31.5 GiB per layer; five of them, 52.5 GiB, at once inside
+    its backward);
   - the loss needs the logits, tokens x 128,256 vocabulary entries in fp32: 188 GiB, and its
     log-softmax and gradient as much again;
   - where an RMSNorm runs op by op (off CUDA) its backward holds six fp32 copies of its input:
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
 from model import IGNORE_INDEX, rms_norm
-from base import checkpointed  # is_recomputing: 03 marks its recompute
+from base import checkpointed, fused  # is_recomputing: 03 marks its recompute
 
 GiB = 2**30
 MAX_LOSS_TILE_LOGIT_BYTES = GiB  # default loss tile: at most this many bytes of fp32 logits
@@ -69,22 +70,21 @@ class TiledMLP(torch.autograd.Function):
 
 
 def swiglu(x, gate_weight, up_weight, down_weight):
-    """model.MLP's formula with its weights as arguments."""
-    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
+    """model.MLP's formula with its weights as arguments (silu(gate) * up: base/fused.py's one
+    kernel on CUDA)."""
+    return F.linear(fused.swiglu_forward(F.linear(x, gate_weight), F.linear(x, up_weight)),
+                    down_weight)
 
 
 def swiglu_backward(x, grad_out, gate_weight, up_weight, down_weight, grad_sums):
-    """One tile of swiglu's backward: its intermediates recomputed (six tile x ffn tensors at
+    """One tile of swiglu's backward: its intermediates recomputed (five tile x ffn tensors at
     most), each weight's gradient added into its fp32 sum in `grad_sums` (gate, up, down).
     Returns x's gradient."""
     gate, up = F.linear(x, gate_weight), F.linear(x, up_weight)
-    act = F.silu(gate)
-    add_matmul(grad_sums[2], grad_out.t(), act * up)  # down: grad_out^T (silu(gate) * up)
-    grad_hidden = grad_out @ down_weight  # of silu(gate) * up
-    grad_up = grad_hidden * act
-    # silu'(g) = s (1 + g (1 - s)), s = sigmoid(g): aten's silu_backward multiplies it in, one
-    # kernel (as autograd does); the product's gradient overwrites grad_hidden (one tensor less)
-    grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
+    # down: grad_out^T (silu(gate) * up), the product recomputed and dropped at once
+    add_matmul(grad_sums[2], grad_out.t(), fused.swiglu_forward(gate, up))
+    # the product's gradient through silu'(g) = s (1 + g (1 - s)), s = sigmoid(g): one kernel
+    grad_gate, grad_up = fused.swiglu_backward(grad_out @ down_weight, gate, up)
     add_matmul(grad_sums[0], grad_gate.t(), x)
     add_matmul(grad_sums[1], grad_up.t(), x)
     return grad_gate @ gate_weight + grad_up @ up_weight

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from base import checkpointed, kernels
-from model import apply_rope, rms_norm
+from base import checkpointed, fused, kernels
+from model import rms_norm
 
 ulysses = importlib.import_module("02_ulysses")
 
@@ -209,13 +209,14 @@ def stage_attention_backward(layout, x, wq_rows, q_norm, rope, k, v, stage_out, 
 
 def projected_heads(x, rows, head_dim, norm_weight, eps, rope):
     """Q or K of the heads in `rows`: projected, per-head normed (Qwen3's QK-norm, when present),
-    rotated, in model.project_qkv's order. V: rope=None, projected only."""
+    rotated (model.apply_rope, one kernel on CUDA: base/fused.py), in model.project_qkv's order.
+    V: rope=None, projected only."""
     y = project(x, rows, head_dim)
     if rope is None:
         return y
     if norm_weight is not None:
         y = rms_norm(y, norm_weight, eps)
-    return apply_rope(y, *rope)
+    return fused.rotate(y, *rope)
 
 
 def project(x, rows, head_dim):
@@ -232,7 +233,7 @@ def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, g
     temporary per stage)."""
     if rope is not None:
         cos, sin = rope
-        grad_heads = apply_rope(grad_heads, cos, -sin)
+        grad_heads = fused.rotate(grad_heads, cos, -sin)
         if norm_weight is not None:
             y = project(x, rows, head_dim).requires_grad_()
             weight = norm_weight.detach().requires_grad_()

@@ -18,6 +18,9 @@ The numbered files plug into its seams, attributes replaced from outside without
                                              tokens; 04 tiles it so seq x vocab logits never exist.
      `Transformer.token_scores(h, labels)`  its per-token sibling (each token's loss and greedy
                                              prediction), which eval.py tiles the same way.
+  6. `MLP.act(gate, up)`, `Attention.rotary`  the elementwise work, `swiglu_act` and
+                                             `apply_rope` here; the build puts base/fused.py's
+                                             forms in their place (one GPU kernel each way).
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather. Packed documents (support/data.py): positions restart at 0 at
@@ -226,6 +229,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.core = sdpa_attention  # seam 1: (q, k, v, cu_seqlens=None) -> out, local tensors
+        self.rotary = apply_rope  # seam 6: (x, cos, sin) -> x rotated
 
     def forward(self, x: torch.Tensor, rope, cu_seqlens=None) -> torch.Tensor:
         return self.o_proj(self.attend(x, rope, cu_seqlens=cu_seqlens))
@@ -244,20 +248,26 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.rotary(q, cos, sin), self.rotary(k, cos, sin), v
+
+
+def swiglu_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: silu(gate) * up."""
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Seam 3 is this module's forward."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Seam 3 is this module's forward, seam 6 its `act`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.act = swiglu_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

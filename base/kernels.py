@@ -98,7 +98,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return flash_attn_func(q, k, v, causal=True)[0]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (B, heads, S, D)
     gqa = k.shape[1] != q.shape[1]
-    if not q.is_cuda:
+    if not q.is_cuda and kernel != "math":  # torch's CPU kernel (--attn-kernel math: below)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         from torch.nn.attention import sdpa_kernel

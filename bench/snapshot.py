@@ -33,6 +33,7 @@ GiB = 2**30
 REPO = Path(__file__).resolve().parents[1]
 REPO_FILES = {p.name for p in REPO.glob("*.py")}
 ATTENTION_FUNCTIONS = {"causal_attention", "sdpa_attention", "attend", "project_qkv", "apply_rope",
+                       "rotary", "rotate",
                        "core", "ulysses_attention", "all_to_all", "seq_to_heads", "heads_to_seq"}
 ATTENTION_FILES = {"05_untied_ulysses.py"}
 ATTENTION_KERNELS = ("scaled_dot_product", "attention_backward", "flash_attn", "fmha")  # C++ frames

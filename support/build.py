@@ -1,7 +1,8 @@
 """build.py - a model that never exists whole in one process.
 
 The model is created on the meta device (shapes, no memory), its attention is given the fast
-kernels (base/kernels.py: model.py alone runs plain SDPA), the techniques rewrite its seams,
+kernels (base/kernels.py: model.py alone runs plain SDPA) and its SwiGLU and rotary their fused
+forms (base/fused.py), the techniques rewrite its seams,
 01's FSDP shards it, and only then does each rank allocate and initialize its own shard: an 8B
 model is never materialized whole. train.py builds this way, and so does `build_from_hf`, whose
 weights then fill the shards from a Hugging Face folder (support/pretrained.py reads them and
@@ -13,7 +14,7 @@ embeddings again after that, and drawing each rank's rows of the initial weights
 import torch
 
 import model
-from base import kernels
+from base import fused, kernels
 from support import pretrained
 from support.lessons import sharding
 
@@ -32,6 +33,7 @@ def build_model(args, device: torch.device, mesh=None, compute_dtype=torch.float
     with torch.device("meta"):
         transformer = model.Transformer(args)
     use_kernels(transformer)
+    fused.use_fused(transformer)
     if before_sharding is not None:
         before_sharding(transformer)
     if mesh is not None:

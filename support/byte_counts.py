@@ -238,27 +238,33 @@ def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) 
 # Until 04 wrote its tiles' backward by hand, each tile ran autograd.grad: a
 # bf16 weight gradient per tile beside the fp32 sum, three fp32 logits-sized tensors in the loss
 # tile's backward, the fused norm's backward in a norm tile. The calibration rows measured then
-# say "tile_backward": "autograd" and are predicted with autograd_tiles=True.
+# say "tile_backward": "autograd" and are predicted with autograd_tiles=True. Until
+# base/fused.py's SwiGLU activation, autograd kept silu(gate) as well: those rows say
+# "swiglu": "autograd" (autograd_swiglu=True).
 
 def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
                         bytes_per_value: int = 2, saved_only: bool = False,
-                        autograd_tiles: bool = False) -> int:
+                        autograd_tiles: bool = False, autograd_swiglu: bool = False) -> int:
     """Bytes of the MLP's own tensors while one layer runs forward and backward, beyond its input
     and output gradient: the peak, in backward (default), or what it keeps for backward.
 
-    Untiled: autograd keeps gate, silu(gate), up and their product, ffn_dim values per token
-    each (4 x tokens x ffn_dim); when the product's gradient splits into the gradients of
-    silu(gate) and up, six such tensors exist at once. Tiled: nothing is kept but the input;
-    backward holds the input-gradient buffer (tokens x dim), one tile's six intermediates
-    (04's swiglu_backward), and the three weight gradients' fp32 sums (3 x dim x ffn_dim x 4),
+    Untiled: gate, up and their activation silu(gate) * up are kept, ffn_dim values per token
+    each (3 x tokens x ffn_dim; base/fused.py's SwiGLUAct keeps gate and up, down_proj its
+    input); in backward the activation's gradient and the two it splits into, with gate and
+    up, are five such tensors at once. Tiled: nothing is kept but the input;
+    backward holds the input-gradient buffer (tokens x dim), one tile's intermediates (04's
+    swiglu_backward: five with the fused kernels on CUDA, six op by op; counted as six), and
+    the three weight gradients' fp32 sums (3 x dim x ffn_dim x 4),
     into which each tile's matmul accumulates (the sums' casts to the weights' dtype are the
     unsharded gradients FSDP's count holds).
-    Llama-3-8B, 393,216 tokens per GPU: 63 GiB untiled, 4.3 GiB tiled (4,096-token tiles).
-    autograd_tiles: as the rows measured while each tile ran autograd (the note above).
+    Llama-3-8B, 393,216 tokens per GPU: 52.5 GiB untiled, 4.3 GiB tiled (4,096-token tiles).
+    autograd_tiles, autograd_swiglu: as the rows measured before (the note above; autograd's
+    SwiGLU kept silu(gate) too, 4 x tokens x ffn_dim, and its backward peaked at six).
     """
     ffn, dim, b = args.ffn_dim, args.dim, bytes_per_value
     if not tiled:
-        return (4 if saved_only else 6) * local_tokens * ffn * b
+        kept = 4 if autograd_swiglu else 3
+        return (kept if saved_only else kept + 2) * local_tokens * ffn * b
     if saved_only:
         return 0
     tile = min(tiling.mlp_tile_size(dim, local_tokens, tile_tokens), local_tokens)

@@ -169,16 +169,22 @@ class TokenData:
         return batch
 
     def synthetic(self, step: int) -> torch.Tensor:
+        """This rank's rows of step `step`, each drawn from its own generator seeded by its
+        global sample index: the global batch is the same at any data-parallel layout."""
         cfg = self.cfg
         first = (step * self.dp + self.dp_rank) * cfg.batch_size  # global sample index
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + first)
-        if not self.packed:
-            start = torch.randint(0, self.vocab_size, (cfg.batch_size, 1), generator=generator)
-            stride = torch.randint(1, 17, (cfg.batch_size, 1), generator=generator)
-            return (start + stride * torch.arange(cfg.seq_len + 1)) % self.vocab_size
+        generators = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + first + row)
+                      for row in range(cfg.batch_size)]
         window = cfg.seq_len + 1
+        if not self.packed:
+            rows = []
+            for generator in generators:
+                start = torch.randint(0, self.vocab_size, (1,), generator=generator)
+                stride = torch.randint(1, 17, (1,), generator=generator)
+                rows.append((start + stride * torch.arange(window)) % self.vocab_size)
+            return torch.stack(rows)
         rows = torch.empty(cfg.batch_size, window, dtype=torch.int64)
-        for row in range(cfg.batch_size):
+        for row, generator in enumerate(generators):
             filled = 0
             while filled < window:
                 length = int(math.exp(torch.rand((), generator=generator) * math.log(window))) + 1

@@ -1,0 +1,115 @@
+"""base/fused.py: SwiGLU's activation and rotary as model.py writes them, one kernel each way on
+CUDA, and what SwiGLU no longer keeps. (Every equivalence test also compares a built model, which
+runs these, against model.py's plain one.)"""
+
+import pytest
+import torch
+
+import model as llama
+from base import fused
+from reference import assert_within_bf16_error
+from support import build, byte_counts
+
+
+def _inputs(dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate, up, grad = (torch.randn(3, 40, 24, generator=g, dtype=torch.float64) * 3
+                      for _ in range(3))
+    x = torch.randn(2, 40, 4, 16, generator=g, dtype=torch.float64)
+    grad_x = torch.randn(2, 40, 4, 16, generator=g, dtype=torch.float64)
+    args = llama.ModelArgs(head_dim=16, rope_theta=10000.0, rope_scaling="none")
+    cos, sin = llama.rope_cos_sin(torch.arange(1000, 1040).expand(2, -1), args, torch.float64)
+    return [t.to(device, dtype) for t in (gate, up, grad, x, grad_x, cos, sin)]
+
+
+def _plain_and_fused(gate, up, grad, x, grad_x, cos, sin) -> tuple:
+    """Outputs and input gradients of model.py's forms (autograd) and of base/fused.py's."""
+    results = []
+    for act, rotary in ((llama.swiglu_act, llama.apply_rope), (fused.swiglu, fused.rotary)):
+        g, u, r = (t.detach().clone().requires_grad_() for t in (gate, up, x))
+        out, rotated = act(g, u), rotary(r, cos, sin)
+        torch.autograd.backward((out, rotated), (grad, grad_x))
+        results.append({"act": out.detach(), "d_gate": g.grad, "d_up": u.grad,
+                        "rotary": rotated.detach(), "d_x": r.grad})
+    return tuple(results)
+
+
+def test_fused_forms_equal_model_py_and_their_gradients_are_exact():
+    plain, mine = _plain_and_fused(*_inputs())
+    for name, want in plain.items():
+        torch.testing.assert_close(mine[name], want, rtol=1e-6, atol=1e-6, msg=name)
+    # the backward formulas themselves, against finite differences in float64
+    # (a slice of each: gradcheck perturbs every input element)
+    gate, up, _, x, _, cos, sin = (t[:1, :6].clone() for t in _inputs(torch.float64))
+    assert torch.autograd.gradcheck(fused.swiglu, (gate.requires_grad_(), up.requires_grad_()))
+    assert torch.autograd.gradcheck(lambda t: fused.rotary(t, cos, sin), (x.requires_grad_(),))
+
+
+def test_a_built_model_runs_them_and_its_mlp_keeps_one_activation_less():
+    """The build installs both seams; an untiled block then keeps gate, up and the activation
+    (3 x tokens x ffn_dim, the planner's count), where model.py's plain SwiGLU keeps silu(gate)
+    too (4): the tensor never exists past the forward."""
+    args = llama.get_model_args("tiny")
+    built = build.build_model(args, torch.device("cpu"))
+    assert all(block.mlp.act is fused.swiglu and block.self_attn.rotary is fused.rotary
+               for block in built.layers)
+    plain = llama.Transformer(args)
+    plain.load_state_dict(built.state_dict())
+    tokens = 64
+    x = torch.randn(1, tokens, args.dim)
+    kept = []
+    for model in (plain, built):
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        mlp = model.layers[0].mlp
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mlp(x.clone().requires_grad_())
+        weights = sum(p.nbytes for p in mlp.parameters())
+        kept.append(sum(saved.values()) - weights - x.nbytes)  # less its weights and input
+    activation = tokens * args.ffn_dim * 4
+    assert kept[0] - kept[1] == activation
+    assert kept[1] == byte_counts.mlp_temporary_bytes(args, tokens, False, bytes_per_value=4,
+                                                      saved_only=True)
+
+
+def test_use_compile_false_runs_the_formulas_as_written():
+    fused.use_compile(False)
+    try:
+        gate, up = _inputs()[:2]
+        torch.testing.assert_close(fused.swiglu_forward(gate, up), llama.swiglu_act(gate, up))
+    finally:
+        fused.use_compile(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_one_kernel_each_way_within_the_bf16_rule():
+    """On CUDA in bf16: each form's forward is one kernel and its backward one (rotary's two: the
+    tables' -sin, then the rotation), and the results stay within the one bf16 rule of the fp32
+    plain forms (compiled: computed in fp32 and rounded once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reference, _ = _plain_and_fused(*_inputs(torch.float32))
+    unsharded, mine = _plain_and_fused(*_inputs(torch.bfloat16, "cuda"))
+    cpu = lambda d: {k: v.float().cpu() for k, v in d.items()}  # noqa: E731
+    assert_within_bf16_error(cpu(mine), cpu(unsharded), reference, "fused forms")
+    gate, up, grad, x, grad_x, cos, sin = _inputs(torch.bfloat16, "cuda")
+    g, u, r = (t.requires_grad_() for t in (gate, up, x))
+    runs = {"swiglu forward": (lambda: fused.swiglu(g, u), 1),
+            "swiglu forward + backward": (lambda: fused.swiglu(g, u).backward(grad), 2),
+            "rotary forward": (lambda: fused.rotary(r, cos, sin), 1),
+            "rotary forward + backward": (lambda: fused.rotary(r, cos, sin).backward(grad_x), 3)}
+    for what, (run, most) in runs.items():
+        run()  # compiled (and warmed) first
+        g.grad = u.grad = r.grad = None  # no accumulation into an existing .grad below
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        g.grad = u.grad = r.grad = None
+        launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert len(launched) <= most, (what, launched)
