@@ -20,7 +20,7 @@ import torch.distributed as dist
 import model as llama
 from support import build, pretrained
 from ranks import run_ranks
-from support.config import Config
+from support.config import Config, model_args
 from support.runtime import Runtime
 
 transformers = pytest.importorskip("transformers")
@@ -133,6 +133,75 @@ def test_rotary_frequencies_equal_transformers():
                                               "architectures": ["LlamaForCausalLM"]})
         assert torch.equal(llama.rope_frequencies(args), want), rope
         assert llama.rope_attention_factor(args) == pytest.approx(factor, rel=1e-12), rope
+
+
+# train.py's --rope-* flags, other than the tiny preset's own rotary (llama3: factor 8, original
+# 8192, theta 1e4). At head_dim 8 and theta 8000 the wavelengths 2 pi theta^(i/4) are 6, 59, 562
+# and 5316 tokens: llama3 keeps the first (< 64/4), blends the second, stretches the others;
+# yarn's ramp over dimensions 0-2 keeps, blends and stretches too. 96 tokens: past the 64.
+ROPE_FLAGS = {scaling: ["--rope-scaling", scaling, "--rope-factor", "4",
+                        "--rope-original-context", "64", "--rope-theta", "8000"]
+              for scaling in ("llama3", "yarn")}
+FLAGGED_SEQ = 96
+
+
+def hf_rope_parameters(scaling: str) -> dict:
+    """ROPE_FLAGS[scaling] in transformers' words (llama3's two band edges: Llama 3.1's, the
+    model's defaults, which no flag sets)."""
+    given = {"rope_type": scaling, "rope_theta": 8000.0, "factor": 4.0,
+             "original_max_position_embeddings": 64}
+    if scaling == "llama3":
+        given.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    return given
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_FLAGS))
+def test_rotary_flags_equal_transformers_rotary_embedding(scaling):
+    """The model train.py builds with the --rope-* flags: its cos and sin are transformers'
+    LlamaRotaryEmbedding's for the same rope_parameters, and its logits transformers' Llama's
+    with its weights (the flags reach the model, not only its arguments)."""
+    import train
+
+    cfg = train.parse_args(["--seq-len", str(FLAGGED_SEQ), *ROPE_FLAGS[scaling]])
+    model = train.build_model(cfg, Runtime())
+    args = model.args
+    config = transformers.LlamaConfig(
+        hidden_size=args.dim, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim, vocab_size=args.vocab_size, rms_norm_eps=args.norm_eps,
+        max_position_embeddings=4 * 64, rope_parameters=hf_rope_parameters(scaling))
+    config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(config).float()
+    hf.load_state_dict({name if name == "lm_head.weight" else f"model.{name}": weight
+                        for name, weight in model.state_dict().items()})
+    ids, positions, _, _ = batch(seq=FLAGGED_SEQ)
+    hf_cos, hf_sin = hf.model.rotary_emb(torch.zeros(1, FLAGGED_SEQ, args.head_dim), positions)
+    cos, sin = llama.rope_cos_sin(positions, args, torch.float32)  # half a head: both halves'
+    torch.testing.assert_close(torch.cat([cos, cos], -1), hf_cos)
+    torch.testing.assert_close(torch.cat([sin, sin], -1), hf_sin)
+    with torch.no_grad():
+        assert rel_err(model(ids, positions), hf(ids).logits) < 1e-5
+
+
+def _rotary_flags_shard_like_one_process():
+    """--stack 5 --sp 2 (05: each rank rotates its half of the sequence at its global positions,
+    FSDP) with each scaling's flags: one step's loss and gradients are the plain model's with
+    the same rotary settings, in one process."""
+    from reference import assert_matches, make_batch, reference_loss_and_grads, train_loss_and_grads
+    import train
+
+    tokens, labels = make_batch(256, 2, FLAGGED_SEQ, ignore_frac=0.2)
+    for scaling, flags in ROPE_FLAGS.items():
+        cfg = train.parse_args(["--seq-len", str(FLAGGED_SEQ), "--batch-size", "2",
+                                "--stack", "5", "--sp", "2", *flags])
+        loss, grads = train_loss_and_grads(cfg, tokens, labels)
+        ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels,
+                                                       args=model_args(cfg))
+        assert_matches(loss, grads, ref_loss, ref_grads, what=f"--stack 5 --sp 2 {scaling}")
+
+
+def test_rotary_flags_under_sequence_shards_equal_one_process():
+    run_ranks(2, _rotary_flags_shard_like_one_process)
 
 
 def test_v4_style_config_reads_the_same(tmp_path):

@@ -310,7 +310,8 @@ def test_flags_without_a_lesson_train_like_one_process():
 # ---------------------------------------------------------------------------------------------
 
 def test_the_schedule_follows_its_formula():
-    lr, low, warmup, steps = 1e-3, 1e-4, 10, 110
+    # min-lr is not MIN_LR_FRACTION x lr (1e-4): a schedule that ignored it would still pass.
+    lr, low, warmup, steps = 1e-3, 2.5e-4, 10, 110
     for schedule in config.LR_SCHEDULES:
         cfg = resolve_techniques(Config(lr=lr, min_lr=low, warmup_steps=warmup,
                                         steps=steps, lr_schedule=schedule))
@@ -326,6 +327,42 @@ def test_the_schedule_follows_its_formula():
     cosine = resolve_techniques(Config(lr=lr, lr_schedule="cosine", steps=100))
     assert cosine.min_lr == pytest.approx(0.1 * lr)  # --min-lr's default
     assert config.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
+
+
+def test_the_optimizer_steps_at_the_schedules_learning_rate(monkeypatch):
+    """train.py's run (the flags parsed), at each step: the learning rate its optimizer steps
+    with is the formula's, computed here: --warmup-steps W linear to --lr, then cosine or linear
+    from --lr at step W towards --min-lr at --steps (the last step, --steps - 1, a step short of
+    it), --min-lr's default a tenth of --lr. A --min-lr of 2.5e-4 moves every step after W."""
+    seen = []  # the learning rate of each optimizer.step, as the optimizer holds it then
+    make_optimizer = train.make_optimizer
+
+    def recording_optimizer(model, cfg):
+        optimizer = make_optimizer(model, cfg)
+        optimizer.register_step_pre_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
+        return optimizer
+
+    monkeypatch.setattr(train, "make_optimizer", recording_optimizer)
+    peak, warmup, steps = 1e-3, 2, 6
+    shapes = {"cosine": lambda done: 0.5 * (1 + math.cos(math.pi * done)),
+              "linear": lambda done: 1 - done}
+    for schedule, shape in shapes.items():
+        per_floor = {}
+        for floor in (None, 2.5e-4):
+            seen.clear()
+            train.train(train.parse_args(
+                ["--seq-len", "16", "--steps", str(steps), "--lr", str(peak),
+                 "--warmup-steps", str(warmup), "--lr-schedule", schedule]
+                + ([] if floor is None else ["--min-lr", str(floor)])))
+            low = 0.1 * peak if floor is None else floor
+            want = [peak * (step + 1) / warmup if step < warmup
+                    else low + (peak - low) * shape((step - warmup) / (steps - warmup))
+                    for step in range(steps)]
+            assert seen == pytest.approx(want, rel=1e-12), (schedule, floor)
+            per_floor[floor] = seen[:]
+        default, given = per_floor[None], per_floor[2.5e-4]
+        assert default[:warmup + 1] == given[:warmup + 1]  # the warmup and the peak: unchanged
+        assert all(g > d for d, g in zip(default[warmup + 1:], given[warmup + 1:])), schedule
 
 
 @pytest.mark.slow
