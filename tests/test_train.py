@@ -204,10 +204,6 @@ def test_the_seed_draws_the_weights_and_the_synthetic_batches():
     assert ((1 <= stride) & (stride <= 16)).all()
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: a synthetic row is drawn from a generator "
-                   "seeded by its rank's first global sample, after the rank's other rows' draws, "
-                   "so a step's global batch depends on the data-parallel layout (token files: "
-                   "window = global sample, any layout)")
 def test_the_synthetic_global_batch_does_not_depend_on_the_layout():
     """Step 1 of --seed 7 as 2 data-parallel ranks of 1 row and as 1 process of 2 rows: the
     same global samples (data.py's `first`, 'global sample index'), as a token file gives."""
@@ -326,8 +322,7 @@ def test_the_math_kernel_trains_like_the_default_cpu_kernel(flags, restore_kerne
     """--attn-kernel math and the default (auto: SDPA's CPU kernel) each equal the plain model,
     fp32: at seam 1, and under 05 (one rank), whose stages run the forward and the backward apart
     from the log-sum-exp: there math is kernels.math_attention_forward/backward and the CPU
-    kernel never runs (auto runs it). (Seam 1 on the CPU, and --keep-attention's seam, which
-    sends math there, run SDPA's CPU kernel for math too: the xfail test below.)"""
+    kernel never runs (auto runs it). Seam 1 on the CPU: the test below.)"""
     tokens, labels = make_batch(256, 2, 32, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
     for kernel in ("auto", "math"):
@@ -340,9 +335,6 @@ def test_the_math_kernel_trains_like_the_default_cpu_kernel(flags, restore_kerne
             assert (CPU_FLASH in ops.names) == (kernel == "auto"), (kernel, ops.names)
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: on the CPU --attn-kernel math leaves seam 1 "
-                   "(kernels.causal_attention) on SDPA's fused CPU kernel, while the run log "
-                   "says 'attention: math'")
 def test_the_math_kernel_is_what_runs_at_seam_1_on_the_cpu(restore_kernel):
     """--attn-kernel math is the plain formula (base/kernels.py); on a GPU seam 1 forces SDPA's
     math backend for it, so on the CPU the fused CPU kernel must not run either."""
