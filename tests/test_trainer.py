@@ -136,8 +136,11 @@ def _grad_accum_equals_the_larger_batch(cases: list):
     """Each (flags, N): --grad-accum N equals --batch-size N. Losses and gradient norms within
     fp32 summation order (the micro-batches' summed losses add in another order than one
     batch's; at P > 1 the gradients are reduce-scattered N times): 1e-5 relative. Weights within
-    1% of one step's lr: AdamW divides each gradient by its own magnitude, so a component near
-    its eps (1e-8) turns a 1e-10 rounding difference into a thousandth of a step."""
+    5% of one step's lr: AdamW moves a weight by about lr g / (|g| + eps), so a component whose
+    gradient is near its eps (1e-8) moves by up to lr |dg| / (4 eps) for a rounding difference dg
+    between the two summation orders; fp32 sums of this size round by ~1e-9, 2.5% of a step (seen
+    once: 2.4%, one element of the embedding). A dropped or doubled micro-batch moves the loss
+    (1e-5) and most weights by a whole step."""
     for flags, n in cases:
         base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
         accumulated = train.train(resolve_techniques(Config(batch_size=1,
@@ -148,7 +151,7 @@ def _grad_accum_equals_the_larger_batch(cases: list):
             assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (flags, n, a, b)
             assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (flags, n, a, b)
         for (name, a), b in zip(accumulated.model.named_parameters(), larger.model.parameters()):
-            torch.testing.assert_close(full(a), full(b), rtol=0, atol=0.01 * base["lr"],
+            torch.testing.assert_close(full(a), full(b), rtol=0, atol=0.05 * base["lr"],
                                        msg=lambda m: f"{flags}, N {n}, {name}: {m}")
 
 
