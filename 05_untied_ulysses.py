@@ -233,7 +233,7 @@ def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, g
     temporary per stage)."""
     if rope is not None:
         cos, sin = rope
-        grad_heads = fused.rotate(grad_heads, cos, -sin)
+        grad_heads = fused.rotate_back(grad_heads, cos, sin)
         if norm_weight is not None:
             y = project(x, rows, head_dim).requires_grad_()
             weight = norm_weight.detach().requires_grad_()

@@ -289,7 +289,7 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None,
         and the two buffers of the exchange back (5Q + 4K) with the kernel's fp32 log-sum-exp;
         one process q, k, v and the output (2Q + 2K); Untied Ulysses its output buffer (Q), the
         stages' log-sum-exps, and at one stage its KV group's k, v and the stage's q, output and
-        exchange buffers (2 kv_s + 4 q_s); the MLP silu(gate), up and their product (3 x N x
+        exchange buffers (2 kv_s + 4 q_s); the MLP gate, up and their activation (3 x N x
         ffn), tiled: its output buffer and one tile's; an RMSNorm nothing beyond its output (the
         fused kernel; op by op, fused_norm=False, two fp32 copies: 8 bytes x hidden values),
         tiled: its output and one tile's; the loss seam (per-token scores) the final norm's

@@ -3,18 +3,20 @@
 model.py writes both plainly: `swiglu_act(gate, up)` = silu(gate) * up, and `apply_rope`
 (rotate-half). Run op by op, autograd launches several elementwise kernels for each, every one a
 full pass over a tokens x ffn_dim (SwiGLU) or tokens x heads x head_dim (rotary) tensor: at 16K
-on Llama-3.2-3B these passes and their casts took about a fifth of the step
-(docs/results/prof_llama3.2-3b_1gpu_16k_auto_fa4.json). Autograd also keeps silu(gate) for the
-backward, besides gate and up: one tokens x ffn_dim tensor per layer (256 MiB per layer there).
+on Llama-3.2-3B 29% of a step ran outside matmul and attention, its largest part their
+multiplications, 41 of 913 ms (docs/results/prof_llama3.2-3b_1gpu_16k_auto_fa4.json). Autograd
+also keeps silu(gate) for the backward, besides gate and up: one tokens x ffn_dim tensor per
+layer (256 MiB per layer there).
 
 Here each is an autograd.Function over the same formula:
   SwiGLUAct  keeps gate and up only; its backward recomputes sigmoid(gate) where it needs it;
-  Rotary     keeps nothing of its own: a rotation's backward is the rotation back (cos, -sin).
+  Rotary     keeps nothing of its own: a rotation's backward is the rotation back (sin negated).
 On CUDA each forward and each backward is one kernel that torch.compile generates from the
-formula (inductor: dynamic shapes, computed in fp32 and rounded once); elsewhere the same
-functions run op by op. support/build.py installs them through the model's seams (`MLP.act`,
-`Attention.rotary`); 04's tiles and 05's stages call `swiglu_forward`, `swiglu_backward` and
-`rotate` directly. tests/test_fused.py checks both against model.py's plain forms.
+formula (inductor: dynamic shapes, computed in fp32 and rounded once); elsewhere they run op by
+op, in place where that holds fewer tensors at once. support/build.py installs them through the
+model's seams (`MLP.act`, `Attention.rotary`); 04's tiles and 05's stages call `swiglu_forward`,
+`swiglu_backward`, `rotate` and `rotate_back` directly. tests/test_fused.py checks them against
+model.py's forms.
 """
 
 import warnings
@@ -24,27 +26,36 @@ import torch.nn.functional as F
 
 _compiled = {}  # function -> its torch.compile'd form, made on first use with CUDA tensors
 _enabled = {"compile": True}
+_warned = set()
 
 
-def one_kernel(fn):
-    """`fn` of tensors as one kernel on CUDA (torch.compile), as written elsewhere. Where the
-    compiler fails (no Triton, an inductor error), it warns once and runs `fn` as written."""
+def one_kernel(formula, op_by_op=None):
+    """`formula` of tensors as one kernel on CUDA (torch.compile); elsewhere `op_by_op` (the
+    same function with the fewest temporaries, default the formula itself). Where the compiler
+    fails (no Triton, an inductor error, more variants than dynamo keeps), that call runs op by
+    op, with a warning once per function; an out-of-memory error is the step's."""
+    op_by_op = op_by_op or formula
+
     def run(*tensors):
         if not (tensors[0].is_cuda and _enabled["compile"]):
-            return fn(*tensors)
-        if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+            return op_by_op(*tensors)
+        if formula not in _compiled:
+            _compiled[formula] = torch.compile(formula, dynamic=True, fullgraph=True)
+        # detached: every call site runs without autograd (inside an autograd.Function), and
+        # dynamo compiles again for each requires_grad it meets
         try:
-            return _compiled[fn](*tensors)
+            return _compiled[formula](*(t.detach() for t in tensors))
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # a compiler failure: the formula itself still runs
-            warnings.warn(f"base/fused.py: torch.compile of {fn.__name__} failed "
-                          f"({type(error).__name__}: {str(error)[:200]}); running it op by op")
-            _compiled[fn] = fn
-            return fn(*tensors)
+            if formula not in _warned:
+                _warned.add(formula)
+                warnings.warn(f"base/fused.py: torch.compile of {formula.__name__} failed "
+                              f"({type(error).__name__}: {str(error)[:200]}); running it op "
+                              f"by op")
+            return op_by_op(*tensors)
 
-    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    run.__name__, run.__doc__ = formula.__name__, formula.__doc__
     return run
 
 
@@ -54,27 +65,48 @@ def use_compile(enabled: bool) -> None:
 
 
 # The formulas, as model.py writes them (base/ imports no lesson; tests/test_fused.py holds the
-# two equal), and SwiGLU's derivative.
+# two equal), SwiGLU's derivative, and the op-by-op forms that hold no more tensors at once than
+# the planner counts (support/byte_counts.py: three tokens x ffn_dim forward, five backward).
 
-@one_kernel
-def swiglu_forward(gate, up):
+def _swiglu(gate, up):
     """model.swiglu_act: silu(gate) * up."""
     return F.silu(gate) * up
 
 
-@one_kernel
-def swiglu_backward(grad, gate, up):
+def _swiglu_backward(grad, gate, up):
     """(d gate, d up) of silu(gate) * up. aten's silu_backward multiplies by silu'(g) =
-    s (1 + g (1 - s)), s = sigmoid(g), as autograd's SiLU does (op by op: four kernels)."""
+    s (1 + g (1 - s)), s = sigmoid(g), as autograd's SiLU does."""
     return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
-@one_kernel
-def rotate(x, cos, sin):
+def _swiglu_in_place(gate, up):
+    return F.silu(gate).mul_(up)
+
+
+def _swiglu_backward_in_place(grad, gate, up):
+    grad_up = F.silu(gate).mul_(grad)
+    grad_gate = grad * up
+    return torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate), grad_up
+
+
+def _rotate(x, cos, sin):
     """model.apply_rope: rotate-half rotary on x (B, S, heads, D), cos/sin (B, S, D // 2)."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate_back(x, cos, sin):
+    """_rotate by the opposite angle (sin negated): a rotation's backward."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+swiglu_forward = one_kernel(_swiglu, _swiglu_in_place)
+swiglu_backward = one_kernel(_swiglu_backward, _swiglu_backward_in_place)
+rotate = one_kernel(_rotate)
+rotate_back = one_kernel(_rotate_back)
 
 
 class SwiGLUAct(torch.autograd.Function):
@@ -102,7 +134,7 @@ class Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return rotate(grad, cos, -sin), None, None
+        return rotate_back(grad, cos, sin), None, None
 
 
 def swiglu(gate, up):
