@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 _compiled = {}  # function -> its torch.compile'd form, made on first use with CUDA tensors
-_enabled = {"compile": True}
 _warned = set()
 
 
@@ -37,7 +36,7 @@ def one_kernel(formula, op_by_op=None):
     op_by_op = op_by_op or formula
 
     def run(*tensors):
-        if not (tensors[0].is_cuda and _enabled["compile"]):
+        if not tensors[0].is_cuda:
             return op_by_op(*tensors)
         if formula not in _compiled:
             _compiled[formula] = torch.compile(formula, dynamic=True, fullgraph=True)
@@ -57,11 +56,6 @@ def one_kernel(formula, op_by_op=None):
 
     run.__name__, run.__doc__ = formula.__name__, formula.__doc__
     return run
-
-
-def use_compile(enabled: bool) -> None:
-    """Compile on CUDA (default) or run the formulas op by op there too (tests, debugging)."""
-    _enabled["compile"] = enabled
 
 
 # The formulas, as model.py writes them (base/ imports no lesson; tests/test_fused.py holds the
@@ -97,10 +91,9 @@ def _rotate(x, cos, sin):
 
 
 def _rotate_back(x, cos, sin):
-    """_rotate by the opposite angle (sin negated): a rotation's backward."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    """_rotate by the opposite angle, a rotation's backward (compiled, the negation is in the
+    same kernel)."""
+    return _rotate(x, cos, -sin)
 
 
 swiglu_forward = one_kernel(_swiglu, _swiglu_in_place)
