@@ -97,6 +97,23 @@ def test_six_steps_equal_three_plus_resume_three(tmp_path):
     run_ranks(2, _resume_equals_straight, str(tmp_path), RESUMED)
 
 
+def _resume_through_nccl_on_the_gpu(tmp):
+    """The same cases on NCCL ranks and the GPU in bf16: the state saved and loaded through
+    NCCL (torch.distributed.checkpoint plans and gathers over it) from CUDA tensors. Bit for
+    bit, so the kernels must be repeatable: the math attention (the fused kernels' backward
+    adds partial dQ with atomics, in whatever order they land) and deterministic algorithms
+    elsewhere (cuBLAS with a fixed workspace)."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before this rank's first cuBLAS call
+    torch.use_deterministic_algorithms(True)
+    on_the_gpu = {"device": "cuda", "dtype": "bfloat16", "attn_kernel": "math"}
+    _resume_equals_straight(tmp, [{**case, **on_the_gpu} for case in RESUMED])
+
+
+@pytest.mark.gpu
+def test_gpu_resume_through_nccl_is_bitwise(tmp_path):
+    run_ranks(2, _resume_through_nccl_on_the_gpu, str(tmp_path), backend="nccl")
+
+
 def _resume_across_model_state_offload(tmp):
     """Written with --offload-model-state, resumed without it, and the other way: the run goes
     on as an uninterrupted one (the fused host AdamW and the GPU's one-at-a-time AdamW agree

@@ -474,3 +474,60 @@ def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
     run = train.train(train.parse_args(["--stack", "3", "--seq-len", "32", "--steps", "1",
                                         "--device", "cpu"]))
     assert run.model.kept_attention is None  # off on the CPU
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole run through NCCL (GPU): what `torchrun --nproc-per-node 2 train.py --stack 5` does
+# ---------------------------------------------------------------------------------------------
+
+NCCL_RUN = dict(model="tiny", seq_len=64, batch_size=2, steps=4, device="cuda", warmup_steps=1,
+                lr_schedule="cosine", grad_accum=2)
+
+
+def _run_results(run, first: dict) -> dict:
+    """A run's losses by step and its parameters' whole updates (final - initial: the update,
+    not the parameter, so that a step that never moves a weight fails)."""
+    results = {f"loss {h['step']}": h["loss"] for h in run.history}
+    for name, p in run.model.named_parameters():
+        results[f"update {name}"] = full(p).detach().float().cpu() - first[name]
+    return results
+
+
+def _initial_parameters() -> dict:
+    """The tiny model's weights before step 0: drawn whole on the CPU from --seed, as every run
+    of it draws them (train.build_model, exact_init)."""
+    model = train.build_model(Config(model="tiny", device="cpu"), Runtime())
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _trainer_runs(folder, name, flags: dict):
+    """train.train with `flags` on these ranks; rank 0 keeps the losses and updates."""
+    import torch.distributed as dist
+
+    cfg = resolve_techniques(Config(save_dir=f"{folder}/{name}", **NCCL_RUN, **flags))
+    results = _run_results(train.train(cfg), _initial_parameters())  # full(): every rank
+    if dist.get_rank() == 0:
+        torch.save(results, f"{folder}/{name}.pt")
+
+
+def _one_process_runs(folder):
+    """The fp32 reference (no technique) and the unsharded bf16 run: FSDP's mixed precision
+    (fp32 weights, bf16 compute) on this one rank, nothing sharded."""
+    _trainer_runs(folder, "reference", {"dtype": "float32"})
+    _trainer_runs(folder, "unsharded", {"dtype": "bfloat16", "fsdp": True})
+
+
+@pytest.mark.gpu
+def test_gpu_the_trainer_through_nccl_matches_one_fp32_process(tmp_path):
+    """train.train as torchrun runs it, on two NCCL ranks (on one GPU they share it) with the
+    whole stack in bf16: the planner's choices for this GPU, the data, warm-up and a decay,
+    accumulation, saves. Against one process in fp32 by the one bf16 rule (tests/reference.py)."""
+    from reference import assert_within_bf16_error
+
+    run_ranks(2, _trainer_runs, str(tmp_path), "nccl",
+              {"stack": config.MAX_STACK, "dtype": "bfloat16", "save_every": 2}, backend="nccl")
+    run_ranks(1, _one_process_runs, str(tmp_path), backend="nccl")
+    got, reference, unsharded = (torch.load(tmp_path / f"{name}.pt")
+                                 for name in ("nccl", "reference", "unsharded"))
+    assert_within_bf16_error(got, unsharded, reference, "train.train, 2 NCCL ranks, --stack 5")
+    assert any((tmp_path / "nccl").iterdir()), "no saved state was written"
