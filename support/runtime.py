@@ -72,8 +72,8 @@ def read_machine(cfg: Config) -> Machine | None:
     planned. Under torchrun it joins the process group first."""
     if cfg.device != "cuda":
         return None
-    join_processes(cfg)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    join_processes(cfg)  # sets this rank's GPU (LOCAL_RANK), unless the caller already had
+    device = torch.device("cuda", torch.cuda.current_device())
     least = torch.tensor([torch.cuda.get_device_properties(device).total_memory,
                           available_host_memory() or -1], device=device)
     if dist.is_initialized():
