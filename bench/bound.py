@@ -17,7 +17,11 @@ cuts the same heads over GPUs (Ulysses: H/P a call) or stages (Untied: U a call)
 FLOPs in smaller calls: at best as fast. A longer call is the kernel's best for the same reason
 (more blocks per head), which is why the rate is taken at S itself. FLOPs: 2 S^2 (heads x
 head_dim) forward (causal: half of the full product), backward 2.5x that, bench.throughput's
-count. (On one H200, FA4 in this layout: 664-668 TFLOP/s from 128K to 1M, flat with length.)
+count. Timed two ways, the faster taken: the step's own call (the autograd Function, forward
+then backward) and the kernel's forward and backward calls alone (base/kernels' lse entry
+points, which 05 and --keep-attention call; no autograd, nothing allocated but the kernel's
+outputs). On one H200, FA4 in this layout: 612-623 TFLOP/s through the step's call at 128K-1M;
+issue 43 quotes 664-668 for the kernel alone.
 
 Matmul at the model's own shapes: the GEMMs the step runs on one GPU, each at its own (M, K, N)
 (`step_gemms`): per layer q, k, v and o over the GPU's tokens (Untied Ulysses: q per stage of U
@@ -71,26 +75,44 @@ def attention_flops(args, seq_len: int, heads: int | None = None) -> float:
 
 def attention_rate(args, seq_len: int, device, dtype, repeats: int = 3) -> dict:
     """FLOP/s of the attention kernel (this process's --attn-kernel) at its best at `seq_len`:
-    all query and KV heads in one call (module docstring), forward + backward."""
+    all query and KV heads in one call (module docstring), forward + backward, the faster of
+    the step's call and the kernel's own calls alone."""
     shapes = [(1, seq_len, args.n_heads, args.head_dim),
               (1, seq_len, args.n_kv_heads, args.head_dim),
               (1, seq_len, args.n_kv_heads, args.head_dim)]
     sets = [(q, k, v, torch.randn_like(q.detach()))
             for q, k, v in random_sets(shapes, device, dtype, requires_grad=True)]
 
-    def call(q, k, v, grad):
+    def step_call(q, k, v, grad):
         q.grad = k.grad = v.grad = None
         kernels.causal_attention(q, k, v).backward(grad)
 
-    times = event_times_ms(call, warmup=1, repeats=repeats, inputs=sets, device=device)
-    median = sorted(times)[len(times) // 2]
+    def median(times):
+        return sorted(times)[len(times) // 2]
+
+    through_step = event_times_ms(step_call, warmup=1, repeats=repeats, inputs=sets,
+                                  device=device)
+    sets = [(q.detach(), k.detach(), v.detach(), grad) for q, k, v, grad in sets]
+    forward = event_times_ms(kernels.attention_forward_lse, warmup=1, repeats=repeats,
+                             inputs=[(q, k, v) for q, k, v, _ in sets], device=device)
+    with torch.no_grad():
+        sets = [(grad, q, k, v, *kernels.attention_forward_lse(q, k, v))
+                for q, k, v, grad in sets]
+    backward = event_times_ms(kernels.attention_backward_lse, warmup=1, repeats=repeats,
+                              inputs=sets, device=device)
     sets = None  # frees them before the rows that follow
     release(torch.device(device))
-    return {"attention_flops_per_s": attention_flops(args, seq_len) / (median / 1e3),
+    alone_ms = median(forward) + median(backward)
+    best_ms = min(median(through_step), alone_ms)
+    return {"attention_flops_per_s": attention_flops(args, seq_len) / (best_ms / 1e3),
             "attention_rate_seq_len": seq_len,
             "attention_layout": f"{args.n_heads} query / {args.n_kv_heads} KV heads, "
                                 f"head_dim {args.head_dim}, one call, causal",
-            "attention_times_ms": [round(t, 3) for t in times]}
+            "attention_rate_from": ("the kernel's calls alone" if alone_ms <= best_ms
+                                    else "the step's call"),
+            "attention_times_ms": [round(t, 3) for t in through_step],
+            "kernel_alone_ms": {"forward": [round(t, 3) for t in forward],
+                                "backward": [round(t, 3) for t in backward]}}
 
 
 # ---------------------------------------------------------------------------------------------

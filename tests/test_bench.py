@@ -472,6 +472,15 @@ def test_the_bounds_measurements_run_and_rotate_their_operands():
     args = get_model_args("tiny")
     rate = bound.attention_rate(args, 256, "cpu", torch.float32, repeats=3)
     assert rate["attention_flops_per_s"] > 0 and len(rate["attention_times_ms"]) == 3
+    # at its best: the faster of the step's call and the kernel's own forward + backward
+    median = lambda times: sorted(times)[len(times) // 2]  # noqa: E731
+    alone = median(rate["kernel_alone_ms"]["forward"]) + median(rate["kernel_alone_ms"]["backward"])
+    step = median(rate["attention_times_ms"])
+    best_ms = min(alone, step)
+    assert rate["attention_flops_per_s"] == pytest.approx(
+        bound.attention_flops(args, 256) / (best_ms / 1e3), rel=1e-2)  # times kept to 1 us
+    assert rate["attention_rate_from"] == (
+        "the kernel's calls alone" if alone <= step else "the step's call")
     assert rate["attention_rate_seq_len"] == 256 and "8 query / 2 KV heads" in rate[
         "attention_layout"]
     cfg = _bound_config("ulysses", 256)
