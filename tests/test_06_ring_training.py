@@ -18,6 +18,7 @@ from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
                        reference_loss_and_grads, relative_error, train_loss_and_grads, with_kernel)
 from test_train import ROOT, read_log
+from test_packed import write_token_file  # the tests' one writer of token files
 from test_trainer import PARAMETERS_RTOL  # the parameters after Adam steps, and why
 
 import model as llama
@@ -211,5 +212,5 @@ def token_file(folder) -> Path:
     ends = torch.randint(0, 60, (12,), generator=generator).cumsum(0)
     tokens[ends[ends < tokens.numel()]] = 255
     path = Path(folder, "tokens.bin")
-    tokens.numpy().astype("<u2").tofile(path)
+    write_token_file(path, tokens)
     return path

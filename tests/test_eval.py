@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import run_ranks
+from test_packed import write_token_file  # the tests' one writer of token files
 
 import model as llama
 from support import saved_state
@@ -117,7 +118,7 @@ def packed_file(tmp_path_factory):
         docs.append(torch.cat([torch.randint(0, SEP, (n - 1,), generator=generator),
                                torch.tensor([SEP])]))
     path = tmp_path_factory.mktemp("packed") / "docs.bin"
-    torch.cat(docs).to(torch.int32).numpy().astype("<u2").tofile(path)
+    write_token_file(path, torch.cat(docs))
     return str(path)
 
 

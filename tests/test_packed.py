@@ -57,8 +57,13 @@ def make_stream(lengths, seed: int = 0) -> torch.Tensor:
     return torch.cat(docs)
 
 
-def write_token_file(path, stream: torch.Tensor, index: bool = False, sidecar: dict | None = None):
-    stream.to(torch.int32).numpy().astype("<u2").tofile(path)
+def write_token_file(path, stream, index: bool = False, sidecar: dict | None = None,
+                     dtype: str = "uint16") -> str:
+    """`stream` (ids) as prepare_data.py writes a token file: flat little-endian `dtype`; with
+    index=True the document starts after each SEP (the .idx file), with `sidecar` its JSON. The
+    tests' one writer of token files."""
+    stream = torch.as_tensor(stream)
+    stream.to(torch.int64).numpy().astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
     if index:
         starts = torch.cat([torch.zeros(1, dtype=torch.int64),
                             (stream[:-1] == SEP).nonzero().flatten() + 1])
@@ -66,6 +71,7 @@ def write_token_file(path, stream: torch.Tensor, index: bool = False, sidecar: d
     if sidecar is not None:
         with open(data_module.sidecar_path(str(path)), "w") as f:
             json.dump(sidecar, f)
+    return str(path)
 
 
 def document_bounds(lengths):

@@ -15,6 +15,7 @@ import torch
 from ranks import run_ranks
 from reference import (assert_matches, make_batch, reference_loss_and_grads,
                        train_loss_and_grads)
+from test_packed import write_token_file  # the tests' one writer of token files
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
@@ -236,12 +237,6 @@ def test_a_seeded_run_on_two_ranks_equals_one_process():
 # --data-dtype uint32: the same tokens as uint16, and ids above 65,535 kept
 # ---------------------------------------------------------------------------------------------
 
-def _write_ids(path, ids, dtype: str) -> str:
-    """`ids` as prepare_data.py writes a token file: flat little-endian `dtype`."""
-    np.asarray(ids, dtype=np.dtype(dtype).newbyteorder("<")).tofile(path)
-    return str(path)
-
-
 def test_a_uint32_token_file_gives_the_batches_and_losses_of_uint16(tmp_path):
     """The same ids written as uint16 and as uint32 (--data-dtype each): the same batches, the
     file's windows of seq_len + 1 ids in order, and so the same losses, bit for bit."""
@@ -250,7 +245,8 @@ def test_a_uint32_token_file_gives_the_batches_and_losses_of_uint16(tmp_path):
     windows = ids[:len(ids) // (seq_len + 1) * (seq_len + 1)].reshape(-1, seq_len + 1)
     losses = {}
     for dtype in ("uint16", "uint32"):
-        cfg = train.parse_args(["--data", _write_ids(tmp_path / f"{dtype}.bin", ids, dtype),
+        token_file = write_token_file(tmp_path / f"{dtype}.bin", ids, dtype=dtype)
+        cfg = train.parse_args(["--data", token_file,
                                 "--data-dtype", dtype, "--seq-len", str(seq_len),
                                 "--batch-size", str(rows), "--steps", str(steps)])
         data = TokenData(cfg, 256, 0, 1)
@@ -269,9 +265,9 @@ def test_a_uint32_token_id_above_65535_reaches_the_model(tmp_path, monkeypatch):
     monkeypatch.setitem(llama.PRESETS, "tiny-vocab-70k",
                         replace(llama.get_model_args("tiny"), vocab_size=vocab))
     ids = np.array([65_535, 65_536, 69_999, 1, 2**16 + 7, 0] * 11)  # 66 ids: two windows
+    token_file = write_token_file(tmp_path / "tokens.bin", ids, dtype="uint32")
     cfg = train.parse_args(["--model", "tiny-vocab-70k", "--data-dtype", "uint32",
-                            "--data", _write_ids(tmp_path / "tokens.bin", ids, "uint32"),
-                            "--seq-len", str(seq_len), "--steps", "1"])
+                            "--data", token_file, "--seq-len", str(seq_len), "--steps", "1"])
     tokens = TokenData(cfg, vocab, 0, 1).batch(0)
     assert torch.equal(tokens, torch.from_numpy(ids[:seq_len + 1])[None])
     ref_loss, _ = reference_loss_and_grads("tiny-vocab-70k", tokens, tokens[:, 1:])
@@ -283,10 +279,11 @@ def test_a_uint16_file_read_as_uint32_is_refused(tmp_path, capsys):
     a byte count that is no whole number of uint32 ids: refused, naming --data-dtype."""
     ids = (np.arange(200) * 7 + 1) % 256
     flags = ["--data-dtype", "uint32", "--seq-len", "32", "--steps", "1"]
-    err = error_of(["--data", _write_ids(tmp_path / "even.bin", ids, "uint16"), *flags], capsys)
+    even = write_token_file(tmp_path / "even.bin", ids, dtype="uint16")
+    err = error_of(["--data", even, *flags], capsys)
     assert f"holds token id {ids[0] + (ids[1] << 16)} at position 0" in err, err
     assert "is --data-dtype uint32 right?" in err, err
-    odd = _write_ids(tmp_path / "odd.bin", ids[:-1], "uint16")
+    odd = write_token_file(tmp_path / "odd.bin", ids[:-1], dtype="uint16")
     assert ("not a whole number of uint32 tokens (4 bytes each); is --data-dtype right?"
             in error_of(["--data", odd, *flags], capsys))
 
