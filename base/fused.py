@@ -13,10 +13,10 @@ Here each is an autograd.Function over the same formula:
   Rotary     keeps nothing of its own: a rotation's backward is the rotation back (sin negated).
 On CUDA each forward and each backward is one kernel that torch.compile generates from the
 formula (inductor: the token dims dynamic, the model's widths fixed; computed in fp32 and
-rounded once); elsewhere they run op by
-op, in place where that holds fewer tensors at once. support/build.py installs them through the
-model's seams (`MLP.act`, `Attention.rotary`); 04's tiles and 05's stages call `swiglu_forward`,
-`swiglu_backward`, `rotate` and `rotate_back` directly. tests/test_fused.py checks them against
+rounded once); elsewhere they run op by op, in place where that holds fewer tensors at once.
+support/build.py installs them through the model's seams (`MLP.act`, `Attention.rotary`); 04's
+tiles and 05's stages call `swiglu_forward`, `swiglu_backward`, `rotate` and `rotate_back`
+directly. tests/test_fused.py checks them against
 model.py's forms.
 """
 
@@ -50,8 +50,10 @@ def one_kernel(formula, op_by_op=None):
         # dynamo compiles again for each requires_grad it meets
         inputs = [t.detach() for t in tensors]
         # The batch and sequence dims (the leading two, never the last) vary from call to call;
-        # the widths (heads, head_dim, ffn_dim) stay constants of the kernel, one compile per
-        # width. With every dim dynamic, the index arithmetic divided by runtime sizes: rotary
+        # the widths (heads, head_dim, ffn_dim) stay constants of the kernel: one compile per
+        # width, rank, dtype and layout, one or two of each form in a run (past dynamo's
+        # recompile_limit of 8 torch 2.14 raises, and that call runs op by op with the warning
+        # below). With every dim dynamic the index arithmetic divided by runtime sizes: rotary
         # moved ~0.55 TB/s on an H200 at cd93a34 (q and k of a layer, 268 MB, in 0.49 ms at
         # 16K on Llama-3.2-3B), a ninth of the memory's speed.
         for t in inputs:

@@ -20,8 +20,8 @@ head_dim) forward (causal: half of the full product), backward 2.5x that, bench.
 count. Timed two ways, the faster taken: the step's own call (the autograd Function, forward
 then backward) and the kernel's forward and backward calls alone (base/kernels' lse entry
 points, which 05 and --keep-attention call; no autograd, nothing allocated but the kernel's
-outputs). On one H200, FA4 in this layout: 612-623 TFLOP/s through the step's call at 128K-1M;
-issue 43 quotes 664-668 for the kernel alone.
+outputs and its workspace). On one H200, FA4 in this layout: 612-623 TFLOP/s through the
+step's call at 128K-1M; issue 43 quotes 664-668 for the kernel alone.
 
 Matmul at the model's own shapes: the GEMMs the step runs on one GPU, each at its own (M, K, N)
 (`step_gemms`): per layer q, k, v and o over the GPU's tokens (Untied Ulysses: q per stage of U

@@ -72,7 +72,9 @@ def read_machine(cfg: Config) -> Machine | None:
     planned. Under torchrun it joins the process group first."""
     if cfg.device != "cuda":
         return None
-    join_processes(cfg)  # sets this rank's GPU (LOCAL_RANK), unless the caller already had
+    # join_processes sets the GPU from LOCAL_RANK when it starts the group; a caller that
+    # started the group itself (tests/ranks.py, ranks sharing a GPU) has set it already
+    join_processes(cfg)
     device = torch.device("cuda", torch.cuda.current_device())
     least = torch.tensor([torch.cuda.get_device_properties(device).total_memory,
                           available_host_memory() or -1], device=device)

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
                        reference_loss_and_grads, relative_error, train_loss_and_grads, with_kernel)
-from test_train import ROOT, read_log
 from test_packed import write_token_file  # the tests' one writer of token files
+from test_train import ROOT, read_log
 from test_trainer import PARAMETERS_RTOL  # the parameters after Adam steps, and why
 
 import model as llama

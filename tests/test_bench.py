@@ -479,8 +479,9 @@ def test_the_bounds_measurements_run_and_rotate_their_operands():
     best_ms = min(alone, step)
     assert rate["attention_flops_per_s"] == pytest.approx(
         bound.attention_flops(args, 256) / (best_ms / 1e3), rel=1e-2)  # times kept to 1 us
-    assert rate["attention_rate_from"] == (
-        "the kernel's calls alone" if alone <= step else "the step's call")
+    if abs(alone - step) > 2e-3:  # the times are kept to 1 us: closer than that, either
+        assert rate["attention_rate_from"] == (
+            "the kernel's calls alone" if alone < step else "the step's call")
     assert rate["attention_rate_seq_len"] == 256 and "8 query / 2 KV heads" in rate[
         "attention_layout"]
     cfg = _bound_config("ulysses", 256)

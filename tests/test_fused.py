@@ -88,7 +88,9 @@ def test_gpu_one_kernel_each_way_within_the_bf16_rule():
     """On CUDA in bf16: each form's forward is one kernel and its backward one, and the results
     stay within the one bf16 rule of the fp32 plain forms (compiled: computed in fp32 and rounded
     once); also after a dispatch mode saw them first (another test's op counter, in the same
-    process: dynamo compiles nothing under one, and torch 2.11 then left them uncompiled)."""
+    process: dynamo compiles nothing under one, and torch 2.11 then left them uncompiled); and
+    compiled once per width, not per sequence length."""
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -96,8 +98,16 @@ def test_gpu_one_kernel_each_way_within_the_bf16_rule():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
+    torch._dynamo.reset()  # as in a fresh process: the dispatch mode meets the forms first
+    fused._compiled.clear()
     with Passing():
         _plain_and_fused(*_inputs(torch.bfloat16, "cuda"))
+    before = counters["stats"]["unique_graphs"]
+    for heads, seq_len in ((3, 64), (3, 96), (5, 64), (5, 128)):  # two widths, three lengths
+        x = torch.randn(1, seq_len, heads, 16, device="cuda", dtype=torch.bfloat16)
+        angles = torch.randn(1, seq_len, 8, device="cuda", dtype=torch.bfloat16)
+        fused.rotate(x, angles.cos(), angles.sin())
+    assert counters["stats"]["unique_graphs"] - before == 2, "rotary: one compile per width"
     reference, _ = _plain_and_fused(*_inputs(torch.float32))
     unsharded, mine = _plain_and_fused(*_inputs(torch.bfloat16, "cuda"))
     cpu = lambda d: {k: v.float().cpu() for k, v in d.items()}  # noqa: E731

@@ -480,16 +480,21 @@ def test_keep_attention_flags_win_and_the_cpu_keeps_it_off():
 # The whole run through NCCL (GPU): what `torchrun --nproc-per-node 2 train.py --stack 5` does
 # ---------------------------------------------------------------------------------------------
 
-NCCL_RUN = dict(model="tiny", seq_len=64, batch_size=2, steps=4, device="cuda", warmup_steps=1,
-                lr_schedule="cosine", grad_accum=2)
+TRAINER_RUN = dict(model="tiny", seq_len=64, batch_size=2, steps=4, device="cuda",
+                   warmup_steps=1, lr_schedule="cosine", grad_accum=2)
 
 
-def _run_results(run, first: dict) -> dict:
-    """A run's losses by step and its parameters' whole updates (final - initial: the update,
-    not the parameter, so that a step that never moves a weight fails)."""
-    results = {f"loss {h['step']}": h["loss"] for h in run.history}
+def _run_results(run, initial: dict) -> dict:
+    """A run's losses, gradient norms and learning rates by step, and its parameters' whole
+    updates (final - initial: the update, not the parameter, so that a step that never moves a
+    weight fails). The gradient norms catch what Adam hides: a gradient scaled wrong (a sum for
+    a mean, a missing 1/N of accumulation) moves the weights almost as the right one would."""
+    results = {}
+    for h in run.history:
+        results.update({f"loss {h['step']}": h["loss"], f"grad_norm {h['step']}": h["grad_norm"],
+                        f"lr {h['step']}": h["lr"]})
     for name, p in run.model.named_parameters():
-        results[f"update {name}"] = full(p).detach().float().cpu() - first[name]
+        results[f"update {name}"] = full(p).detach().float().cpu() - initial[name]
     return results
 
 
@@ -504,7 +509,7 @@ def _trainer_runs(folder, name, flags: dict):
     """train.train with `flags` on these ranks; rank 0 keeps the losses and updates."""
     import torch.distributed as dist
 
-    cfg = resolve_techniques(Config(save_dir=f"{folder}/{name}", **NCCL_RUN, **flags))
+    cfg = resolve_techniques(Config(save_dir=f"{folder}/{name}", **TRAINER_RUN, **flags))
     results = _run_results(train.train(cfg), _initial_parameters())  # full(): every rank
     if dist.get_rank() == 0:
         torch.save(results, f"{folder}/{name}.pt")
@@ -529,5 +534,10 @@ def test_gpu_the_trainer_through_nccl_matches_one_fp32_process(tmp_path):
     run_ranks(1, _one_process_runs, str(tmp_path), backend="nccl")
     got, reference, unsharded = (torch.load(tmp_path / f"{name}.pt")
                                  for name in ("nccl", "reference", "unsharded"))
+    for results in (got, reference, unsharded):  # the schedule is the same numbers everywhere
+        assert [results.pop(f"lr {step}") for step in range(4)] == [
+            config.learning_rate(resolve_techniques(Config(**TRAINER_RUN)), step)
+            for step in range(4)]
     assert_within_bf16_error(got, unsharded, reference, "train.train, 2 NCCL ranks, --stack 5")
-    assert any((tmp_path / "nccl").iterdir()), "no saved state was written"
+    assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path / "nccl"))] == [
+        "step_00000002", "step_00000004"]
