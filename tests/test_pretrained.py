@@ -598,6 +598,25 @@ def test_train_exports_and_init_from_the_export_continues_exactly(tmp_path):
         train.parse_args(["--init-from", str(tmp_path / "a"), "--export-hf", str(tmp_path / "b")])
 
 
+def test_overwrite_export_replaces_a_non_empty_folder_with_the_run(tmp_path):
+    """--export-hf into a folder that is not empty: refused before training, naming
+    --overwrite-export; with it, the folder is replaced as a whole by this run's weights."""
+    import train
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    flags = ["--model", "tiny", "--seq-len", "32", "--steps", "2", "--export-hf", str(out)]
+    with pytest.raises(ValueError, match="--overwrite-export to replace it"):
+        train.parse_args(flags)
+    assert os.listdir(out) == ["notes.txt"]
+    run = train.train(train.parse_args(flags + ["--overwrite-export"]))
+    assert "notes.txt" not in os.listdir(out) and "config.json" in os.listdir(out)
+    exported, _ = build.build_from_hf(str(out), CPU)
+    for (name, want), got in zip(run.model.named_parameters(), exported.parameters()):
+        assert torch.equal(got, want.detach()), name  # an fp32 run exports fp32: exact
+
+
 # ---------------------------------------------------------------------------------------------
 # An export others can use: written where it can be, readable, with its tokenizer
 # ---------------------------------------------------------------------------------------------
