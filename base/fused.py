@@ -16,8 +16,7 @@ formula (inductor: the token dims dynamic, the model's widths fixed; computed in
 rounded once); elsewhere they run op by op, in place where that holds fewer tensors at once.
 support/build.py installs them through the model's seams (`MLP.act`, `Attention.rotary`); 04's
 tiles and 05's stages call `swiglu_forward`, `swiglu_backward`, `rotate` and `rotate_back`
-directly. tests/test_fused.py checks them against
-model.py's forms.
+directly. tests/test_fused.py checks them against model.py's forms.
 """
 
 import warnings

@@ -60,6 +60,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def parameter_updates(model, initial: dict) -> dict:
+    """Each parameter's whole update over a run ("update NAME": final - initial, whole, fp32, on
+    the CPU; full() gathers: call on every rank). The update, not the weight: a step skipped or
+    taken wrong moves it by all of it."""
+    return {f"update {name}": full(p).detach().float().cpu() - initial[name]
+            for name, p in model.named_parameters()}
+
+
 def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=None):
     """Build the model exactly as train.py does and run one forward+backward on this rank's
     share of `tokens` (rows of its data-parallel rank). Returns loss and full gradients."""

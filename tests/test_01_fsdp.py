@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import assert_within_bf16_error, full, make_batch
+from reference import assert_within_bf16_error, full, make_batch, parameter_updates
 
 import model as llama
 from support import byte_counts
@@ -92,9 +92,7 @@ def _fsdp_step_results(cfg, rt, steps: int) -> dict:
         rows = slice(rt.dp_rank * cfg.batch_size, (rt.dp_rank + 1) * cfg.batch_size)
         metrics = train.train_step(model, optimizer, tokens[rows], rt, cfg, labels[rows])
         results.update({f"loss {step}": metrics["loss"], f"grad norm {step}": metrics["grad_norm"]})
-    for name, p in model.named_parameters():
-        results[f"update {name}"] = full(p).detach().float().cpu() - first[name]
-    return results
+    return {**results, **parameter_updates(model, first)}
 
 
 def _fsdp_bf16_steps_match_fp32(steps):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import run_ranks
-from reference import full, relative_error
+from reference import assert_within_bf16_error, full, parameter_updates, relative_error
 from test_01_fsdp import _train_recording_grads  # steps, and the gradients the optimizer saw
 from test_train import error_of  # the one helper: run train.main, return its error text
 
@@ -493,9 +493,7 @@ def _run_results(run, initial: dict) -> dict:
     for h in run.history:
         results.update({f"loss {h['step']}": h["loss"], f"grad_norm {h['step']}": h["grad_norm"],
                         f"lr {h['step']}": h["lr"]})
-    for name, p in run.model.named_parameters():
-        results[f"update {name}"] = full(p).detach().float().cpu() - initial[name]
-    return results
+    return {**results, **parameter_updates(run.model, initial)}
 
 
 def _initial_parameters() -> dict:
@@ -527,17 +525,16 @@ def test_gpu_the_trainer_through_nccl_matches_one_fp32_process(tmp_path):
     """train.train as torchrun runs it, on two NCCL ranks (on one GPU they share it) with the
     whole stack in bf16: the planner's choices for this GPU, the data, warm-up and a decay,
     accumulation, saves. Against one process in fp32 by the one bf16 rule (tests/reference.py)."""
-    from reference import assert_within_bf16_error
-
     run_ranks(2, _trainer_runs, str(tmp_path), "nccl",
               {"stack": config.MAX_STACK, "dtype": "bfloat16", "save_every": 2}, backend="nccl")
     run_ranks(1, _one_process_runs, str(tmp_path), backend="nccl")
     got, reference, unsharded = (torch.load(tmp_path / f"{name}.pt")
                                  for name in ("nccl", "reference", "unsharded"))
     for results in (got, reference, unsharded):  # the schedule is the same numbers everywhere
-        assert [results.pop(f"lr {step}") for step in range(4)] == [
+        steps = range(TRAINER_RUN["steps"])
+        assert [results.pop(f"lr {step}") for step in steps] == [
             config.learning_rate(resolve_techniques(Config(**TRAINER_RUN)), step)
-            for step in range(4)]
+            for step in steps]
     assert_within_bf16_error(got, unsharded, reference, "train.train, 2 NCCL ranks, --stack 5")
     assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path / "nccl"))] == [
         "step_00000002", "step_00000004"]
