@@ -175,8 +175,9 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     their call counts. On a GPU also device time per kind of kernel (`kernel_classes`), the
     span from the first kernel's start to the last one's end, and how much of it the compute
     kernels (all but NCCL's and the copy engines') left the GPU idle: launch gaps and waits on
-    communication that no op's own time shows. trace_path: also write the Chrome trace there
-    (open it in chrome://tracing or Perfetto).
+    communication that no op's own time shows; `profile_outside_kernels`: the kernels outside
+    matmul and attention with the most device time, by name (what a fusion would cut).
+    trace_path: also write the Chrome trace there (open it in chrome://tracing or Perfetto).
     """
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -202,6 +203,8 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
                    if e.device_type == torch.autograd.DeviceType.CUDA]
         result["profile_kernel_classes_ms"] = kernel_classes((name, end - start)
                                                              for start, end, name in kernels)
+        result["profile_outside_kernels"] = outside_kernels((name, end - start)
+                                                            for start, end, name in kernels)
         # Compute: neither communication nor the copy engines' transfers (offload, memset).
         compute = sorted((start, end) for start, end, name in kernels
                          if not any(key in name.lower() for key in ("nccl", "memcpy", "memset")))
@@ -234,15 +237,36 @@ KERNEL_CLASSES = [  # (class, substrings of a kernel's name), the first match wi
 ]
 
 
+def kernel_class(name: str) -> str:
+    """The kind of a kernel, by its name: the first of KERNEL_CLASSES whose substring it holds."""
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_CLASSES if any(key in lowered for key in keys)),
+                "other (elementwise, reductions)")
+
+
+def outside_kernels(kernels, top: int = 40) -> list[dict]:
+    """The `top` kernels outside matmul and attention by device time, from (name, microseconds)
+    pairs: name (its first 120 characters), class, ms, calls."""
+    inside = ("matmul", "attention forward", "attention backward")
+    totals: dict[str, list] = {}
+    for name, microseconds in kernels:
+        kind = kernel_class(name)
+        if kind not in inside:
+            entry = totals.setdefault(name[:120], [kind, 0.0, 0])
+            entry[1] += microseconds / 1e3
+            entry[2] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [{"kernel": name, "class": kind, "ms": round(ms, 3), "calls": calls}
+            for name, (kind, ms, calls) in ranked]
+
+
 def kernel_classes(kernels) -> dict:
     """Device milliseconds per kind of kernel from (name, microseconds) pairs: where two
     configurations' step times differ. Also fed from a saved Chrome trace's kernel events."""
     totals = {name: 0.0 for name, _ in KERNEL_CLASSES} | {"other (elementwise, reductions)": 0.0}
     calls = dict.fromkeys(totals, 0)
     for name, microseconds in kernels:
-        lowered = name.lower()
-        kind = next((k for k, keys in KERNEL_CLASSES if any(key in lowered for key in keys)),
-                    "other (elementwise, reductions)")
+        kind = kernel_class(name)
         totals[kind] += microseconds / 1e3
         calls[kind] += 1
     return {kind: {"ms": round(totals[kind], 3), "calls": calls[kind]} for kind in totals}

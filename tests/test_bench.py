@@ -348,7 +348,7 @@ def test_ulysses_diagram_draws_02s_own_exchange(tmp_path, capsys):
 def test_kernel_classes_sort_a_traces_kernels():
     """Kernel names as an H200 trace of a 128K step has them, each in the class that the
     results' breakdown reads (docs/results.md, against the kernels' bound)."""
-    from bench.report import kernel_classes
+    from bench.report import kernel_classes, outside_kernels
 
     names = {
         "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_0":
@@ -369,9 +369,18 @@ def test_kernel_classes_sort_a_traces_kernels():
         "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>":
             "other (elementwise, reductions)",
     }
+    names_by_kind = {kind.split()[0]: name for name, kind in names.items()}
     for name, kind in names.items():
         classes = kernel_classes([(name, 1000.0)])
         assert classes[kind] == {"ms": 1.0, "calls": 1}, (name, kind, classes)
+    # The kernels outside matmul and attention, summed by name, the largest first.
+    ranked = outside_kernels([(name, 1000.0) for name in names] + [(names_by_kind["softmax"],
+                                                                    2500.0)])
+    assert [row["ms"] for row in ranked] == [3.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert ranked[0] == {"kernel": names_by_kind["softmax"][:120], "class": "softmax (the loss)",
+                         "ms": 3.5, "calls": 2}
+    assert {row["class"] for row in ranked}.isdisjoint({"matmul", "attention forward",
+                                                        "attention backward"})
 
 
 # bench/bound.py: the kernels' bound of a step (bench.throughput), checked without a GPU.
