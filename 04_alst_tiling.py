@@ -19,10 +19,12 @@ an fp32 sum with one matmul: on CUDA in bf16 cuBLAS accumulates straight into th
 no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py: 7-16% over the bare
 matmul, 380-770x less error). The sums are returned once: FSDP2 reduce-scatters each weight
 once. A 4,096-token MLP tile holds 0.66 GiB, a 2,092-token loss tile 1 GiB of fp32 logits and
-as much for their softmax. The price is one more forward of the MLP and lm_head per step; under
-03's checkpointing the tiled MLP skips its output in the block's recompute (nothing there reads
-it), so the MLP still runs forward twice. Every rank cuts the same number of tiles (sizes
-follow shapes only): where tiles call collectives, a rank with fewer tiles deadlocks the others.
+as much for their softmax (on CUDA base/fused.py's cross-entropy reads the tile's bf16 logits
+and writes their bf16 gradient: half of that). The price is one more forward of the MLP and
+lm_head per step; under 03's checkpointing the tiled MLP skips its output in the block's
+recompute (nothing there reads it), so the MLP still runs forward twice. Every rank cuts the
+same number of tiles (sizes follow shapes only): where tiles call collectives, a rank with fewer
+tiles deadlocks the others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
-from model import IGNORE_INDEX, rms_norm
+from model import rms_norm
 from base import checkpointed, fused  # is_recomputing: 03 marks its recompute
 
 GiB = 2**30
@@ -114,31 +116,21 @@ class TiledLoss(torch.autograd.Function):
 
 
 def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
-    """model.Transformer.loss_sum's formula with its weights as arguments: fp32 logits, the
-    cross-entropy summed over non-ignored labels (0, not NaN, when every label is ignored)."""
-    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    """model.Transformer.loss_sum's formula with its weights as arguments: the cross-entropy
+    (fp32 statistics) summed over non-ignored labels (0, not NaN, when every label is ignored);
+    base/fused.py's form: on CUDA one pass over the tile's bf16 logits."""
+    return fused.cross_entropy_sum(F.linear(rms_norm(h, norm_weight, eps), lm_head_weight),
+                                   labels)
 
 
 def loss_backward(h, labels, grad_loss, norm_weight, lm_head_weight, grad_sums, eps: float):
     """One tile of norm_lm_head_loss's backward (grad_sums: norm, lm_head). Returns h's."""
     normed = rms_norm(h, norm_weight, eps)  # recomputed: this tile's only
-    # fp32 logits, as in the loss, that die with the call: at most they and their softmax exist
-    grad_logits = cross_entropy_backward(F.linear(normed, lm_head_weight).float(), labels,
-                                         grad_loss).to(h.dtype)
+    # softmax(row) - one_hot(label), from the tile's logits, in h's dtype; the logits die here
+    grad_logits = fused.cross_entropy_backward(F.linear(normed, lm_head_weight), labels,
+                                               grad_loss)
     add_matmul(grad_sums[1], grad_logits.t(), normed)  # lm_head: grad_logits^T normed
     return rms_norm_backward(h, grad_logits @ lm_head_weight, norm_weight, grad_sums[0], eps)
-
-
-def cross_entropy_backward(logits, labels, grad_loss):
-    """grad_loss x d(the counted rows' cross-entropy, summed) / d logits: softmax(row) -
-    one_hot(label) where the label counts, 0 where it is ignored (a tile of ignored labels
-    gives zeros, never NaN)."""
-    probs = torch.softmax(logits, dim=-1)
-    rows = torch.arange(len(labels), device=labels.device)
-    probs[rows, labels.clamp(min=0)] -= 1  # an ignored row's column is zeroed below
-    counted = (labels != IGNORE_INDEX).unsqueeze(1)
-    return probs.mul_(counted * grad_loss)
 
 
 def rms_norm_backward(x, grad_out, weight, weight_grad_sum, eps: float):
@@ -339,6 +331,7 @@ def main():
     torch.manual_seed(0)
     with torch.device(demo.device):  # one block (for its MLP), the final norm and lm_head
         model = Transformer(replace(args, n_layers=1)).to(demo.dtype)
+    fused.use_fused(model)  # the cross-entropy the planner counts (bf16 logits on CUDA)
     mlp, generator = model.layers[0].mlp, torch.Generator().manual_seed(0)
     labels = torch.randint(0, args.vocab_size, (1, n), generator=generator).to(demo.device)
     phases = {"MLP untiled": lambda x: type(mlp).forward(mlp, x),

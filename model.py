@@ -18,9 +18,10 @@ The numbered files plug into its seams, attributes replaced from outside without
                                              tokens; 04 tiles it so seq x vocab logits never exist.
      `Transformer.token_scores(h, labels)`  its per-token sibling (each token's loss and greedy
                                              prediction), which eval.py tiles the same way.
-  6. `MLP.act(gate, up)`, `Attention.rotary`  the elementwise work, `swiglu_act` and
-                                             `apply_rope` here; the build puts base/fused.py's
-                                             forms in their place (one GPU kernel each way).
+  6. `MLP.act(gate, up)`, `Attention.rotary`  the elementwise work, `swiglu_act`, `apply_rope`
+     `Transformer.cross_entropy`             and `cross_entropy_sum` here; the build puts
+                                             base/fused.py's forms in their place (fused GPU
+                                             kernels each way; the loss's logits stay bf16).
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather. Packed documents (support/data.py): positions restart at 0 at
@@ -291,6 +292,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.cross_entropy = cross_entropy_sum  # seam 6: (logits, labels) -> summed loss
         if args.tie_word_embeddings:
             # One Parameter in both places: its gradient sums both uses, FSDP2 shards it once
             # (both are on the root module) and named_parameters() lists it once. A model moved
@@ -318,16 +320,20 @@ class Transformer(nn.Module):
         return self.loss_sum(h, labels)
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Seam 5: final norm + lm_head + cross-entropy summed over tokens (fp32 logits)."""
-        logits = self.lm_head(self.norm(h)).float()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        """Seam 5: final norm + lm_head + cross-entropy summed over tokens (fp32 statistics)."""
+        return self.cross_entropy(self.lm_head(self.norm(h)).flatten(0, 1), labels.flatten())
 
     def token_scores(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Seam 5, per token (evaluation): (B, S, 2) fp32, [..., 0] each token's cross-entropy
         (0 where the label is ignored) and [..., 1] its greedy prediction, the argmax token id
         (exact in fp32 below 2^24 ids). Untiled, like loss_sum: eval.py tiles it."""
         return token_scores(h, labels, self.norm.weight, self.lm_head.weight, eps=self.norm.eps)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of (tokens, vocab) logits in fp32, summed over the tokens whose label
+    counts (not IGNORE_INDEX)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def token_scores(h, labels, norm_weight, lm_head_weight, *, eps: float) -> torch.Tensor:

@@ -107,7 +107,8 @@ def planned_kernel(cfg: Config) -> str:
 
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False, fused_norm: bool = True,
-                autograd_tiles: bool = False, autograd_swiglu: bool = False) -> dict:
+                autograd_tiles: bool = False, autograd_swiglu: bool = False,
+                fp32_loss: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from support/byte_counts.py.
 
@@ -130,7 +131,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     (byte_counts.block_recompute_bytes); F.rms_norm is one fused kernel on CUDA.
     autograd_tiles=True: 04's tiles as the GPU calibration rows so marked measured them, each
     running autograd (byte_counts' note in its 04 section); autograd_swiglu=True: the untiled
-    MLP's activation as autograd ran it before base/fused.py (the rows say so).
+    MLP's activation as autograd ran it before base/fused.py (the rows say so); fp32_loss=True:
+    the loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so).
     """
     if forward_only:
         return plan_forward_memory(cfg, world_size, args, fused_norm)
@@ -171,7 +173,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                                               fused_norm, autograd_tiles) if cfg.tile_norm
              else byte_counts.block_recompute_bytes(args, local_tokens, b, fused_norm))
     loss = byte_counts.loss_temporary_bytes(args, local_tokens, cfg.tile_loss,
-                                            cfg.loss_tile_tokens, b, fused_norm, autograd_tiles)
+                                            cfg.loss_tile_tokens, b, fused_norm, autograd_tiles,
+                                            fp32_loss)
 
     # One block's backward, after checkpointing rebuilt what it saved: (attention, the rest).
     # The gradient of its output stays until its first RMSNorm's input gradient is added to it.

@@ -1,4 +1,4 @@
-"""fused.py - SwiGLU's gate and rotary embeddings, one GPU kernel each way.
+"""fused.py - SwiGLU's gate, rotary embeddings and the loss's cross-entropy, fused on the GPU.
 
 model.py writes both plainly: `swiglu_act(gate, up)` = silu(gate) * up, and `apply_rope`
 (rotate-half). Run op by op, autograd launches several elementwise kernels for each, every one a
@@ -8,14 +8,24 @@ multiplications, 41 of 913 ms (docs/results/prof_llama3.2-3b_1gpu_16k_auto_fa4.j
 also keeps silu(gate) for the backward, besides gate and up: one tokens x ffn_dim tensor per
 layer (256 MiB per layer there).
 
+The loss is the largest of them: model.py's cross-entropy casts the tokens x vocab logits to
+fp32 and autograd keeps their log-softmax (fp32) for backward, whose gradient is fp32 again:
+12 bytes per logit at its peak, 24 GiB at 16K on Llama-3.2-3B (a 128,256-entry vocabulary),
+and a dozen passes over them (04's tiles, by hand, make the same passes tile by tile).
+
 Here each is an autograd.Function over the same formula:
-  SwiGLUAct  keeps gate and up only; its backward recomputes sigmoid(gate) where it needs it;
-  Rotary     keeps nothing of its own: a rotation's backward is the rotation back (sin negated).
+  SwiGLUAct     keeps gate and up only; its backward recomputes sigmoid(gate) where it needs it;
+  Rotary        keeps nothing of its own: a rotation's backward is the rotation back (sin negated);
+  CrossEntropy  keeps the logits in their own dtype (bf16: 2 bytes each) and the labels; its
+                backward recomputes each row's log-sum-exp and writes the gradient in that dtype
+                (4 bytes per logit at the peak, the logits and their gradient). The statistics
+                are fp32, as model.py's, from the same bf16 logits.
 On CUDA each forward and each backward is one kernel that torch.compile generates from the
 formula (inductor: the token dims dynamic, the model's widths fixed; computed in fp32 and
 rounded once); elsewhere they run op by op, in place where that holds fewer tensors at once.
-support/build.py installs them through the model's seams (`MLP.act`, `Attention.rotary`); 04's
-tiles and 05's stages call `swiglu_forward`, `swiglu_backward`, `rotate` and `rotate_back`
+support/build.py installs them through the model's seams (`MLP.act`, `Attention.rotary`,
+`Transformer.cross_entropy`); 04's tiles and 05's stages call `swiglu_forward`,
+`swiglu_backward`, `rotate`, `rotate_back`, `cross_entropy_sum` and `cross_entropy_backward`
 directly. tests/test_fused.py checks them against model.py's forms.
 """
 
@@ -48,15 +58,16 @@ def one_kernel(formula, op_by_op=None):
         # detached: every call site runs without autograd (inside an autograd.Function), and
         # dynamo compiles again for each requires_grad it meets
         inputs = [t.detach() for t in tensors]
-        # The batch and sequence dims (the leading two, never the last) vary from call to call;
-        # the widths (heads, head_dim, ffn_dim) stay constants of the kernel: one compile per
-        # width, rank, dtype and layout, one or two of each form in a run (past dynamo's
-        # recompile_limit of 8 torch 2.14 raises, and that call runs op by op with the warning
-        # below). With every dim dynamic the index arithmetic divided by runtime sizes: rotary
-        # moved ~0.55 TB/s on an H200 at cd93a34 (q and k of a layer, 268 MB, in 0.49 ms at
-        # 16K on Llama-3.2-3B), a ninth of the memory's speed.
+        # The token dims vary from call to call: batch and sequence (the leading two, never the
+        # last), a token tensor's one (labels); the widths (heads, head_dim, ffn_dim, vocab)
+        # stay constants of the kernel: one compile per width, rank, dtype and layout, one or
+        # two of each form in a run (past dynamo's recompile_limit of 8 torch 2.14 raises, and
+        # that call runs op by op with the warning below). With every dim dynamic the index
+        # arithmetic divided by runtime sizes: rotary moved ~0.55 TB/s on an H200 at cd93a34
+        # (q and k of a layer, 268 MB, in 0.49 ms at 16K on Llama-3.2-3B), a ninth of the
+        # memory's speed.
         for t in inputs:
-            for dim in range(min(2, t.dim() - 1)):
+            for dim in range(1 if t.dim() == 1 else min(2, t.dim() - 1)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         try:
             return _compiled[formula](*inputs)
@@ -112,10 +123,47 @@ def _rotate_back(x, cos, sin):
     return _rotate(x, cos, -sin)
 
 
+IGNORE_INDEX = -100  # model.IGNORE_INDEX: a label that counts for nothing
+
+
+def at_least_fp32(t):
+    """t in fp32 where it is narrower (bf16 logits), as it is otherwise (fp32, float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _cross_entropy_sum(logits, labels):
+    """model.cross_entropy_sum: the cross-entropy of fp32 logits, summed over the counted rows
+    (logits (tokens, vocab), labels (tokens,)). Compiled: one pass over the logits for the
+    log-sum-exp, the label's logit read where it is; nothing tokens x vocab is written."""
+    x = at_least_fp32(logits)
+    picked = x.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    return ((torch.logsumexp(x, dim=1) - picked) * (labels != IGNORE_INDEX)).sum()
+
+
+def _cross_entropy_backward(logits, labels, grad_loss):
+    """grad_loss x d(_cross_entropy_sum) / d logits, in the logits' dtype: softmax(row) -
+    one_hot(label) on the counted rows, 0 on the ignored (never NaN, also when all are)."""
+    x = at_least_fp32(logits)
+    probs = torch.exp(x - torch.logsumexp(x, dim=1, keepdim=True))
+    one_hot = (torch.arange(x.shape[1], device=x.device) == labels[:, None]).to(x.dtype)
+    counted = (labels != IGNORE_INDEX)[:, None]
+    return ((probs - one_hot) * (counted * grad_loss)).to(logits.dtype)
+
+
+def _cross_entropy_backward_in_place(logits, labels, grad_loss):
+    """The same with one fp32 logits-sized tensor (04's tiles' count, support/byte_counts.py)."""
+    probs = torch.softmax(at_least_fp32(logits), dim=1)
+    rows = torch.arange(len(labels), device=labels.device)
+    probs[rows, labels.clamp(min=0)] -= 1  # an ignored row's column is zeroed below
+    return probs.mul_((labels != IGNORE_INDEX)[:, None] * grad_loss).to(logits.dtype)
+
+
 swiglu_forward = one_kernel(_swiglu, _swiglu_in_place)
 swiglu_backward = one_kernel(_swiglu_backward, _swiglu_backward_in_place)
 rotate = one_kernel(_rotate)
 rotate_back = one_kernel(_rotate_back)
+cross_entropy_sum = one_kernel(_cross_entropy_sum)
+cross_entropy_backward = one_kernel(_cross_entropy_backward, _cross_entropy_backward_in_place)
 
 
 class SwiGLUAct(torch.autograd.Function):
@@ -146,6 +194,20 @@ class Rotary(torch.autograd.Function):
         return rotate_back(grad, cos, sin), None, None
 
 
+class CrossEntropy(torch.autograd.Function):
+    """model.cross_entropy_sum over (tokens, vocab) logits, keeping them in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        ctx.save_for_backward(logits, labels)
+        return cross_entropy_sum(logits, labels)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, labels = ctx.saved_tensors
+        return cross_entropy_backward(logits, labels, grad_loss), None
+
+
 def swiglu(gate, up):
     """The MLP's seam: silu(gate) * up."""
     return SwiGLUAct.apply(gate, up)
@@ -156,8 +218,15 @@ def rotary(x, cos, sin):
     return Rotary.apply(x, cos, sin)
 
 
+def cross_entropy(logits, labels):
+    """The loss's seam: the cross-entropy of (tokens, vocab) logits, summed over counted rows."""
+    return CrossEntropy.apply(logits, labels)
+
+
 def use_fused(transformer) -> None:
-    """Every block's MLP activation and rotary run through this file's functions."""
+    """Every block's MLP activation and rotary, and the loss's cross-entropy, run through this
+    file's functions."""
+    transformer.cross_entropy = cross_entropy
     for block in transformer.layers:
         block.mlp.act = swiglu
         block.self_attn.rotary = rotary

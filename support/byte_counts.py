@@ -274,27 +274,30 @@ def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int |
 
 def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
                          bytes_per_value: int = 2, fused_norm: bool = True,
-                         autograd_tiles: bool = False) -> int:
+                         autograd_tiles: bool = False, fp32_loss: bool = False) -> int:
     """Bytes the loss seam (final norm + lm_head + cross-entropy) holds at its peak, in backward.
 
     Untiled: the final RMSNorm keeps its input, 1/rms and its output (lm_head's input),
     2 x dim x bytes + 4 per token (op by op, fused_norm=False: an fp32 copy of its input, the
-    normalized copy and the output, dim x (4 + 2 x bytes)); then the logits, tokens x vocab
-    in fp32: at the log-softmax's backward its output, the incoming gradient and the input
-    gradient exist at once, 3 x 4 bytes per logit. Tiled: the input kept for backward and the
-    input-gradient buffer (2 x tokens x dim), one tile's fp32 logits and their softmax (04's
-    cross_entropy_backward; its forward holds the logits and their log-softmax, as much), and
-    lm_head's weight gradient summed in fp32 (vocab x dim x 4).
-    Llama-3-8B, 393,216 tokens per GPU: 576 GiB untiled, 9.96 GiB tiled.
+    normalized copy and the output, dim x (4 + 2 x bytes)); then the logits, tokens x vocab:
+    base/fused.py's cross-entropy keeps them in the compute dtype and writes their gradient in
+    it, 2 x bytes per logit at its backward. Tiled: the input kept for backward and the
+    input-gradient buffer (2 x tokens x dim), one tile's logits and their gradient (2 x bytes
+    per logit), and lm_head's weight gradient summed in fp32 (vocab x dim x 4).
+    Llama-3-8B, 393,216 tokens per GPU: 194 GiB untiled, 8.96 GiB tiled (fp32_loss: 570, 9.96).
+    fp32_loss: as the rows measured before the fused cross-entropy, with fp32 logits (untiled,
+    autograd's log-softmax output, its incoming gradient and its input gradient at once, 3 x 4
+    bytes per logit; tiled, a tile's fp32 logits and their softmax, 2 x 4).
     autograd_tiles: as the rows measured while each tile ran autograd (the note above).
     """
     vocab, dim, b = args.vocab_size, args.dim, bytes_per_value
+    per_logit = 3 * 4 if fp32_loss else 2 * b
     if not tiled:
         final_norm = 2 * dim * b + 4 if fused_norm else dim * (4 + 2 * b)
-        return local_tokens * (3 * vocab * 4 + final_norm)
+        return local_tokens * (per_logit * vocab + final_norm)
     tile = min(tiling.loss_tile_size(vocab, local_tokens, tile_tokens), local_tokens)
-    logits, lm_head = (3, 4 + b) if autograd_tiles else (2, 4)  # fp32 logits-sized; bytes
-    return 2 * local_tokens * dim * b + logits * tile * vocab * 4 + vocab * dim * lm_head
+    per_logit, lm_head = (3 * 4, 4 + b) if autograd_tiles else (2 * 4 if fp32_loss else 2 * b, 4)
+    return 2 * local_tokens * dim * b + per_logit * tile * vocab + vocab * dim * lm_head
 
 
 def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None,

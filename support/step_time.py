@@ -68,8 +68,10 @@ GPU_RATES = {
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
 # 512K (ring_blocks_llama3-8b_1gpu_512k.json); the K/V blocks travel behind the kernel
-LOGIT_BYTES = 30  # per logit and step: bf16 out, fp32 copy, log-softmax, its gradient and cast
-RECOMPUTED_LOGIT_BYTES = 10  # 04's tiled loss computes each tile's logits again in backward
+LOGIT_BYTES = 14  # per logit and step (base/fused.py's cross-entropy): bf16 out, two reads for
+# the log-sum-exp in forward and two in backward, a read and the bf16 gradient written
+RECOMPUTED_LOGIT_BYTES = 2  # 04's tiled loss computes each tile's logits again in backward
+FP32_LOGIT_BYTES = (30, 10)  # the two, before: fp32 copy, log-softmax, its gradient and cast
 GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp32 sum read, written
 ADAMW_BYTES = 40  # per fp32 parameter: AdamW reads 4 tensors and writes 3; clipping reads, scales
 
@@ -109,11 +111,12 @@ def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = Fa
 # ---- A step's time per GPU, by term --------------------------------------------------------
 
 def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, args=None,
-                 fused_norm: bool = True) -> dict:
+                 fused_norm: bool = True, fp32_loss: bool = False) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
-    the RMSNorms op by op, as the calibration rows so marked ran them. A ValueError for an
-    impossible layout (check_layout's)."""
+    the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
+    loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so). A
+    ValueError for an impossible layout (check_layout's)."""
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
     if kernel not in rates.attention:
@@ -133,12 +136,14 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     passes = 3 + recomputed  # forward, backward (twice its work), 03's recompute
     norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
     norm_runs = 1 + (recomputed + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
+    logit_bytes, recomputed_bytes = (FP32_LOGIT_BYTES if fp32_loss
+                                     else (LOGIT_BYTES, RECOMPUTED_LOGIT_BYTES))
     seconds = {
         "linear layers": linear_s,
         "attention": attention_s,
         "elementwise": rates.elementwise_s * n * layers * width * passes,
         "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
-        "loss": n * args.vocab_size * (LOGIT_BYTES + RECOMPUTED_LOGIT_BYTES * cfg.tile_loss)
+        "loss": n * args.vocab_size * (logit_bytes + recomputed_bytes * cfg.tile_loss)
                 / rates.memory,
         "tiles (04)": tile_seconds(cfg, args, n, rates),
         "offload copies (03)": offload_seconds(cfg, args, n, b, rates,

@@ -128,3 +128,105 @@ def test_gpu_one_kernel_each_way_within_the_bf16_rule():
         g.grad = u.grad = r.grad = None
         launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
         assert len(launched) <= most, (what, launched)
+
+
+def _logits_and_labels(dtype=torch.float32, device="cpu", tokens=37, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, vocab, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[::5] = llama.IGNORE_INDEX  # some rows count for nothing
+    return logits.to(device, dtype), labels.to(device)
+
+
+def _losses_and_gradients(logits, labels, grad=1.7) -> list:
+    """(loss, d logits) of model.cross_entropy_sum (autograd) and of base/fused.py's form."""
+    results = []
+    for cross_entropy in (llama.cross_entropy_sum, fused.cross_entropy):
+        leaf = logits.detach().clone().requires_grad_()
+        loss = cross_entropy(leaf, labels)
+        (loss * grad).backward()
+        results.append((loss.detach(), leaf.grad))
+    return results
+
+
+def test_fused_cross_entropy_equals_model_py_and_keeps_the_logits_in_their_own_dtype():
+    """The loss seam's fused form: model.py's summed cross-entropy and its gradient (ignored
+    rows too, and all of them: 0, not NaN); its two forms (compiled on CUDA, in place here)
+    agree; float64 finite differences; and in bf16 it keeps the logits as they are (2 bytes
+    each) where model.py's keeps their fp32 log-softmax (4)."""
+    assert fused.IGNORE_INDEX == llama.IGNORE_INDEX
+    logits, labels = _logits_and_labels()
+    (want, want_grad), (loss, grad) = _losses_and_gradients(logits, labels)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-7)
+    assert grad[::5].abs().max() == 0  # an ignored row gets no gradient
+    ignored = torch.full_like(labels, llama.IGNORE_INDEX)
+    (want, want_grad), (loss, grad) = _losses_and_gradients(logits, ignored)
+    assert want == loss == 0 and grad.abs().max() == 0 and not grad.isnan().any()
+    scale = torch.tensor(1.7)
+    torch.testing.assert_close(fused._cross_entropy_backward(logits, labels, scale),
+                               fused._cross_entropy_backward_in_place(logits, labels, scale))
+    small, small_labels = _logits_and_labels(torch.float64, tokens=6, vocab=7)
+    assert torch.autograd.gradcheck(lambda t: fused.cross_entropy(t, small_labels),
+                                    (small.clone().requires_grad_(),))
+    # What each keeps for backward, in bf16 (the built model installs the fused form)
+    built = build.build_model(llama.get_model_args("tiny"), torch.device("cpu"))
+    assert built.cross_entropy is fused.cross_entropy
+    logits = logits.to(torch.bfloat16)
+    kept = []
+    for cross_entropy in (llama.cross_entropy_sum, fused.cross_entropy):
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            cross_entropy(logits.clone().requires_grad_(), labels)
+        kept.append(sum(n for n in saved.values() if n >= logits.numel()))  # tokens x vocab
+    assert kept == [logits.numel() * 4, logits.numel() * 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_cross_entropy_within_the_bf16_rule_in_few_kernels_and_4_bytes_per_logit():
+    """On CUDA in bf16 the fused cross-entropy stays within the bf16 rule of the fp32 plain
+    loss, runs in at most two kernels each way (a row reduction and the sum; the backward's
+    log-sum-exp and gradient), and holds the logits and their bf16 gradient at its peak, 4
+    bytes per logit (the planner's count, support/byte_counts.py), where model.py's holds 12."""
+    from torch.profiler import ProfilerActivity, profile
+
+    logits, labels = _logits_and_labels(tokens=2048, vocab=32768)
+    reference = _losses_and_gradients(logits, labels)[0]
+    plain, mine = _losses_and_gradients(logits.to("cuda", torch.bfloat16), labels.cuda())
+    as_dict = lambda pair: {"loss": pair[0].float().cpu(), "grad": pair[1].float().cpu()}  # noqa
+    assert_within_bf16_error(as_dict(mine), as_dict(plain), as_dict(reference),
+                             "fused cross-entropy")
+    logits, labels = logits.to("cuda", torch.bfloat16).requires_grad_(), labels.cuda()
+    extra = {}
+    for name, cross_entropy in (("plain", llama.cross_entropy_sum), ("fused", fused.cross_entropy)):
+        cross_entropy(logits, labels).backward()  # compiled and warmed
+        logits.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        cross_entropy(logits, labels).backward()
+        extra[name] = (torch.cuda.max_memory_allocated() - base) / logits.numel()
+        logits.grad = None
+    assert extra["fused"] <= 2 * 2 + 0.1, extra  # the gradient (2) and the backward's input (2)
+    assert extra["plain"] >= 12, extra
+    one = torch.ones((), device="cuda")
+    loss = None
+
+    def forward():
+        nonlocal loss
+        loss = fused.cross_entropy(logits, labels)
+
+    for what, run in (("forward", forward), ("backward", lambda: loss.backward(one))):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"
+                    and "memset" not in e.name.lower()]
+        assert len(launched) <= 2, (what, launched)
