@@ -128,7 +128,9 @@ def tiled_token_scores(model, h: torch.Tensor, labels: torch.Tensor,
     tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
     tile = tiling.loss_tile_size(weights[1].shape[0], tokens.shape[0], tile_tokens)
-    scores = tiling.tiled_over_tokens(partial(model_token_scores, eps=model.norm.eps), tokens,
+    scores_of_tile = partial(model_token_scores, eps=model.norm.eps,
+                             logit_scores=model.logit_scores)
+    scores = tiling.tiled_over_tokens(scores_of_tile, tokens,
                                       (flat_labels,), weights, tile, sum_tiles=False)
     return scores.view(*labels.shape, 2)
 

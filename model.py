@@ -18,10 +18,10 @@ The numbered files plug into its seams, attributes replaced from outside without
                                              tokens; 04 tiles it so seq x vocab logits never exist.
      `Transformer.token_scores(h, labels)`  its per-token sibling (each token's loss and greedy
                                              prediction), which eval.py tiles the same way.
-  6. `MLP.act(gate, up)`, `Attention.rotary`  the elementwise work, `swiglu_act`, `apply_rope`
-     `Transformer.cross_entropy`             and `cross_entropy_sum` here; the build puts
-                                             base/fused.py's forms in their place (fused GPU
-                                             kernels each way; the loss's logits stay bf16).
+  6. `MLP.act(gate, up)`, `Attention.rotary`  the elementwise work, `swiglu_act`, `apply_rope`,
+     `Transformer.cross_entropy`,            `cross_entropy_sum` and `logit_scores` here; the
+     `Transformer.logit_scores`              build puts base/fused.py's forms in their place
+                                             (fused GPU kernels each way; the logits stay bf16).
 
 Positions are global token indices passed in with the ids, so a sequence shard gets the right
 rotary phases without any gather. Packed documents (support/data.py): positions restart at 0 at
@@ -293,6 +293,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.cross_entropy = cross_entropy_sum  # seam 6: (logits, labels) -> summed loss
+        self.logit_scores = logit_scores  # seam 6: (logits, labels) -> (tokens, 2) scores
         if args.tie_word_embeddings:
             # One Parameter in both places: its gradient sums both uses, FSDP2 shards it once
             # (both are on the root module) and named_parameters() lists it once. A model moved
@@ -327,7 +328,8 @@ class Transformer(nn.Module):
         """Seam 5, per token (evaluation): (B, S, 2) fp32, [..., 0] each token's cross-entropy
         (0 where the label is ignored) and [..., 1] its greedy prediction, the argmax token id
         (exact in fp32 below 2^24 ids). Untiled, like loss_sum: eval.py tiles it."""
-        return token_scores(h, labels, self.norm.weight, self.lm_head.weight, eps=self.norm.eps)
+        return token_scores(h, labels, self.norm.weight, self.lm_head.weight, eps=self.norm.eps,
+                            logit_scores=self.logit_scores)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -336,12 +338,20 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def token_scores(h, labels, norm_weight, lm_head_weight, *, eps: float) -> torch.Tensor:
-    """Transformer.token_scores with its weights as arguments, for any leading shape of h."""
-    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()
-    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="none").view(labels.shape)
+def logit_scores(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(tokens, 2) fp32 from (tokens, vocab) logits: each row's cross-entropy (0 where the label
+    is IGNORE_INDEX) and its argmax token id (exact in fp32 below 2^24 ids)."""
+    logits = logits.float()
+    losses = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
     return torch.stack((losses, logits.argmax(-1).float()), dim=-1)
+
+
+def token_scores(h, labels, norm_weight, lm_head_weight, *, eps: float,
+                 logit_scores=logit_scores) -> torch.Tensor:
+    """Transformer.token_scores with its weights (and its logit_scores seam) as arguments, for
+    any leading shape of h."""
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight)
+    return logit_scores(logits.flatten(0, -2), labels.flatten()).view(*labels.shape, 2)
 
 
 INIT_STD = 0.02  # the weights' initial standard deviation (norms start at 1)

@@ -135,7 +135,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     the loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so).
     """
     if forward_only:
-        return plan_forward_memory(cfg, world_size, args, fused_norm)
+        return plan_forward_memory(cfg, world_size, args, fused_norm, fp32_loss)
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)  # 06: Ulysses P/R x ring R
     b = getattr(torch, cfg.dtype).itemsize
@@ -278,7 +278,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
 
 
 def plan_forward_memory(cfg: Config, world_size: int, args=None,
-                        fused_norm: bool = True) -> dict:
+                        fused_norm: bool = True, fp32_loss: bool = False) -> dict:
     """Per-GPU bytes of one evaluation forward (eval.py: torch.no_grad, nothing kept for a
     backward), in plan_memory's form. Not yet calibrated on a GPU; counted as follows, with N
     local tokens, hidden = N x dim, Q = N x heads x D, K = N x max(KV heads, sp) x D values:
@@ -296,9 +296,10 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None,
         ffn), tiled: its output buffer and one tile's; an RMSNorm nothing beyond its output (the
         fused kernel; op by op, fused_norm=False, two fp32 copies: 8 bytes x hidden values),
         tiled: its output and one tile's; the loss seam (per-token scores) the final norm's
-        output (op by op with its two fp32 copies), the logits in the compute dtype, in fp32 and
-        their log-softmax, tiled: one tile's (the scores themselves: 8 bytes per token). Rotary
-        tables are left out.
+        output (op by op with its two fp32 copies) and the logits in the compute dtype, which
+        base/fused.py's logit_scores reads in one kernel (fp32_loss=True, model.py's form and the
+        rows measured before: also their fp32 copy and its log-softmax), tiled: one tile's (the
+        scores themselves: 8 bytes per token). Rotary tables are left out.
     """
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
@@ -339,7 +340,8 @@ def plan_forward_memory(cfg: Config, world_size: int, args=None,
     mlp = (hidden + 3 * mlp_tile * args.ffn_dim * b) if cfg.tile_mlp else 3 * n * args.ffn_dim * b
     norm_bytes_per_token = 0 if fused_norm else 8 * args.dim  # op by op: two fp32 copies
     norm = (hidden + norm_bytes_per_token * mlp_tile) if cfg.tile_norm else norm_bytes_per_token * n
-    logit_bytes = b + (4 if b < 4 else 0) + 4  # lm_head's output, its fp32 copy, log-softmax
+    # lm_head's output; model.py's form also its fp32 copy and their log-softmax
+    logit_bytes = (b + (4 if b < 4 else 0) + 4) if fp32_loss else b
     loss_tokens = (min(tiling.loss_tile_size(args.vocab_size, n, cfg.loss_tile_tokens), n)
                    if cfg.tile_loss else n)
     loss = 8 * n + hidden + loss_tokens * (args.vocab_size * logit_bytes + norm_bytes_per_token)

@@ -19,14 +19,16 @@ Here each is an autograd.Function over the same formula:
   CrossEntropy  keeps the logits in their own dtype (bf16: 2 bytes each) and the labels; its
                 backward recomputes each row's log-sum-exp and writes the gradient in that dtype
                 (4 bytes per logit at the peak, the logits and their gradient). The statistics
-                are fp32, as model.py's, from the same bf16 logits.
+                are fp32, as model.py's, from the same bf16 logits. Evaluation's per-token
+                scores (`logit_scores`, no autograd) read the bf16 logits the same way.
 On CUDA each forward and each backward is one kernel that torch.compile generates from the
 formula (inductor: the token dims dynamic, the model's widths fixed; computed in fp32 and
 rounded once); elsewhere they run op by op, in place where that holds fewer tensors at once.
 support/build.py installs them through the model's seams (`MLP.act`, `Attention.rotary`,
-`Transformer.cross_entropy`); 04's tiles and 05's stages call `swiglu_forward`,
-`swiglu_backward`, `rotate`, `rotate_back`, `cross_entropy_sum` and `cross_entropy_backward`
-directly. tests/test_fused.py checks them against model.py's forms.
+`Transformer.cross_entropy`, `Transformer.logit_scores`); 04's tiles and 05's stages call
+`swiglu_forward`, `swiglu_backward`, `rotate`, `rotate_back`, `cross_entropy_sum` and
+`cross_entropy_backward` directly; eval.py's tiles call the model's `logit_scores`.
+tests/test_fused.py checks them against model.py's forms.
 """
 
 import warnings
@@ -140,6 +142,15 @@ def _cross_entropy_sum(logits, labels):
     return ((torch.logsumexp(x, dim=1) - picked) * (labels != IGNORE_INDEX)).sum()
 
 
+def _logit_scores(logits, labels):
+    """model.logit_scores (evaluation's per-token loss and argmax), one pass over the logits:
+    nothing tokens x vocab is written, the bf16 logits are all it holds (2 bytes per logit)."""
+    x = at_least_fp32(logits)
+    picked = x.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    losses = (torch.logsumexp(x, dim=1) - picked) * (labels != IGNORE_INDEX)
+    return torch.stack((losses, x.argmax(dim=1).float()), dim=1)
+
+
 def _cross_entropy_backward(logits, labels, grad_loss):
     """grad_loss x d(_cross_entropy_sum) / d logits, in the logits' dtype: softmax(row) -
     one_hot(label) on the counted rows, 0 on the ignored (never NaN, also when all are)."""
@@ -164,6 +175,7 @@ rotate = one_kernel(_rotate)
 rotate_back = one_kernel(_rotate_back)
 cross_entropy_sum = one_kernel(_cross_entropy_sum)
 cross_entropy_backward = one_kernel(_cross_entropy_backward, _cross_entropy_backward_in_place)
+logit_scores = one_kernel(_logit_scores)
 
 
 class SwiGLUAct(torch.autograd.Function):
@@ -224,9 +236,10 @@ def cross_entropy(logits, labels):
 
 
 def use_fused(transformer) -> None:
-    """Every block's MLP activation and rotary, and the loss's cross-entropy, run through this
-    file's functions."""
+    """Every block's MLP activation and rotary, and the loss's cross-entropy and evaluation's
+    per-token scores, run through this file's functions."""
     transformer.cross_entropy = cross_entropy
+    transformer.logit_scores = logit_scores
     for block in transformer.layers:
         block.mlp.act = swiglu
         block.self_attn.rotary = rotary

@@ -365,14 +365,18 @@ def test_default_tiles_follow_shapes():
 def test_planner_bytes():
     llama8b = llama.get_model_args("llama3-8b")
     local = 3 * 2**20 // 8  # 3M tokens on 8 GPUs
-    # Untiled: three fp32 logits-sized tensors at the log-softmax backward, plus the final norm:
-    # fused, its input, output and 1/rms; op by op an fp32 copy and a normalized copy of its input
+    # Untiled: the bf16 logits and their bf16 gradient at the cross-entropy's backward
+    # (base/fused.py), plus the final norm: fused, its input, output and 1/rms; op by op an fp32
+    # copy and a normalized copy of its input. Before the fused cross-entropy (fp32_loss), three
+    # fp32 logits-sized tensors at the log-softmax backward.
     assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False)
-            == local * (128_256 * 12 + 4096 * 4 + 4))
+            == local * (128_256 * 4 + 4096 * 4 + 4))
     assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False, fused_norm=False)
-            == local * (128_256 * 12 + 4096 * 8))
-    # Tiled: a tile's logits are at most 1 GiB, and their softmax; the input and its gradient
-    # stay sequence-wide; lm_head's gradient is summed in fp32.
+            == local * (128_256 * 4 + 4096 * 8))
+    assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=False, fp32_loss=True)
+            == local * (128_256 * 12 + 4096 * 4 + 4))
+    # Tiled: a tile's bf16 logits (at most 1 GiB in fp32) and their gradient; the input and its
+    # gradient stay sequence-wide; lm_head's gradient is summed in fp32.
     tiled_loss = byte_counts.loss_temporary_bytes(llama8b, local, tiled=True)
     lm_head_sum = 128_256 * 4096 * 4
     assert (2 * local * 4096 * 2 + lm_head_sum < tiled_loss
@@ -391,13 +395,16 @@ def test_planner_bytes():
     assert (byte_counts.mlp_temporary_bytes(llama8b, 100, tiled=True, tile_tokens=1000)
             == 100 * 4096 * 2 + 6 * 100 * 14336 * 2 + weight_sums)
     # The rows measured while each tile ran autograd: a bf16 weight gradient per tile beside
-    # the fp32 sums, three fp32 logits-sized tensors in a loss tile's backward.
+    # the fp32 sums, three fp32 logits-sized tensors in a loss tile's backward (12 bytes per
+    # logit against the fused 4), and before the fused cross-entropy two (8 bytes).
     autograd_mlp = byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True,
                                                    autograd_tiles=True)
     assert autograd_mlp == local * 4096 * 2 + 6 * 4096 * 14336 * 2 + 3 * 4096 * 14336 * 6
     loss_tile = tiling.loss_tile_size(128_256, local)
     assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=True, autograd_tiles=True)
-            - tiled_loss == loss_tile * 128_256 * 4 + 128_256 * 4096 * 2)
+            - tiled_loss == loss_tile * 128_256 * 8 + 128_256 * 4096 * 2)
+    assert (byte_counts.loss_temporary_bytes(llama8b, local, tiled=True, fp32_loss=True)
+            - tiled_loss == loss_tile * 128_256 * 4)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])

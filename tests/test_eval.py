@@ -400,11 +400,18 @@ def test_planner_forward_only_needs_less_and_reaches_further():
         gpu = 80 * 2**30
         longest_eval = plan.plan_longest_seq_len(cfg, 8, gpu, 2**41, forward_only=True)[0]
         assert longest_eval >= plan.plan_longest_seq_len(cfg, 8, gpu, 2**41)[0], stack
-    # tiling the loss removes the seq x vocab logits from the forward too
+    # tiling the loss removes the seq x vocab logits from the forward too: bf16 logits, which
+    # base/fused.py's scores read in one kernel (model.py's form: with their fp32 log-softmax)
     untiled = plan.plan_memory(replace(cfg, tile_loss=False), 8, forward_only=True)
     tiled = plan.plan_memory(cfg, 8, forward_only=True)
     loss = "the loss (per-token scores)"
-    assert sum(untiled["moments"][loss].values()) > 10 * sum(tiled["moments"][loss].values())
+    local, vocab = untiled["local_tokens"], llama.get_model_args("llama3-8b").vocab_size
+    assert untiled["moments"][loss]["loss"] > local * vocab * 2
+    assert untiled["moments"][loss]["loss"] > 10 * tiled["moments"][loss]["loss"]
+    fp32_loss = plan.plan_memory(replace(cfg, tile_loss=False), 8, forward_only=True,
+                                 fp32_loss=True)
+    assert (fp32_loss["moments"][loss]["loss"] - untiled["moments"][loss]["loss"]
+            == local * vocab * 8)
     table = plan.plan_main(["--eval", "--model", "llama3-8b", "--seq-len", "3M", "--stack", "5"])
     assert "evaluation forward" in table and "parameters (no gradients" in table
     longest = plan.plan_main(["--eval", "--model", "llama3-8b", "--seq-len", "max"])

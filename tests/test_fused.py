@@ -230,3 +230,55 @@ def test_gpu_fused_cross_entropy_within_the_bf16_rule_in_few_kernels_and_4_bytes
         launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"
                     and "memset" not in e.name.lower()]
         assert len(launched) <= 2, (what, launched)
+
+
+def test_fused_logit_scores_equal_model_py_and_a_built_model_evaluates_through_them():
+    """Evaluation's per-token seam: each row's cross-entropy (0 where ignored) and argmax id
+    as model.py's, and the built model's token_scores runs base/fused.py's form."""
+    logits, labels = _logits_and_labels()
+    want, mine = llama.logit_scores(logits, labels), fused.logit_scores(logits, labels)
+    torch.testing.assert_close(mine, want, rtol=1e-6, atol=1e-6)
+    assert mine[::5, 0].abs().max() == 0 and torch.equal(mine[:, 1], logits.argmax(1).float())
+    built = build.build_model(llama.get_model_args("tiny"), torch.device("cpu"))
+    assert built.logit_scores is fused.logit_scores
+    plain = llama.Transformer(built.args)
+    plain.load_state_dict(built.state_dict())
+    h = torch.randn(2, 8, built.args.dim)
+    token_labels = torch.randint(0, built.args.vocab_size, (2, 8))
+    token_labels[0, :3] = llama.IGNORE_INDEX
+    with torch.no_grad():
+        torch.testing.assert_close(built.token_scores(h, token_labels),
+                                   plain.token_scores(h, token_labels), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_logit_scores_in_one_kernel_holding_only_the_bf16_logits():
+    """On CUDA in bf16: the losses within the bf16 rule of fp32 (model.py's form of the same
+    bf16 logits as the unsharded bf16 run), the argmax ids exact, one kernel, and nothing
+    tokens x vocab allocated beyond the logits (the planner's count for evaluation's forward,
+    plan.plan_forward_memory) where model.py's form holds 8 more bytes per logit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    logits, labels = _logits_and_labels(tokens=2048, vocab=32768)
+    reference = llama.logit_scores(logits, labels)
+    low, cuda_labels = logits.to("cuda", torch.bfloat16), labels.cuda()
+    plain, mine = llama.logit_scores(low, cuda_labels), fused.logit_scores(low, cuda_labels)
+    assert_within_bf16_error({"losses": mine[:, 0].cpu()}, {"losses": plain[:, 0].cpu()},
+                             {"losses": reference[:, 0]}, "fused logit scores")
+    assert torch.equal(mine[:, 1], low.argmax(1).float())
+    extra = {}
+    for name, scores in (("plain", llama.logit_scores), ("fused", fused.logit_scores)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        scores(low, cuda_labels)
+        extra[name] = (torch.cuda.max_memory_allocated() - base) / low.numel()
+    assert extra["fused"] <= 0.1 and extra["plain"] >= 7.9, extra
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fused.logit_scores(low, cuda_labels)
+        torch.cuda.synchronize()
+    launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"
+                and "memset" not in e.name.lower()]
+    assert len(launched) <= 2, launched
