@@ -63,7 +63,7 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=6.88e-12, stage_s=7.15e-8, fsdp_s=1.71e-11, host_adamw_s=8.54e-10),
+        elementwise_s=7.07e-12, stage_s=7.18e-8, fsdp_s=1.54e-11, host_adamw_s=8.46e-10),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
