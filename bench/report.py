@@ -172,11 +172,12 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     """Run fn once under torch.profiler: where the time goes.
 
     profile_top_ops: the ops with the most own device time (CPU time on a CPU run), in ms, with
-    their call counts. On a GPU also device time per kind of kernel (`kernel_classes`), the
-    span from the first kernel's start to the last one's end, and how much of it the compute
-    kernels (all but NCCL's and the copy engines') left the GPU idle: launch gaps and waits on
-    communication that no op's own time shows; `profile_outside_kernels`: the kernels outside
-    matmul and attention with the most device time, by name (what a fusion would cut).
+    their call counts. On a GPU, from the device's kernels (`device_kernels`: not the user
+    annotations), also device time per kind of kernel (`kernel_classes`);
+    `profile_outside_kernels`: the kernels outside matmul and attention with the most device
+    time, by name (what a fusion would cut); and `timeline`: the span, the compute kernels' idle
+    time in it (launch gaps and waits on communication that no op's own time shows) and the
+    time with neither matmul nor attention running.
     trace_path: also write the Chrome trace there (open it in chrome://tracing or Perfetto).
     """
     from torch.profiler import ProfilerActivity
@@ -199,28 +200,55 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
     result = {"profile_top_ops": [{"op": e.key, "own_ms": own_time(e) / 1e3, "calls": e.count}
                                   for e in events]}
     if on_gpu:
-        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = device_kernels(prof.events())
         result["profile_kernel_classes_ms"] = kernel_classes((name, end - start)
                                                              for start, end, name in kernels)
         result["profile_outside_kernels"] = outside_kernels((name, end - start)
                                                             for start, end, name in kernels)
-        # Compute: neither communication nor the copy engines' transfers (offload, memset).
-        compute = sorted((start, end) for start, end, name in kernels
-                         if not any(key in name.lower() for key in ("nccl", "memcpy", "memset")))
-        if compute:
-            busy, covered_to = 0.0, compute[0][0]
-            for start, end in compute:  # the union of the compute kernels' intervals
-                if end > covered_to:
-                    busy += end - max(start, covered_to)
-                    covered_to = end
-            span = max(end for _, end, _ in kernels) - min(start for start, _, _ in kernels)
-            result.update(profile_span_ms=span / 1e3, profile_compute_busy_ms=busy / 1e3,
-                          profile_compute_idle_ms=(span - busy) / 1e3,
-                          profile_kernels=len(kernels))
+        result.update(timeline(kernels))
     if trace_path:
         prof.export_chrome_trace(trace_path)
     return result
+
+
+def timeline(kernels) -> dict:
+    """From (start, end, name) kernels in microseconds: the span from the first kernel's start
+    to the last one's end; how much of it the compute kernels (all but NCCL's and the copy
+    engines' transfers: offload, memset) left idle; and the time with neither a matmul nor an
+    attention kernel running (what the other kernels and the gaps cost; another kernel that
+    overlaps them on a side stream costs nothing there)."""
+    compute = [(start, end) for start, end, name in kernels
+               if not any(key in name.lower() for key in ("nccl", "memcpy", "memset"))]
+    if not compute:
+        return {}
+    span = max(end for _, end, _ in kernels) - min(start for start, _, _ in kernels)
+    busy = covered_us(compute)
+    working = covered_us([(start, end) for start, end, name in kernels
+                          if kernel_class(name) in INSIDE])
+    return {"profile_span_ms": span / 1e3, "profile_compute_busy_ms": busy / 1e3,
+            "profile_compute_idle_ms": (span - busy) / 1e3,
+            "profile_outside_matmul_and_attention_ms": (span - working) / 1e3,
+            "profile_kernels": len(kernels)}
+
+
+def device_kernels(events) -> list[tuple]:
+    """(start, end, name) in microseconds of the device's kernels and copies among a profile's
+    events. Not the user annotations (record_function ranges such as FSDP's and the optimizer's,
+    which the profiler also draws on the GPU's timeline): they span kernels counted already."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)]
+
+
+def covered_us(intervals) -> float:
+    """The length of the union of (start, end) intervals."""
+    covered, covered_to = 0.0, None
+    for start, end in sorted(intervals):
+        if covered_to is None or start > covered_to:
+            covered, covered_to = covered + end - start, end
+        elif end > covered_to:
+            covered, covered_to = covered + end - covered_to, end
+    return covered
 
 
 KERNEL_CLASSES = [  # (class, substrings of a kernel's name), the first match wins
@@ -237,6 +265,9 @@ KERNEL_CLASSES = [  # (class, substrings of a kernel's name), the first match wi
 ]
 
 
+INSIDE = ("matmul", "attention forward", "attention backward")  # the kernels that do the work
+
+
 def kernel_class(name: str) -> str:
     """The kind of a kernel, by its name: the first of KERNEL_CLASSES whose substring it holds."""
     lowered = name.lower()
@@ -247,11 +278,10 @@ def kernel_class(name: str) -> str:
 def outside_kernels(kernels, top: int = 40) -> list[dict]:
     """The `top` kernels outside matmul and attention by device time, from (name, microseconds)
     pairs: name (its first 120 characters), class, ms, calls."""
-    inside = ("matmul", "attention forward", "attention backward")
     totals: dict[str, list] = {}
     for name, microseconds in kernels:
         kind = kernel_class(name)
-        if kind not in inside:
+        if kind not in INSIDE:
             entry = totals.setdefault(name[:120], [kind, 0.0, 0])
             entry[1] += microseconds / 1e3
             entry[2] += 1

@@ -383,6 +383,39 @@ def test_kernel_classes_sort_a_traces_kernels():
                                                         "attention backward"})
 
 
+def test_profile_counts_the_devices_kernels_once_and_the_time_outside_matmul_and_attention():
+    """The profiler also puts record_function ranges (FSDP's, the optimizer's) on the GPU's
+    timeline; counted as kernels they doubled the time of the kernels inside them (a 16K step's
+    "other" class held 45 ms of them, AdamW's 26 ms twice). The time outside matmul and
+    attention is the span less the union of their intervals: overlap on a side stream is free."""
+    from types import SimpleNamespace
+
+    from bench.report import device_kernels, timeline
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 400),
+              event("Optimizer.step#AdamW.step", 450, 1000, annotation=True),
+              event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 500, 1000),
+              event("aten::mm", 0, 400, device=cpu),
+              event("flash_fwd_sm90", 300, 450),  # overlaps the matmul
+              event("bfloat16_copy_kernel_cuda", 100, 200)]  # on a side stream, under it
+    kernels = device_kernels(events)
+    assert [name for _, _, name in kernels] == [
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT",
+        "multi_tensor_apply_kernel<FusedAdamMathFunctor>", "flash_fwd_sm90",
+        "bfloat16_copy_kernel_cuda"]
+    summary = timeline(kernels)
+    assert summary["profile_span_ms"] == 1.0
+    assert summary["profile_compute_busy_ms"] == 1.0 - 0.05  # idle from 450 to 500
+    assert summary["profile_outside_matmul_and_attention_ms"] == 0.55  # 450 to 1000
+    assert summary["profile_kernels"] == 4
+
+
 # bench/bound.py: the kernels' bound of a step (bench.throughput), checked without a GPU.
 
 def _bound_config(method: str, seq_len: int):
