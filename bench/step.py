@@ -7,7 +7,8 @@ Everything after `--` is train.py's flags. Records per rank 0: bytes allocated a
 built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
 (+ Adam state) = the model state; the peak of each step; step times (median after the first,
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
-kernel. `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
+kernel; the allocator's retries per step (a failed cudaMalloc, the cache emptied, tried
+again). `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
 what was alive at the peak (model state / attention / other, and the largest owners), read from
 PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
 `--profile` runs one more step under torch.profiler: the ops with the most device time, device
@@ -73,7 +74,8 @@ def main():
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
-    times, peaks, losses = [], [], []
+    times, peaks, losses, retries = [], [], [], []
+    allocator = lambda key: torch.cuda.memory_stats().get(key, 0)  # noqa: E731
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
@@ -84,6 +86,7 @@ def main():
                 snapshot.step_begins_here()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            retried = allocator("num_alloc_retries")
             start = time.perf_counter()
             loss = train.forward_backward(model, data.batch(step), rt)
             if step == 0:
@@ -97,6 +100,9 @@ def main():
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
+            # Allocations that failed, emptied the allocator's cache and tried again: a step
+            # near the GPU's capacity pays for these (cudaFree synchronizes).
+            retries.append(allocator("num_alloc_retries") - retried)
             losses.append(float(loss))
             if rt.rank == 0:
                 print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "
@@ -104,7 +110,8 @@ def main():
         step_time = statistics.median(times[1:] or times)
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
-                      losses=losses, tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
+                      losses=losses, alloc_retries=retries,
+                      tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
     except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
     if opts.profile and result.get("status") == "ok":
