@@ -892,8 +892,12 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
     An impossible layout: the ValueError of the first candidate tried."""
     kernel = planned_kernel(cfg)
     rates = rates if rates and kernel in rates.attention else None
-    predicted = (lambda c: step_time.step_seconds_total(c, machine.gpus, rates, kernel)  # noqa: E731
-                 if rates else None)
+
+    def predicted(candidate, plan):
+        free = machine.gpu_mem - PLAN_GPU_RESERVE - plan["peak"]
+        return (step_time.step_seconds_total(candidate, machine.gpus, rates, kernel,
+                                             free_at_peak=free) if rates else None)
+
     ranked, first_error = [], None
     for candidate in candidate_configs(cfg, machine.gpus):
         try:
@@ -902,7 +906,7 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
             first_error = first_error or error
             continue
         fits = candidate_fits(plan, candidate, cfg, machine)
-        ranked.append(Candidate(candidate, plan, predicted(candidate), fits))
+        ranked.append(Candidate(candidate, plan, predicted(candidate, plan), fits))
         if fits and candidate.checkpoint and cfg.checkpoint_layers is None:
             # 03's k of L blocks checkpointed, left open: the fewest that fit (each block left
             # out skips its recompute, so they are the fastest that fit; fewer offloaded, so
@@ -910,8 +914,8 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
             k = fewest_checkpointed_layers_that_fit(candidate, machine.gpus, machine.gpu_mem)
             if k < model_args(candidate).n_layers:
                 fewer = replace(candidate, checkpoint_layers=k)
-                ranked.append(Candidate(fewer, plan_memory(fewer, machine.gpus),
-                                        predicted(fewer), True))
+                fewer_plan = plan_memory(fewer, machine.gpus)
+                ranked.append(Candidate(fewer, fewer_plan, predicted(fewer, fewer_plan), True))
     if not ranked:
         raise first_error or ValueError("no configuration to plan")
     return sorted(ranked, key=lambda c: (not c.fits, c.seconds or 0, memory_order(c.cfg)))

@@ -13,6 +13,9 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        --keep-attention without attention's), and the offload copies that no
                        compute hides
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
+    the allocator      an untiled loss whose logits are more than the plan leaves free at its
+                       peak: the caching allocator gives its cached blocks back and tries again
+                       (a retry, which synchronizes the GPU), for the logits and their gradient
     01                 FSDP's per-parameter cost per step; the optimizer step on the GPU, or
                        on the host (--offload-model-state: CPU fused AdamW) with its copies
 Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
@@ -34,8 +37,10 @@ class GpuRates:
     """One GPU kind's speeds. Measured: FLOP/s of a bf16 matmul at the model's shapes and of
     each attention kernel (causal, forward + backward), bytes/s of memory-bound work, of pinned
     host <-> GPU copies (each way) and of NCCL's all-to-all per GPU; seconds per element of one
-    RMSNorm's forward + backward, fused and op by op. Fitted on measured steps: the seconds
-    of elementwise work per token, layer and unit of width (dim + ffn_dim) per pass, of an
+    RMSNorm's forward + backward, fused and op by op; seconds of one allocator retry.
+    Fitted on measured steps: the seconds
+    of elementwise work per token, layer and unit of width (dim + ffn_dim) per pass, with
+    base/fused.py's kernels (SwiGLU, rotary) and with those forms op by op, of an
     Untied Ulysses stage that exchanges per token and layer, of FSDP per parameter, and of the
     host's AdamW step per parameter of a rank."""
     matmul: float
@@ -45,7 +50,9 @@ class GpuRates:
     all_to_all: float
     norm_fused_s: float
     norm_op_by_op_s: float
+    alloc_retry_s: float
     elementwise_s: float
+    elementwise_op_by_op_s: float
     stage_s: float
     fsdp_s: float
     host_adamw_s: float
@@ -58,12 +65,16 @@ GPU_RATES = {
     # 14,336 fp32 sum read and written with its bf16 tile gradient, 10 bytes per value, in
     # 0.21 ms); pinned copies: offload_llama3-8b_2gpu.json (55.1 GB/s each way); all-to-all:
     # GUIDE's 280 GiB/s between 2 H200s; norms: rms_norm_1gpu.json (2.47 and 20.8 ms for 128K x
-    # 4096). The last four: fitted (tests/test_step_time.py --fit).
+    # 4096); an allocator retry: prof_llama3.2-3b_1gpu_32k_fsdp.json, 2 retries a step and
+    # 273.6 ms of the GPU idle, against 24.1 ms and none with --tile-loss (the _tile_loss file).
+    # The last five: fitted (tests/test_step_time.py --fit).
     "NVIDIA H200": GpuRates(
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=7.07e-12, stage_s=7.18e-8, fsdp_s=1.54e-11, host_adamw_s=8.46e-10),
+        alloc_retry_s=(273.6e-3 - 24.1e-3) / 2,
+        elementwise_s=2.53e-12, elementwise_op_by_op_s=7.13e-12, stage_s=6.88e-8,
+        fsdp_s=1.87e-11, host_adamw_s=8.40e-10),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
@@ -111,12 +122,16 @@ def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = Fa
 # ---- A step's time per GPU, by term --------------------------------------------------------
 
 def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, args=None,
-                 fused_norm: bool = True, fp32_loss: bool = False) -> dict:
+                 fused_norm: bool = True, fp32_loss: bool = False,
+                 fused_forms: bool = True, free_at_peak: int | None = None) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
     the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
-    loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so). A
-    ValueError for an impossible layout (check_layout's)."""
+    loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so);
+    fused_forms=False: SwiGLU and rotary op by op, as before base/fused.py or without the
+    compiler (TORCHDYNAMO_DISABLE=1). free_at_peak: the bytes the memory plan leaves usable
+    at its peak (None: not known, no allocator term). A ValueError for an impossible layout
+    (check_layout's)."""
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
     if kernel not in rates.attention:
@@ -141,7 +156,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     seconds = {
         "linear layers": linear_s,
         "attention": attention_s,
-        "elementwise": rates.elementwise_s * n * layers * width * passes,
+        "elementwise": ((rates.elementwise_s if fused_forms else rates.elementwise_op_by_op_s)
+                        * n * layers * width * passes),
         "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
         "loss": n * args.vocab_size * (logit_bytes + recomputed_bytes * cfg.tile_loss)
                 / rates.memory,
@@ -152,10 +168,21 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
         "FSDP (01)": rates.fsdp_s * model.num_params(args) if cfg.fsdp else 0,
+        "allocator retries": allocator_retries(cfg, args, n, b, free_at_peak) * rates.alloc_retry_s,
     }
     seconds = {term: s * micro for term, s in seconds.items()}  # each micro-batch runs them
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
     return seconds
+
+
+def allocator_retries(cfg: Config, args, n: int, b: int, free_at_peak: int | None) -> int:
+    """Retries of the caching allocator per micro-batch: where the untiled loss's logits (n x
+    vocab, the compute dtype) are more than the plan leaves free at its peak, one for them and
+    one for their gradient (measured at 32K on Llama-3.2-3B, one H200: 7.8 GiB of logits, 6.9
+    GiB left, 2 retries a step; none with --tile-loss)."""
+    if free_at_peak is None or cfg.tile_loss:
+        return 0
+    return 2 if n * args.vocab_size * b > free_at_peak else 0
 
 
 def step_seconds_total(*arguments, **options) -> float:

@@ -35,7 +35,8 @@ RESULTS = REPO / "docs" / "results"
 CALIBRATION = RESULTS / "step_time_calibration.json"
 GiB = 2**30
 H200 = step_time.GPU_RATES["NVIDIA H200"]
-FITTED = ("elementwise_s", "stage_s", "fsdp_s", "host_adamw_s")  # the rest: measured rates
+FITTED = ("elementwise_s", "elementwise_op_by_op_s", "stage_s", "fsdp_s",
+          "host_adamw_s")  # the rest: measured rates
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,10 +58,16 @@ def row_config(row: dict):
 
 
 def predicted_s(row: dict, rates=H200) -> dict:
+    """The speed model's terms for a row, as the planner predicts them (the memory its plan
+    leaves free on the row's H200s included; rows measured before a change say so)."""
     cfg, args = row_config(row)
+    fused_norm, fp32_loss = row.get("rms_norm") != "op by op", row.get("cross_entropy") == "fp32"
+    plan = planner.plan_memory(cfg, row["gpus"], args, fused_norm=fused_norm, fp32_loss=fp32_loss)
+    free = ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE - plan["peak"]
     return step_time.step_seconds(cfg, row["gpus"], rates, cfg.attn_kernel, args,
-                                  fused_norm=row.get("rms_norm") != "op by op",
-                                  fp32_loss=row.get("cross_entropy") == "fp32")
+                                  fused_norm=fused_norm, fp32_loss=fp32_loss,
+                                  fused_forms=row.get("elementwise") != "op by op",
+                                  free_at_peak=free)
 
 
 def calibration() -> dict:
@@ -179,16 +186,18 @@ def test_the_ranking_is_by_predicted_time_and_every_entry_fits():
 
 
 def test_a_short_step_that_fits_without_checkpointing_takes_none():
-    """Llama-3.2-3B at 16K on one H200 fits without checkpointing, measured faster there
-    (--fsdp --tile-loss 16,450 tokens/s against --stack 5's 13,640): the ranking says so."""
+    """Llama-3.2-3B at 16K on one H200 fits without checkpointing, measured faster there:
+    --fsdp 0.844 s a step (prof_llama3.2-3b_1gpu_16k_fsdp.json, FA4, the fused forms), and
+    before the fused forms --fsdp --tile-loss 16,450 tokens/s against --stack 5's 13,640 (issue
+    43, cuDNN). The ranking takes --fsdp, predicts it within 10%, and keeps that order."""
     choice = planner.plan_run(_auto("llama3.2-3b", 2**14), ONE_H200)
     assert not choice.chosen.cfg.checkpoint and choice.chosen.cfg.fsdp
     by_flags = {planner.flags_text(c.cfg): c.seconds for c in choice.ranking if c.fits}
+    assert by_flags["--stack 1"] == pytest.approx(0.844, rel=0.10)
+    assert choice.chosen.seconds == min(by_flags.values())
     tiled_loss = by_flags["--fsdp --tile-loss"]
     stack_5 = next(s for flags, s in by_flags.items() if flags.startswith("--stack 5"))
-    assert 2**14 / tiled_loss == pytest.approx(16450, rel=0.10)
-    assert 2**14 / stack_5 == pytest.approx(13640, rel=0.10)
-    assert tiled_loss < stack_5
+    assert by_flags["--stack 1"] <= tiled_loss < stack_5
 
 
 def test_explicit_flags_win_and_a_disagreement_is_said():
