@@ -7,10 +7,11 @@ Everything after `--` is train.py's flags. Records per rank 0: bytes allocated a
 built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
 (+ Adam state) = the model state; the peak of each step; step times (median after the first,
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
-kernel; the allocator's retries per step (a failed cudaMalloc, the cache emptied, tried
-again). `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds
-what was alive at the peak (model state / attention / other, and the largest owners), read from
-PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
+kernel; the allocator's peak reserved memory and its retries per step (a failed cudaMalloc,
+the cache emptied, tried again). `--layers N` overrides the preset's depth (stated in the
+result). `--snapshot` adds what was alive at the peak (model state / attention / other, and the
+largest owners), read from PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file`
+also keeps the raw snapshot.
 `--profile` runs one more step under torch.profiler: the ops with the most device time, device
 time per kind of kernel and the GPU's idle time between compute kernels (`--trace FILE`: rank
 0's Chrome trace too).
@@ -74,7 +75,7 @@ def main():
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
-    times, peaks, losses, retries = [], [], [], []
+    times, peaks, reserved, losses, retries = [], [], [], [], []
     allocator = lambda key: torch.cuda.memory_stats().get(key, 0)  # noqa: E731
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
@@ -100,6 +101,7 @@ def main():
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
+            reserved.append(torch.cuda.max_memory_reserved() / GiB)  # allocated + cached
             # Allocations that failed, emptied the allocator's cache and tried again: a step
             # near the GPU's capacity pays for these (cudaFree synchronizes).
             retries.append(allocator("num_alloc_retries") - retried)
@@ -110,7 +112,7 @@ def main():
         step_time = statistics.median(times[1:] or times)
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
-                      losses=losses, alloc_retries=retries,
+                      reserved_gib=reserved, losses=losses, alloc_retries=retries,
                       tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
     except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)

@@ -73,8 +73,8 @@ GPU_RATES = {
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
         alloc_retry_s=(273.6e-3 - 24.1e-3) / 2,
-        elementwise_s=2.53e-12, elementwise_op_by_op_s=7.13e-12, stage_s=6.88e-8,
-        fsdp_s=1.87e-11, host_adamw_s=8.40e-10),
+        elementwise_s=3.00e-12, elementwise_op_by_op_s=6.88e-12, stage_s=7.02e-8,
+        fsdp_s=1.87e-11, host_adamw_s=8.52e-10),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
