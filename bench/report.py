@@ -89,6 +89,13 @@ def within_budget(started: float, budget_s: float, device) -> bool:
     return bool(flag.item())
 
 
+def allocator_retries() -> int:
+    """The caching allocator's retries so far in this process (num_alloc_retries: a cudaMalloc
+    that failed, the cached blocks given back, tried again; each synchronizes the GPU): a step
+    near the GPU's capacity pays for these (support/step_time.py's allocator term)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
 def allocate_adam_state(model, optimizer):
     """A step with zero gradients at learning rate 0 creates AdamW's moments without changing
     any weight, so the first measured step already holds the whole model state."""

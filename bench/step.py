@@ -31,7 +31,8 @@ from base import kernels
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import snapshot
-from bench.report import end_distributed, profile, refuse_without_gpu, write_result
+from bench.report import (allocator_retries, end_distributed, profile, refuse_without_gpu,
+                          write_result)
 from support.data import TokenData
 
 train = importlib.import_module("train")
@@ -76,7 +77,6 @@ def main():
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
     times, peaks, reserved, losses, retries = [], [], [], [], []
-    allocator = lambda key: torch.cuda.memory_stats().get(key, 0)  # noqa: E731
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
@@ -87,7 +87,7 @@ def main():
                 snapshot.step_begins_here()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            retried = allocator("num_alloc_retries")
+            retried = allocator_retries()
             start = time.perf_counter()
             loss = train.forward_backward(model, data.batch(step), rt)
             if step == 0:
@@ -102,9 +102,7 @@ def main():
             times.append(time.perf_counter() - start)
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
             reserved.append(torch.cuda.max_memory_reserved() / GiB)  # allocated + cached
-            # Allocations that failed, emptied the allocator's cache and tried again: a step
-            # near the GPU's capacity pays for these (cudaFree synchronizes).
-            retries.append(allocator("num_alloc_retries") - retried)
+            retries.append(allocator_retries() - retried)
             losses.append(float(loss))
             if rt.rank == 0:
                 print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "

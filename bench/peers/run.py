@@ -8,7 +8,8 @@ says what each stack is and how to install DeepSpeed and Liger-Kernel).
 
 A row: tokens/s = S / the median step time after the first (the first compiles and warms up;
 with --steps 1 its own time), peak GiB = the largest torch.cuda.max_memory_allocated of the
-row's steps (reset before each), or OOM / error with the first line of the message. Each stack's
+row's steps (reset before each), with each step's peak reserved memory and allocator retries
+(bench.report.allocator_retries), or OOM / error with the first line of the message. Each stack's
 process runs the lengths in the order given (the model built once where the stack allows) and
 stops at its first failure: the longer lengths are marked skipped. The JSON (--out) is written
 again after every row; --profile adds to each row a profile of one more step (device time per
@@ -55,7 +56,7 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import BEST, parse_choice, parse_spec, window
-from bench.report import profile, release, synchronize
+from bench.report import allocator_retries, profile, release, synchronize
 from support.data import parse_tokens
 
 GiB = 2**30
@@ -373,19 +374,22 @@ def run_stack(opts) -> None:
 def measure(stack, seq_len: int, opts, device, emit) -> dict:
     """One row: --steps steps on the length's tokens (each step also emitted as it ends)."""
     tokens = window(stack.vocab_size, seq_len, opts.seed)
-    times, peaks, metrics = [], [], []
+    times, peaks, reserved, retries, metrics = [], [], [], [], []
     try:
         stack.prepare(seq_len)
         for _ in range(opts.steps):
             synchronize(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+                retried = allocator_retries()
             start = time.perf_counter()
             metrics.append(stack.step(tokens))
             synchronize(device)
             times.append(time.perf_counter() - start)
             if device.type == "cuda":
                 peaks.append(torch.cuda.max_memory_allocated() / GiB)
+                reserved.append(round(torch.cuda.max_memory_reserved() / GiB, 3))
+                retries.append(allocator_retries() - retried)
             print(f"  step {len(times) - 1}: {times[-1]:.2f} s, loss {metrics[-1]['loss']:.4f}"
                   + (f", peak {peaks[-1]:.1f} GiB" if peaks else ""), flush=True)
             emit({"step": {"seq_len": seq_len, "time_s": round(times[-1], 3),
@@ -405,6 +409,7 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
     return {"status": "ok", "tokens_per_s": round(seq_len / step_time, 1),
             "step_time_s": round(step_time, 3), "step_times_s": [round(t, 3) for t in times],
             "peak_gib": round(max(peaks), 3) if peaks else None,
+            **({"reserved_gib": reserved, "alloc_retries": retries} if peaks else {}),
             "losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
             **{k: v for k, v in metrics[-1].items() if k not in ("loss", "grad_norm")},
             **profiled}
