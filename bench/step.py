@@ -13,8 +13,9 @@ result). `--snapshot` adds what was alive at the peak (model state / attention /
 largest owners), read from PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file`
 also keeps the raw snapshot.
 `--profile` runs one more step under torch.profiler: the ops with the most device time, device
-time per kind of kernel and the GPU's idle time between compute kernels (`--trace FILE`: rank
-0's Chrome trace too).
+time per kind of kernel, the GPU's idle time between compute kernels and the time with neither
+a matmul nor an attention kernel running (bench.report.profile; `--trace FILE`: rank 0's Chrome
+trace too).
 """
 
 import argparse

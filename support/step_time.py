@@ -13,9 +13,10 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        --keep-attention without attention's), and the offload copies that no
                        compute hides
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
-    the allocator      an untiled loss whose logits are more than the plan leaves free at its
-                       peak: the caching allocator gives its cached blocks back and tries again
-                       (a retry, which synchronizes the GPU), for the logits and their gradient
+    the allocator      an untiled loss whose plan leaves less free at its peak (the logits and
+                       their gradient counted in it) than one logits buffer: the caching
+                       allocator gives its cached blocks back and tries again (a retry, which
+                       synchronizes the GPU), for the logits and their gradient
     01                 FSDP's per-parameter cost per step; the optimizer step on the GPU, or
                        on the host (--offload-model-state: CPU fused AdamW) with its copies
 Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
@@ -37,12 +38,11 @@ class GpuRates:
     """One GPU kind's speeds. Measured: FLOP/s of a bf16 matmul at the model's shapes and of
     each attention kernel (causal, forward + backward), bytes/s of memory-bound work, of pinned
     host <-> GPU copies (each way) and of NCCL's all-to-all per GPU; seconds per element of one
-    RMSNorm's forward + backward, fused and op by op; seconds of one allocator retry.
-    Fitted on measured steps: the seconds
-    of elementwise work per token, layer and unit of width (dim + ffn_dim) per pass, with
-    base/fused.py's kernels (SwiGLU, rotary) and with those forms op by op, of an
-    Untied Ulysses stage that exchanges per token and layer, of FSDP per parameter, and of the
-    host's AdamW step per parameter of a rank."""
+    RMSNorm's forward + backward, fused and op by op; seconds of one allocator retry (one
+    measurement). Fitted on measured steps: the seconds of elementwise work per token, layer
+    and unit of width (dim + ffn_dim) per pass, with base/fused.py's kernels (SwiGLU, rotary)
+    and with those forms op by op, of an Untied Ulysses stage that exchanges per token and
+    layer, of FSDP per parameter, and of the host's AdamW step per parameter of a rank."""
     matmul: float
     attention: dict
     memory: float
@@ -176,10 +176,13 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
 
 
 def allocator_retries(cfg: Config, args, n: int, b: int, free_at_peak: int | None) -> int:
-    """Retries of the caching allocator per micro-batch: where the untiled loss's logits (n x
-    vocab, the compute dtype) are more than the plan leaves free at its peak, one for them and
-    one for their gradient (measured at 32K on Llama-3.2-3B, one H200: 7.8 GiB of logits, 6.9
-    GiB left, 2 retries a step; none with --tile-loss)."""
+    """Retries of the caching allocator per micro-batch: where what the plan leaves free at its
+    peak (its logits and their gradient counted in it) is less than one buffer of the untiled
+    loss's logits (n x vocab in the compute dtype, base/fused.py's loss), one for the logits and
+    one for their gradient. A rule of thumb from one measurement: at 32K on Llama-3.2-3B, one
+    H200, 6.9 GiB left against 7.8 GiB of logits, 2 retries a step; none with --tile-loss, nor
+    with 15.6 GiB left (05 at U = 24); Llama-3-8B at 16K made 3 with 5.3 GiB left against 3.9
+    (what else the allocator holds cached is not in the plan)."""
     if free_at_peak is None or cfg.tile_loss:
         return 0
     return 2 if n * args.vocab_size * b > free_at_peak else 0

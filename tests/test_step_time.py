@@ -62,6 +62,7 @@ def predicted_s(row: dict, rates=H200) -> dict:
     leaves free on the row's H200s included; rows measured before a change say so)."""
     cfg, args = row_config(row)
     fused_norm, fp32_loss = row.get("rms_norm") != "op by op", row.get("cross_entropy") == "fp32"
+    # every calibrated row ran on H200s (139.8 GiB each): the rows do not record the memory
     plan = planner.plan_memory(cfg, row["gpus"], args, fused_norm=fused_norm, fp32_loss=fp32_loss)
     free = ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE - plan["peak"]
     return step_time.step_seconds(cfg, row["gpus"], rates, cfg.attn_kernel, args,
@@ -162,6 +163,33 @@ def _auto(model: str, seq_len: int, **flags):
     return _cfg(model, seq_len, stack="auto", **flags)
 
 
+def test_an_untiled_loss_near_the_gpus_capacity_pays_for_the_allocators_retries():
+    """Llama-3.2-3B at 32K on one H200: --stack 1 fits (130.0 GiB planned, 130.0 measured) but
+    leaves less free at its peak than one buffer of its logits, and measured 2.448 s with two
+    allocator retries a step, where --fsdp --tile-loss measured 2.200 s and none
+    (prof_llama3.2-3b_1gpu_32k_fsdp*.json). The speed model prices the two retries, so --stack
+    auto takes neither the untiled --stack 1 nor anything that retries; the rule's edges."""
+    cfg = _cfg("llama3.2-3b", 2**15, fsdp=True)
+    args = llama.get_model_args("llama3.2-3b")
+    logits = 2**15 * args.vocab_size * 2
+    assert step_time.allocator_retries(cfg, args, 2**15, 2, logits - 1) == 2
+    assert step_time.allocator_retries(cfg, args, 2**15, 2, logits) == 0
+    assert step_time.allocator_retries(cfg, args, 2**15, 2, None) == 0
+    assert step_time.allocator_retries(replace(cfg, tile_loss=True), args, 2**15, 2, 0) == 0
+    free = ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE - planner.plan_memory(cfg, 1)["peak"]
+    assert 0 < free < logits  # the measured case: 6.9 GiB left, 7.8 GiB of logits
+    terms = step_time.step_seconds(cfg, 1, H200, "fa4", free_at_peak=free)
+    assert terms["allocator retries"] == 2 * H200.alloc_retry_s
+    assert sum(terms.values()) == pytest.approx(2.448, rel=0.03)
+    choice = planner.plan_run(_auto("llama3.2-3b", 2**15), ONE_H200)
+    assert planner.flags_text(choice.chosen.cfg) != "--stack 1"
+    assert choice.chosen.seconds < sum(terms.values())
+    chosen = replace(_auto("llama3.2-3b", 2**15), **choice.settings)
+    chosen_free = (ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE
+                   - planner.plan_memory(chosen, 1)["peak"])
+    assert step_time.allocator_retries(chosen, args, 2**15, 2, chosen_free) == 0
+
+
 def test_llama_8b_at_3m_on_8_gpus_of_80gb_takes_a_plan_that_fits():
     choice = planner.plan_run(_auto("llama3-8b", 3 * 2**20), EIGHT_80GB)
     chosen = replace(_auto("llama3-8b", 3 * 2**20), **choice.settings)
@@ -194,7 +222,7 @@ def test_a_short_step_that_fits_without_checkpointing_takes_none():
     assert not choice.chosen.cfg.checkpoint and choice.chosen.cfg.fsdp
     by_flags = {planner.flags_text(c.cfg): c.seconds for c in choice.ranking if c.fits}
     assert by_flags["--stack 1"] == pytest.approx(0.844, rel=0.10)
-    assert choice.chosen.seconds == min(by_flags.values())
+    assert planner.flags_text(choice.chosen.cfg) == "--stack 1"
     tiled_loss = by_flags["--fsdp --tile-loss"]
     stack_5 = next(s for flags, s in by_flags.items() if flags.startswith("--stack 5"))
     assert by_flags["--stack 1"] <= tiled_loss < stack_5
