@@ -413,6 +413,12 @@ def fits_on_gpu(peak: int, gpu_mem: int) -> bool:
     return peak * (1 + PLAN_MARGIN) <= gpu_mem - PLAN_GPU_RESERVE
 
 
+def free_at_peak(peak: int, gpu_mem: int) -> int:
+    """What a plan's peak leaves of the GPU's usable memory (less PLAN_GPU_RESERVE), without the
+    margin: the speed model's allocator term (step_time.predicted_retries) weighs it."""
+    return gpu_mem - PLAN_GPU_RESERVE - peak
+
+
 def margin_text() -> str:
     return (f"a {PLAN_MARGIN:.1%} margin on each planned peak (the planner's worst "
             f"under-prediction in calibration: {WORST_UNDER_PREDICTION:.1%} of a measured peak)")
@@ -894,7 +900,7 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
     rates = rates if rates and kernel in rates.attention else None
 
     def predicted(candidate, plan):
-        free = machine.gpu_mem - PLAN_GPU_RESERVE - plan["peak"]
+        free = free_at_peak(plan["peak"], machine.gpu_mem)
         return (step_time.step_seconds_total(candidate, machine.gpus, rates, kernel,
                                              free_at_peak=free) if rates else None)
 

@@ -168,15 +168,16 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
         "FSDP (01)": rates.fsdp_s * model.num_params(args) if cfg.fsdp else 0,
-        "allocator retries": allocator_retries(cfg, args, n, b, free_at_peak) * rates.alloc_retry_s,
+        "allocator retries": predicted_retries(cfg, args, n, b, free_at_peak) * rates.alloc_retry_s,
     }
     seconds = {term: s * micro for term, s in seconds.items()}  # each micro-batch runs them
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
     return seconds
 
 
-def allocator_retries(cfg: Config, args, n: int, b: int, free_at_peak: int | None) -> int:
-    """Retries of the caching allocator per micro-batch: where what the plan leaves free at its
+def predicted_retries(cfg: Config, args, n: int, b: int, free_at_peak: int | None) -> int:
+    """Retries of the caching allocator per micro-batch (bench.report.allocator_retries counts
+    the measured ones): where what the plan leaves free at its
     peak (its logits and their gradient counted in it) is less than one buffer of the untiled
     loss's logits (n x vocab in the compute dtype, base/fused.py's loss), one for the logits and
     one for their gradient. A rule of thumb from one measurement: at 32K on Llama-3.2-3B, one

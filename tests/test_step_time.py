@@ -64,7 +64,7 @@ def predicted_s(row: dict, rates=H200) -> dict:
     fused_norm, fp32_loss = row.get("rms_norm") != "op by op", row.get("cross_entropy") == "fp32"
     # every calibrated row ran on H200s (139.8 GiB each): the rows do not record the memory
     plan = planner.plan_memory(cfg, row["gpus"], args, fused_norm=fused_norm, fp32_loss=fp32_loss)
-    free = ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE - plan["peak"]
+    free = planner.free_at_peak(plan["peak"], ONE_H200.gpu_mem)
     return step_time.step_seconds(cfg, row["gpus"], rates, cfg.attn_kernel, args,
                                   fused_norm=fused_norm, fp32_loss=fp32_loss,
                                   fused_forms=row.get("elementwise") != "op by op",
@@ -172,11 +172,11 @@ def test_an_untiled_loss_near_the_gpus_capacity_pays_for_the_allocators_retries(
     cfg = _cfg("llama3.2-3b", 2**15, fsdp=True)
     args = llama.get_model_args("llama3.2-3b")
     logits = 2**15 * args.vocab_size * 2
-    assert step_time.allocator_retries(cfg, args, 2**15, 2, logits - 1) == 2
-    assert step_time.allocator_retries(cfg, args, 2**15, 2, logits) == 0
-    assert step_time.allocator_retries(cfg, args, 2**15, 2, None) == 0
-    assert step_time.allocator_retries(replace(cfg, tile_loss=True), args, 2**15, 2, 0) == 0
-    free = ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE - planner.plan_memory(cfg, 1)["peak"]
+    assert step_time.predicted_retries(cfg, args, 2**15, 2, logits - 1) == 2
+    assert step_time.predicted_retries(cfg, args, 2**15, 2, logits) == 0
+    assert step_time.predicted_retries(cfg, args, 2**15, 2, None) == 0
+    assert step_time.predicted_retries(replace(cfg, tile_loss=True), args, 2**15, 2, 0) == 0
+    free = planner.free_at_peak(planner.plan_memory(cfg, 1)["peak"], ONE_H200.gpu_mem)
     assert 0 < free < logits  # the measured case: 6.9 GiB left, 7.8 GiB of logits
     terms = step_time.step_seconds(cfg, 1, H200, "fa4", free_at_peak=free)
     assert terms["allocator retries"] == 2 * H200.alloc_retry_s
@@ -185,9 +185,8 @@ def test_an_untiled_loss_near_the_gpus_capacity_pays_for_the_allocators_retries(
     assert planner.flags_text(choice.chosen.cfg) != "--stack 1"
     assert choice.chosen.seconds < sum(terms.values())
     chosen = replace(_auto("llama3.2-3b", 2**15), **choice.settings)
-    chosen_free = (ONE_H200.gpu_mem - planner.PLAN_GPU_RESERVE
-                   - planner.plan_memory(chosen, 1)["peak"])
-    assert step_time.allocator_retries(chosen, args, 2**15, 2, chosen_free) == 0
+    chosen_free = planner.free_at_peak(planner.plan_memory(chosen, 1)["peak"], ONE_H200.gpu_mem)
+    assert step_time.predicted_retries(chosen, args, 2**15, 2, chosen_free) == 0
 
 
 def test_llama_8b_at_3m_on_8_gpus_of_80gb_takes_a_plan_that_fits():
