@@ -96,6 +96,18 @@ def allocator_retries() -> int:
     return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
 
+def cached_by_stream() -> dict:
+    """GiB the caching allocator holds reserved but unallocated, per CUDA stream ("default" and
+    the others by handle): a block freed on one stream is cached for that stream alone, so what
+    another stream's cache holds is memory this stream cannot reuse without a retry."""
+    default, cached = torch.cuda.current_stream().cuda_stream, {}
+    for segment in torch.cuda.memory_snapshot():
+        name = "default" if segment["stream"] == default else str(segment["stream"])
+        free = (segment["total_size"] - segment["allocated_size"]) / 2**30
+        cached[name] = cached.get(name, 0.0) + free
+    return cached
+
+
 def allocate_adam_state(model, optimizer):
     """A step with zero gradients at learning rate 0 creates AdamW's moments without changing
     any weight, so the first measured step already holds the whole model state."""

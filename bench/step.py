@@ -8,10 +8,10 @@ built (sharded fp32 parameters), after backward (+ gradients), after the first o
 (+ Adam state) = the model state; the peak of each step; step times (median after the first,
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
 kernel; the allocator's peak reserved memory and its retries per step (a failed cudaMalloc,
-the cache emptied, tried again). `--layers N` overrides the preset's depth (stated in the
-result). `--snapshot` adds what was alive at the peak (model state / attention / other, and the
-largest owners), read from PyTorch's memory snapshot (bench/snapshot.py); `--snapshot-file`
-also keeps the raw snapshot.
+the cache emptied, tried again), and what it holds cached per CUDA stream after each step.
+`--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds what was
+alive at the peak (model state / attention / other, and the largest owners), read from PyTorch's
+memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
 `--profile` runs one more step under torch.profiler: the ops with the most device time, device
 time per kind of kernel, the GPU's idle time between compute kernels and the time with neither
 a matmul nor an attention kernel running (bench.report.profile; `--trace FILE`: rank 0's Chrome
@@ -32,8 +32,8 @@ from base import kernels
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import snapshot
-from bench.report import (allocator_retries, end_distributed, profile, refuse_without_gpu,
-                          write_result)
+from bench.report import (allocator_retries, cached_by_stream, end_distributed, profile,
+                          refuse_without_gpu, write_result)
 from support.data import TokenData
 
 train = importlib.import_module("train")
@@ -77,7 +77,7 @@ def main():
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
-    times, peaks, reserved, losses, retries = [], [], [], [], []
+    times, peaks, reserved, losses, retries, cached = [], [], [], [], [], []
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
@@ -104,6 +104,7 @@ def main():
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
             reserved.append(torch.cuda.max_memory_reserved() / GiB)  # allocated + cached
             retries.append(allocator_retries() - retried)
+            cached.append(cached_by_stream())  # after zero_grad: the gradients' blocks cached
             losses.append(float(loss))
             if rt.rank == 0:
                 print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "
@@ -112,6 +113,7 @@ def main():
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
                       reserved_gib=reserved, losses=losses, alloc_retries=retries,
+                      cached_by_stream_gib=cached,
                       tokens_per_s_per_gpu=tokens_per_gpu / step_time, **memory)
     except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
