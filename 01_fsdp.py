@@ -65,11 +65,15 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
         reshard = block is not model.layers[-1]
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, **on_host)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, **on_host)
+    ranks = mesh.size() if mesh is not None else dist.get_world_size()
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule) and ranks > 1:
             # Our loss is already the mean over the tokens of all ranks (train.py divides the
             # summed loss by the global token count), so the rank gradients must be summed,
-            # not averaged: FSDP's default average would shrink them by the world size.
+            # not averaged: FSDP's default average would shrink them by the world size. One
+            # rank has nothing to sum, and a factor there makes FSDP2 divide a copy of each
+            # group's fp32 gradients (a temporary as large as them: 3.9 GiB at the root of
+            # Llama-3-8B on one GPU).
             module.set_gradient_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 # A plain SUM collective (gloo has no PREMUL_SUM, which a factor of 1 would use).

@@ -83,6 +83,20 @@ def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> d
             "optimizer": model_state_bytes(args, world_size)["optimizer"]}
 
 
+def gradient_stream_cache_bytes(args, world_size: int, offload_model_state: bool = False) -> int:
+    """Per-rank GPU bytes the caching allocator holds for FSDP2's reduce-scatter stream between
+    steps: the fp32 gradient shards (freed by zero_grad; with --offload-model-state only the
+    root's, before its copy to the host) and the root's fp32 reduce-scatter input, the largest
+    group's. A block freed on one stream is cached for that stream alone: the default stream
+    cannot reuse these bytes without an allocator retry (support/step_time.py). Measured after
+    a step on one H200 (bench.step's cached_by_stream_gib): 13.44 GiB for Llama-3.2-3B, 33.85
+    for Llama-3-8B, 8.65 for its one-layer model: each its gradients plus its root's input."""
+    root = num_params(replace(args, n_layers=0))
+    shards = (REDUCE_BYTES * -(-root // world_size) if offload_model_state
+              else model_state_bytes(args, world_size)["gradients"])
+    return REDUCE_BYTES * root + shards
+
+
 @functools.cache
 def block_and_root_shapes(args_fields: tuple) -> dict:
     """The parameter shapes of a one-block model of these ModelArgs fields, from the meta device

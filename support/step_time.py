@@ -13,12 +13,13 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        --keep-attention without attention's), and the offload copies that no
                        compute hides
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
-    the allocator      an untiled loss whose plan leaves less free at its peak (the logits and
-                       their gradient counted in it) than one logits buffer: the caching
-                       allocator gives its cached blocks back and tries again (a retry, which
-                       synchronizes the GPU), for the logits and their gradient
-    01                 FSDP's per-parameter cost per step; the optimizer step on the GPU, or
-                       on the host (--offload-model-state: CPU fused AdamW) with its copies
+    the allocator      a plan that leaves less free at its peak than FSDP2's reduce-scatter
+                       stream keeps cached (its gradients' blocks, which the default stream
+                       cannot reuse): the caching allocator gives its cached blocks back and
+                       tries again (a retry, which synchronizes the GPU), twice a step
+    01                 the optimizer step on the GPU, or on the host (--offload-model-state:
+                       CPU fused AdamW) with its copies (FSDP's own per-parameter cost fitted
+                       to nothing once the allocator's retries were counted: it is not a term)
 Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
 measured speeds, and a few constants fitted on measured steps (docs/calibration.md, "Step
 time"; tests/test_step_time.py holds every calibrated row within 10%). A GPU without rates gets
@@ -28,6 +29,7 @@ no prediction: the planner then falls back to its memory-only choice and says so
 from dataclasses import dataclass
 
 import model
+from support import byte_counts
 from support.config import Config, model_args
 from support.lessons import tiling
 from support.runtime import check_layout
@@ -38,11 +40,11 @@ class GpuRates:
     """One GPU kind's speeds. Measured: FLOP/s of a bf16 matmul at the model's shapes and of
     each attention kernel (causal, forward + backward), bytes/s of memory-bound work, of pinned
     host <-> GPU copies (each way) and of NCCL's all-to-all per GPU; seconds per element of one
-    RMSNorm's forward + backward, fused and op by op; seconds of one allocator retry (one
-    measurement). Fitted on measured steps: the seconds of elementwise work per token, layer
-    and unit of width (dim + ffn_dim) per pass, with base/fused.py's kernels (SwiGLU, rotary)
-    and with those forms op by op, of an Untied Ulysses stage that exchanges per token and
-    layer, of FSDP per parameter, and of the host's AdamW step per parameter of a rank."""
+    RMSNorm's forward + backward, fused and op by op. Fitted on measured steps: the seconds of
+    elementwise work per token, layer and unit of width (dim + ffn_dim) per pass, with
+    base/fused.py's kernels (SwiGLU, rotary) and with those forms op by op, of an Untied
+    Ulysses stage that exchanges per token and layer, of the host's AdamW step per parameter
+    of a rank, and of one allocator retry."""
     matmul: float
     attention: dict
     memory: float
@@ -50,12 +52,11 @@ class GpuRates:
     all_to_all: float
     norm_fused_s: float
     norm_op_by_op_s: float
-    alloc_retry_s: float
     elementwise_s: float
     elementwise_op_by_op_s: float
     stage_s: float
-    fsdp_s: float
     host_adamw_s: float
+    alloc_retry_s: float
 
 
 GPU_RATES = {
@@ -65,16 +66,13 @@ GPU_RATES = {
     # 14,336 fp32 sum read and written with its bf16 tile gradient, 10 bytes per value, in
     # 0.21 ms); pinned copies: offload_llama3-8b_2gpu.json (55.1 GB/s each way); all-to-all:
     # GUIDE's 280 GiB/s between 2 H200s; norms: rms_norm_1gpu.json (2.47 and 20.8 ms for 128K x
-    # 4096); an allocator retry: prof_llama3.2-3b_1gpu_32k_fsdp.json, 2 retries a step and
-    # 273.6 ms of the GPU idle, against 24.1 ms and none with --tile-loss (the _tile_loss file).
-    # The last five: fitted (tests/test_step_time.py --fit).
+    # 4096). The last five: fitted (tests/test_step_time.py --fit).
     "NVIDIA H200": GpuRates(
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        alloc_retry_s=(273.6e-3 - 24.1e-3) / 2,
-        elementwise_s=3.00e-12, elementwise_op_by_op_s=6.88e-12, stage_s=7.02e-8,
-        fsdp_s=1.87e-11, host_adamw_s=8.52e-10),
+        elementwise_s=3.46e-12, elementwise_op_by_op_s=9.12e-12, stage_s=7.31e-8,
+        host_adamw_s=7.65e-10, alloc_retry_s=0.106),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
@@ -167,26 +165,29 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "exchanges (02)": exchange_seconds(cfg, args, n, sp // ring, b, rates),
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
-        "FSDP (01)": rates.fsdp_s * model.num_params(args) if cfg.fsdp else 0,
-        "allocator retries": predicted_retries(cfg, args, n, b, free_at_peak) * rates.alloc_retry_s,
+        "allocator retries": (predicted_retries(cfg, args, world_size, free_at_peak)
+                              * rates.alloc_retry_s),
     }
     seconds = {term: s * micro for term, s in seconds.items()}  # each micro-batch runs them
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
     return seconds
 
 
-def predicted_retries(cfg: Config, args, n: int, b: int, free_at_peak: int | None) -> int:
+def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | None) -> int:
     """Retries of the caching allocator per micro-batch (bench.report.allocator_retries counts
-    the measured ones): where what the plan leaves free at its
-    peak (its logits and their gradient counted in it) is less than one buffer of the untiled
-    loss's logits (n x vocab in the compute dtype, base/fused.py's loss), one for the logits and
-    one for their gradient. A rule of thumb from one measurement: at 32K on Llama-3.2-3B, one
-    H200, 6.9 GiB left against 7.8 GiB of logits, 2 retries a step; none with --tile-loss, nor
-    with 15.6 GiB left (05 at U = 24); Llama-3-8B at 16K made 3 with 5.3 GiB left against 3.9
-    (what else the allocator holds cached is not in the plan)."""
-    if free_at_peak is None or cfg.tile_loss:
+    the measured ones). FSDP2 reduce-scatters on its own stream, and the allocator caches a
+    freed block for the stream that allocated it: after a step the gradients' blocks sit in
+    that stream's cache (byte_counts.gradient_stream_cache_bytes), where the default stream's
+    activations cannot reuse them. Where the plan leaves less free at its peak than that cache,
+    the forward runs out of fresh memory, the allocator gives every cached block back and tries
+    again, and the backward's gradients do the same on their stream: two retries a step.
+    Measured on one H200: Llama-3.2-3B at 32K, 13.4 GiB cached, 6.8 GiB left by --stack 1
+    (2 retries), 15.6 by U = 24 and 20.1 by --tile-loss (none); Llama-3-8B, 33.8 GiB cached,
+    retried twice at every depth of checkpointing (once three times)."""
+    if free_at_peak is None or not cfg.fsdp:
         return 0
-    return 2 if n * args.vocab_size * b > free_at_peak else 0
+    cache = byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
+    return 2 if free_at_peak < cache else 0
 
 
 def step_seconds_total(*arguments, **options) -> float:

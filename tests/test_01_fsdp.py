@@ -64,6 +64,35 @@ def _local_numel_matches_formula(preset):
     assert local < llama.num_params(args) / dist.get_world_size() * 1.001
 
 
+def _backward_divides_no_copy_of_the_gradients():
+    """Given a gradient divide factor on one rank, FSDP2 reduces by copying the fp32 input
+    divided (reduce_output.copy_(input / factor)): a temporary as large as a group's gradients,
+    3.9 GiB at Llama-3-8B's root. 01 gives one rank no factor, so no division in the step
+    allocates a gradient's worth of memory (CPU memory events, torch.profiler)."""
+    from dataclasses import replace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = Config(model="tiny", fsdp=True, seq_len=SEQ_LEN)
+    rt = setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    args = llama.get_model_args("tiny")
+    smallest_group = 4 * min(llama.num_params(replace(args, n_layers=0)),
+                             llama.num_params(replace(args, n_layers=1))
+                             - llama.num_params(replace(args, n_layers=0)))
+    tokens = torch.randint(0, args.vocab_size, (ROWS_PER_RANK, SEQ_LEN + 1))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train.forward_backward(model, tokens, rt)
+    divisions = [(e.name, e.self_cpu_memory_usage) for e in prof.events()
+                 if e.name.startswith("aten::div") and e.self_cpu_memory_usage >= smallest_group]
+    assert not divisions, divisions
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_backward_divides_no_copy_of_the_gradients(world_size):
+    run_ranks(world_size, _backward_divides_no_copy_of_the_gradients)
+
+
 def test_sharded_bytes_match_the_formula():
     """The bytes FSDP really allocates per rank (counted on the meta device) match the formula
     the demo and the planner use, for the real 8B shapes."""
