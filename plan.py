@@ -147,7 +147,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     block_params = (n_params - model.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
     if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
         state = byte_counts.model_state_bytes(args, world_size)
-        buffers = byte_counts.fsdp_buffer_bytes(args, b)
+        buffers = byte_counts.fsdp_buffer_bytes(args, b, world_size)
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
         state = {"parameters": b * n_params, "gradients": b * n_params,
                  "optimizer": 2 * b * n_params}

@@ -27,7 +27,7 @@ def model_state_bytes(args, world_size: int) -> dict:
     return {"parameters": 4 * per_rank, "gradients": 4 * per_rank, "optimizer": 8 * per_rank}
 
 
-def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
+def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1) -> dict:
     """Per-rank bytes of the unsharded copies FSDP2 makes, in the compute dtype, at four moments
     of a step. The "root" holds the embeddings, the final norm and lm_head; apply_fsdp keeps it
     (and the last block) gathered from forward to backward.
@@ -46,8 +46,13 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
                        = 0.81 GiB, on any number of GPUs; measured at full depth, issue 44.)
       bottom_block:    below_the_top in the first block's backward (layer 0), the last: one
                        block gathered, as no block below it is prefetched;
-      end_of_backward: the root's unsharded gradients and their fp32 copy for the reduce-scatter
-                       (the root's parameters are already resharded by then).
+      end_of_backward: the root's gradients on their way (its parameters already resharded):
+                       its unsharded gradients copied into their fp32 reduce-scatter input
+                       (its gradient shard, counted in the model state, not made yet), then
+                       the input beside the new shard. On one GPU the shard is the whole
+                       gradient and the second moment the larger: the input alone, 4 bytes
+                       per root parameter (Llama-3-8B: 3.91 GiB, measured 3.97 at
+                       step_llama3-8b_1gpu_16k_1l_undivided.json).
 
     For Llama-3-8B in bf16: root 1.96 GiB, one block 0.41 GiB; on any number of GPUs.
     """
@@ -60,7 +65,8 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2) -> dict:
             "during_backward": during_backward,
             "below_the_top": during_backward + REDUCE_BYTES * block,
             "bottom_block": during_backward + (REDUCE_BYTES - bytes_per_value) * block,
-            "end_of_backward": (bytes_per_value + 4) * root}
+            "end_of_backward": max((bytes_per_value + REDUCE_BYTES) * root
+                                   - REDUCE_BYTES * -(-root // world_size), REDUCE_BYTES * root)}
 
 
 REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (01's MixedPrecisionPolicy: reduce_dtype)

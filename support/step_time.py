@@ -71,8 +71,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=3.46e-12, elementwise_op_by_op_s=9.12e-12, stage_s=7.31e-8,
-        host_adamw_s=7.65e-10, alloc_retry_s=0.106),
+        elementwise_s=3.36e-12, elementwise_op_by_op_s=9.13e-12, stage_s=7.30e-8,
+        host_adamw_s=7.65e-10, alloc_retry_s=0.105),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
