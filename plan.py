@@ -380,19 +380,26 @@ def fewest_stages_that_fit(cfg: Config, world_size: int, gpu_mem: int,
     return least_memory
 
 
-def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: int) -> int:
+def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: int,
+                                        headroom: int = 0) -> int:
     """03's checkpointed blocks k (--checkpoint-layers): the smallest k whose planned step fits
-    (fits_on_gpu, with its margin), else all n_layers. Each block left out skips its recompute
-    (a forward pass of the block), and its activations outweigh its checkpoint, so the planned
-    peak falls as k grows: the first k that fits is the fastest that does."""
+    (fits_on_gpu, with its margin) and leaves `headroom` bytes free at its peak, else all
+    n_layers. Each block left out skips its recompute (a forward pass of the block), and its
+    activations outweigh its checkpoint, so the planned peak falls as k grows: the first k
+    that fits is the fastest that does, unless a few more leave the allocator the room it
+    retries without (the speed model weighs both: rank_candidates)."""
     if not cfg.checkpoint:
         raise ValueError("the checkpointed layers are a setting of --checkpoint (03)")
     args = model_args(cfg)
-    low, high = 1, args.n_layers  # the peak falls as k grows: bisect for the first that fits
+
+    def enough(k):
+        peak = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)["peak"]
+        return fits_on_gpu(peak, gpu_mem) and free_at_peak(peak, gpu_mem) >= headroom
+
+    low, high = 1, args.n_layers  # the peak falls as k grows: bisect for the first enough
     while low < high:
         middle = (low + high) // 2
-        plan = plan_memory(replace(cfg, checkpoint_layers=middle), world_size, args)
-        low, high = (low, middle) if fits_on_gpu(plan["peak"], gpu_mem) else (middle + 1, high)
+        low, high = (low, middle) if enough(middle) else (middle + 1, high)
     return low
 
 
@@ -915,13 +922,18 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
         ranked.append(Candidate(candidate, plan, predicted(candidate, plan), fits))
         if fits and candidate.checkpoint and cfg.checkpoint_layers is None:
             # 03's k of L blocks checkpointed, left open: the fewest that fit (each block left
-            # out skips its recompute, so they are the fastest that fit; fewer offloaded, so
-            # the host holds less too)
-            k = fewest_checkpointed_layers_that_fit(candidate, machine.gpus, machine.gpu_mem)
-            if k < model_args(candidate).n_layers:
-                fewer = replace(candidate, checkpoint_layers=k)
-                fewer_plan = plan_memory(fewer, machine.gpus)
-                ranked.append(Candidate(fewer, fewer_plan, predicted(fewer, fewer_plan), True))
+            # out skips its recompute; fewer offloaded, so the host holds less too), and with
+            # speed rates the fewest that also leave free what FSDP2's reduce-scatter stream
+            # keeps cached (the allocator then retries never: step_time.predicted_retries)
+            args = model_args(candidate)
+            headrooms = [0] + ([byte_counts.gradient_stream_cache_bytes(
+                args, machine.gpus, candidate.offload_model_state)] if rates else [])
+            for k in sorted({fewest_checkpointed_layers_that_fit(
+                    candidate, machine.gpus, machine.gpu_mem, headroom) for headroom in headrooms}):
+                if k < args.n_layers:
+                    fewer = replace(candidate, checkpoint_layers=k)
+                    fewer_plan = plan_memory(fewer, machine.gpus)
+                    ranked.append(Candidate(fewer, fewer_plan, predicted(fewer, fewer_plan), True))
     if not ranked:
         raise first_error or ValueError("no configuration to plan")
     return sorted(ranked, key=lambda c: (not c.fits, c.seconds or 0, memory_order(c.cfg)))

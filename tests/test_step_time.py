@@ -268,18 +268,47 @@ def test_open_settings_of_given_flags_are_the_fastest_that_fit():
 
 def test_open_checkpointed_layers_are_the_fewest_that_fit():
     """--stack 3 at 48K on one H200 (Llama-3.2-3B): 03's k of 28 blocks, left open, is the
-    fewest that fit (each block left out skips its recompute: faster); given, it stays."""
+    fewest that fit (each block left out skips its recompute: faster) or the fewest that also
+    leave the allocator its room, whichever is predicted faster (here the second: the first
+    retries); given, it stays."""
     cfg = _cfg("llama3.2-3b", 3 * 2**14, stack=3)
     choice = planner.plan_run(cfg, ONE_H200)
     chosen = choice.chosen.cfg
-    fewest = planner.fewest_checkpointed_layers_that_fit(replace(chosen, checkpoint_layers=None),
-                                                         1, ONE_H200.gpu_mem)
-    assert 1 < chosen.checkpoint_layers == fewest < 28 and choice.chosen.fits
-    assert f"--checkpoint-layers {fewest}" in choice.lines[0]
+    every = replace(chosen, checkpoint_layers=None)
+    fewest = planner.fewest_checkpointed_layers_that_fit(every, 1, ONE_H200.gpu_mem)
+    cache = byte_counts.gradient_stream_cache_bytes(llama.get_model_args("llama3.2-3b"), 1)
+    roomy = planner.fewest_checkpointed_layers_that_fit(every, 1, ONE_H200.gpu_mem, cache)
+    assert 1 < fewest < chosen.checkpoint_layers == roomy < 28 and choice.chosen.fits
+    assert f"--checkpoint-layers {roomy}" in choice.lines[0]
     every = step_time.step_seconds_total(replace(chosen, checkpoint_layers=None), 1, H200, "fa4")
     assert choice.chosen.seconds < every
     given = planner.plan_run(replace(cfg, checkpoint_layers=28), ONE_H200)
     assert "checkpoint_layers" not in given.settings
+
+
+def test_open_checkpointed_layers_weigh_the_fewest_that_leave_the_allocator_room():
+    """Llama-3.2-3B at 64K on one H200 (U = 24, keep-attention, offloaded): the fewest blocks
+    checkpointed that fit leave less free at their peak than the reduce-scatter stream's 13.4
+    GiB cache (two allocator retries a step), one more leaves it; the ranking weighs both and
+    takes the one that does not retry, faster by more than its block's recompute."""
+    cfg = _cfg("llama3.2-3b", 2**16, fsdp=True, checkpoint=True, offload=True, untied=True,
+               head_chunk=24, keep_attention=True)
+    cache = byte_counts.gradient_stream_cache_bytes(llama.get_model_args("llama3.2-3b"), 1)
+    fewest = planner.fewest_checkpointed_layers_that_fit(cfg, 1, ONE_H200.gpu_mem)
+    roomy = planner.fewest_checkpointed_layers_that_fit(cfg, 1, ONE_H200.gpu_mem, headroom=cache)
+
+    def free(k):
+        plan = planner.plan_memory(replace(cfg, checkpoint_layers=k), 1)
+        return planner.free_at_peak(plan["peak"], ONE_H200.gpu_mem)
+
+    assert fewest < roomy < 28 and free(fewest) < cache <= free(roomy)
+    seconds = {c.cfg.checkpoint_layers: c.seconds
+               for c in planner.rank_candidates(cfg, ONE_H200, H200) if c.fits}
+    assert seconds[roomy] < seconds[fewest]
+    choice = planner.plan_run(cfg, ONE_H200)
+    assert choice.settings == {"checkpoint_layers": roomy}
+    without_rates = planner.rank_candidates(cfg, ONE_H200, None)  # memory only: the fewest
+    assert roomy not in {c.cfg.checkpoint_layers for c in without_rates}
 
 
 @pytest.mark.parametrize("seq_len,gpu,host,kept", [
