@@ -927,7 +927,8 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
             # keeps cached (the allocator then retries never: step_time.predicted_retries)
             args = model_args(candidate)
             headrooms = [0] + ([byte_counts.gradient_stream_cache_bytes(
-                args, machine.gpus, candidate.offload_model_state)] if rates else [])
+                args, machine.gpus, candidate.offload_model_state)]
+                if rates and candidate.fsdp else [])
             for k in sorted({fewest_checkpointed_layers_that_fit(
                     candidate, machine.gpus, machine.gpu_mem, headroom) for headroom in headrooms}):
                 if k < args.n_layers:

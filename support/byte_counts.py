@@ -50,7 +50,7 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1) -> di
                        its unsharded gradients copied into their fp32 reduce-scatter input
                        (its gradient shard, counted in the model state, not made yet), then
                        the input beside the new shard. On one GPU the shard is the whole
-                       gradient and the second moment the larger: the input alone, 4 bytes
+                       gradient and the later moment the larger: the input alone, 4 bytes
                        per root parameter (Llama-3-8B: 3.91 GiB, measured 3.97 at
                        step_llama3-8b_1gpu_16k_1l_undivided.json).
 
@@ -91,16 +91,16 @@ def offloaded_model_state_bytes(args, world_size: int, pinned: bool = True) -> d
 
 def gradient_stream_cache_bytes(args, world_size: int, offload_model_state: bool = False) -> int:
     """Per-rank GPU bytes the caching allocator holds for FSDP2's reduce-scatter stream between
-    steps: the fp32 gradient shards (freed by zero_grad; with --offload-model-state only the
-    root's, before its copy to the host) and the root's fp32 reduce-scatter input, the largest
-    group's. A block freed on one stream is cached for that stream alone: the default stream
+    steps: the fp32 gradient shards it made there, freed by zero_grad (with
+    --offload-model-state the root's shard, the largest before its copy to the host: not
+    measured). A block freed on one stream is cached for that stream alone: the default stream
     cannot reuse these bytes without an allocator retry (support/step_time.py). Measured after
-    a step on one H200 (bench.step's cached_by_stream_gib): 13.44 GiB for Llama-3.2-3B, 33.85
-    for Llama-3-8B, 8.65 for its one-layer model: each its gradients plus its root's input."""
-    root = num_params(replace(args, n_layers=0))
-    shards = (REDUCE_BYTES * -(-root // world_size) if offload_model_state
-              else model_state_bytes(args, world_size)["gradients"])
-    return REDUCE_BYTES * root + shards
+    a step on one H200 (bench.step's cached_by_stream_gib): 29.92 GiB for Llama-3-8B, 4.75 for
+    its one-layer model, each its gradients (b79eb9f; before it, 01's divided copy of the
+    root's gradients was cached there too: 33.85 and 8.65 GiB, 13.44 for Llama-3.2-3B)."""
+    if offload_model_state:
+        return REDUCE_BYTES * -(-num_params(replace(args, n_layers=0)) // world_size)
+    return model_state_bytes(args, world_size)["gradients"]
 
 
 @functools.cache

@@ -165,25 +165,27 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "exchanges (02)": exchange_seconds(cfg, args, n, sp // ring, b, rates),
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
-        "allocator retries": (predicted_retries(cfg, args, world_size, free_at_peak)
-                              * rates.alloc_retry_s),
     }
     seconds = {term: s * micro for term, s in seconds.items()}  # each micro-batch runs them
+    seconds["allocator retries"] = (predicted_retries(cfg, args, world_size, free_at_peak)
+                                    * rates.alloc_retry_s)  # a step's (measured: one batch)
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
     return seconds
 
 
 def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | None) -> int:
-    """Retries of the caching allocator per micro-batch (bench.report.allocator_retries counts
-    the measured ones). FSDP2 reduce-scatters on its own stream, and the allocator caches a
-    freed block for the stream that allocated it: after a step the gradients' blocks sit in
-    that stream's cache (byte_counts.gradient_stream_cache_bytes), where the default stream's
-    activations cannot reuse them. Where the plan leaves less free at its peak than that cache,
-    the forward runs out of fresh memory, the allocator gives every cached block back and tries
-    again, and the backward's gradients do the same on their stream: two retries a step.
-    Measured on one H200: Llama-3.2-3B at 32K, 13.4 GiB cached, 6.8 GiB left by --stack 1
-    (2 retries), 15.6 by U = 24 and 20.1 by --tile-loss (none); Llama-3-8B, 33.8 GiB cached,
-    retried twice at every depth of checkpointing (once three times)."""
+    """Retries of the caching allocator per step (bench.report.allocator_retries counts the
+    measured ones). FSDP2 reduce-scatters on its own stream, and the allocator caches a freed
+    block for the stream that allocated it: after a step the gradients' blocks sit in that
+    stream's cache (byte_counts.gradient_stream_cache_bytes), where the default stream's
+    activations cannot reuse them. Where the plan leaves less free at its peak than that cache
+    (the peak, a forward's or a backward's: the forward, without its gradients, can only be
+    lower, so this errs toward a retry), the forward runs out of fresh memory, the allocator
+    gives every cached block back and tries again, and the backward's gradients do the same on
+    their stream: two retries a step. Measured on one H200, one micro-batch a step: Llama-3.2-3B
+    at 32K, 6.8 GiB left by --stack 1 (2 retries), 15.6 by U = 24 and 20.1 by --tile-loss
+    (none); Llama-3-8B, its gradients alone 29.9 GiB, twice at every depth of checkpointing
+    (once three times). --grad-accum's micro-batches: not measured."""
     if free_at_peak is None or not cfg.fsdp:
         return 0
     cache = byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
