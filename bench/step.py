@@ -8,7 +8,8 @@ built (sharded fp32 parameters), after backward (+ gradients), after the first o
 (+ Adam state) = the model state; the peak of each step; step times (median after the first,
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
 kernel; the allocator's peak reserved memory and its retries per step (a failed cudaMalloc,
-the cache emptied, tried again), and what it holds cached per CUDA stream after each step.
+the cache emptied, tried again), and what it holds cached per CUDA stream after each step
+(`--release-cache`: given back at each step's end, an A/B against the retries).
 `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds what was
 alive at the peak (model state / attention / other, and the largest owners), read from PyTorch's
 memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
@@ -59,6 +60,10 @@ def main():
                         help="attribute the peak (memory snapshot)")
     parser.add_argument("--snapshot-file", default=None,
                         help="also dump rank 0's raw snapshot here")
+    parser.add_argument("--release-cache", action="store_true",
+                        help="torch.cuda.empty_cache() after each step's zero_grad, timed in it: "
+                             "the gradients' cached blocks given back where the GPU waits anyway "
+                             "(an A/B against the allocator's retries mid-step)")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None,
                         help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
@@ -79,6 +84,7 @@ def main():
     memory = {"after_build_gib": gib()}
     times, peaks, reserved, losses, retries, cached = [], [], [], [], [], []
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
+              "release_cache": opts.release_cache,
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
                                                                 getattr(torch, cfg.dtype))}
@@ -99,6 +105,8 @@ def main():
                 torch.cuda.synchronize()
                 memory["after_optimizer_step_gib"] = gib()
             optimizer.zero_grad(set_to_none=True)
+            if opts.release_cache:
+                torch.cuda.empty_cache()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
