@@ -926,9 +926,8 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
             # speed rates the fewest that also leave free what FSDP2's reduce-scatter stream
             # keeps cached (the allocator then retries never: step_time.predicted_retries)
             args = model_args(candidate)
-            headrooms = [0] + ([byte_counts.gradient_stream_cache_bytes(
-                args, machine.gpus, candidate.offload_model_state)]
-                if rates and candidate.fsdp else [])
+            retry_free = step_time.allocator_headroom(candidate, args, machine.gpus)
+            headrooms = [0] + ([retry_free] if rates and retry_free is not None else [])
             for k in sorted({fewest_checkpointed_layers_that_fit(
                     candidate, machine.gpus, machine.gpu_mem, headroom) for headroom in headrooms}):
                 if k < args.n_layers:

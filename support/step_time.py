@@ -186,10 +186,18 @@ def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | No
     at 32K, 6.8 GiB left by --stack 1 (2 retries), 15.6 by U = 24 and 20.1 by --tile-loss
     (none); Llama-3-8B, its gradients alone 29.9 GiB, twice at every depth of checkpointing
     (once three times). --grad-accum's micro-batches: not measured."""
-    if free_at_peak is None or not cfg.fsdp:
+    headroom = allocator_headroom(cfg, args, world_size)
+    if free_at_peak is None or headroom is None:
         return 0
-    cache = byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
-    return 2 if free_at_peak < cache else 0
+    return 2 if free_at_peak < headroom else 0
+
+
+def allocator_headroom(cfg: Config, args, world_size: int) -> int | None:
+    """The bytes a plan must leave free at its peak for the allocator never to retry: what
+    FSDP2's reduce-scatter stream keeps cached (predicted_retries); None without FSDP."""
+    if not cfg.fsdp:
+        return None
+    return byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
 
 
 def step_seconds_total(*arguments, **options) -> float:
