@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from base.gradient_memory import gradients_in_compute_memory
 from model import Transformer
 
 GiB = 2**30
@@ -67,6 +68,11 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, **on_host)
     ranks = mesh.size() if mesh is not None else dist.get_world_size()
     for module in model.modules():
+        if isinstance(module, FSDPModule) and not offload_model_state:
+            # FSDP2 reduce-scatters on a stream of its own; left to it, the gradients' memory
+            # stays cached for that stream, where the next forward cannot reuse it (near the
+            # GPU's capacity: allocator retries, base/gradient_memory.py).
+            gradients_in_compute_memory(module)
         if isinstance(module, FSDPModule) and ranks > 1:
             # Our loss is already the mean over the tokens of all ranks (train.py divides the
             # summed loss by the global token count), so the rank gradients must be summed,

@@ -9,7 +9,9 @@ built (sharded fp32 parameters), after backward (+ gradients), after the first o
 which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
 kernel; the allocator's peak reserved memory and its retries per step (a failed cudaMalloc,
 the cache emptied, tried again), and what it holds cached per CUDA stream after each step
-(`--release-cache`: given back at each step's end, an A/B against the retries).
+(`--release-cache`: given back at each step's end, an A/B against the retries;
+`--reduce-scatter-stream-gradients`: FSDP2's own allocation of the gradients, the A/B of
+base/gradient_memory.py).
 `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds what was
 alive at the peak (model state / attention / other, and the largest owners), read from PyTorch's
 memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
@@ -30,6 +32,7 @@ import torch
 
 import plan as planner
 from base import kernels
+from base.gradient_memory import gradient_memory_of, gradients_on_the_reduce_scatter_stream
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import snapshot
@@ -64,6 +67,9 @@ def main():
                         help="torch.cuda.empty_cache() after each step's zero_grad, timed in it: "
                              "the gradients' cached blocks given back where the GPU waits anyway "
                              "(an A/B against the allocator's retries mid-step)")
+    parser.add_argument("--reduce-scatter-stream-gradients", action="store_true",
+                        help="FSDP2's own allocation of the gradients, on its reduce-scatter "
+                             "stream (the A/B of base/gradient_memory.py)")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None,
                         help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
@@ -80,11 +86,14 @@ def main():
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
     model = train.build_model(cfg, rt)
+    if opts.reduce_scatter_stream_gradients:
+        gradients_on_the_reduce_scatter_stream(model)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
     times, peaks, reserved, losses, retries, cached = [], [], [], [], [], []
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
               "release_cache": opts.release_cache,
+              "gradient_memory": gradient_memory_of(model),
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
                                                                 getattr(torch, cfg.dtype))}

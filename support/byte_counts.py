@@ -97,7 +97,9 @@ def gradient_stream_cache_bytes(args, world_size: int, offload_model_state: bool
     cannot reuse these bytes without an allocator retry (support/step_time.py). Measured after
     a step on one H200 (bench.step's cached_by_stream_gib): 29.92 GiB for Llama-3-8B, 4.75 for
     its one-layer model, each its gradients (b79eb9f; before it, 01's divided copy of the
-    root's gradients was cached there too: 33.85 and 8.65 GiB, 13.44 for Llama-3.2-3B)."""
+    root's gradients was cached there too: 33.85 and 8.65 GiB, 13.44 for Llama-3.2-3B). Those
+    are FSDP2's own allocation; 01 now takes them from the compute stream's memory instead
+    (base/gradient_memory.py; not yet measured on a GPU)."""
     if offload_model_state:
         return REDUCE_BYTES * -(-num_params(replace(args, n_layers=0)) // world_size)
     return model_state_bytes(args, world_size)["gradients"]

@@ -185,7 +185,10 @@ def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | No
     their stream: two retries a step. Measured on one H200, one micro-batch a step: Llama-3.2-3B
     at 32K, 6.8 GiB left by --stack 1 (2 retries), 15.6 by U = 24 and 20.1 by --tile-loss
     (none); Llama-3-8B, its gradients alone 29.9 GiB, twice at every depth of checkpointing
-    (once three times). --grad-accum's micro-batches: not measured."""
+    (once three times). --grad-accum's micro-batches: not measured. Every one of those steps
+    ran with FSDP2's own allocation; since base/gradient_memory.py the gradients come from the
+    compute stream's memory (with the model state on the GPU), which removes the cause: the
+    term stays as measured until a GPU step of the new code says otherwise."""
     headroom = allocator_headroom(cfg, args, world_size)
     if free_at_peak is None or headroom is None:
         return 0

@@ -1,6 +1,7 @@
 """01_fsdp.py: sharded training takes the same steps as one process, and shards the bytes."""
 
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,7 +70,6 @@ def _backward_divides_no_copy_of_the_gradients():
     divided (reduce_output.copy_(input / factor)): a temporary as large as a group's gradients,
     3.9 GiB at Llama-3-8B's root. 01 gives one rank no factor, so no division in the step
     allocates a gradient's worth of memory (CPU memory events, torch.profiler)."""
-    from dataclasses import replace
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,6 +91,87 @@ def _backward_divides_no_copy_of_the_gradients():
 def test_backward_divides_no_copy_of_the_gradients():
     """One rank (with more, FSDP2 divides in place or not at all: nothing to allocate)."""
     run_ranks(1, _backward_divides_no_copy_of_the_gradients)
+
+
+def _gradients_come_from_the_compute_memory():
+    """Every FSDP module reduce-scatters through base/gradient_memory.py's comm, which runs
+    once per group and backward (and allocates its input and output there), except with the
+    model state on the host; the equivalence tests above train through it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from base import gradient_memory
+
+    calls = {"allocate": 0, "reduce": 0}
+    comm = gradient_memory.ComputeMemoryReduceScatter
+    allocate, reduce = comm.allocate, comm.__call__
+
+    def counted(name, method):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+        return run
+
+    comm.allocate, comm.__call__ = counted("allocate", allocate), counted("reduce", reduce)
+    try:
+        cfg = Config(model="tiny", fsdp=True, seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK)
+        rt = setup_runtime(cfg)
+        model = train.build_model(cfg, rt)
+        groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        assert len(groups) == llama.get_model_args("tiny").n_layers + 1
+        assert all(isinstance(gradient_memory.reduce_scatter_of(m), comm) for m in groups)
+        tokens = torch.randint(0, 256, (ROWS_PER_RANK, SEQ_LEN + 1))
+        train.forward_backward(model, tokens, rt)
+        assert calls == {"allocate": 2 * len(groups), "reduce": len(groups)}, calls
+    finally:
+        comm.allocate, comm.__call__ = allocate, reduce
+    assert gradient_memory.gradient_memory_of(model) == "compute stream"
+    gradient_memory.gradients_on_the_reduce_scatter_stream(model)  # bench.step's A/B
+    assert not any(isinstance(gradient_memory.reduce_scatter_of(m), comm) for m in groups)
+    on_host = train.build_model(replace(cfg, offload_model_state=True), rt)
+    assert not any(isinstance(gradient_memory.reduce_scatter_of(m), comm)
+                   for m in on_host.modules() if isinstance(m, FSDPModule))
+    assert gradient_memory.gradient_memory_of(on_host) == "reduce-scatter stream"
+    assert gradient_memory.gradient_memory_of(llama.Transformer(llama.get_model_args("tiny"))) \
+        is None
+
+
+def test_gradients_come_from_the_compute_memory():
+    run_ranks(2, _gradients_come_from_the_compute_memory)
+
+
+def _reduce_scatter_stream_caches_no_gradients():
+    """One rank on a GPU (Llama-3-8B's case on one H200): after two steps, their gradients freed,
+    the reduce-scatter stream's pool holds none of their memory. FSDP2's own allocation, the
+    control, leaves all of them cached there, where the next forward cannot reuse them."""
+    from base.gradient_memory import gradients_on_the_reduce_scatter_stream
+
+    args = llama.get_model_args("small")
+    gradients = byte_counts.model_state_bytes(args, 1)["gradients"]
+    cached = {}
+    for ours in (True, False):
+        cfg = Config(model="small", fsdp=True, seq_len=1024, device="cuda", dtype="bfloat16")
+        rt = setup_runtime(cfg)
+        model = train.build_model(cfg, rt)
+        if not ours:
+            gradients_on_the_reduce_scatter_stream(model)
+        optimizer = train.make_optimizer(model, cfg)
+        for step in range(2):
+            tokens, labels = make_batch(args.vocab_size, 1, 1024, seed=step)
+            train.train_step(model, optimizer, tokens, rt, cfg, labels)
+        torch.cuda.synchronize()
+        stream = model._get_fsdp_state()._comm_ctx.reduce_scatter_stream.cuda_stream
+        cached[ours] = sum(segment["total_size"] - segment["allocated_size"]
+                           for segment in torch.cuda.memory_snapshot()
+                           if segment["stream"] == stream)
+        del model, optimizer
+        torch.cuda.empty_cache()
+    assert cached[True] < 0.05 * gradients <= 0.99 * gradients <= cached[False], (cached,
+                                                                                  gradients)
+
+
+@pytest.mark.gpu
+def test_reduce_scatter_stream_caches_no_gradients():
+    run_ranks(1, _reduce_scatter_stream_caches_no_gradients, backend="nccl")
 
 
 def test_sharded_bytes_match_the_formula():

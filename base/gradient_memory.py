@@ -1,0 +1,83 @@
+"""gradient_memory.py - FSDP2's gradients in the compute stream's memory (01).
+
+FSDP2 reduce-scatters each block's gradients on a CUDA stream of its own (so the next block's
+backward overlaps it) and allocates the reduced gradient shards there. PyTorch's caching
+allocator keeps a freed block for the stream that allocated it. So once zero_grad frees the
+gradients (fp32, 4 bytes per parameter: 29.9 GiB for Llama-3-8B on one GPU), their memory is
+cached for the reduce-scatter stream, where the next forward's activations, on the compute
+stream, cannot reuse it. A step near the GPU's capacity then runs out of fresh memory in its
+forward: the allocator gives every cached block back (synchronizing the GPU) and tries again,
+and the backward's gradients do the same on their stream. Measured on one H200: two such
+retries a step, ~0.1 s each, for every Llama-3-8B plan (docs/results.md).
+
+`ComputeMemoryReduceScatter` is FSDP2's reduce-scatter with one change: the memory of what it
+allocates comes from the compute stream's pool, so the step's gradients and activations share
+one pool. It stays safe where a block is used on the reduce-scatter stream: `record_stream` tells
+the allocator so, and a block freed there is reused only after that stream's work on it is done.
+Two cases free a block while the reduce-scatter stream may still read it, and are left to
+FSDP2's own allocation: gradients copied to the host (--offload-model-state) and a reduce dtype
+other than the parameters' (01 reduces in fp32 into fp32 shards).
+"""
+
+import torch
+import torch.distributed as dist
+
+try:  # FSDP2's interface for a custom reduce-scatter (in torch 2.11 and 2.13; a private module)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # older torch: FSDP2 allocates as it does, on its own stream
+    ReduceScatter = object
+
+
+class ComputeMemoryReduceScatter(ReduceScatter):
+    """dist.reduce_scatter_tensor, its buffers allocated from the compute stream's pool (the
+    default stream, where train.py runs)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.empty(*size, dtype=dtype, device=device)
+        using = torch.cuda.current_stream(device)  # FSDP2's reduce-scatter stream, for the output
+        with torch.cuda.stream(torch.cuda.default_stream(device)):
+            buffer = torch.empty(*size, dtype=dtype, device=device)
+        if using != torch.cuda.default_stream(device):
+            buffer.record_stream(using)  # freed: reused once that stream's work on it is done
+        return buffer
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def gradients_in_compute_memory(module) -> bool:
+    """Give FSDP module `module` (one fully_shard call's) the reduce-scatter above; False where
+    this torch has no custom reduce-scatter (its gradients then stay on FSDP2's stream)."""
+    if ReduceScatter is object or not hasattr(module, "set_custom_reduce_scatter"):
+        return False
+    module.set_custom_reduce_scatter(ComputeMemoryReduceScatter())
+    return True
+
+
+def gradients_on_the_reduce_scatter_stream(model) -> None:
+    """FSDP2's own reduce-scatter for every FSDP module of `model` again (the A/B of bench.step
+    and the GPU test's control)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(DefaultReduceScatter())
+
+
+def reduce_scatter_of(module):
+    """The reduce-scatter FSDP2 runs for `module`'s gradients (tests)."""
+    return module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+
+
+def gradient_memory_of(model) -> str | None:
+    """Where `model`'s FSDP gradients are allocated, as results record it: "compute stream",
+    "reduce-scatter stream" (FSDP2's own), or None without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return None
+    ours = isinstance(reduce_scatter_of(model), ComputeMemoryReduceScatter)
+    return "compute stream" if ours else "reduce-scatter stream"
