@@ -331,10 +331,10 @@ def main():
     torch.manual_seed(0)
     with torch.device(demo.device):  # one block (for its MLP), the final norm and lm_head
         model = Transformer(replace(args, n_layers=1)).to(demo.dtype)
-    fused.use_fused(model)  # the cross-entropy the planner counts (bf16 logits on CUDA)
+    fused.use_fused(model)  # the MLP and cross-entropy the planner counts (what training runs)
     mlp, generator = model.layers[0].mlp, torch.Generator().manual_seed(0)
     labels = torch.randint(0, args.vocab_size, (1, n), generator=generator).to(demo.device)
-    phases = {"MLP untiled": lambda x: type(mlp).forward(mlp, x),
+    phases = {"MLP untiled": lambda x: mlp(x),
               "MLP tiled": lambda x: tiled_mlp_forward(mlp, x, mlp_tile),
               "loss untiled": lambda h: type(model).loss_sum(model, h, labels),
               "loss tiled": lambda h: tiled_loss_sum(model, h, labels, loss_tile)}

@@ -9,7 +9,9 @@ The numbered files plug into its seams, attributes replaced from outside without
   2. `Attention.attend(x, rope, cu_seqlens)` normed input (B, S, dim) -> pre-`o_proj` output
                                              (B, S, heads * D). 05_untied_ulysses.py replaces
                                              it: it projects Q/K/V one head chunk at a time.
-  3. `MLP.forward(x)`                        04_alst_tiling.py runs it tile by tile.
+  3. `MLP.forward(x)`                        04_alst_tiling.py runs it tile by tile; the build
+                                             puts base/fused.py's in its place (SwiGLU and
+                                             down_proj in one autograd step, keeping less).
   4. `RMSNorm.forward(x)`                    04 (--tile-norm) tiles each block's norms: where
                                              they run op by op (off CUDA) their fp32 copies span
                                              the sequence; on CUDA F.rms_norm is one fused
@@ -18,7 +20,7 @@ The numbered files plug into its seams, attributes replaced from outside without
                                              tokens; 04 tiles it so seq x vocab logits never exist.
      `Transformer.token_scores(h, labels)`  its per-token sibling (each token's loss and greedy
                                              prediction), which eval.py tiles the same way.
-  6. `MLP.act(gate, up)`, `Attention.rotary`  the elementwise work, `swiglu_act`, `apply_rope`,
+  6. `Attention.rotary`,                    the elementwise work, `apply_rope`,
      `Transformer.cross_entropy`,            `cross_entropy_sum` and `logit_scores` here; the
      `Transformer.logit_scores`              build puts base/fused.py's forms in their place
                                              (fused GPU kernels each way; the logits stay bf16).
@@ -258,17 +260,16 @@ def swiglu_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Seam 3 is this module's forward, seam 6 its `act`."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Seam 3 is this module's forward."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
-        self.act = swiglu_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu_act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):

@@ -107,7 +107,7 @@ def planned_kernel(cfg: Config) -> str:
 
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False, fused_norm: bool = True,
-                autograd_tiles: bool = False, autograd_swiglu: bool = False,
+                autograd_tiles: bool = False, swiglu: str | None = None,
                 fp32_loss: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from support/byte_counts.py.
@@ -130,8 +130,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     fused_norm=False: the RMSNorms op by op, as the GPU calibration rows so marked measured them
     (byte_counts.block_recompute_bytes); F.rms_norm is one fused kernel on CUDA.
     autograd_tiles=True: 04's tiles as the GPU calibration rows so marked measured them, each
-    running autograd (byte_counts' note in its 04 section); autograd_swiglu=True: the untiled
-    MLP's activation as autograd ran it before base/fused.py (the rows say so); fp32_loss=True:
+    running autograd (byte_counts' note in its 04 section); swiglu: what the untiled MLP kept
+    before base/fused.py's SwiGLUDown (byte_counts.SWIGLU_KEPT; the rows say so); fp32_loss=True:
     the loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so).
     """
     if forward_only:
@@ -166,8 +166,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     attention = partial(byte_counts.hybrid_attention_bytes, args, tokens, sp, ring, b,
                         kernel=planned_kernel(cfg), untied=cfg.untied, head_chunk=head_chunk)
     mlp = partial(byte_counts.mlp_temporary_bytes, args, local_tokens, cfg.tile_mlp,
-                  cfg.mlp_tile_tokens, b, autograd_tiles=autograd_tiles,
-                  autograd_swiglu=autograd_swiglu)
+                  cfg.mlp_tile_tokens, b, autograd_tiles=autograd_tiles, swiglu=swiglu)
     attention_saved, mlp_saved = attention(saved_only=True), mlp(saved_only=True)
     norms = (byte_counts.norm_temporary_bytes(args, local_tokens, cfg.mlp_tile_tokens, b,
                                               fused_norm, autograd_tiles) if cfg.tile_norm

@@ -5,8 +5,9 @@ model.py writes both plainly: `swiglu_act(gate, up)` = silu(gate) * up, and `app
 full pass over a tokens x ffn_dim (SwiGLU) or tokens x heads x head_dim (rotary) tensor: at 16K
 on Llama-3.2-3B 29% of a step ran outside matmul and attention, its largest part their
 multiplications, 41 of 913 ms (docs/results/prof_llama3.2-3b_1gpu_16k_auto_fa4.json). Autograd
-also keeps silu(gate) for the backward, besides gate and up: one tokens x ffn_dim tensor per
-layer (256 MiB per layer there).
+also keeps silu(gate) and down_proj's input, silu(gate) * up, for the backward, besides gate and
+up: two tokens x ffn_dim tensors per layer more (2 x 256 MiB per layer there, 2 x 448 MiB at
+16K on Llama-3-8B), which decide how many blocks 03 must checkpoint where a step is short.
 
 The loss is the largest of them: model.py's cross-entropy casts the tokens x vocab logits to
 fp32 and autograd keeps their log-softmax (fp32) for backward, whose gradient is fp32 again:
@@ -14,7 +15,9 @@ fp32 and autograd keeps their log-softmax (fp32) for backward, whose gradient is
 and a dozen passes over them (04's tiles, by hand, make the same passes tile by tile).
 
 Here each is an autograd.Function over the same formula:
-  SwiGLUAct     keeps gate and up only; its backward recomputes sigmoid(gate) where it needs it;
+  SwiGLUDown    down_proj(silu(gate) * up), keeping gate and up only: its backward computes
+                silu(gate) * up again for down_proj's weight gradient (one kernel) and
+                sigmoid(gate) where it needs it;
   Rotary        keeps nothing of its own: a rotation's backward is the rotation back (sin negated);
   CrossEntropy  keeps the logits in their own dtype (bf16: 2 bytes each) and the labels; its
                 backward recomputes each row's log-sum-exp and writes the gradient in that dtype
@@ -24,7 +27,7 @@ Here each is an autograd.Function over the same formula:
 On CUDA each forward and each backward is one kernel that torch.compile generates from the
 formula (inductor: the token dims dynamic, the model's widths fixed; computed in fp32 and
 rounded once); elsewhere they run op by op, in place where that holds fewer tensors at once.
-support/build.py installs them through the model's seams (`MLP.act`, `Attention.rotary`,
+support/build.py installs them through the model's seams (`MLP.forward`, `Attention.rotary`,
 `Transformer.cross_entropy`, `Transformer.logit_scores`); 04's tiles and 05's stages call
 `swiglu_forward`, `swiglu_backward`, `rotate`, `rotate_back`, `cross_entropy_sum` and
 `cross_entropy_backward` directly; eval.py's tiles call the model's `logit_scores`.
@@ -32,6 +35,7 @@ tests/test_fused.py checks them against model.py's forms.
 """
 
 import warnings
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -178,18 +182,26 @@ cross_entropy_backward = one_kernel(_cross_entropy_backward, _cross_entropy_back
 logit_scores = one_kernel(_logit_scores)
 
 
-class SwiGLUAct(torch.autograd.Function):
-    """model.swiglu_act, keeping its two inputs for backward and nothing else."""
+class SwiGLUDown(torch.autograd.Function):
+    """down_proj(model.swiglu_act(gate, up)), keeping gate and up for backward and nothing else:
+    down_proj's input, silu(gate) * up, is computed again in backward for its weight's gradient
+    (one elementwise kernel) where autograd's Linear would keep it from forward to backward."""
 
     @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return swiglu_forward(gate, up)
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        return F.linear(swiglu_forward(gate, up), weight)
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        return swiglu_backward(grad, gate, up)
+        gate, up, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[2]:  # (dim, ffn_dim): summed over every token
+            act = swiglu_forward(gate, up)
+            grad_weight = grad.flatten(0, -2).t() @ act.flatten(0, -2)
+            del act  # before the two gradients below exist
+        grad_gate, grad_up = swiglu_backward(grad @ weight, gate, up)
+        return grad_gate, grad_up, grad_weight
 
 
 class Rotary(torch.autograd.Function):
@@ -220,9 +232,9 @@ class CrossEntropy(torch.autograd.Function):
         return cross_entropy_backward(logits, labels, grad_loss), None
 
 
-def swiglu(gate, up):
-    """The MLP's seam: silu(gate) * up."""
-    return SwiGLUAct.apply(gate, up)
+def mlp_forward(mlp, x):
+    """The MLP's seam (model.MLP.forward): down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    return SwiGLUDown.apply(mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj.weight)
 
 
 def rotary(x, cos, sin):
@@ -236,10 +248,10 @@ def cross_entropy(logits, labels):
 
 
 def use_fused(transformer) -> None:
-    """Every block's MLP activation and rotary, and the loss's cross-entropy and evaluation's
-    per-token scores, run through this file's functions."""
+    """Every block's MLP and rotary, and the loss's cross-entropy and evaluation's per-token
+    scores, run through this file's functions (04's tiles replace the MLP's forward again)."""
     transformer.cross_entropy = cross_entropy
     transformer.logit_scores = logit_scores
     for block in transformer.layers:
-        block.mlp.act = swiglu
+        block.mlp.forward = partial(mlp_forward, block.mlp)
         block.self_attn.rotary = rotary

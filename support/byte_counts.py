@@ -260,33 +260,40 @@ def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) 
 # Until 04 wrote its tiles' backward by hand, each tile ran autograd.grad: a
 # bf16 weight gradient per tile beside the fp32 sum, three fp32 logits-sized tensors in the loss
 # tile's backward, the fused norm's backward in a norm tile. The calibration rows measured then
-# say "tile_backward": "autograd" and are predicted with autograd_tiles=True. Until
-# base/fused.py's SwiGLU activation, autograd kept silu(gate) as well: those rows say
-# "swiglu": "autograd" (autograd_swiglu=True).
+# say "tile_backward": "autograd" and are predicted with autograd_tiles=True. The untiled
+# MLP kept more before base/fused.py's SwiGLUDown: the rows measured then say how
+# (swiglu=, SWIGLU_KEPT).
+
+SWIGLU_KEPT = {  # tokens x ffn_dim tensors an untiled MLP keeps for backward, by row marker
+    "autograd": 4,   # before base/fused.py: gate, up, silu(gate), down_proj's input
+    "fused act": 3,  # base/fused.py's activation alone: gate, up, down_proj's input
+    None: 2,         # SwiGLUDown: gate and up
+}
 
 def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
                         bytes_per_value: int = 2, saved_only: bool = False,
-                        autograd_tiles: bool = False, autograd_swiglu: bool = False) -> int:
+                        autograd_tiles: bool = False, swiglu: str | None = None) -> int:
     """Bytes of the MLP's own tensors while one layer runs forward and backward, beyond its input
     and output gradient: the peak, in backward (default), or what it keeps for backward.
 
-    Untiled: gate, up and their activation silu(gate) * up are kept, ffn_dim values per token
-    each (3 x tokens x ffn_dim; base/fused.py's SwiGLUAct keeps gate and up, down_proj its
-    input); in backward the activation's gradient and the two it splits into, with gate and
-    up, are five such tensors at once. Tiled: nothing is kept but the input;
+    Untiled: gate and up are kept, ffn_dim values per token each (2 x tokens x ffn_dim;
+    base/fused.py's SwiGLUDown computes down_proj's input again in backward); in backward that
+    input (freed after its weight's gradient), then the gradient of the activation and the two
+    it splits into, with gate and up, are five such tensors at once. Tiled: nothing is kept
+    but the input;
     backward holds the input-gradient buffer (tokens x dim), one tile's intermediates (04's
     swiglu_backward: five with the fused kernels on CUDA, six op by op; counted as six), and
     the three weight gradients' fp32 sums (3 x dim x ffn_dim x 4),
     into which each tile's matmul accumulates (the sums' casts to the weights' dtype are the
     unsharded gradients FSDP's count holds).
     Llama-3-8B, 393,216 tokens per GPU: 52.5 GiB untiled, 4.3 GiB tiled (4,096-token tiles).
-    autograd_tiles, autograd_swiglu: as the rows measured before (the note above; autograd's
-    SwiGLU kept silu(gate) too, 4 x tokens x ffn_dim, and its backward peaked at six).
+    autograd_tiles, swiglu: as the rows measured before (the note above; autograd's SwiGLU
+    kept four such tensors and its backward peaked at six).
     """
     ffn, dim, b = args.ffn_dim, args.dim, bytes_per_value
     if not tiled:
-        kept = 4 if autograd_swiglu else 3
-        return (kept if saved_only else kept + 2) * local_tokens * ffn * b
+        kept = SWIGLU_KEPT[swiglu]
+        return (kept if saved_only else max(kept + 2, 5)) * local_tokens * ffn * b
     if saved_only:
         return 0
     tile = min(tiling.mlp_tile_size(dim, local_tokens, tile_tokens), local_tokens)

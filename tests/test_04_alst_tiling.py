@@ -381,13 +381,18 @@ def test_planner_bytes():
     lm_head_sum = 128_256 * 4096 * 4
     assert (2 * local * 4096 * 2 + lm_head_sum < tiled_loss
             <= 2 * local * 4096 * 2 + lm_head_sum + 2 * 2**30)
-    # Untiled: gate, up and their activation kept (base/fused.py's SwiGLUAct), five at the
-    # backward peak; autograd's SwiGLU (the rows measured before it) kept silu(gate) too.
+    # Untiled: gate and up kept (base/fused.py's SwiGLUDown), five at the backward peak; the
+    # rows measured before it kept down_proj's input too ("fused act") and autograd's SwiGLU
+    # silu(gate) as well ("autograd").
     assert (byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True)
-            == 31.5 * 2**30)
+            == 21 * 2**30)
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False) == 52.5 * 2**30
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False, saved_only=True,
+                                           swiglu="fused act") == 31.5 * 2**30
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False,
-                                           autograd_swiglu=True) == 63 * 2**30
+                                           swiglu="fused act") == 52.5 * 2**30
+    assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=False,
+                                           swiglu="autograd") == 63 * 2**30
     weight_sums = 3 * 4096 * 14336 * 4
     assert byte_counts.mlp_temporary_bytes(llama8b, local, tiled=True) == (
         local * 4096 * 2 + 6 * 4096 * 14336 * 2 + weight_sums)

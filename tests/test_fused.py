@@ -1,6 +1,6 @@
-"""base/fused.py: SwiGLU's activation and rotary as model.py writes them, one kernel each way on
-CUDA, and what SwiGLU no longer keeps. (Every equivalence test also compares a built model, which
-runs these, against model.py's plain one.)"""
+"""base/fused.py: SwiGLU (with down_proj) and rotary as model.py writes them, one elementwise
+kernel each way on CUDA, and what the MLP no longer keeps. (Every equivalence test also compares
+a built model, which runs these, against model.py's plain one.)"""
 
 import pytest
 import torch
@@ -13,52 +13,62 @@ from support import build, byte_counts
 
 def _inputs(dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
-    gate, up, grad = (torch.randn(3, 40, 24, generator=g, dtype=torch.float64) * 3
-                      for _ in range(3))
+    gate, up, grad_act = (torch.randn(3, 40, 24, generator=g, dtype=torch.float64) * 3
+                          for _ in range(3))
+    weight = torch.randn(10, 24, generator=g, dtype=torch.float64) / 5  # down_proj's
+    grad = torch.randn(3, 40, 10, generator=g, dtype=torch.float64)
     x = torch.randn(2, 40, 4, 16, generator=g, dtype=torch.float64)
     grad_x = torch.randn(2, 40, 4, 16, generator=g, dtype=torch.float64)
     args = llama.ModelArgs(head_dim=16, rope_theta=10000.0, rope_scaling="none")
     cos, sin = llama.rope_cos_sin(torch.arange(1000, 1040).expand(2, -1), args, torch.float64)
-    return [t.to(device, dtype) for t in (gate, up, grad, x, grad_x, cos, sin)]
+    return [t.to(device, dtype) for t in (gate, up, weight, grad, grad_act, x, grad_x, cos, sin)]
 
 
-def _plain_and_fused(gate, up, grad, x, grad_x, cos, sin) -> tuple:
+def _plain_down(gate, up, weight):
+    """model.MLP's tail: down_proj(swiglu_act(gate, up))."""
+    return torch.nn.functional.linear(llama.swiglu_act(gate, up), weight)
+
+
+def _plain_and_fused(gate, up, weight, grad, grad_act, x, grad_x, cos, sin) -> tuple:
     """Outputs and input gradients of model.py's forms (autograd) and of base/fused.py's."""
     results = []
-    for act, rotary in ((llama.swiglu_act, llama.apply_rope), (fused.swiglu, fused.rotary)):
-        g, u, r = (t.detach().clone().requires_grad_() for t in (gate, up, x))
-        out, rotated = act(g, u), rotary(r, cos, sin)
+    for down, rotary in ((_plain_down, llama.apply_rope),
+                         (fused.SwiGLUDown.apply, fused.rotary)):
+        g, u, w, r = (t.detach().clone().requires_grad_() for t in (gate, up, weight, x))
+        out, rotated = down(g, u, w), rotary(r, cos, sin)
         torch.autograd.backward((out, rotated), (grad, grad_x))
-        results.append({"act": out.detach(), "d_gate": g.grad, "d_up": u.grad,
-                        "rotary": rotated.detach(), "d_x": r.grad})
+        results.append({"mlp": out.detach(), "d_gate": g.grad, "d_up": u.grad,
+                        "d_down_weight": w.grad, "rotary": rotated.detach(), "d_x": r.grad})
     return tuple(results)
 
 
 def test_fused_forms_equal_model_py_and_their_gradients_are_exact():
     plain, mine = _plain_and_fused(*_inputs())
     for name, want in plain.items():
-        torch.testing.assert_close(mine[name], want, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(mine[name], want, rtol=1e-6, atol=1e-5, msg=name)
     # what CUDA compiles (the formulas) equals what runs op by op here (in place)
-    gate, up, grad = _inputs()[:3]
+    gate, up, _, _, grad_act = _inputs()[:5]
     torch.testing.assert_close(fused._swiglu(gate, up), fused._swiglu_in_place(gate, up))
-    for a, b in zip(fused._swiglu_backward(grad, gate, up),
-                    fused._swiglu_backward_in_place(grad, gate, up)):
+    for a, b in zip(fused._swiglu_backward(grad_act, gate, up),
+                    fused._swiglu_backward_in_place(grad_act, gate, up)):
         torch.testing.assert_close(a, b)
     # the backward formulas themselves, against finite differences in float64 (a slice of each:
     # gradcheck perturbs every input element)
-    gate, up, _, x, _, cos, sin = (t[:1, :6].clone() for t in _inputs(torch.float64))
-    assert torch.autograd.gradcheck(fused.swiglu, (gate.requires_grad_(), up.requires_grad_()))
+    gate, up, _, _, _, x, _, cos, sin = (t[:1, :6].clone() for t in _inputs(torch.float64))
+    weight = _inputs(torch.float64)[2][:4, :].clone()
+    leaves = (gate.requires_grad_(), up.requires_grad_(), weight.requires_grad_())
+    assert torch.autograd.gradcheck(fused.SwiGLUDown.apply, leaves)
     assert torch.autograd.gradcheck(lambda t: fused.rotary(t, cos, sin), (x.requires_grad_(),))
 
 
-def test_a_built_model_runs_them_and_its_mlp_keeps_one_activation_less():
-    """The build installs both seams; an untiled block then keeps gate, up and the activation
-    (3 x tokens x ffn_dim, the planner's count), where model.py's plain SwiGLU keeps silu(gate)
-    too (4): the tensor never exists past the forward."""
+def test_a_built_model_runs_them_and_its_mlp_keeps_two_activations_less():
+    """The build installs both seams; an untiled block's MLP then keeps gate and up
+    (2 x tokens x ffn_dim, the planner's count), where model.py's plain one keeps silu(gate)
+    and down_proj's input too (4): neither exists past the forward."""
     args = llama.get_model_args("tiny")
     built = build.build_model(args, torch.device("cpu"))
-    assert all(block.mlp.act is fused.swiglu and block.self_attn.rotary is fused.rotary
-               for block in built.layers)
+    assert all(block.mlp.forward.func is fused.mlp_forward
+               and block.self_attn.rotary is fused.rotary for block in built.layers)
     plain = llama.Transformer(args)
     plain.load_state_dict(built.state_dict())
     tokens = 64
@@ -77,7 +87,7 @@ def test_a_built_model_runs_them_and_its_mlp_keeps_one_activation_less():
         weights = sum(p.nbytes for p in mlp.parameters())
         kept.append(sum(saved.values()) - weights - x.nbytes)  # less its weights and input
     activation = tokens * args.ffn_dim * 4
-    assert kept[0] - kept[1] == activation
+    assert kept[0] - kept[1] == 2 * activation
     assert kept[1] == byte_counts.mlp_temporary_bytes(args, tokens, False, bytes_per_value=4,
                                                       saved_only=True)
 
@@ -112,10 +122,11 @@ def test_gpu_one_kernel_each_way_within_the_bf16_rule():
     unsharded, mine = _plain_and_fused(*_inputs(torch.bfloat16, "cuda"))
     cpu = lambda d: {k: v.float().cpu() for k, v in d.items()}  # noqa: E731
     assert_within_bf16_error(cpu(mine), cpu(unsharded), reference, "fused forms")
-    gate, up, grad, x, grad_x, cos, sin = _inputs(torch.bfloat16, "cuda")
+    gate, up, _, _, grad_act, x, grad_x, cos, sin = _inputs(torch.bfloat16, "cuda")
     g, u, r = (t.requires_grad_() for t in (gate, up, x))
-    runs = {"swiglu forward": (lambda: fused.swiglu(g, u), 1),
-            "swiglu forward + backward": (lambda: fused.swiglu(g, u).backward(grad), 2),
+    # SwiGLUDown runs the two below and its matmuls: down_proj forward, two in backward
+    runs = {"swiglu forward": (lambda: fused.swiglu_forward(g, u), 1),
+            "swiglu backward": (lambda: fused.swiglu_backward(grad_act, g, u), 1),
             "rotary forward": (lambda: fused.rotary(r, cos, sin), 1),
             "rotary forward + backward": (lambda: fused.rotary(r, cos, sin).backward(grad_x), 2)}
     for what, (run, most) in runs.items():
