@@ -200,6 +200,8 @@ class SwiGLUDown(torch.autograd.Function):
             act = swiglu_forward(gate, up)
             grad_weight = grad.flatten(0, -2).t() @ act.flatten(0, -2)
             del act  # before the two gradients below exist
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, grad_weight
         grad_gate, grad_up = swiglu_backward(grad @ weight, gate, up)
         return grad_gate, grad_up, grad_weight
 

@@ -12,11 +12,14 @@ retries a step, ~0.1 s each, for every Llama-3-8B plan (docs/results.md).
 
 `ComputeMemoryReduceScatter` is FSDP2's reduce-scatter with one change: the memory of what it
 allocates comes from the compute stream's pool, so the step's gradients and activations share
-one pool. It stays safe where a block is used on the reduce-scatter stream: `record_stream` tells
-the allocator so, and a block freed there is reused only after that stream's work on it is done.
-Two cases free a block while the reduce-scatter stream may still read it, and are left to
-FSDP2's own allocation: gradients copied to the host (--offload-model-state) and a reduce dtype
-other than the parameters' (01 reduces in fp32 into fp32 shards).
+one pool. It stays safe where a block moves between the streams: the reduce-scatter stream
+first waits for the compute stream (whose queued work may still use a block it freed), and
+`record_stream` tells the allocator of the block's use on the reduce-scatter stream, so a block
+freed while that stream may still read it (a micro-batch's gradients added into the last
+ones') is reused only after that. 01 leaves FSDP2's own allocation where the gradients go to
+the host (--offload-model-state: they leave the GPU at once). Where the reduce dtype differs
+from the parameters' (not 01's: fp32 into fp32 shards) FSDP2's cast would put the gradients
+on its stream's memory again.
 """
 
 import torch
@@ -36,15 +39,21 @@ class ComputeMemoryReduceScatter(ReduceScatter):
         if device.type != "cuda":
             return torch.empty(*size, dtype=dtype, device=device)
         using = torch.cuda.current_stream(device)  # FSDP2's reduce-scatter stream, for the output
-        with torch.cuda.stream(torch.cuda.default_stream(device)):
+        compute = torch.cuda.default_stream(device)
+        with torch.cuda.stream(compute):
             buffer = torch.empty(*size, dtype=dtype, device=device)
-        if using != torch.cuda.default_stream(device):
-            buffer.record_stream(using)  # freed: reused once that stream's work on it is done
+        if using != compute:
+            using.wait_stream(compute)  # the block's last user there is done before it is written
+            buffer.record_stream(using)  # freed: reused once this stream's work on it is done
         return buffer
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
+        return REDUCE_SCATTER(output=output_tensor, input=input_tensor, op=op, group=group,
+                              async_op=async_op)
+
+
+# torch 2.13 renamed it (the old name warns there); 2.11 has only the old one
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def gradients_in_compute_memory(module) -> bool:
