@@ -48,12 +48,12 @@ class ComputeMemoryReduceScatter(ReduceScatter):
         return buffer
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        return REDUCE_SCATTER(output=output_tensor, input=input_tensor, op=op, group=group,
+        # torch 2.13 renamed it (the old name warns there), 2.11 has only the old one; looked up
+        # at each call, as FSDP2 does (a wrapper put on torch.distributed, bench/rehearse.py's
+        # byte counter, sees the call)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return reduce_scatter(output=output_tensor, input=input_tensor, op=op, group=group,
                               async_op=async_op)
-
-
-# torch 2.13 renamed it (the old name warns there); 2.11 has only the old one
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def gradients_in_compute_memory(module) -> bool:
