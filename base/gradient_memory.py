@@ -32,8 +32,8 @@ except ImportError:  # older torch: FSDP2 allocates as it does, on its own strea
 
 
 class ComputeMemoryReduceScatter(ReduceScatter):
-    """dist.reduce_scatter_tensor, its buffers allocated from the compute stream's pool (the
-    default stream, where train.py runs)."""
+    """torch.distributed's reduce-scatter, its buffers allocated from the compute stream's pool
+    (the default stream, where train.py runs)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
@@ -56,13 +56,11 @@ class ComputeMemoryReduceScatter(ReduceScatter):
                               async_op=async_op)
 
 
-def gradients_in_compute_memory(module) -> bool:
-    """Give FSDP module `module` (one fully_shard call's) the reduce-scatter above; False where
-    this torch has no custom reduce-scatter (its gradients then stay on FSDP2's stream)."""
-    if ReduceScatter is object or not hasattr(module, "set_custom_reduce_scatter"):
-        return False
-    module.set_custom_reduce_scatter(ComputeMemoryReduceScatter())
-    return True
+def gradients_in_compute_memory(module) -> None:
+    """Give FSDP module `module` (one fully_shard call's) the reduce-scatter above, where this
+    torch has custom reduce-scatters (elsewhere its gradients stay on FSDP2's stream)."""
+    if ReduceScatter is not object and hasattr(module, "set_custom_reduce_scatter"):
+        module.set_custom_reduce_scatter(ComputeMemoryReduceScatter())
 
 
 def gradients_on_the_reduce_scatter_stream(model) -> None:
