@@ -122,36 +122,34 @@ def test_gpu_one_kernel_each_way_within_the_bf16_rule():
     unsharded, mine = _plain_and_fused(*_inputs(torch.bfloat16, "cuda"))
     cpu = lambda d: {k: v.float().cpu() for k, v in d.items()}  # noqa: E731
     assert_within_bf16_error(cpu(mine), cpu(unsharded), reference, "fused forms")
-    gate, up, _, _, grad_act, x, grad_x, cos, sin = _inputs(torch.bfloat16, "cuda")
-    g, u, r = (t.requires_grad_() for t in (gate, up, x))
+    gate, up, weight, grad, grad_act, x, grad_x, cos, sin = _inputs(torch.bfloat16, "cuda")
+    g, u, w, r = (t.requires_grad_() for t in (gate, up, weight, x))
+
+    def launched_by(run) -> list:
+        """The CUDA kernels of run() after a first, compiling and warming, call."""
+        run()
+        g.grad = u.grad = w.grad = r.grad = None  # no accumulation into an existing .grad below
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        g.grad = u.grad = w.grad = r.grad = None
+        return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
     runs = {"swiglu forward": (lambda: fused.swiglu_forward(g, u), 1),
             "swiglu backward": (lambda: fused.swiglu_backward(grad_act, g, u), 1),
             "rotary forward": (lambda: fused.rotary(r, cos, sin), 1),
             "rotary forward + backward": (lambda: fused.rotary(r, cos, sin).backward(grad_x), 2)}
     for what, (run, most) in runs.items():
-        run()  # compiled (and warmed) first
-        g.grad = u.grad = r.grad = None  # no accumulation into an existing .grad below
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-        g.grad = u.grad = r.grad = None
-        launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        launched = launched_by(run)
         assert len(launched) <= most, (what, launched)
     # SwiGLUDown: the activation's kernel forward, and in backward again, then its derivative's
     # (the rest are down_proj's matmuls)
-    weight = _inputs(torch.bfloat16, "cuda")[2].requires_grad_()
-    grad = _inputs(torch.bfloat16, "cuda")[3]
     for what, run, compiled in (
-            ("SwiGLUDown forward", lambda: fused.SwiGLUDown.apply(g, u, weight), 1),
+            ("SwiGLUDown forward", lambda: fused.SwiGLUDown.apply(g, u, w), 1),
             ("SwiGLUDown forward + backward",
-             lambda: fused.SwiGLUDown.apply(g, u, weight).backward(grad), 3)):
-        run()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-        launched = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+             lambda: fused.SwiGLUDown.apply(g, u, w).backward(grad), 3)):
+        launched = launched_by(run)
         assert sum(name.startswith("triton") for name in launched) == compiled, (what, launched)
 
 
