@@ -20,11 +20,11 @@ no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py: 7-16% 
 matmul, 380-770x less error). The sums are returned once: FSDP2 reduce-scatters each weight
 once. A 4,096-token MLP tile holds 0.66 GiB, a 2,092-token loss tile 1 GiB of fp32 logits and
 as much for their softmax (on CUDA base/fused.py's cross-entropy reads the tile's bf16 logits
-and writes their bf16 gradient: half of that). The price is one more forward of the MLP and
-lm_head per step; under 03's checkpointing the tiled MLP skips its output in the block's
-recompute (nothing there reads it), so the MLP still runs forward twice. Every rank cuts the
-same number of tiles (sizes follow shapes only): where tiles call collectives, a rank with fewer
-tiles deadlocks the others.
+and writes their bf16 gradient: half of that). The price is one more forward of the MLP's gate
+and up and of lm_head per step; under 03's checkpointing the tiled MLP skips its output in the
+block's recompute (nothing there reads it), so gate and up still run forward twice. Every
+rank cuts the same number of tiles (sizes follow shapes only): where tiles call collectives, a
+rank with fewer tiles deadlocks the others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 

@@ -17,7 +17,9 @@ and a dozen passes over them (04's tiles, by hand, make the same passes tile by 
 Here each is an autograd.Function over the same formula:
   SwiGLUDown    down_proj(silu(gate) * up), keeping gate and up only: its backward computes
                 silu(gate) * up again for down_proj's weight gradient (one kernel) and
-                sigmoid(gate) where it needs it;
+                sigmoid(gate) where it needs it; in 03's recompute it skips down_proj (nothing
+                there reads the block's output), so a checkpointed block runs gate and up
+                twice and down_proj once, as 04's tiled MLP does;
   Rotary        keeps nothing of its own: a rotation's backward is the rotation back (sin negated);
   CrossEntropy  keeps the logits in their own dtype (bf16: 2 bytes each) and the labels; its
                 backward recomputes each row's log-sum-exp and writes the gradient in that dtype
@@ -40,6 +42,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from base import checkpointed  # is_recomputing: 03 marks its recompute
 
 _compiled = {}  # function -> its torch.compile'd form, made on first use with CUDA tensors
 _warned = set()
@@ -190,6 +194,11 @@ class SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight):
         ctx.save_for_backward(gate, up, weight)
+        if checkpointed.is_recomputing():
+            # 03's recompute reruns the block only to rebuild what its ops save: this output
+            # feeds nothing there but the residual add that ends the block (04's tiled MLP
+            # skips its own the same way); computing it would be a third of the MLP's forward
+            return gate.new_empty(*gate.shape[:-1], weight.shape[0])
         return F.linear(swiglu_forward(gate, up), weight)
 
     @staticmethod

@@ -27,8 +27,9 @@ Matmul at the model's own shapes: the GEMMs the step runs on one GPU, each at it
 (`step_gemms`): per layer q, k, v and o over the GPU's tokens (Untied Ulysses: q per stage of U
 heads, k and v per KV group, as 05 projects them), gate, up and down over 04's MLP tiles, and
 lm_head over 04's loss tiles; each product x W^T as often as the step runs it (the forward, and
-the recompute of 03's checkpoint or of 04's tiled loss) and both backward products dY W and
-dY^T x once. Their count is bench.throughput's linear FLOPs, shape by shape (tests check it).
+the recompute of 03's checkpoint, of 04's tiled MLP or loss: never down_proj's, whose output no
+recompute reads) and both backward products dY W and dY^T x once. Their count is
+bench.throughput's linear FLOPs, shape by shape (tests check it).
 
 Timing, both terms (bench.report.event_times_ms): CUDA events around each call, a warm-up call
 first (compiles, cuBLAS handles, the allocator), the median of the repeats, random normal bf16
@@ -131,40 +132,47 @@ def step_gemms(args, cfg, tokens: int, ulysses: int = 1) -> list:
     """The GEMMs of one step on one GPU over its `tokens` tokens (Ulysses degree `ulysses`):
     [{"name", "m", "k", "n", "forward", "backward"}], forward: how many times the step runs
     x W^T (the forward and, where recomputed, the recompute), backward: how many times each of
-    dY W and dY^T x. cfg: train.py's Config (checkpoint, untied, head_chunk, the tiles)."""
+    dY W and dY^T x. cfg: train.py's Config (checkpoint and its layers, untied, head_chunk, the
+    tiles). Run again: the projections of the blocks 03 recomputes (--checkpoint-layers: the
+    first k), the MLP's gate and up there or in every block under 04's tiling (its backward
+    recomputes each tile), never down_proj (neither recompute needs its output: base/fused.py's
+    SwiGLUDown and 04's tiles skip it), lm_head under the tiled loss."""
     gemms = []
 
-    def add(name, m, k, n, calls, forward_each):
-        gemms.append({"name": name, "m": m, "k": k, "n": n, "forward": calls * forward_each,
-                      "backward": calls})
+    def add(name, m, k, n, forward, backward):
+        gemms.append({"name": name, "m": m, "k": k, "n": n, "forward": forward,
+                      "backward": backward})
 
     layers, hd, dim = args.n_layers, args.head_dim, args.dim
-    recompute = 2 if cfg.checkpoint else 1
+    recomputed = (cfg.checkpoint_layers or layers) if cfg.checkpoint else 0
+    mlp_again = layers if cfg.tile_mlp else recomputed  # blocks whose gate and up run again
     if cfg.untied:  # 05 projects per stage (q) and per KV group (k, v)
         chunk = untied.check_head_chunk(args.n_heads, args.n_kv_heads, ulysses, cfg.head_chunk)
         plan = untied.stage_plan(args.n_heads, args.n_kv_heads, ulysses, chunk)
         groups = untied.kv_groups(plan)
         kv_heads = groups[0][0]
         kv_width = ulysses * (kv_heads.stop - kv_heads.start) * hd
-        add(f"q (a stage of U={chunk} heads)", tokens, dim, chunk * hd, layers * len(plan),
-            recompute)
+        add(f"q (a stage of U={chunk} heads)", tokens, dim, chunk * hd,
+            len(plan) * (layers + recomputed), len(plan) * layers)
         for name in ("k", "v"):
-            add(f"{name} (a KV group)", tokens, dim, kv_width, layers * len(groups), recompute)
+            add(f"{name} (a KV group)", tokens, dim, kv_width,
+                len(groups) * (layers + recomputed), len(groups) * layers)
     else:
-        add("q", tokens, dim, args.n_heads * hd, layers, recompute)
+        add("q", tokens, dim, args.n_heads * hd, layers + recomputed, layers)
         for name in ("k", "v"):
-            add(name, tokens, dim, args.n_kv_heads * hd, layers, recompute)
-    add("o", tokens, args.n_heads * hd, dim, layers, recompute)
+            add(name, tokens, dim, args.n_kv_heads * hd, layers + recomputed, layers)
+    add("o", tokens, args.n_heads * hd, dim, layers + recomputed, layers)
     mlp_tile = (tiling.mlp_tile_size(dim, tokens, cfg.mlp_tile_tokens) if cfg.tile_mlp
                 else tokens)
     for rows, count in tile_sizes(tokens, mlp_tile).items():
-        for name, k, n in (("gate", dim, args.ffn_dim), ("up", dim, args.ffn_dim),
-                           ("down", args.ffn_dim, dim)):
-            add(f"{name} (MLP tile)", rows, k, n, layers * count, recompute)
+        for name, k, n, again in (("gate", dim, args.ffn_dim, mlp_again),
+                                  ("up", dim, args.ffn_dim, mlp_again),
+                                  ("down", args.ffn_dim, dim, 0)):
+            add(f"{name} (MLP tile)", rows, k, n, count * (layers + again), count * layers)
     loss_tile = (tiling.loss_tile_size(args.vocab_size, tokens, cfg.loss_tile_tokens)
                  if cfg.tile_loss else tokens)
     for rows, count in tile_sizes(tokens, loss_tile).items():  # the tiled loss recomputes it
-        add("lm_head (loss tile)", rows, dim, args.vocab_size, count, 2 if cfg.tile_loss else 1)
+        add("lm_head (loss tile)", rows, dim, args.vocab_size, count * (1 + cfg.tile_loss), count)
     return gemms
 
 

@@ -34,18 +34,19 @@ and 2-layer pair measures a layer as their difference, so a step's run-to-run no
 twice in it: compare methods within a few percent at full depth (--validate; `--seq-lens` with
 no lengths runs only those rows).
 
-FLOPs (per step, all GPUs; support/step_time.py's step_flops, the count the speed model
-uses), what MFU and the bound count: per layer, causal attention forward
-2 S^2 d (d = heads x head dim), backward 2.5x forward, checkpoint recompute one more forward;
-linear layers 2 x params x tokens forward, 2x that backward, recompute one more forward (the
-tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
-H200's dense bf16 peak). Kernel bound (bench/bound.py, measured on this GPU in this run): one
-GPU's attention FLOPs at the attention kernel's rate at its best at that length (all heads in
-one call over all S tokens; measured once per length and kernel), plus the step's own GEMMs on
-one GPU, each timed at its shape and tile (q/k/v/o, gate/up/down over 04's MLP tiles, lm_head
-over its loss tiles; forward, recompute and both backward products). A step faster than its
-bound stops the run with an error naming the term that is wrong. --rows-from: no steps, the
-rows of an earlier result against the bound measured now (its step times, this GPU's kernels).
+FLOPs (per step, all GPUs; support/step_time.py's step_flops, the count the speed model uses), what
+MFU and the bound count: per layer, causal attention forward 2 S^2 d (d = heads x head dim),
+backward 2.5x forward, checkpoint recompute one more forward; linear layers 2 x params x tokens
+forward, 2x that backward, recompute one more forward (not down_proj's, which no recompute needs;
+the tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
+H200's dense bf16 peak). Kernel bound (bench/bound.py, measured on this GPU in this run): one GPU's
+attention FLOPs at the attention kernel's rate at its best at that length (all heads in one call
+over all S tokens; measured once per length and kernel), plus the step's own GEMMs on one GPU, each
+timed at its shape and tile (q/k/v/o, gate/up/down over 04's MLP tiles, lm_head over its loss
+tiles; forward, recompute and both backward products). A step faster than its bound stops the run
+with an error naming the term that is wrong. --rows-from: no steps, the rows of an earlier result
+against the bound measured now (its step times, this GPU's kernels); --recount: no GPU, its bound
+from its own measured times, the GEMMs counted as they are now.
 
 Single steps: pinned host buffers are cached by PyTorch once allocated, so the first row that
 offloads at a length would pay their allocation and the rows after it would not; every row
@@ -253,7 +254,8 @@ def stop_if_faster_than_bound(table: list[dict], device) -> None:
 
 def matmul_term(cfg: Config, method: str, seq_len: int, world: int, device, dtype,
                 measured: dict) -> dict:
-    """The bound's GEMM term of one GPU of a row at full depth (cfg: the full-depth config)."""
+    """The bound's GEMM term of one GPU of a row at full depth (cfg: the full-depth config);
+    `measured` keeps each shape's times (bound.matmul_seconds times the shapes it lacks)."""
     args = get_model_args(cfg.model)
     cp = parse_method(method)[0] != "none"
     tokens = seq_len // world if cp else seq_len
@@ -262,6 +264,41 @@ def matmul_term(cfg: Config, method: str, seq_len: int, world: int, device, dtyp
     return {"matmul_s": bound.matmul_seconds(gemms, device, dtype, measured),
             "linear_flops_per_gpu": bound.gemm_flops(gemms), "tokens_per_gpu": tokens,
             "gemms": gemms}
+
+
+def full_depth_config(base: Config, method: str, seq_len: int, saved: dict) -> Config:
+    """A saved row's full-depth config, with the head chunk and MLP tile it ran (rows from
+    before the MLP tile was recorded ran 04's default; before U was, 05's default U = P)."""
+    ran = [r for r in saved["rows"] if (r["method"], r["seq_len"]) == (method, seq_len)]
+    cfg = method_config(base, method, saved["model"], seq_len)
+    if cfg.untied:
+        cfg.head_chunk = ran[0].get("head_chunk") or saved["world_size"]
+    cfg.mlp_tile_tokens = ran[0].get("mlp_tile_tokens")
+    return cfg
+
+
+def recount(path: str) -> list[dict]:
+    """--recount: no GPU and no step. An earlier result's table against its own measured rates
+    and GEMM times, with the GEMMs counted as bench/bound.py counts them now (where the count
+    was wrong then: a bound is only as honest as its count). Every shape must have been timed
+    then; the result's file is left as it is."""
+    saved = json.loads(Path(path).read_text())
+    if not saved.get("gemm_times_ms"):
+        raise SystemExit(f"--recount {path}: no GEMM times in it (a result from before "
+                         f"bench/bound.py timed the step's GEMMs): its bound cannot be recounted")
+    args = get_model_args(saved["model"])
+    base = Config(model=saved["model"], device="cpu", steps=0, fsdp=True, checkpoint=True,
+                  offload=True, tile_mlp=True, tile_loss=True, dtype=saved["dtype"])
+    times, matmul = dict(saved["gemm_times_ms"]), {}
+    for key in saved["matmul"]:
+        seq_len, method = key.split(" ", 1)
+        cfg = full_depth_config(base, method, int(seq_len), saved)
+        matmul[key] = matmul_term(cfg, method, int(seq_len), saved["world_size"], "cpu", None,
+                                  times)
+        if set(times) != set(saved["gemm_times_ms"]):
+            raise SystemExit(f"--recount {path}: {key} now counts a GEMM shape that was not "
+                             f"timed then ({sorted(set(times) - set(saved['gemm_times_ms']))})")
+    return summarize(saved["rows"], args, saved["world_size"], saved["kernel_rates"], matmul)
 
 
 def method_label(entry: dict) -> str:
@@ -341,7 +378,13 @@ def main():
                         help="no steps: these results' rows against the bound measured now")
     parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                         help="no run: draw these results (merged) into a PNG next to the first")
+    parser.add_argument("--recount", default=None, metavar="JSON",
+                        help="no GPU, no run: this result's table against its own measured "
+                             "rates, its GEMMs counted as bench/bound.py counts them now")
     opts = parser.parse_args()
+    if opts.recount:
+        print_table(recount(opts.recount))
+        return
     if opts.plot:
         saved = [json.loads(Path(f).read_text()) for f in opts.plot]
         for run in saved:
@@ -480,12 +523,8 @@ def rebound_rows(paths: list, result: dict, base: Config, rt, measure, in_budget
                                    if r.get("status") == "ok"}, key=lambda k: (k[1], k[0])):
         if not in_budget():
             break
-        ran = [r for r in result["rows"] if (r["method"], r["seq_len"]) == (method, seq_len)]
-        full_depth = method_config(base, method, result["model"], seq_len)
-        if full_depth.untied:
-            full_depth.head_chunk = ran[0].get("head_chunk") or rt.world
-        full_depth.mlp_tile_tokens = ran[0].get("mlp_tile_tokens")
-        measure(method, seq_len, full_depth)
+        measure(method, seq_len, full_depth_config(base, method, seq_len,
+                                                   {**result, "world_size": rt.world}))
 
 
 def print_table(table: list) -> None:

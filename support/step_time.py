@@ -71,8 +71,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=3.36e-12, elementwise_op_by_op_s=9.13e-12, stage_s=7.30e-8,
-        host_adamw_s=7.65e-10, alloc_retry_s=0.105),
+        elementwise_s=3.79e-12, elementwise_op_by_op_s=9.20e-12, stage_s=7.27e-8,
+        host_adamw_s=7.62e-10, alloc_retry_s=0.098),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
@@ -94,26 +94,30 @@ def rates_for(gpu_name: str | None) -> GpuRates | None:
 
 def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = False, *,
                checkpoint: bool = True, tile_mlp: bool = True, tile_loss: bool = True,
-               checkpoint_layers: int | None = None) -> dict:
+               checkpoint_layers: int | None = None, recompute_down: bool = False) -> dict:
     """FLOPs of one step of `sequences` sequences of `seq_len` tokens, on all GPUs together:
     {"attention": causal attention, "linear": the linear layers}. Per layer, causal attention's
     forward is 2 S^2 d (d = heads x head dim), its backward 2.5x that, and 03's recompute (with
     `checkpoint`, in its first `checkpoint_layers` blocks: None, all) one more forward unless
     `keep_attention`; a linear layer's forward is 2 x its parameters x tokens, its backward
     twice that, and one more forward where it runs again: the attention projections of the
-    blocks 03 recomputes, the MLP there or under 04's tiling (which recomputes each tile; 03
-    then skips it), lm_head under 04's tiled loss. The defaults are the ALST stack
-    bench/throughput.py measures (every term counted four times)."""
+    blocks 03 recomputes; the MLP's gate and up there or under 04's tiling (whose backward
+    recomputes each tile; 03 then skips it), but not down_proj, whose output neither
+    recompute needs (base/fused.py's SwiGLUDown and 04's tiles skip it; recompute_down: as
+    the rows measured before they did); lm_head under 04's tiled loss. The defaults are the
+    ALST stack bench/throughput.py measures."""
     layers = args.n_layers
     recomputed = (checkpoint_layers or layers) if checkpoint else 0  # blocks run twice forward
     d = args.n_heads * args.head_dim
     attention_forward = 2 * seq_len**2 * d * sequences  # one layer's
     projections = args.dim * d + 2 * args.dim * args.n_kv_heads * args.head_dim + d * args.dim
-    mlp = 3 * args.dim * args.ffn_dim
+    gate_up, down = 2 * args.dim * args.ffn_dim, args.dim * args.ffn_dim
+    mlp_again = layers if tile_mlp else recomputed  # blocks whose gate and up run again
     linear_forward = 2 * seq_len * sequences
     return {"attention": attention_forward * (3.5 * layers + recomputed * (not keep_attention)),
             "linear": linear_forward * (projections * (3 * layers + recomputed)
-                                        + mlp * (3 * layers + (layers if tile_mlp else recomputed))
+                                        + (gate_up + down) * 3 * layers + gate_up * mlp_again
+                                        + down * mlp_again * recompute_down
                                         + args.dim * args.vocab_size * (3 + tile_loss))}
 
 
@@ -121,15 +125,19 @@ def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = Fa
 
 def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, args=None,
                  fused_norm: bool = True, fp32_loss: bool = False,
-                 fused_forms: bool = True, free_at_peak: int | None = None) -> dict:
+                 fused_forms: bool = True, free_at_peak: int | None = None,
+                 swiglu: str | None = None, autograd_tiles: bool = False) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
     the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
     loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so);
     fused_forms=False: SwiGLU and rotary op by op, as before base/fused.py or without the
-    compiler (TORCHDYNAMO_DISABLE=1). free_at_peak: the bytes the memory plan leaves usable
-    at its peak (None: not known, no allocator term). A ValueError for an impossible layout
-    (check_layout's)."""
+    compiler (TORCHDYNAMO_DISABLE=1); swiglu (a row's marker, support/byte_counts.SWIGLU_KEPT)
+    and autograd_tiles (04's tiles ran autograd): rows whose recompute ran down_proj again,
+    the untiled MLP under 03 before SwiGLUDown skipped it, the tiled one before 04's
+    hand-written backward (step_flops' recompute_down). free_at_peak: the bytes the memory
+    plan leaves usable at its peak (None: not known, no allocator term). A ValueError for an
+    impossible layout (check_layout's)."""
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
     if kernel not in rates.attention:
@@ -141,7 +149,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     layers, width = args.n_layers, args.dim + args.ffn_dim
     flops = step_flops(args, cfg.seq_len, sequences, bool(cfg.keep_attention),
                        checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
-                       checkpoint_layers=cfg.checkpoint_layers)
+                       checkpoint_layers=cfg.checkpoint_layers,
+                       recompute_down=autograd_tiles if cfg.tile_mlp else swiglu is not None)
     recomputed = (cfg.checkpoint_layers or layers) / layers if cfg.checkpoint else 0  # share
     attention_rate = rates.attention[kernel] * (RING_RATE if ring > 1 else 1)
     linear_s = flops["linear"] / world_size / rates.matmul

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.config import Config
+from support import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -448,12 +449,63 @@ def test_the_bounds_gemms_are_the_steps_linear_flops_shape_by_shape(method, worl
     by_name = {g["name"].split(" ")[0]: g for g in gemms}
     tile = mlp_tile or args.dim
     assert by_name["gate"]["m"] <= tile and by_name["gate"]["forward"] == 2 * by_name["gate"][
-        "backward"]  # forward and the checkpoint's recompute, each backward product once
+        "backward"]  # forward and the tile's recompute, each backward product once
+    assert by_name["down"]["forward"] == by_name["down"]["backward"]  # no recompute reads it
     if method.startswith("untied:"):
         chunk = int(method.split(":")[1])
         assert by_name["q"]["n"] == chunk * args.head_dim
         assert by_name["q"]["backward"] == args.n_layers * args.n_heads // chunk
     assert max(g["m"] for g in gemms if g["name"].startswith("lm_head")) <= 2092  # 1 GiB logits
+
+
+@pytest.mark.parametrize("checkpoint,layers,tile_mlp,tile_loss", [
+    (False, None, False, False), (True, None, False, False), (True, 5, False, True),
+    (True, 5, True, False), (False, None, True, True)])
+def test_the_bounds_gemms_follow_the_checkpointed_layers_and_the_tiles(checkpoint, layers,
+                                                                       tile_mlp, tile_loss):
+    """Any stack, not only the ALST one: --checkpoint-layers k recomputes k blocks' projections
+    and gate and up, 04's tiled MLP every block's gate and up, and down_proj runs forward once
+    per block in all of them; the GEMMs add up to step_time's linear FLOPs."""
+    from bench import bound
+    from model import get_model_args
+
+    args = get_model_args("llama3-8b")
+    cfg = Config(model="llama3-8b", seq_len=16384, checkpoint=checkpoint,
+                 checkpoint_layers=layers, tile_mlp=tile_mlp, tile_loss=tile_loss)
+    gemms = {g["name"].split(" ")[0]: g for g in bound.step_gemms(args, cfg, 16384)}
+    flops = step_time.step_flops(args, 16384, checkpoint=checkpoint, checkpoint_layers=layers,
+                                 tile_mlp=tile_mlp, tile_loss=tile_loss)
+    assert bound.gemm_flops(list(gemms.values())) == pytest.approx(flops["linear"], rel=1e-12)
+    recomputed = (layers or args.n_layers) if checkpoint else 0
+    assert gemms["q"]["forward"] == args.n_layers + recomputed
+    tiles = gemms["gate"]["backward"] // args.n_layers
+    assert gemms["gate"]["forward"] == tiles * (args.n_layers
+                                                + (args.n_layers if tile_mlp else recomputed))
+    assert gemms["down"]["forward"] == gemms["down"]["backward"]
+
+
+def test_a_recount_takes_out_what_the_old_count_had_too_many():
+    """--recount (no GPU): a saved result's bound from its own measured rates and GEMM times,
+    counted as now. The 16K-64K bound of 0e92ed9 was timed with down_proj's forward counted
+    twice per layer (its tiles skipped the recompute's already): the recount is shorter by
+    exactly those products' measured times, and the attention term is unchanged."""
+    from bench import throughput
+
+    results = ROOT / "docs" / "results"
+    path = results / "throughput_llama3-8b_1gpu_bound_16k_64k.json"
+    saved = json.loads(path.read_text())
+    recounted = {e["seq_len"]: e for e in throughput.recount(str(path))}
+    for entry in saved["table"]:
+        gemms = saved["matmul"][throughput.matmul_key(entry["method"], entry["seq_len"])]["gemms"]
+        too_many_s = sum((g["forward"] - g["backward"]) / 1e3
+                         * saved["gemm_times_ms"][f"{g['m']}x{g['k']}x{g['n']}"]["forward_ms"]
+                         for g in gemms if g["name"].startswith("down"))
+        assert too_many_s > 0.01 * entry["kernel_bound_s"]  # the count was wrong
+        now = recounted[entry["seq_len"]]
+        assert now["attention_bound_s"] == pytest.approx(entry["attention_bound_s"])
+        assert now["kernel_bound_s"] == pytest.approx(entry["kernel_bound_s"] - too_many_s)
+    with pytest.raises(SystemExit, match="no GEMM times"):
+        throughput.recount(str(results / "throughput_llama3-8b_1gpu_keep_attention_1m.json"))
 
 
 def test_a_step_faster_than_its_bound_names_the_wrong_term():

@@ -2,8 +2,11 @@
 kernel each way on CUDA, and what the MLP no longer keeps. (Every equivalence test also compares
 a built model, which runs these, against model.py's plain one.)"""
 
+import importlib
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as llama
 from base import fused
@@ -90,6 +93,55 @@ def test_a_built_model_runs_them_and_its_mlp_keeps_two_activations_less():
     assert kept[0] - kept[1] == 2 * activation
     assert kept[1] == byte_counts.mlp_temporary_bytes(args, tokens, False, bytes_per_value=4,
                                                       saved_only=True)
+
+
+def test_under_checkpointing_down_proj_runs_forward_once(monkeypatch):
+    """03's recompute reruns a block only to rebuild what it saves; SwiGLUDown's output feeds
+    nothing there, so the recompute skips down_proj and the step still matches: per checkpointed
+    block silu(gate) * up is computed twice (the forward, and the backward for down_proj's
+    weight gradient), not three times, and down_proj's product over the tokens once, as
+    without checkpointing (step_time.step_flops counts gate and up recomputed, not down)."""
+    checkpointing = importlib.import_module("03_checkpoint_offload")
+    args = llama.get_model_args("tiny")
+    calls = []
+    swiglu_forward = fused.swiglu_forward
+    monkeypatch.setattr(fused, "swiglu_forward",
+                        lambda *a: calls.append("act") or swiglu_forward(*a))
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    positions = torch.arange(16).expand(2, -1)
+    results = {}
+    for checkpointed in (False, True):
+        model = build.build_model(args, torch.device("cpu"))
+        if checkpointed:
+            checkpointing.apply_checkpointing(model)
+        calls.clear()
+        with DownProducts(model) as products:
+            model(tokens, positions, tokens).backward()
+        results[checkpointed] = (len(calls), products.count,
+                                 [p.grad for p in model.parameters()])
+    plain, checkpointed = results[False], results[True]
+    assert plain[:2] == checkpointed[:2] == (2 * args.n_layers, args.n_layers), results
+    for want, got in zip(plain[2], checkpointed[2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class DownProducts(TorchDispatchMode):
+    """Counts down_proj's forward product: (tokens, ffn_dim) @ a down_proj weight transposed,
+    (ffn_dim, dim); its backward's products take the weight as it is, or not at all."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.weights = {block.mlp.down_proj.weight.untyped_storage().data_ptr()
+                        for block in model.layers}
+        self.shape = tuple(model.layers[0].mlp.down_proj.weight.shape[::-1])  # (ffn_dim, dim)
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            a, b = args[-2:]
+            self.count += (b.untyped_storage().data_ptr() in self.weights
+                           and tuple(b.shape) == self.shape)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.gpu

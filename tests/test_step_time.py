@@ -63,13 +63,15 @@ def predicted_s(row: dict, rates=H200) -> dict:
     cfg, args = row_config(row)
     fused_norm, fp32_loss = row.get("rms_norm") != "op by op", row.get("cross_entropy") == "fp32"
     # every calibrated row ran on H200s (139.8 GiB each): the rows do not record the memory
+    swiglu, autograd_tiles = row.get("swiglu"), row.get("tile_backward") == "autograd"
     plan = planner.plan_memory(cfg, row["gpus"], args, fused_norm=fused_norm, fp32_loss=fp32_loss,
-                               swiglu=row.get("swiglu"))
+                               swiglu=swiglu, autograd_tiles=autograd_tiles)
     free = planner.free_at_peak(plan["peak"], ONE_H200.gpu_mem)
     return step_time.step_seconds(cfg, row["gpus"], rates, cfg.attn_kernel, args,
                                   fused_norm=fused_norm, fp32_loss=fp32_loss,
                                   fused_forms=row.get("elementwise") != "op by op",
-                                  free_at_peak=free)
+                                  free_at_peak=free, swiglu=swiglu,
+                                  autograd_tiles=autograd_tiles)
 
 
 def calibration() -> dict:
@@ -125,7 +127,8 @@ def fit(rows: list) -> dict:
 
 def test_bench_throughput_counts_the_same_flops():
     """One count of a step's FLOPs: bench.throughput's MFU and bound use step_time's, and its
-    default (the ALST stack it measures) counts every linear and attention term four times."""
+    default (the ALST stack it measures) counts every attention term and every linear term
+    four times but down_proj's, which no recompute runs (three)."""
     throughput = importlib.import_module("bench.throughput")
     assert throughput.step_flops is step_time.step_flops
     args = llama.get_model_args("llama3-8b")
@@ -134,7 +137,10 @@ def test_bench_throughput_counts_the_same_flops():
     assert flops["attention"] == attention * 4.5
     assert step_time.step_flops(args, 2**17, keep_attention=True)["attention"] == attention * 3.5
     plain = step_time.step_flops(args, 2**17, checkpoint=False, tile_mlp=False, tile_loss=False)
-    assert flops["linear"] == pytest.approx(plain["linear"] * 4 / 3)
+    down_forward = 2 * 2**17 * args.dim * args.ffn_dim * args.n_layers  # never recomputed
+    assert flops["linear"] == pytest.approx(plain["linear"] * 4 / 3 - down_forward)
+    before = step_time.step_flops(args, 2**17, recompute_down=True)  # as autograd's tiles ran
+    assert before["linear"] == pytest.approx(plain["linear"] * 4 / 3)
 
 
 def test_keep_attention_takes_out_one_attention_forward():
