@@ -18,13 +18,16 @@ the chain rule by hand, writes that tile's input gradient, and adds each weight'
 an fp32 sum with one matmul: on CUDA in bf16 cuBLAS accumulates straight into the fp32 sum, so
 no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py: 7-16% over the bare
 matmul, 380-770x less error). The sums are returned once: FSDP2 reduce-scatters each weight
-once. A 4,096-token MLP tile holds 0.66 GiB, a 2,092-token loss tile 1 GiB of fp32 logits and
-as much for their softmax (on CUDA base/fused.py's cross-entropy reads the tile's bf16 logits
-and writes their bf16 gradient: half of that). The price is one more forward of the MLP's gate
-and up and of lm_head per step; under 03's checkpointing the tiled MLP skips its output in the
-block's recompute (nothing there reads it), so gate and up still run forward twice. Every
-rank cuts the same number of tiles (sizes follow shapes only): where tiles call collectives, a
-rank with fewer tiles deadlocks the others.
+once. The loss, the forward's last op, needs no recompute: each tile's backward runs right
+after its forward, for a loss gradient of 1, and backward scales the input gradient and the
+sums by the gradient that arrives (as ALST's TiledFusedLogitsLoss does). A 4,096-token MLP
+tile holds 0.66 GiB, a 2,092-token loss tile 1 GiB of fp32 logits and as much for their
+softmax (on CUDA base/fused.py's cross-entropy reads the tile's bf16 logits and writes their
+bf16 gradient: half of that). The price is one more forward of the MLP's gate and up per step;
+under 03's checkpointing the tiled MLP skips its output in the block's recompute (nothing there
+reads it), so gate and up still run forward twice. Every rank cuts the same number of tiles
+(sizes follow shapes only): where tiles call collectives, a rank with fewer tiles deadlocks the
+others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -95,24 +98,32 @@ def swiglu_backward(x, grad_out, gate_weight, up_weight, down_weight, grad_sums)
 class TiledLoss(torch.autograd.Function):
     """model.Transformer.loss_sum (final norm + lm_head + cross-entropy summed over the tokens
     whose label counts) over h (tokens, dim) and labels (tokens,), `tile_tokens` at a time:
-    logits of all tokens never exist at once."""
+    logits of all tokens never exist at once. The loss is the forward's last op, so each
+    tile's backward runs right after its forward, for a loss gradient of 1 (ALST's
+    TiledFusedLogitsLoss does the same): no tile is computed twice. The loss is a sum, so its
+    gradients are linear in the one that arrives: backward only scales them by it."""
 
     @staticmethod
     def forward(ctx, h, labels, tile_tokens: int, eps: float, norm_weight, lm_head_weight):
         weights = (norm_weight, lm_head_weight)
-        ctx.save_for_backward(h, labels, *weights)
-        ctx.tile_tokens, ctx.eps = tile_tokens, eps
-        return tiled_over_tokens(partial(norm_lm_head_loss, eps=eps), h, (labels,), weights,
-                                 tile_tokens, sum_tiles=True)
+        grad_h, grad_sums, loss = torch.empty_like(h), fp32_zeros_like(weights), 0
+        for tile in token_tiles(len(h), tile_tokens):
+            tile_loss, grad_h[tile] = loss_and_backward(h[tile], labels[tile], *weights,
+                                                        grad_sums, eps)
+            loss = loss + tile_loss
+        ctx.save_for_backward(grad_h, *grad_sums)
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        h, labels, *weights = ctx.saved_tensors
-        grad_h, grad_sums = torch.empty_like(h), fp32_zeros_like(weights)
-        for tile in token_tiles(len(h), ctx.tile_tokens):
-            grad_h[tile] = loss_backward(h[tile], labels[tile], grad_loss, *weights, grad_sums,
-                                         ctx.eps)
-        return grad_h, None, None, None, *in_weight_dtypes(grad_sums, weights)
+        grad_h, *grad_sums = ctx.saved_tensors
+        # in place: nothing else holds them (a second backward would find them changed: an error)
+        grads = [grad_h.mul_(grad_loss), *(total.mul_(grad_loss).to(dtype)
+                                           for total, dtype in zip(grad_sums, ctx.weight_dtypes))]
+        needed = [ctx.needs_input_grad[i] for i in (0, 4, 5)]
+        h_grad, norm_grad, lm_head_grad = (g if need else None for g, need in zip(grads, needed))
+        return h_grad, None, None, None, norm_grad, lm_head_grad
 
 
 def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
@@ -123,14 +134,18 @@ def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
                                    labels)
 
 
-def loss_backward(h, labels, grad_loss, norm_weight, lm_head_weight, grad_sums, eps: float):
-    """One tile of norm_lm_head_loss's backward (grad_sums: norm, lm_head). Returns h's."""
-    normed = rms_norm(h, norm_weight, eps)  # recomputed: this tile's only
+def loss_and_backward(h, labels, norm_weight, lm_head_weight, grad_sums, eps: float):
+    """One tile of norm_lm_head_loss and its backward for a loss gradient of 1 (grad_sums:
+    norm, lm_head). Returns (the tile's loss, h's gradient)."""
+    normed = rms_norm(h, norm_weight, eps)
+    logits = F.linear(normed, lm_head_weight)
+    loss = fused.cross_entropy_sum(logits, labels)
     # softmax(row) - one_hot(label), from the tile's logits, in h's dtype; the logits die here
-    grad_logits = fused.cross_entropy_backward(F.linear(normed, lm_head_weight), labels,
-                                               grad_loss)
+    grad_logits = fused.cross_entropy_backward(logits, labels, loss.new_ones(()))
+    del logits
     add_matmul(grad_sums[1], grad_logits.t(), normed)  # lm_head: grad_logits^T normed
-    return rms_norm_backward(h, grad_logits @ lm_head_weight, norm_weight, grad_sums[0], eps)
+    return loss, rms_norm_backward(h, grad_logits @ lm_head_weight, norm_weight, grad_sums[0],
+                                   eps)
 
 
 def rms_norm_backward(x, grad_out, weight, weight_grad_sum, eps: float):
@@ -237,6 +252,10 @@ def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: in
     tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
     tile = loss_tile_size(weights[1].shape[0], len(tokens), tile_tokens)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (tokens, *weights))):
+        # no backward coming (evaluation): the loss alone, no gradient computed in forward
+        return tiled_over_tokens(partial(norm_lm_head_loss, eps=model.norm.eps), tokens,
+                                 (flat_labels,), weights, tile, sum_tiles=True)
     return TiledLoss.apply(tokens, flat_labels, tile, model.norm.eps, *weights)
 
 

@@ -26,10 +26,10 @@ step's call at 128K-1M; issue 43 quotes 664-668 for the kernel alone.
 Matmul at the model's own shapes: the GEMMs the step runs on one GPU, each at its own (M, K, N)
 (`step_gemms`): per layer q, k, v and o over the GPU's tokens (Untied Ulysses: q per stage of U
 heads, k and v per KV group, as 05 projects them), gate, up and down over 04's MLP tiles, and
-lm_head over 04's loss tiles; each product x W^T as often as the step runs it (the forward, and
-the recompute of 03's checkpoint, of 04's tiled MLP or loss: never down_proj's, whose output no
-recompute reads) and both backward products dY W and dY^T x once. Their count is
-bench.throughput's linear FLOPs, shape by shape (tests check it).
+lm_head over 04's loss tiles; each product x W^T as often as the step runs it (the forward, and the
+recompute of 03's checkpoint or of 04's tiled MLP: never down_proj's, whose output no recompute
+reads, nor lm_head's, whose tiles run their backward in forward) and both backward products dY W
+and dY^T x once. Their count is bench.throughput's linear FLOPs, shape by shape (tests check it).
 
 Timing, both terms (bench.report.event_times_ms): CUDA events around each call, a warm-up call
 first (compiles, cuBLAS handles, the allocator), the median of the repeats, random normal bf16
@@ -128,7 +128,7 @@ def tile_sizes(n_tokens: int, tile_tokens: int) -> dict:
     return sizes
 
 
-def step_gemms(args, cfg, tokens: int, ulysses: int = 1) -> list:
+def step_gemms(args, cfg, tokens: int, ulysses: int = 1, recompute_logits: bool = False) -> list:
     """The GEMMs of one step on one GPU over its `tokens` tokens (Ulysses degree `ulysses`):
     [{"name", "m", "k", "n", "forward", "backward"}], forward: how many times the step runs
     x W^T (the forward and, where recomputed, the recompute), backward: how many times each of
@@ -136,7 +136,9 @@ def step_gemms(args, cfg, tokens: int, ulysses: int = 1) -> list:
     tiles). Run again: the projections of the blocks 03 recomputes (--checkpoint-layers: the
     first k), the MLP's gate and up there or in every block under 04's tiling (its backward
     recomputes each tile), never down_proj (neither recompute needs its output: base/fused.py's
-    SwiGLUDown and 04's tiles skip it), lm_head under the tiled loss."""
+    SwiGLUDown and 04's tiles skip it), never lm_head (04's tiled loss runs each tile's backward
+    in its forward; recompute_logits: as results measured before it did, when it ran lm_head
+    again in backward)."""
     gemms = []
 
     def add(name, m, k, n, forward, backward):
@@ -171,8 +173,9 @@ def step_gemms(args, cfg, tokens: int, ulysses: int = 1) -> list:
             add(f"{name} (MLP tile)", rows, k, n, count * (layers + again), count * layers)
     loss_tile = (tiling.loss_tile_size(args.vocab_size, tokens, cfg.loss_tile_tokens)
                  if cfg.tile_loss else tokens)
-    for rows, count in tile_sizes(tokens, loss_tile).items():  # the tiled loss recomputes it
-        add("lm_head (loss tile)", rows, dim, args.vocab_size, count * (1 + cfg.tile_loss), count)
+    for rows, count in tile_sizes(tokens, loss_tile).items():
+        add("lm_head (loss tile)", rows, dim, args.vocab_size,
+            count * (1 + (cfg.tile_loss and recompute_logits)), count)
     return gemms
 
 

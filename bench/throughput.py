@@ -187,7 +187,7 @@ def time_steps(method: str, cfg: Config, steps: int, ring_gqa: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def summarize(rows: list[dict], args, world: int, rates: dict,
-              matmul: dict | None = None) -> list[dict]:
+              matmul: dict | None = None, recompute_logits: bool = False) -> list[dict]:
     """Per (method, length): extrapolated full-depth step, tokens/s per GPU, MFU, kernel bound
     (rates: the attention kernel's, by "LENGTH@KERNEL"; matmul: the GEMMs' term, by
     `matmul_key`)."""
@@ -214,7 +214,8 @@ def summarize(rows: list[dict], args, world: int, rates: dict,
             continue
         sequences = world if parse_method(method)[0] == "none" else 1
         tokens_per_gpu = seq_len * sequences / world
-        flops = step_flops(args, seq_len, sequences, KEEP_ATTENTION in method)
+        flops = step_flops(args, seq_len, sequences, KEEP_ATTENTION in method,
+                           recompute_logits=recompute_logits)
         entry.update(status="ok", step_time_s=step, how=how,
                      tokens_per_s_per_gpu=tokens_per_gpu / step,
                      mfu=(flops["attention"] + flops["linear"]) / (step * world * H200_BF16_PEAK))
@@ -226,6 +227,9 @@ def summarize(rows: list[dict], args, world: int, rates: dict,
             entry["step_over_bound"] = step / entry["kernel_bound_s"]
         table.append(entry)
     return table
+
+
+LOSS_TILES = "gradients in forward"  # how 04's tiled loss ran (results before it say nothing)
 
 
 def matmul_key(method: str, seq_len: int) -> str:
@@ -253,14 +257,14 @@ def stop_if_faster_than_bound(table: list[dict], device) -> None:
 
 
 def matmul_term(cfg: Config, method: str, seq_len: int, world: int, device, dtype,
-                measured: dict) -> dict:
+                measured: dict, recompute_logits: bool = False) -> dict:
     """The bound's GEMM term of one GPU of a row at full depth (cfg: the full-depth config);
     `measured` keeps each shape's times (bound.matmul_seconds times the shapes it lacks)."""
     args = get_model_args(cfg.model)
     cp = parse_method(method)[0] != "none"
     tokens = seq_len // world if cp else seq_len
     ulysses = world // (cfg.ring or 1) if cp else 1
-    gemms = bound.step_gemms(args, cfg, tokens, ulysses)
+    gemms = bound.step_gemms(args, cfg, tokens, ulysses, recompute_logits)
     return {"matmul_s": bound.matmul_seconds(gemms, device, dtype, measured),
             "linear_flops_per_gpu": bound.gemm_flops(gemms), "tokens_per_gpu": tokens,
             "gemms": gemms}
@@ -289,16 +293,19 @@ def recount(path: str) -> list[dict]:
     args = get_model_args(saved["model"])
     base = Config(model=saved["model"], device="cpu", steps=0, fsdp=True, checkpoint=True,
                   offload=True, tile_mlp=True, tile_loss=True, dtype=saved["dtype"])
+    # results from before 04's tiled loss ran its backward in forward recomputed its logits
+    recompute_logits = saved.get("loss_tiles") != LOSS_TILES
     times, matmul = dict(saved["gemm_times_ms"]), {}
     for key in saved["matmul"]:
         seq_len, method = key.split(" ", 1)
         cfg = full_depth_config(base, method, int(seq_len), saved)
         matmul[key] = matmul_term(cfg, method, int(seq_len), saved["world_size"], "cpu", None,
-                                  times)
+                                  times, recompute_logits)
         if set(times) != set(saved["gemm_times_ms"]):
             raise SystemExit(f"--recount {path}: {key} now counts a GEMM shape that was not "
                              f"timed then ({sorted(set(times) - set(saved['gemm_times_ms']))})")
-    return summarize(saved["rows"], args, saved["world_size"], saved["kernel_rates"], matmul)
+    return summarize(saved["rows"], args, saved["world_size"], saved["kernel_rates"], matmul,
+                     recompute_logits)
 
 
 def method_label(entry: dict) -> str:
@@ -413,7 +420,7 @@ def main():
     result = {"what": "training step throughput: no CP, torch ring CP, Ulysses, Untied Ulysses",
               "model": opts.model, "dtype": base.dtype, "stack": "fsdp, checkpoint, offload, "
               "tile_mlp, tile_loss + the method", "ring_gqa": opts.ring_gqa,
-              "peak_flops_per_gpu": H200_BF16_PEAK,
+              "peak_flops_per_gpu": H200_BF16_PEAK, "loss_tiles": LOSS_TILES,
               "depth_note": __doc__.split("Depth: ")[1].split("\n\n")[0],
               "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
               "bound_note": bound.__doc__.split("\n\n")[0],

@@ -79,7 +79,8 @@ RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (
 # 512K (ring_blocks_llama3-8b_1gpu_512k.json); the K/V blocks travel behind the kernel
 LOGIT_BYTES = 14  # per logit and step (base/fused.py's cross-entropy): bf16 out, two reads for
 # the log-sum-exp in forward and two in backward, a read and the bf16 gradient written
-RECOMPUTED_LOGIT_BYTES = 2  # 04's tiled loss computes each tile's logits again in backward
+RECOMPUTED_LOGIT_BYTES = 2  # 04's tiled loss computed each tile's logits again in backward
+# (the rows measured before it ran each tile's backward in its forward: recompute_logits)
 FP32_LOGIT_BYTES = (30, 10)  # the two, before: fp32 copy, log-softmax, its gradient and cast
 GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp32 sum read, written
 ADAMW_BYTES = 40  # per fp32 parameter: AdamW reads 4 tensors and writes 3; clipping reads, scales
@@ -94,7 +95,8 @@ def rates_for(gpu_name: str | None) -> GpuRates | None:
 
 def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = False, *,
                checkpoint: bool = True, tile_mlp: bool = True, tile_loss: bool = True,
-               checkpoint_layers: int | None = None, recompute_down: bool = False) -> dict:
+               checkpoint_layers: int | None = None, recompute_down: bool = False,
+               recompute_logits: bool = False) -> dict:
     """FLOPs of one step of `sequences` sequences of `seq_len` tokens, on all GPUs together:
     {"attention": causal attention, "linear": the linear layers}. Per layer, causal attention's
     forward is 2 S^2 d (d = heads x head dim), its backward 2.5x that, and 03's recompute (with
@@ -104,8 +106,10 @@ def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = Fa
     blocks 03 recomputes; the MLP's gate and up there or under 04's tiling (whose backward
     recomputes each tile; 03 then skips it), but not down_proj, whose output neither
     recompute needs (base/fused.py's SwiGLUDown and 04's tiles skip it; recompute_down: as
-    the rows measured before they did); lm_head under 04's tiled loss. The defaults are the
-    ALST stack bench/throughput.py measures."""
+    the rows measured before they did); lm_head never (04's tiled loss runs each tile's
+    backward in its forward; recompute_logits: as the rows measured before it did, which
+    recomputed each tile's logits in backward). The defaults are the ALST stack
+    bench/throughput.py measures."""
     layers = args.n_layers
     recomputed = (checkpoint_layers or layers) if checkpoint else 0  # blocks run twice forward
     d = args.n_heads * args.head_dim
@@ -118,7 +122,8 @@ def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = Fa
             "linear": linear_forward * (projections * (3 * layers + recomputed)
                                         + (gate_up + down) * 3 * layers + gate_up * mlp_again
                                         + down * mlp_again * recompute_down
-                                        + args.dim * args.vocab_size * (3 + tile_loss))}
+                                        + args.dim * args.vocab_size
+                                        * (3 + (tile_loss and recompute_logits)))}
 
 
 # ---- A step's time per GPU, by term --------------------------------------------------------
@@ -126,7 +131,8 @@ def step_flops(args, seq_len: int, sequences: int = 1, keep_attention: bool = Fa
 def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, args=None,
                  fused_norm: bool = True, fp32_loss: bool = False,
                  fused_forms: bool = True, free_at_peak: int | None = None,
-                 swiglu: str | None = None, autograd_tiles: bool = False) -> dict:
+                 swiglu: str | None = None, autograd_tiles: bool = False,
+                 recompute_logits: bool = False) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
     the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
@@ -135,7 +141,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     compiler (TORCHDYNAMO_DISABLE=1); swiglu (a row's marker, support/byte_counts.SWIGLU_KEPT)
     and autograd_tiles (04's tiles ran autograd): rows whose recompute ran down_proj again,
     the untiled MLP under 03 before SwiGLUDown skipped it, the tiled one before 04's
-    hand-written backward (step_flops' recompute_down). free_at_peak: the bytes the memory
+    hand-written backward (step_flops' recompute_down); recompute_logits: rows whose tiled
+    loss computed its logits again in backward. free_at_peak: the bytes the memory
     plan leaves usable at its peak (None: not known, no allocator term). A ValueError for an
     impossible layout (check_layout's)."""
     args = args or model_args(cfg)
@@ -150,7 +157,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     flops = step_flops(args, cfg.seq_len, sequences, bool(cfg.keep_attention),
                        checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
                        checkpoint_layers=cfg.checkpoint_layers,
-                       recompute_down=autograd_tiles if cfg.tile_mlp else swiglu is not None)
+                       recompute_down=autograd_tiles if cfg.tile_mlp else swiglu is not None,
+                       recompute_logits=recompute_logits)
     recomputed = (cfg.checkpoint_layers or layers) / layers if cfg.checkpoint else 0  # share
     attention_rate = rates.attention[kernel] * (RING_RATE if ring > 1 else 1)
     linear_s = flops["linear"] / world_size / rates.matmul
@@ -166,7 +174,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "elementwise": ((rates.elementwise_s if fused_forms else rates.elementwise_op_by_op_s)
                         * n * layers * width * passes),
         "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
-        "loss": n * args.vocab_size * (logit_bytes + recomputed_bytes * cfg.tile_loss)
+        "loss": n * args.vocab_size
+                * (logit_bytes + recomputed_bytes * (cfg.tile_loss and recompute_logits))
                 / rates.memory,
         "tiles (04)": tile_seconds(cfg, args, n, rates),
         "offload copies (03)": offload_seconds(cfg, args, n, b, rates,

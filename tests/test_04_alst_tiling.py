@@ -96,26 +96,49 @@ def test_swiglu_backward_by_hand_equals_autograd():
 
 @pytest.mark.parametrize("ignored", ["some", "all"])
 def test_loss_backward_by_hand_equals_autograd(ignored):
-    """One tile of 04's norm + lm_head + cross-entropy backward by hand, against autograd on
-    the plain formula (fp32, CPU), with a loss gradient other than 1: h's gradient and the two
-    weights' added onto their sums. A tile whose labels are all ignored gives exact zeros."""
+    """One tile of 04's norm + lm_head + cross-entropy and its backward by hand, for a loss
+    gradient of 1 (the tiled loss runs it in forward), against autograd on the plain formula
+    (fp32, CPU): the tile's loss, h's gradient and the two weights' added onto their sums. A
+    tile whose labels are all ignored gives exact zeros."""
     model, labels = _loss_model(), _labels()[0]
     if ignored == "all":
         labels = torch.full_like(labels, llama.IGNORE_INDEX)
     h = torch.randn(SEQ, ARGS.dim, generator=torch.Generator().manual_seed(2))
     weights = [model.norm.weight, model.lm_head.weight]
-    grad_loss, eps = torch.tensor(0.37), model.norm.eps
+    eps = model.norm.eps
     leaves = [t.detach().clone().requires_grad_() for t in (h, *weights)]
     loss = tiling.norm_lm_head_loss(leaves[0], labels, *leaves[1:], eps=eps)
-    want_h, *want_weights = _autograd_grads(loss, leaves, grad_loss)
+    want_h, *want_weights = _autograd_grads(loss, leaves, torch.tensor(1.0))
     sums, starts = _with_start(weights)
-    got_h = tiling.loss_backward(h, labels, grad_loss, *(w.detach() for w in weights), sums, eps)
+    got_loss, got_h = tiling.loss_and_backward(h, labels, *(w.detach() for w in weights), sums,
+                                               eps)
+    torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-6)
     for got, start, want in zip(sums, starts, want_weights):
         torch.testing.assert_close(got - start, want, rtol=1e-5, atol=1e-6)
     if ignored == "all":
         assert torch.count_nonzero(got_h) == 0 and all(torch.equal(g, s)
                                                        for g, s in zip(sums, starts))
+
+
+def test_the_tiled_loss_computes_its_gradients_in_forward_and_nothing_twice():
+    """ALST's loss: each tile's lm_head product runs once, in forward, with its two backward
+    products; backward runs no matmul (it scales what forward computed), and without a
+    backward coming (no_grad) forward runs the products of the loss alone."""
+    model, labels = _loss_model(), _labels()
+    h = torch.randn(BATCH, SEQ, ARGS.dim).requires_grad_()
+    tiles = tiling.tile_count(BATCH * SEQ, 7)
+    with OpsSeen() as forward:
+        loss = tiling.tiled_loss_sum(model, h, labels, 7)
+    with OpsSeen() as backward:
+        (loss * 0.37).backward()
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm_.default,
+               torch.ops.aten.addmm.default}
+    assert sum(op in matmuls for op in forward.ops) == 3 * tiles, forward.ops
+    assert not any(op in matmuls for op in backward.ops), backward.ops
+    with torch.no_grad(), OpsSeen() as evaluation:
+        tiling.tiled_loss_sum(model, h, labels, 7)
+    assert sum(op in matmuls for op in evaluation.ops) == tiles, evaluation.ops
 
 
 def test_rms_norm_backward_by_hand_equals_autograd():
@@ -207,8 +230,9 @@ def test_each_weight_gets_one_gradient_per_backward():
 
 
 def test_composes_with_activation_checkpointing():
-    """Inside torch.utils.checkpoint (as 03 wraps each block) the tiled forward runs twice and
-    the tiled backward once; gradients still equal the plain model's."""
+    """Inside torch.utils.checkpoint (as 03 wraps each block) the tiled forward runs twice (the
+    loss's with its gradients, the MLP's backward once); gradients still equal the plain
+    model's."""
     mlp, x = _mlp_and_input()
     model, labels = _loss_model(), _labels()
     params = [*mlp.parameters(), model.norm.weight, model.lm_head.weight]

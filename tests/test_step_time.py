@@ -71,7 +71,8 @@ def predicted_s(row: dict, rates=H200) -> dict:
                                   fused_norm=fused_norm, fp32_loss=fp32_loss,
                                   fused_forms=row.get("elementwise") != "op by op",
                                   free_at_peak=free, swiglu=swiglu,
-                                  autograd_tiles=autograd_tiles)
+                                  autograd_tiles=autograd_tiles,
+                                  recompute_logits=row.get("tiled_loss") == "recomputed")
 
 
 def calibration() -> dict:
@@ -128,7 +129,7 @@ def fit(rows: list) -> dict:
 def test_bench_throughput_counts_the_same_flops():
     """One count of a step's FLOPs: bench.throughput's MFU and bound use step_time's, and its
     default (the ALST stack it measures) counts every attention term and every linear term
-    four times but down_proj's, which no recompute runs (three)."""
+    four times but down_proj's and lm_head's, which no recompute runs (three)."""
     throughput = importlib.import_module("bench.throughput")
     assert throughput.step_flops is step_time.step_flops
     args = llama.get_model_args("llama3-8b")
@@ -137,9 +138,14 @@ def test_bench_throughput_counts_the_same_flops():
     assert flops["attention"] == attention * 4.5
     assert step_time.step_flops(args, 2**17, keep_attention=True)["attention"] == attention * 3.5
     plain = step_time.step_flops(args, 2**17, checkpoint=False, tile_mlp=False, tile_loss=False)
-    down_forward = 2 * 2**17 * args.dim * args.ffn_dim * args.n_layers  # never recomputed
-    assert flops["linear"] == pytest.approx(plain["linear"] * 4 / 3 - down_forward)
-    before = step_time.step_flops(args, 2**17, recompute_down=True)  # as autograd's tiles ran
+    # never recomputed: down_proj (no recompute reads its output), lm_head (the tiled loss runs
+    # its backward in forward)
+    down_forward = 2 * 2**17 * args.dim * args.ffn_dim * args.n_layers
+    lm_head_forward = 2 * 2**17 * args.dim * args.vocab_size
+    assert flops["linear"] == pytest.approx(plain["linear"] * 4 / 3 - down_forward
+                                            - lm_head_forward)
+    before = step_time.step_flops(args, 2**17, recompute_down=True,  # as autograd's tiles ran
+                                  recompute_logits=True)
     assert before["linear"] == pytest.approx(plain["linear"] * 4 / 3)
 
 
