@@ -101,7 +101,8 @@ class TiledLoss(torch.autograd.Function):
     logits of all tokens never exist at once. The loss is the forward's last op, so each
     tile's backward runs right after its forward, for a loss gradient of 1 (ALST's
     TiledFusedLogitsLoss does the same): no tile is computed twice. The loss is a sum, so its
-    gradients are linear in the one that arrives: backward only scales them by it."""
+    gradients are linear in the one that arrives: backward only scales them by it (h's, in h's
+    dtype, is so rounded twice, as ALST's; the weights' fp32 sums once)."""
 
     @staticmethod
     def forward(ctx, h, labels, tile_tokens: int, eps: float, norm_weight, lm_head_weight):

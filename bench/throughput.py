@@ -38,15 +38,15 @@ FLOPs (per step, all GPUs; support/step_time.py's step_flops, the count the spee
 MFU and the bound count: per layer, causal attention forward 2 S^2 d (d = heads x head dim),
 backward 2.5x forward, checkpoint recompute one more forward; linear layers 2 x params x tokens
 forward, 2x that backward, recompute one more forward (not down_proj's, which no recompute needs;
-the tiled loss also recomputes lm_head in backward). MFU = FLOPs / (time x GPUs x 989 TFLOP/s, the
-H200's dense bf16 peak). Kernel bound (bench/bound.py, measured on this GPU in this run): one GPU's
-attention FLOPs at the attention kernel's rate at its best at that length (all heads in one call
-over all S tokens; measured once per length and kernel), plus the step's own GEMMs on one GPU, each
-timed at its shape and tile (q/k/v/o, gate/up/down over 04's MLP tiles, lm_head over its loss
-tiles; forward, recompute and both backward products). A step faster than its bound stops the run
-with an error naming the term that is wrong. --rows-from: no steps, the rows of an earlier result
-against the bound measured now (its step times, this GPU's kernels); --recount: no GPU, its bound
-from its own measured times, the GEMMs counted as they are now.
+the tiled loss runs lm_head once: its tiles' backward runs in forward). MFU = FLOPs / (time x GPUs
+x 989 TFLOP/s, the H200's dense bf16 peak). Kernel bound (bench/bound.py, measured on this GPU in
+this run): one GPU's attention FLOPs at the attention kernel's rate at its best at that length (all
+heads in one call over all S tokens; measured once per length and kernel), plus the step's own
+GEMMs on one GPU, each timed at its shape and tile (q/k/v/o, gate/up/down over 04's MLP tiles,
+lm_head over its loss tiles; forward, recompute and both backward products). A step faster than its
+bound stops the run with an error naming the term that is wrong. --rows-from: no steps, the rows of
+an earlier result against the bound measured now (its step times, this GPU's kernels); --recount:
+no GPU, its bound from its own measured times, the GEMMs counted as they are now.
 
 Single steps: pinned host buffers are cached by PyTorch once allocated, so the first row that
 offloads at a length would pay their allocation and the rows after it would not; every row
@@ -229,7 +229,13 @@ def summarize(rows: list[dict], args, world: int, rates: dict,
     return table
 
 
-LOSS_TILES = "gradients in forward"  # how 04's tiled loss ran (results before it say nothing)
+LOSS_TILES = "gradients in forward"  # how 04's tiled loss runs; results before it say nothing:
+RECOMPUTED_LOSS_TILES = "logits recomputed in backward"  # lm_head's product ran twice then
+
+
+def recomputes_logits(result: dict) -> bool:
+    """Whether a result's tiled loss ran lm_head again in backward (its bound counts it)."""
+    return result.get("loss_tiles", RECOMPUTED_LOSS_TILES) != LOSS_TILES
 
 
 def matmul_key(method: str, seq_len: int) -> str:
@@ -260,14 +266,20 @@ def matmul_term(cfg: Config, method: str, seq_len: int, world: int, device, dtyp
                 measured: dict, recompute_logits: bool = False) -> dict:
     """The bound's GEMM term of one GPU of a row at full depth (cfg: the full-depth config);
     `measured` keeps each shape's times (bound.matmul_seconds times the shapes it lacks)."""
-    args = get_model_args(cfg.model)
-    cp = parse_method(method)[0] != "none"
-    tokens = seq_len // world if cp else seq_len
-    ulysses = world // (cfg.ring or 1) if cp else 1
-    gemms = bound.step_gemms(args, cfg, tokens, ulysses, recompute_logits)
+    gemms, tokens = row_gemms(cfg, method, seq_len, world, recompute_logits)
     return {"matmul_s": bound.matmul_seconds(gemms, device, dtype, measured),
             "linear_flops_per_gpu": bound.gemm_flops(gemms), "tokens_per_gpu": tokens,
             "gemms": gemms}
+
+
+def row_gemms(cfg: Config, method: str, seq_len: int, world: int,
+              recompute_logits: bool = False) -> tuple[list, int]:
+    """(bound.step_gemms of one GPU of a row, its tokens)."""
+    cp = parse_method(method)[0] != "none"
+    tokens = seq_len // world if cp else seq_len
+    ulysses = world // (cfg.ring or 1) if cp else 1
+    return bound.step_gemms(get_model_args(cfg.model), cfg, tokens, ulysses,
+                            recompute_logits), tokens
 
 
 def full_depth_config(base: Config, method: str, seq_len: int, saved: dict) -> Config:
@@ -293,17 +305,17 @@ def recount(path: str) -> list[dict]:
     args = get_model_args(saved["model"])
     base = Config(model=saved["model"], device="cpu", steps=0, fsdp=True, checkpoint=True,
                   offload=True, tile_mlp=True, tile_loss=True, dtype=saved["dtype"])
-    # results from before 04's tiled loss ran its backward in forward recomputed its logits
-    recompute_logits = saved.get("loss_tiles") != LOSS_TILES
-    times, matmul = dict(saved["gemm_times_ms"]), {}
+    recompute_logits, times, matmul = recomputes_logits(saved), saved["gemm_times_ms"], {}
     for key in saved["matmul"]:
         seq_len, method = key.split(" ", 1)
         cfg = full_depth_config(base, method, int(seq_len), saved)
+        gemms, _ = row_gemms(cfg, method, int(seq_len), saved["world_size"], recompute_logits)
+        untimed = sorted({bound.shape_key(g) for g in gemms} - set(times))
+        if untimed:
+            raise SystemExit(f"--recount {path}: {key} now counts GEMM shapes that were not "
+                             f"timed then ({untimed}): measure them again (--rows-from)")
         matmul[key] = matmul_term(cfg, method, int(seq_len), saved["world_size"], "cpu", None,
                                   times, recompute_logits)
-        if set(times) != set(saved["gemm_times_ms"]):
-            raise SystemExit(f"--recount {path}: {key} now counts a GEMM shape that was not "
-                             f"timed then ({sorted(set(times) - set(saved['gemm_times_ms']))})")
     return summarize(saved["rows"], args, saved["world_size"], saved["kernel_rates"], matmul,
                      recompute_logits)
 
@@ -433,7 +445,7 @@ def main():
 
     def save():
         result["table"] = summarize(result["rows"], args, rt.world, result["kernel_rates"],
-                                    result["matmul"])
+                                    result["matmul"], recomputes_logits(result))
         result["wall_s"] = time.perf_counter() - started
         if rt.rank == 0:
             write_result(name, result, out_dir, announce=False)
@@ -471,7 +483,8 @@ def measure_bound(result: dict, rt, dtype, repeats: int, method: str, seq_len: i
     key = matmul_key(method, seq_len)
     if key not in result["matmul"]:
         result["matmul"][key] = matmul_term(full_depth, method, seq_len, rt.world, rt.device,
-                                            dtype, result["gemm_times_ms"])
+                                            dtype, result["gemm_times_ms"],
+                                            recomputes_logits(result))
 
 
 def run_rows(opts, result: dict, base: Config, rt, dtype, methods: list, measure,
@@ -517,6 +530,11 @@ def rebound_rows(paths: list, result: dict, base: Config, rt, measure, in_budget
         if (saved["model"], saved["world_size"]) != (result["model"], rt.world):
             raise SystemExit(f"--rows-from {path}: {saved['model']} on {saved['world_size']} "
                              f"GPUs, not {result['model']} on {rt.world}")
+        loss_tiles = saved.get("loss_tiles", RECOMPUTED_LOSS_TILES)  # the bound counts as ran
+        if result.get("rows_from") and loss_tiles != result["loss_tiles"]:
+            raise SystemExit(f"--rows-from {path}: its tiled loss ran {loss_tiles!r}, an "
+                             f"earlier file's {result['loss_tiles']!r}: one kind per run")
+        result["loss_tiles"] = loss_tiles
         result.setdefault("rows_from", []).append(
             {"file": str(path), "git_commit": saved.get("git_commit"),
              "command": saved.get("command"), "gpu": saved.get("gpu")})

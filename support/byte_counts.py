@@ -304,15 +304,16 @@ def mlp_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int |
 def loss_temporary_bytes(args, local_tokens: int, tiled: bool, tile_tokens: int | None = None,
                          bytes_per_value: int = 2, fused_norm: bool = True,
                          autograd_tiles: bool = False, fp32_loss: bool = False) -> int:
-    """Bytes the loss seam (final norm + lm_head + cross-entropy) holds at its peak, in backward.
+    """Bytes the loss seam (final norm + lm_head + cross-entropy) holds at its peak: in backward
+    untiled; tiled, in its forward, which runs each tile's backward (04's TiledLoss).
 
     Untiled: the final RMSNorm keeps its input, 1/rms and its output (lm_head's input),
     2 x dim x bytes + 4 per token (op by op, fused_norm=False: an fp32 copy of its input, the
     normalized copy and the output, dim x (4 + 2 x bytes)); then the logits, tokens x vocab:
     base/fused.py's cross-entropy keeps them in the compute dtype and writes their gradient in
-    it, 2 x bytes per logit at its backward. Tiled: the input kept for backward and the
-    input-gradient buffer (2 x tokens x dim), one tile's logits and their gradient (2 x bytes
-    per logit), and lm_head's weight gradient summed in fp32 (vocab x dim x 4).
+    it, 2 x bytes per logit at its backward. Tiled: the input and the input-gradient buffer
+    that backward keeps in its place (2 x tokens x dim), one tile's logits and their gradient
+    (2 x bytes per logit), and lm_head's weight gradient summed in fp32 (vocab x dim x 4).
     Llama-3-8B, 393,216 tokens per GPU: 194 GiB untiled, 8.96 GiB tiled (fp32_loss: 570, 9.96).
     fp32_loss: as the rows measured before the fused cross-entropy, with fp32 logits (untiled,
     autograd's log-softmax output, its incoming gradient and its input gradient at once, 3 x 4

@@ -71,8 +71,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=3.79e-12, elementwise_op_by_op_s=9.20e-12, stage_s=7.27e-8,
-        host_adamw_s=7.62e-10, alloc_retry_s=0.098),
+        elementwise_s=3.97e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.74e-8,
+        host_adamw_s=7.98e-10, alloc_retry_s=0.096),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
@@ -164,6 +164,9 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     linear_s = flops["linear"] / world_size / rates.matmul
     attention_s = flops["attention"] / world_size / attention_rate
     passes = 3 + recomputed  # forward, backward (twice its work), 03's recompute
+    # 03's recompute runs no MLP activation (SwiGLUDown and 04's tiles skip it there), but in
+    # the rows measured before SwiGLUDown (an untiled MLP with a swiglu marker)
+    recomputed_width = args.dim + args.ffn_dim * (not cfg.tile_mlp and swiglu is not None)
     norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
     norm_runs = 1 + (recomputed + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
     logit_bytes, recomputed_bytes = (FP32_LOGIT_BYTES if fp32_loss
@@ -172,7 +175,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "linear layers": linear_s,
         "attention": attention_s,
         "elementwise": ((rates.elementwise_s if fused_forms else rates.elementwise_op_by_op_s)
-                        * n * layers * width * passes),
+                        * n * layers * (width * 3 + recomputed_width * recomputed)),
         "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
         "loss": n * args.vocab_size
                 * (logit_bytes + recomputed_bytes * (cfg.tile_loss and recompute_logits))

@@ -197,6 +197,32 @@ def test_tiled_loss_equals_untiled(tile_tokens):
                                    msg=lambda m: f"tile {tile_tokens} grad {name}: {m}")
 
 
+def test_bf16_tiled_loss_with_the_mean_s_gradient_stays_within_the_bf16_rule():
+    """In bf16 the tiles' gradients are computed in forward for a loss gradient of 1 and
+    scaled by the real one in backward (train.py's 1 / token count): h's gradient is rounded
+    to bf16 twice (as ALST's is), the weights' sums once. Against the fp32 untiled loss, within
+    the one bf16 rule of the untiled bf16 run (CPU)."""
+    model32 = _loss_model()
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    labels = _labels()
+    h = torch.randn(BATCH, SEQ, ARGS.dim, generator=torch.Generator().manual_seed(2))
+    counted = int((labels != llama.IGNORE_INDEX).sum())
+    results = {}
+    for name, this, run, inputs in (
+            ("reference", model32, llama.Transformer.loss_sum, h),
+            ("unsharded", model, llama.Transformer.loss_sum, h.bfloat16()),
+            ("tiled", model, partial(tiling.tiled_loss_sum, tile_tokens=7), h.bfloat16())):
+        this.zero_grad(set_to_none=True)
+        leaf = inputs.clone().requires_grad_()
+        loss = run(this, leaf, labels) / counted
+        loss.backward()
+        results[name] = {"loss": loss.detach().float(), "dh": leaf.grad.float(),
+                         "dnorm": this.norm.weight.grad.float(),
+                         "dlm_head": this.lm_head.weight.grad.float()}
+    assert_within_bf16_error(results["tiled"], results["unsharded"], results["reference"],
+                             "tiled loss in bf16, the mean's gradient")
+
+
 def test_all_ignored_tiles_give_zero_not_nan():
     labels = torch.full((BATCH, SEQ), llama.IGNORE_INDEX)
     (loss, dh, grads), (tiled_loss, tiled_dh, tiled_grads) = _untiled_and_tiled_loss(7, labels)

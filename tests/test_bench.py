@@ -588,8 +588,9 @@ def test_the_bounds_measurements_run_and_rotate_their_operands():
 
 def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
     """--rows-from: no steps; each saved (method, length) is measured with its own head chunk
-    and MLP tile (05's default U = P where a row did not record it), and another GPU count or
-    model is refused."""
+    and MLP tile (05's default U = P where a row did not record it) and its tiled loss as it
+    ran; another GPU count or model, or files whose tiled losses ran differently, are
+    refused."""
     from bench import throughput
     from support.runtime import Runtime
 
@@ -612,6 +613,14 @@ def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
     throughput.rebound_rows([str(path)], result, base, Runtime(world=2), measure, lambda: True)
     assert measured == [("ulysses", 131072, None, 16384), ("untied", 131072, 2, None)]
     assert len(result["rows"]) == 4 and result["rows_from"][0]["git_commit"] == "abc"
+    # a file from before 04's tiled loss ran its backward in forward: bounded as it ran
+    assert throughput.recomputes_logits(result)
+    newer = tmp_path / "new.json"
+    newer.write_text(json.dumps({**saved, "loss_tiles": throughput.LOSS_TILES, "rows": [
+        dict(r, seq_len=65536) for r in saved["rows"]]}))
+    with pytest.raises(SystemExit, match="one kind per run"):
+        throughput.rebound_rows([str(path), str(newer)], {"model": "llama3-8b", "rows": []},
+                                base, Runtime(world=2), measure, lambda: True)
     with pytest.raises(SystemExit, match="also in an earlier file"):
         throughput.rebound_rows([str(path), str(path)], {"model": "llama3-8b", "rows": []}, base,
                                 Runtime(world=2), measure, lambda: True)
