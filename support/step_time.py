@@ -13,10 +13,11 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        --keep-attention without attention's), and the offload copies that no
                        compute hides
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
-    the allocator      a plan that leaves less free at its peak than FSDP2's reduce-scatter
-                       stream keeps cached (its gradients' blocks, which the default stream
-                       cannot reuse): the caching allocator gives its cached blocks back and
-                       tries again (a retry, which synchronizes the GPU), twice a step
+    the allocator      a plan that leaves little free at its peak: the caching allocator
+                       gives its cached blocks back and tries again (a retry, which
+                       synchronizes the GPU), once a step below FRAGMENTATION_HEADROOM; twice
+                       below what FSDP2's reduce-scatter stream keeps cached where FSDP2
+                       allocates the gradients itself (--offload-model-state)
     01                 the optimizer step on the GPU, or on the host (--offload-model-state:
                        CPU fused AdamW) with its copies (FSDP's own per-parameter cost fitted
                        to nothing once the allocator's retries were counted: it is not a term)
@@ -71,8 +72,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=3.97e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.74e-8,
-        host_adamw_s=7.98e-10, alloc_retry_s=0.096),
+        elementwise_s=4.29e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.73e-8,
+        host_adamw_s=7.97e-10, alloc_retry_s=0.092),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
@@ -132,7 +133,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                  fused_norm: bool = True, fp32_loss: bool = False,
                  fused_forms: bool = True, free_at_peak: int | None = None,
                  swiglu: str | None = None, autograd_tiles: bool = False,
-                 recompute_logits: bool = False) -> dict:
+                 recompute_logits: bool = False, gradient_memory: str | None = None) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
     the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
@@ -142,7 +143,9 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     and autograd_tiles (04's tiles ran autograd): rows whose recompute ran down_proj again,
     the untiled MLP under 03 before SwiGLUDown skipped it, the tiled one before 04's
     hand-written backward (step_flops' recompute_down); recompute_logits: rows whose tiled
-    loss computed its logits again in backward. free_at_peak: the bytes the memory
+    loss computed its logits again in backward; gradient_memory: rows measured with FSDP2's own
+    gradient allocation say "reduce-scatter stream" (predicted_retries). free_at_peak: the
+    bytes the memory
     plan leaves usable at its peak (None: not known, no allocator term). A ValueError for an
     impossible layout (check_layout's)."""
     args = args or model_args(cfg)
@@ -188,39 +191,56 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                         if cfg.untied else 0),
     }
     seconds = {term: s * micro for term, s in seconds.items()}  # each micro-batch runs them
-    seconds["allocator retries"] = (predicted_retries(cfg, args, world_size, free_at_peak)
+    seconds["allocator retries"] = (predicted_retries(cfg, args, world_size, free_at_peak,
+                                                      gradient_memory)
                                     * rates.alloc_retry_s)  # a step's (measured: one batch)
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
     return seconds
 
 
-def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | None) -> int:
+def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | None,
+                      gradient_memory: str | None = None) -> int:
     """Retries of the caching allocator per step (bench.report.allocator_retries counts the
-    measured ones). FSDP2 reduce-scatters on its own stream, and the allocator caches a freed
-    block for the stream that allocated it: after a step the gradients' blocks sit in that
-    stream's cache (byte_counts.gradient_stream_cache_bytes), where the default stream's
-    activations cannot reuse them. Where the plan leaves less free at its peak than that cache
-    (the peak, a forward's or a backward's: the forward, without its gradients, can only be
-    lower, so this errs toward a retry), the forward runs out of fresh memory, the allocator
-    gives every cached block back and tries again, and the backward's gradients do the same on
-    their stream: two retries a step. Measured on one H200, one micro-batch a step: Llama-3.2-3B
+    measured ones), where a plan leaves less free at its peak than `allocator_headroom`.
+
+    FSDP2's own allocation (with --offload-model-state, and in the rows measured before
+    base/gradient_memory.py: gradient_memory="reduce-scatter stream") reduce-scatters into
+    blocks of its own stream, which the caching allocator keeps for that stream alone: after a
+    step the gradients sit in that cache (byte_counts.gradient_stream_cache_bytes), the forward
+    runs out of fresh memory, the allocator gives every cached block back and tries again, and
+    the backward's gradients do the same: two retries a step. Measured on one H200: Llama-3.2-3B
     at 32K, 6.8 GiB left by --stack 1 (2 retries), 15.6 by U = 24 and 20.1 by --tile-loss
-    (none); Llama-3-8B, its gradients alone 29.9 GiB, twice at every depth of checkpointing
-    (once three times). --grad-accum's micro-batches: not measured. Every one of those steps
-    ran with FSDP2's own allocation; since base/gradient_memory.py the gradients come from the
-    compute stream's memory (with the model state on the GPU), which removes the cause: the
-    term stays as measured until a GPU step of the new code says otherwise."""
-    headroom = allocator_headroom(cfg, args, world_size)
-    if free_at_peak is None or headroom is None:
+    (none); Llama-3-8B, its gradients alone 29.9 GiB, twice at every depth of checkpointing.
+
+    The gradients from the compute stream's memory (01's default since base/gradient_memory.py):
+    that cache is gone (the A/B at 16K on Llama-3-8B: 3 retries a step with FSDP2's own
+    allocation, 1 every other step without), and what is left is fragmentation: measured at
+    bd79859, Llama-3-8B on one H200 retried about once a step where its plan left 0.5 to 6.7
+    GiB free at its peak (16K with 8 and 9 of 32 blocks checkpointed, 32K with 19) and never
+    with 6.5 to 11.2 (32K with 21, 16K with 10 and 12): FRAGMENTATION_HEADROOM, one retry."""
+    headroom = allocator_headroom(cfg, args, world_size, gradient_memory)
+    if free_at_peak is None or headroom is None or free_at_peak >= headroom:
         return 0
-    return 2 if free_at_peak < headroom else 0
+    return 2 if streams_cache(cfg, gradient_memory) else 1
 
 
-def allocator_headroom(cfg: Config, args, world_size: int) -> int | None:
+FRAGMENTATION_HEADROOM = 7 * 2**30  # bytes free at the peak below which a step retried once
+
+
+def streams_cache(cfg: Config, gradient_memory: str | None) -> bool:
+    """Whether FSDP2 allocates the reduced gradients on its own stream (its cache retries)."""
+    return cfg.offload_model_state or gradient_memory == "reduce-scatter stream"
+
+
+def allocator_headroom(cfg: Config, args, world_size: int,
+                       gradient_memory: str | None = None) -> int | None:
     """The bytes a plan must leave free at its peak for the allocator never to retry: what
-    FSDP2's reduce-scatter stream keeps cached (predicted_retries); None without FSDP."""
+    FSDP2's reduce-scatter stream keeps cached where it allocates (predicted_retries), else
+    FRAGMENTATION_HEADROOM; None without FSDP."""
     if not cfg.fsdp:
         return None
+    if not streams_cache(cfg, gradient_memory):
+        return FRAGMENTATION_HEADROOM
     return byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
 
 
