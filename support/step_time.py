@@ -145,9 +145,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     hand-written backward (step_flops' recompute_down); recompute_logits: rows whose tiled
     loss computed its logits again in backward; gradient_memory: rows measured with FSDP2's own
     gradient allocation say "reduce-scatter stream" (predicted_retries). free_at_peak: the
-    bytes the memory
-    plan leaves usable at its peak (None: not known, no allocator term). A ValueError for an
-    impossible layout (check_layout's)."""
+    bytes the memory plan leaves usable at its peak (None: not known, no allocator term). A
+    ValueError for an impossible layout (check_layout's)."""
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
     if kernel not in rates.attention:
