@@ -110,6 +110,13 @@ def parse_method(method: str) -> tuple:
     return name, int(chunk) if chunk else None, kernel or "auto"
 
 
+def alst_config(model: str, device: str, dtype: str) -> Config:
+    """The stack every row runs under its method: FSDP, checkpointing and its offload, the tiled
+    MLP and loss (ALST's)."""
+    return Config(model=model, device=device, steps=0, fsdp=True, checkpoint=True, offload=True,
+                  tile_mlp=True, tile_loss=True, dtype=dtype)
+
+
 def method_config(base: Config, method: str, model_name: str, seq_len: int) -> Config:
     name, chunk, kernel = parse_method(method)
     ring = RING.search(method)
@@ -303,8 +310,7 @@ def recount(path: str) -> list[dict]:
         raise SystemExit(f"--recount {path}: no GEMM times in it (a result from before "
                          f"bench/bound.py timed the step's GEMMs): its bound cannot be recounted")
     args = get_model_args(saved["model"])
-    base = Config(model=saved["model"], device="cpu", steps=0, fsdp=True, checkpoint=True,
-                  offload=True, tile_mlp=True, tile_loss=True, dtype=saved["dtype"])
+    base = alst_config(saved["model"], "cpu", saved["dtype"])
     recompute_logits, times, matmul = recomputes_logits(saved), saved["gemm_times_ms"], {}
     for key in saved["matmul"]:
         seq_len, method = key.split(" ", 1)
@@ -422,9 +428,8 @@ def main():
                        "--methods none ulysses untied")
     started = time.perf_counter()
     args = get_model_args(opts.model)
-    base = Config(model=opts.model, device=opts.device, steps=0, fsdp=True, checkpoint=True,
-                  offload=True, tile_mlp=True, tile_loss=True,
-                  dtype="bfloat16" if opts.device == "cuda" else "float32")
+    base = alst_config(opts.model, opts.device,
+                       "bfloat16" if opts.device == "cuda" else "float32")
     rt = setup_runtime(resolve_techniques(dataclasses.replace(base, seq_len=1024)))
     dtype = getattr(torch, base.dtype)
     methods = [m for m in opts.methods  # the ring peer is CUDA only

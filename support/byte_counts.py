@@ -99,7 +99,7 @@ def gradient_stream_cache_bytes(args, world_size: int, offload_model_state: bool
     its one-layer model, each its gradients (b79eb9f; before it, 01's divided copy of the
     root's gradients was cached there too: 33.85 and 8.65 GiB, 13.44 for Llama-3.2-3B). Those
     are FSDP2's own allocation; 01 now takes them from the compute stream's memory instead
-    (base/gradient_memory.py; not yet measured on a GPU)."""
+    (base/gradient_memory.py; at bd79859 that stream cached nothing after a step)."""
     if offload_model_state:
         return REDUCE_BYTES * -(-num_params(replace(args, n_layers=0)) // world_size)
     return model_state_bytes(args, world_size)["gradients"]

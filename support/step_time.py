@@ -156,19 +156,20 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     sequences = cfg.batch_size * (world_size // sp)
     n = cfg.batch_size * cfg.seq_len // sp  # local tokens of one micro-batch
     layers, width = args.n_layers, args.dim + args.ffn_dim
+    # the rows measured before SwiGLUDown ran their untiled MLP whole in 03's recompute
+    whole_mlp_recomputed = not cfg.tile_mlp and swiglu is not None
     flops = step_flops(args, cfg.seq_len, sequences, bool(cfg.keep_attention),
                        checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp, tile_loss=cfg.tile_loss,
                        checkpoint_layers=cfg.checkpoint_layers,
-                       recompute_down=autograd_tiles if cfg.tile_mlp else swiglu is not None,
+                       recompute_down=whole_mlp_recomputed or (cfg.tile_mlp and autograd_tiles),
                        recompute_logits=recompute_logits)
     recomputed = (cfg.checkpoint_layers or layers) / layers if cfg.checkpoint else 0  # share
     attention_rate = rates.attention[kernel] * (RING_RATE if ring > 1 else 1)
     linear_s = flops["linear"] / world_size / rates.matmul
     attention_s = flops["attention"] / world_size / attention_rate
     passes = 3 + recomputed  # forward, backward (twice its work), 03's recompute
-    # 03's recompute runs no MLP activation (SwiGLUDown and 04's tiles skip it there), but in
-    # the rows measured before SwiGLUDown (an untiled MLP with a swiglu marker)
-    recomputed_width = args.dim + args.ffn_dim * (not cfg.tile_mlp and swiglu is not None)
+    # 03's recompute runs no MLP activation (SwiGLUDown and 04's tiles skip it there)
+    recomputed_width = args.dim + args.ffn_dim * whole_mlp_recomputed
     norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
     norm_runs = 1 + (recomputed + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
     logit_bytes, recomputed_bytes = (FP32_LOGIT_BYTES if fp32_loss
