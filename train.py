@@ -165,23 +165,43 @@ def forward_backward(model, tokens: torch.Tensor, rt: Runtime, labels=None, docu
 def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, step: int = 0,
                documents=None) -> dict:
     """One optimizer step on `tokens`: cfg.grad_accum micro-batches of its rows. A non-finite
-    loss or gradient raises before the weights change."""
+    loss or gradient norm updates nothing and raises."""
     lr = learning_rate(cfg, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = float(forward_backward(model, tokens, rt, labels, documents, cfg.grad_accum))
-    # The global gradient norm (clip_grad_norm_ reduces over FSDP shards); inf = measure only.
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    loss = forward_backward(model, tokens, rt, labels, documents, cfg.grad_accum)
+    grad_norm = clipped_step(model, optimizer, loss, cfg.grad_clip)
+    loss, grad_norm = float(loss), float(grad_norm)  # the step's one wait for the GPU
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at "
                                  f"step {step}; the weights were not updated")
-    with out_of_memory_names("optimizer step"):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+
+def clipped_step(model, optimizer, loss: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """AdamW's step with the gradients clipped to a global norm of `max_norm` (0: unclipped),
+    skipped where the loss or the norm is not finite; returns the norm (a tensor, not waited
+    for). The clip of clip_grad_norm_ (g x max_norm / (norm + 1e-6) where that is below 1)
+    in fused AdamW's own pass: it divides each gradient by `grad_scale` as it reads it and
+    skips the whole step, its state included, where `found_inf` is set (the hook GradScaler
+    uses). No pass of the clip's own over the gradients, and nothing waits for the GPU."""
+    if not optimizer.defaults.get("fused"):  # the unfused optimizers refuse grad_scale
+        raise TypeError(f"clipped_step clips in a fused optimizer's own pass: make the "
+                        f"{type(optimizer).__name__} with fused=True (make_optimizer does)")
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)  # over FSDP's shards: a DTensor
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    divisor = (norm + 1e-6) / max_norm if max_norm > 0 else torch.ones_like(norm)
+    optimizer.grad_scale = divisor.clamp(min=1.0).float()
+    finite = torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))
+    optimizer.found_inf = (~finite).float()
+    with out_of_memory_names("optimizer step"):
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    optimizer.zero_grad(set_to_none=True)
+    return norm
 
 
 # The loop: steps and what they leave (support/saved_state.py: the log, saves, a stop, the export).

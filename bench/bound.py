@@ -45,6 +45,8 @@ from bench.report import event_times_ms, release
 from base import kernels
 from support.lessons import tiling, untied_sp as untied
 
+LOSS_TILES = "gradients in forward"  # how 04's tiled loss runs; results before it say nothing:
+RECOMPUTED_LOSS_TILES = "logits recomputed in backward"  # lm_head's product ran twice then
 L2_MULTIPLE = 4  # the rotated operand sets exceed this many L2 caches
 MAX_SETS = 16
 

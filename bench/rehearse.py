@@ -40,8 +40,8 @@ bench.max_length uses.
 
 Where it peaked: hooks on the blocks and the step's phases mark moments (forward of each layer,
 the loss, backward of each layer and within it of its MLP, its post-attention RMSNorm, its
-attention and its input RMSNorm, as the planner names them; gradient clipping, the optimizer
-step); at each mark the
+attention and its input RMSNorm, as the planner names them; the optimizer step with its
+gradient clip); at each mark the
 allocator's peak since the last one is read and reset, so every moment has its own peak. On the
 CPU the process's resident set (VmHWM, reset through /proc/self/clear_refs) stands in for it:
 tensors plus the interpreter's own memory, a rough figure.
@@ -408,7 +408,7 @@ class Traffic:
 def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic: Traffic,
                    window: int, late_gradient_bytes: int = 0, pending_reduce_bytes: int = 0
                    ) -> None:
-    """train.train_step's step (learning rate, forward and backward, gradient clipping, AdamW)
+    """train.train_step's step (learning rate, forward and backward, AdamW with the clip)
     with its moments marked, its collectives counted and attention over `window` keys; no
     finite check: the values are garbage by design. late_gradient_bytes: the missing layers'
     gradients, allocated when the backward reaches the top block (at full depth the layers
@@ -441,15 +441,10 @@ def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic:
 
     with (layer_marks(model, trace, allocate_late_gradients, free_pending_reduce),
           windowed_attention(window), traffic.counting()):
-        train.forward_backward(model, tokens, rt, phase=trace.phase)
+        loss = train.forward_backward(model, tokens, rt, phase=trace.phase)
         free_pending_reduce()  # one block: its own post-backward, at the end of backward
-        trace.mark("gradient clipping")
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        trace.mark("optimizer step")
-        with out_of_memory_names("optimizer step"):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        trace.mark("optimizer step")  # the clip's norm, then AdamW scaling by it as it steps
+        train.clipped_step(model, optimizer, loss, cfg.grad_clip)
         late_gradients.clear()  # as zero_grad frees the gradients of full depth
         trace.mark("after the step")
         trace.mark(None)

@@ -35,7 +35,7 @@ from base import kernels
 from base.gradient_memory import gradient_memory_of, gradients_on_the_reduce_scatter_stream
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
-from bench import snapshot
+from bench import bound, snapshot
 from bench.report import (allocator_retries, cached_by_stream, end_distributed, profile,
                           refuse_without_gpu, write_result)
 from support.data import TokenData
@@ -92,6 +92,7 @@ def main():
     memory = {"after_build_gib": gib()}
     times, peaks, reserved, losses, retries, cached = [], [], [], [], [], []
     result = {"what": "train.py steps", "train_args": train_argv, "layers": opts.layers,
+              "loss_tiles": bound.LOSS_TILES,
               "release_cache": opts.release_cache,
               "gradient_memory": gradient_memory_of(model),
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,

@@ -46,7 +46,13 @@ GEMMs on one GPU, each timed at its shape and tile (q/k/v/o, gate/up/down over 0
 lm_head over its loss tiles; forward, recompute and both backward products). A step faster than its
 bound stops the run with an error naming the term that is wrong. --rows-from: no steps, the rows of
 an earlier result against the bound measured now (its step times, this GPU's kernels); --recount:
-no GPU, its bound from its own measured times, the GEMMs counted as they are now.
+no GPU, its bound from its own measured times, the GEMMs counted as they are now; --bound-of:
+no steps, full-depth steps measured elsewhere (bench.step's results, bench/peers' `ours` rows:
+what `--stack auto` ran, checkpointed blocks, untiled MLP and all) against the bound of the
+configuration each ran, measured now or, with --rates-from, a saved result's (no GPU):
+
+    python -m bench.throughput --bound-of docs/results/peers_...json \
+        --rates-from docs/results/throughput_llama3-8b_1gpu_bound_16k_64k.json
 
 Single steps: pinned host buffers are cached by PyTorch once allocated, so the first row that
 offloads at a length would pay their allocation and the rows after it would not; every row
@@ -77,7 +83,7 @@ from bench.report import (default_out_dir, end_distributed, refuse_without_gpu, 
 from bench.step import with_layers
 from support.data import parse_tokens
 from support.runtime import read_machine, setup_runtime
-from support.config import Config, resolve_techniques
+from support.config import Config, resolve_techniques, techniques_text
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -236,8 +242,7 @@ def summarize(rows: list[dict], args, world: int, rates: dict,
     return table
 
 
-LOSS_TILES = "gradients in forward"  # how 04's tiled loss runs; results before it say nothing:
-RECOMPUTED_LOSS_TILES = "logits recomputed in backward"  # lm_head's product ran twice then
+LOSS_TILES, RECOMPUTED_LOSS_TILES = bound.LOSS_TILES, bound.RECOMPUTED_LOSS_TILES
 
 
 def recomputes_logits(result: dict) -> bool:
@@ -326,6 +331,117 @@ def recount(path: str) -> list[dict]:
                      recompute_logits)
 
 
+def full_depth_steps(path: str) -> list[dict]:
+    """--bound-of: the full-depth steps of one GPU that a saved result holds, each {"what",
+    "cfg", "step_time_s", "kernel", "loss_tiles"}: bench.step's (the Config it ran, the median
+    of its steps after the first) or bench/peers' `ours` rows (each with its Config, recorded
+    since the clip moved into AdamW's pass). Refused: another GPU count, fewer layers, a row
+    without its Config, a tiled loss that does not say how it ran."""
+    saved = json.loads(Path(path).read_text())
+    if saved.get("world_size") != 1:
+        raise SystemExit(f"--bound-of {path}: {saved.get('world_size')} GPUs; one GPU's steps only")
+    if "config" in saved:  # bench.step
+        if saved.get("layers"):
+            raise SystemExit(f"--bound-of {path}: {saved['layers']} layers, not full depth")
+        found = [(f"{Path(path).name}", saved["config"], saved.get("step_time_s"),
+                  saved.get("attention_kernel"), saved.get("loss_tiles"))]
+    else:  # bench/peers
+        found = [(f"{Path(path).name} row {i} ({r['stack']})", r.get("config"), r["step_time_s"],
+                  saved.get("stack_info", {}).get(r["stack"], {}).get("attention"),
+                  r.get("loss_tiles"))
+                 for i, r in enumerate(saved.get("rows", []))
+                 if r["stack"].startswith("ours") and r.get("status") == "ok"]
+    fields = {f.name for f in dataclasses.fields(Config)}
+    steps = []
+    for what, config, step_s, kernel_name, loss_tiles in found:
+        if not config or step_s is None:
+            raise SystemExit(f"--bound-of {path}: {what} records no Config or no step time "
+                             f"(bench/peers' rows record their Config since the clip moved into "
+                             f"AdamW's pass): run it again")
+        cfg = Config(**{k: v for k, v in config.items() if k in fields})
+        if cfg.tile_loss and loss_tiles is None:
+            raise SystemExit(f"--bound-of {path}: {what} does not say how its tiled loss ran "
+                             f"(loss_tiles): the bound cannot count lm_head's products")
+        kernel = next((k for k, name in (("fa4", "FlashAttention-4"), ("cudnn", "cuDNN"))
+                       if name in str(kernel_name)), None)
+        if kernel is None:
+            raise SystemExit(f"--bound-of {path}: {what} ran attention {kernel_name!r}; the bound "
+                             f"measures FlashAttention-4 or cuDNN")
+        steps.append({"what": what, "cfg": cfg, "step_time_s": step_s, "kernel": kernel,
+                      "loss_tiles": loss_tiles or LOSS_TILES})
+    if not steps:
+        raise SystemExit(f"--bound-of {path}: no step of ours in it")
+    return steps
+
+
+def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype) -> list[dict]:
+    """Table entries: each full-depth step against the bound of its own configuration (its
+    GEMMs as bench/bound.py counts them for its Config and tiled loss, timed at their shapes:
+    `gemm_times`, which times missing shapes on a GPU; the attention kernel's rate at its
+    length: `rates`, by "LENGTH@KERNEL")."""
+    table = []
+    for step in steps:
+        cfg, recompute_logits = step["cfg"], step["loss_tiles"] == RECOMPUTED_LOSS_TILES
+        args, tokens = get_model_args(cfg.model), cfg.seq_len * cfg.batch_size
+        flops = step_flops(args, cfg.seq_len, cfg.batch_size, cfg.keep_attention,
+                           checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp,
+                           tile_loss=cfg.tile_loss, checkpoint_layers=cfg.checkpoint_layers,
+                           recompute_logits=recompute_logits)
+        gemms = bound.step_gemms(args, cfg, tokens, 1, recompute_logits)
+        matmul_s = bound.matmul_seconds(gemms, device, dtype, gemm_times)
+        entry = {"method": "as run", "seq_len": cfg.seq_len, "status": "ok",
+                 "step_time_s": step["step_time_s"], "how": step["what"],
+                 "techniques": techniques_text(cfg, cfg.head_chunk, cfg.ring or 1),
+                 "tokens_per_s_per_gpu": tokens / step["step_time_s"],
+                 "mfu": (flops["attention"] + flops["linear"])
+                 / (step["step_time_s"] * H200_BF16_PEAK),
+                 **bound.kernel_bound(flops["attention"], rates[f"{cfg.seq_len}@{step['kernel']}"],
+                                      matmul_s, flops["linear"])}
+        entry["step_over_bound"] = entry["step_time_s"] / entry["kernel_bound_s"]
+        table.append(entry)
+    return table
+
+
+def bound_now(paths: list, result: dict, rt, dtype, repeats: int) -> list[dict]:
+    """--bound-of on a GPU: the steps against the attention kernel's rate at each length and
+    their GEMMs' times, measured now on this GPU (kept in `result`)."""
+    steps = [step for path in paths for step in full_depth_steps(path)]
+    if len({s["cfg"].model for s in steps}) > 1:
+        raise SystemExit("--bound-of: steps of one model per run (the kernel's rate is its heads')")
+    for key in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
+        kernels.use_kernel(key[1])
+        args = get_model_args(next(s["cfg"].model for s in steps
+                                   if (s["cfg"].seq_len, s["kernel"]) == key))
+        result["kernel_rates"][f"{key[0]}@{key[1]}"] = {
+            **bound.attention_rate(args, key[0], rt.device, dtype, repeats),
+            "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
+    return bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device, dtype)
+
+
+def bound_of_saved_rates(paths: list, rates_path: str) -> list[dict]:
+    """--bound-of with --rates-from: no GPU. The steps against the kernel rates and GEMM times a
+    bench.throughput result measured (same GPU kind); a length it has no rate for, or a GEMM
+    shape it did not time, is refused."""
+    saved = json.loads(Path(rates_path).read_text())
+    steps = [step for path in paths for step in full_depth_steps(path)]
+    for step in steps:
+        cfg = step["cfg"]
+        if cfg.model != saved["model"]:
+            raise SystemExit(f"--rates-from {rates_path}: rates of {saved['model']}, a step of "
+                             f"{cfg.model} (the kernel's rate is its heads')")
+        if f"{cfg.seq_len}@{step['kernel']}" not in saved["kernel_rates"]:
+            raise SystemExit(f"--rates-from {rates_path}: no {step['kernel']} rate at "
+                             f"{cfg.seq_len:,} tokens (it has {sorted(saved['kernel_rates'])})")
+        recompute_logits = step["loss_tiles"] == RECOMPUTED_LOSS_TILES
+        gemms = bound.step_gemms(get_model_args(cfg.model), cfg, cfg.seq_len * cfg.batch_size, 1,
+                                 recompute_logits)
+        untimed = sorted({bound.shape_key(g) for g in gemms} - set(saved["gemm_times_ms"]))
+        if untimed:
+            raise SystemExit(f"--rates-from {rates_path}: {step['what']} runs GEMM shapes it did "
+                             f"not time ({untimed}): run --bound-of on a GPU")
+    return bound_steps(steps, saved["kernel_rates"], saved["gemm_times_ms"], "cpu", None)
+
+
 def method_label(entry: dict) -> str:
     """A table entry's method, with Untied's head chunk (from `untied:U`, else the one train.py
     chose, recorded in the entry)."""
@@ -401,6 +517,13 @@ def main():
                         help="timed calls of the attention kernel per length (after a warm-up)")
     parser.add_argument("--rows-from", nargs="+", default=None, metavar="JSON",
                         help="no steps: these results' rows against the bound measured now")
+    parser.add_argument("--bound-of", nargs="+", default=None, metavar="JSON",
+                        help="no steps: full-depth steps of one GPU measured before (bench.step's "
+                             "results, bench/peers' ours rows) against the bound of the "
+                             "configuration each ran, measured now (or --rates-from)")
+    parser.add_argument("--rates-from", default=None, metavar="JSON",
+                        help="with --bound-of, no GPU: the kernel rates and GEMM times this "
+                             "bench.throughput result measured")
     parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                         help="no run: draw these results (merged) into a PNG next to the first")
     parser.add_argument("--recount", default=None, metavar="JSON",
@@ -409,6 +532,9 @@ def main():
     opts = parser.parse_args()
     if opts.recount:
         print_table(recount(opts.recount))
+        return
+    if opts.bound_of and opts.rates_from:
+        print_table(bound_of_saved_rates(opts.bound_of, opts.rates_from))
         return
     if opts.plot:
         saved = [json.loads(Path(f).read_text()) for f in opts.plot]
@@ -456,6 +582,17 @@ def main():
             write_result(name, result, out_dir, announce=False)
         stop_if_faster_than_bound(result["table"], rt.device)
 
+    if opts.bound_of:
+        result["bound_of"] = [{"file": str(p), "command": json.loads(Path(p).read_text())
+                               .get("command")} for p in opts.bound_of]
+        result["table"] = bound_now(opts.bound_of, result, rt, dtype, opts.rate_repeats)
+        result["wall_s"] = time.perf_counter() - started
+        if rt.rank == 0:
+            print_table(result["table"])
+            write_result(name, result, out_dir)
+        stop_if_faster_than_bound(result["table"], rt.device)
+        end_distributed()
+        return
     measure = partial(measure_bound, result, rt, dtype, opts.rate_repeats)
     if opts.rows_from:
         rebound_rows(opts.rows_from, result, base, rt, measure, in_budget)

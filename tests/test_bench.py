@@ -586,6 +586,60 @@ def test_the_bounds_measurements_run_and_rotate_their_operands():
     assert all(t > 0 for times in measured.values() for t in times.values())
 
 
+def test_bound_of_full_depth_steps_counts_the_configuration_each_ran(tmp_path):
+    """--bound-of: a full-depth step measured elsewhere (bench.step's result, bench/peers' ours
+    rows) against the bound of its own Config: its checkpointed blocks and untiled MLP counted
+    (fewer GEMMs than the bound's ALST stack), the rates and GEMM times of a saved
+    bench.throughput result (--rates-from, no GPU); what it cannot bound honestly is refused."""
+    import dataclasses
+
+    import model as llama
+    from bench import bound, throughput
+    from support.step_time import step_flops
+
+    RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+    rates = json.loads((RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json").read_text())
+    cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True, offload=True,
+                 tile_loss=True, untied=True, head_chunk=32, keep_attention=True,
+                 checkpoint_layers=10)
+    step = {"world_size": 1, "layers": None, "config": dataclasses.asdict(cfg),
+            "step_time_s": 1.9, "attention_kernel": "FlashAttention-4 (CuTe DSL)",
+            "loss_tiles": throughput.LOSS_TILES, "command": "bench.step ..."}
+    peers = {"world_size": 1, "stack_info": {"ours:auto": {"attention": "FlashAttention-4 (x)"}},
+             "rows": [{"stack": "ours:auto", "status": "ok", "step_time_s": 1.9,
+                       "config": dataclasses.asdict(cfg), "loss_tiles": throughput.LOSS_TILES},
+                      {"stack": "hf", "status": "ok", "step_time_s": 2.4}]}
+    paths = []
+    for name, content in (("step.json", step), ("peers.json", peers)):
+        paths.append(str(tmp_path / name))
+        Path(paths[-1]).write_text(json.dumps(content))
+    table = throughput.bound_of_saved_rates(paths, str(RESULTS / "throughput_llama3-8b_1gpu_"
+                                                       "bound_16k_64k.json"))
+    assert len(table) == 2 and table[0]["kernel_bound_s"] == table[1]["kernel_bound_s"]
+    args = llama.get_model_args("llama3-8b")
+    gemms = bound.step_gemms(args, cfg, 16384)
+    matmul_s = bound.matmul_seconds(gemms, "cpu", None, rates["gemm_times_ms"])
+    alst = bound.step_gemms(args, throughput.full_depth_config(
+        throughput.alst_config("llama3-8b", "cpu", "bfloat16"), "none+keep-attention@fa4",
+        16384, rates), 16384)
+    assert matmul_s < bound.matmul_seconds(alst, "cpu", None, rates["gemm_times_ms"])
+    attention = step_flops(args, 16384, 1, True, checkpoint_layers=10)["attention"]
+    assert table[0]["kernel_bound_s"] == pytest.approx(
+        matmul_s + attention / rates["kernel_rates"]["16384@fa4"]["attention_flops_per_s"])
+    assert table[0]["step_over_bound"] == pytest.approx(1.9 / table[0]["kernel_bound_s"])
+    refused = {"records no Config": {**peers, "rows": [dict(peers["rows"][0], config=None)]},
+               "not full depth": {**step, "layers": 2},
+               "one GPU's steps only": {**step, "world_size": 2},
+               "does not say how its tiled loss ran": {**step, "loss_tiles": None},
+               "no fa4 rate at 2,048": {**step, "config": dict(step["config"], seq_len=2048)},
+               "rates of llama3-8b": {**step, "config": dict(step["config"], model="tiny")}}
+    for needle, content in refused.items():
+        (tmp_path / "bad.json").write_text(json.dumps(content))
+        with pytest.raises(SystemExit, match=needle):
+            throughput.bound_of_saved_rates([str(tmp_path / "bad.json")], str(
+                RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json"))
+
+
 def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
     """--rows-from: no steps; each saved (method, length) is measured with its own head chunk
     and MLP tile (05's default U = P where a row did not record it) and its tiled loss as it

@@ -349,7 +349,7 @@ class PoisonedAdamW(torch.optim.AdamW):
 
 def test_a_non_finite_state_is_never_saved(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train, "make_optimizer", lambda model, cfg: PoisonedAdamW(
-        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), foreach=False))
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), fused=True))
     with pytest.raises(SystemExit):
         train.main(["--seq-len", "32", "--steps", "10", "--save-every", "1",
                     "--save-dir", str(tmp_path)])

@@ -308,6 +308,59 @@ def test_flags_without_a_lesson_train_like_one_process():
     run_ranks(2, _flags_train_like_one_process, FLAG_CASES)
 
 
+def _model_and_optimizer(cfg):
+    model = train.build_model(cfg, Runtime())  # seeded: the same weights each time
+    return model, train.make_optimizer(model, cfg)
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0, 1e3])  # clips; off; above the norm
+def test_the_clip_in_adamws_pass_moves_the_weights_as_clip_grad_norm_does(clip):
+    """train.clipped_step clips in fused AdamW's own pass (its grad_scale): the weights after
+    it are those of clip_grad_norm_ then a plain step (fp32; a division against a
+    multiplication: an ulp), and not those of an unclipped step where it clips."""
+    cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=2, lr=3e-3))
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    model, optimizer = _model_and_optimizer(cfg)
+    norm = train.clipped_step(model, optimizer, train.forward_backward(model, tokens, Runtime()),
+                              clip)
+    weights = {}
+    for clip_before in (clip, 0.0):
+        plain, plain_optimizer = _model_and_optimizer(cfg)
+        train.forward_backward(plain, tokens, Runtime())
+        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), clip_before or math.inf)
+        plain_optimizer.step()
+        weights[clip_before] = list(plain.parameters())
+    assert float(norm) == pytest.approx(float(want), rel=1e-6)
+    got = list(model.parameters())
+    for mine, clipped in zip(got, weights[clip]):
+        torch.testing.assert_close(mine, clipped, rtol=1e-6, atol=1e-8)
+    moved = max(relative_error(a, b) for a, b in zip(got, weights[0.0]))
+    if 0 < clip < float(norm):  # the clip's smaller steps (Adam's first step is ~lr x sign(g)
+        assert moved > 1e-4, moved  # but for eps: the clip shows where |g| is near eps)
+    else:
+        assert moved < 1e-6, moved
+
+
+def test_a_non_finite_loss_leaves_weights_and_optimizer_state_as_they_were():
+    cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=2, lr=3e-3))
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    model, optimizer = _model_and_optimizer(cfg)
+    train.clipped_step(model, optimizer, train.forward_backward(model, tokens, Runtime()), 1.0)
+    before = [t.clone() for t in model.parameters()]
+    state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+    loss = train.forward_backward(model, tokens, Runtime()) * float("nan")
+    norm = train.clipped_step(model, optimizer, loss, 1.0)
+    assert math.isfinite(float(norm))  # the loss alone stops the step
+    for p, was, saved in zip(model.parameters(), before, state):
+        assert torch.equal(p, was)
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, saved[key]), key  # Adam's moments and its step count
+    assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
+    unfused = torch.optim.AdamW(model.parameters(), foreach=False)
+    with pytest.raises(TypeError, match="make the AdamW with fused=True"):
+        train.clipped_step(model, unfused, loss, 1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The learning rate: its schedule, and its default per model size
 # ---------------------------------------------------------------------------------------------

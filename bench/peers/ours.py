@@ -23,6 +23,7 @@ import time
 import torch
 
 import plan
+from bench import bound
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
 from bench.report import release
 from support.config import model_args, techniques_text
@@ -95,7 +96,8 @@ class Stack:
         return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                 "keep_attention": self.cfg.keep_attention, "head_chunk": self.cfg.head_chunk,
                 "mlp_tile_tokens": self.cfg.mlp_tile_tokens,
-                "techniques": techniques_text(self.cfg, self.cfg.head_chunk, self.rt.ring)}
+                "techniques": techniques_text(self.cfg, self.cfg.head_chunk, self.rt.ring),
+                "config": dataclasses.asdict(self.cfg), "loss_tiles": bound.LOSS_TILES}
 
     def about(self) -> dict:
         cfg = self.cfg
