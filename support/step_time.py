@@ -72,8 +72,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=5.16e-12, elementwise_op_by_op_s=1.08e-11, stage_s=7.67e-8,
-        host_adamw_s=7.82e-10, alloc_retry_s=0.0865),
+        elementwise_s=5.33e-12, elementwise_op_by_op_s=1.08e-11, stage_s=7.67e-8,
+        host_adamw_s=7.81e-10, alloc_retry_s=0.0834),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at

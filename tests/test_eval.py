@@ -236,19 +236,23 @@ def test_passkey_generator_places_the_key_where_asked(depth):
 
 @pytest.mark.slow
 def test_a_tiny_model_trained_on_recall_retrieves_the_key(one_thread):
-    """Trains the tiny preset on CPU (~25 s): the key (2 tokens from 8 ids: chance 1/64) after
+    """Trains the tiny preset on CPU (~20 s): the key (2 tokens from 8 ids: chance 1/64) after
     a marker at a random depth in 64 tokens, asked for at the end. Greedy exact match must be
     far above chance at depths it was not told about."""
     torch.manual_seed(0)
-    cfg = resolve_techniques(Config(model="tiny", seq_len=64, lr=3e-3))
+    # A constant lr of 3e-3 learns it and then wobbles: 1.0 at 350 steps, 0.75 at 400 (a spike
+    # that a last-ulp change in the clip moved there). Decaying it settles the end: with cosine
+    # 0.81 at 350 steps, 0.94 at 400, 1.0 at 450 (torch 2.13, one thread).
+    steps = 450
+    cfg = resolve_techniques(Config(model="tiny", seq_len=64, lr=3e-3, steps=steps,
+                                    lr_schedule="cosine"))
     rt = Runtime()
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     before = evaluate.passkey_grid(model, cfg, rt, [64], [0.0, 0.5, 1.0], 16, 2, VOCABULARY,
                                    seed=1)
     rng = random.Random(0)
-    # retrieval appears between 280 and 400 steps (0.56 -> 0.99, torch 2.14)
-    for step in range(400):
+    for step in range(steps):
         made = [evaluate.passkey_tokens(64, rng.random(), rng.choices(VOCABULARY["alphabet"], k=2),
                                         VOCABULARY["filler"], VOCABULARY["marker"])
                 for _ in range(16)]
