@@ -181,25 +181,28 @@ def train_step(model, optimizer, tokens, rt: Runtime, cfg: Config, labels=None, 
 def clipped_step(model, optimizer, loss: torch.Tensor, max_norm: float) -> torch.Tensor:
     """AdamW's step with the gradients clipped to a global norm of `max_norm` (0: unclipped),
     skipped where the loss or the norm is not finite; returns the norm (a tensor, not waited
-    for). The clip of clip_grad_norm_ (g x max_norm / (norm + 1e-6) where that is below 1)
-    in fused AdamW's own pass: it divides each gradient by `grad_scale` as it reads it and
-    skips the whole step, its state included, where `found_inf` is set (the hook GradScaler
-    uses). No pass of the clip's own over the gradients, and nothing waits for the GPU."""
+    for). The clip is clip_grad_norm_'s (g x max_norm / (norm + 1e-6) where that is below 1),
+    applied in fused AdamW's own pass: the norm reads the gradients once, and AdamW divides
+    each by `grad_scale` as it reads it and skips the whole step, its state included, where
+    `found_inf` is set. No pass of the scaling's own, and on the GPU no wait before the step
+    (with the state on the host, copying the loss there waits)."""
     if not optimizer.defaults.get("fused"):  # the unfused optimizers refuse grad_scale
         raise TypeError(f"clipped_step clips in a fused optimizer's own pass: make the "
                         f"{type(optimizer).__name__} with fused=True (make_optimizer does)")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)  # over FSDP's shards: a DTensor
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    divisor = (norm + 1e-6) / max_norm if max_norm > 0 else torch.ones_like(norm)
-    optimizer.grad_scale = divisor.clamp(min=1.0).float()
+    # AdamW.step reads these two attributes: torch.optim's hook for GradScaler's unscaling.
+    if max_norm > 0:  # (with grad_scale set, AdamW also writes each divided gradient back)
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()
     finite = torch.isfinite(norm) & torch.isfinite(loss.to(norm.device))
     optimizer.found_inf = (~finite).float()
     with out_of_memory_names("optimizer step"):
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale, optimizer.found_inf
+            optimizer.__dict__.pop("grad_scale", None)
+            del optimizer.found_inf
     optimizer.zero_grad(set_to_none=True)
     return norm
 

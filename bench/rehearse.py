@@ -16,8 +16,9 @@ the ring's sends and receives leave their outputs as they were allocated). The p
 rank r's own part of the N-rank step: the same shapes, allocations and kernels. The step is the
 project's own, unchanged: train.build_model and train.make_optimizer through bench.max_length's
 trial (the missing layers' model state as ballast, Adam's moments allocated), then train.py's
-forward_backward and the optimizer step as train.train_step runs them, less its finite check
-(the values are garbage by design; the check is off in this script's step only). The allocator
+forward_backward and the optimizer step as train.train_step runs them, less the raise of its
+finite check (the values are garbage by design; AdamW's kernel still skips its update where they
+are not finite, which allocates nothing). The allocator
 is capped at the rehearsed GPU's memory less what a real rank loses outside PyTorch
 (`torch.cuda.set_per_process_memory_fraction`), so a step that would not fit that GPU runs out
 of memory here too.
@@ -112,7 +113,8 @@ REAL = [
 ]
 NOT_REAL = [
     ("values: every exchanged buffer holds garbage (the loss and gradients mean nothing; the "
-     "finite check is off in this script's step only)"),
+     "finite check raises nothing in this script's step; AdamW skips its update where they are "
+     "not finite)"),
     "communication time: every collective completes at once (no waiting, no overlap)",
     ("NCCL's own buffers and the rehearsed GPU's CUDA context: outside PyTorch's allocator, "
      "taken off the cap (outside_allocator_gib)"),
@@ -402,17 +404,17 @@ class Traffic:
 
 
 # ---------------------------------------------------------------------------------------------
-# The step: train.train_step's, through its forward_backward, without the finite check.
+# The step: train.train_step's, through its forward_backward, without the finite check's raise.
 # ---------------------------------------------------------------------------------------------
 
 def rehearsal_step(model, optimizer, tokens, rt, cfg, trace: PeakTrace, traffic: Traffic,
                    window: int, late_gradient_bytes: int = 0, pending_reduce_bytes: int = 0
                    ) -> None:
     """train.train_step's step (learning rate, forward and backward, AdamW with the clip)
-    with its moments marked, its collectives counted and attention over `window` keys; no
-    finite check: the values are garbage by design. late_gradient_bytes: the missing layers'
-    gradients, allocated when the backward reaches the top block (at full depth the layers
-    above it have made theirs by then) and held through the optimizer step.
+    with its moments marked, its collectives counted and attention over `window` keys; its
+    finite check raises nothing: the values are garbage by design. late_gradient_bytes: the
+    missing layers' gradients, allocated when the backward reaches the top block (at full
+    depth the layers above it have made theirs by then) and held through the optimizer step.
     pending_reduce_bytes: the reduce-scatter input of the missing block above the top one,
     held from the top block's backward until that backward is done."""
     if window:  # the kernel check compares with the full formula: run it before the window

@@ -353,12 +353,17 @@ def full_depth_steps(path: str) -> list[dict]:
                  if r["stack"].startswith("ours") and r.get("status") == "ok"]
     fields = {f.name for f in dataclasses.fields(Config)}
     steps = []
+    if "config" in saved and saved.get("status") != "ok":
+        raise SystemExit(f"--bound-of {path}: its step did not complete ({saved.get('status')})")
     for what, config, step_s, kernel_name, loss_tiles in found:
         if not config or step_s is None:
             raise SystemExit(f"--bound-of {path}: {what} records no Config or no step time "
                              f"(bench/peers' rows record their Config since the clip moved into "
                              f"AdamW's pass): run it again")
         cfg = Config(**{k: v for k, v in config.items() if k in fields})
+        if cfg.grad_accum != 1:
+            raise SystemExit(f"--bound-of {path}: {what} ran {cfg.grad_accum} micro-batches a "
+                             f"step; the bound counts one")
         if cfg.tile_loss and loss_tiles is None:
             raise SystemExit(f"--bound-of {path}: {what} does not say how its tiled loss ran "
                              f"(loss_tiles): the bound cannot count lm_head's products")
@@ -368,7 +373,7 @@ def full_depth_steps(path: str) -> list[dict]:
             raise SystemExit(f"--bound-of {path}: {what} ran attention {kernel_name!r}; the bound "
                              f"measures FlashAttention-4 or cuDNN")
         steps.append({"what": what, "cfg": cfg, "step_time_s": step_s, "kernel": kernel,
-                      "loss_tiles": loss_tiles or LOSS_TILES})
+                      "loss_tiles": loss_tiles or LOSS_TILES, "gpu": saved.get("gpu")})
     if not steps:
         raise SystemExit(f"--bound-of {path}: no step of ours in it")
     return steps
@@ -408,6 +413,7 @@ def bound_now(paths: list, result: dict, rt, dtype, repeats: int) -> list[dict]:
     steps = [step for path in paths for step in full_depth_steps(path)]
     if len({s["cfg"].model for s in steps}) > 1:
         raise SystemExit("--bound-of: steps of one model per run (the kernel's rate is its heads')")
+    result["model"] = steps[0]["cfg"].model  # the steps', whatever --model said
     for key in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
         kernels.use_kernel(key[1])
         args = get_model_args(next(s["cfg"].model for s in steps
@@ -429,6 +435,9 @@ def bound_of_saved_rates(paths: list, rates_path: str) -> list[dict]:
         if cfg.model != saved["model"]:
             raise SystemExit(f"--rates-from {rates_path}: rates of {saved['model']}, a step of "
                              f"{cfg.model} (the kernel's rate is its heads')")
+        if (step["gpu"], cfg.dtype) != (saved.get("gpu"), saved["dtype"]):
+            raise SystemExit(f"--rates-from {rates_path}: rates of {saved['dtype']} on "
+                             f"{saved.get('gpu')}, a step of {cfg.dtype} on {step['gpu']}")
         if f"{cfg.seq_len}@{step['kernel']}" not in saved["kernel_rates"]:
             raise SystemExit(f"--rates-from {rates_path}: no {step['kernel']} rate at "
                              f"{cfg.seq_len:,} tokens (it has {sorted(saved['kernel_rates'])})")
@@ -530,6 +539,8 @@ def main():
                         help="no GPU, no run: this result's table against its own measured "
                              "rates, its GEMMs counted as bench/bound.py counts them now")
     opts = parser.parse_args()
+    if opts.rates_from and not opts.bound_of:
+        parser.error("--rates-from is read by --bound-of: give the steps to bound")
     if opts.recount:
         print_table(recount(opts.recount))
         return

@@ -72,8 +72,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=5.33e-12, elementwise_op_by_op_s=1.08e-11, stage_s=7.67e-8,
-        host_adamw_s=7.81e-10, alloc_retry_s=0.0834),
+        elementwise_s=5.05e-12, elementwise_op_by_op_s=1.06e-11, stage_s=7.70e-8,
+        host_adamw_s=7.89e-10, alloc_retry_s=0.0831),
 }
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
@@ -84,8 +84,9 @@ RECOMPUTED_LOGIT_BYTES = 2  # 04's tiled loss computed each tile's logits again 
 # (the rows measured before it ran each tile's backward in its forward: recompute_logits)
 FP32_LOGIT_BYTES = (30, 10)  # the two, before: fp32 copy, log-softmax, its gradient and cast
 GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp32 sum read, written
-ADAMW_BYTES = 32  # per fp32 parameter: AdamW reads 4 tensors and writes 3; the clip's norm reads
-# the gradients once (its scale is in AdamW's own pass: train.clipped_step)
+ADAMW_BYTES = 32  # per fp32 parameter: AdamW reads 4 tensors and writes 3; the gradient norm
+# reads the gradients once (train.clipped_step)
+CLIP_BYTES = 4  # with --grad-clip: AdamW writes each gradient back, divided by the clip
 
 
 def rates_for(gpu_name: str | None) -> GpuRates | None:
@@ -321,9 +322,10 @@ def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates) -> fl
     between host and GPU leave uncovered. Without FSDP one process steps the compute-dtype
     state."""
     n_params = model.num_params(args)
+    per_param = ADAMW_BYTES + CLIP_BYTES * (cfg.grad_clip > 0)
     if not cfg.fsdp:
-        return n_params * ADAMW_BYTES / 2 / rates.memory
+        return n_params * per_param / 2 / rates.memory
     shard = n_params / world_size
     if not cfg.offload_model_state:
-        return shard * ADAMW_BYTES / rates.memory
+        return shard * per_param / rates.memory
     return shard * rates.host_adamw_s

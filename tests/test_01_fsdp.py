@@ -247,10 +247,14 @@ def _train_recording_grads(cfg, steps, rt=None):
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
     grads = []
-    # As the optimizer sees them: train.clipped_step's AdamW divides them by its grad_scale.
-    optimizer.register_step_pre_hook(lambda *_: grads.append(
-        {n: full(p.grad).detach() / optimizer.grad_scale.to(p.grad.device)
-         for n, p in model.named_parameters()}))
+    # As the optimizer sees them: train.clipped_step's AdamW divides them by its grad_scale
+    # (none set: --grad-clip 0).
+    def record(*_):
+        scale = getattr(optimizer, "grad_scale", None)
+        grads.append({n: full(p.grad).detach() / (1 if scale is None else scale.to(p.grad.device))
+                      for n, p in model.named_parameters()})
+
+    optimizer.register_step_pre_hook(record)
     metrics = []
     for step in range(steps):
         tokens, labels = make_batch(256, rt.dp * cfg.batch_size, SEQ_LEN, seed=step,

@@ -601,11 +601,13 @@ def test_bound_of_full_depth_steps_counts_the_configuration_each_ran(tmp_path):
     rates = json.loads((RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json").read_text())
     cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True, offload=True,
                  tile_loss=True, untied=True, head_chunk=32, keep_attention=True,
-                 checkpoint_layers=10)
-    step = {"world_size": 1, "layers": None, "config": dataclasses.asdict(cfg),
+                 checkpoint_layers=10, dtype="bfloat16")
+    step = {"world_size": 1, "layers": None, "config": dataclasses.asdict(cfg), "status": "ok",
+            "gpu": "NVIDIA H200",
             "step_time_s": 1.9, "attention_kernel": "FlashAttention-4 (CuTe DSL)",
             "loss_tiles": throughput.LOSS_TILES, "command": "bench.step ..."}
-    peers = {"world_size": 1, "stack_info": {"ours:auto": {"attention": "FlashAttention-4 (x)"}},
+    peers = {"world_size": 1, "gpu": "NVIDIA H200",
+             "stack_info": {"ours:auto": {"attention": "FlashAttention-4 (x)"}},
              "rows": [{"stack": "ours:auto", "status": "ok", "step_time_s": 1.9,
                        "config": dataclasses.asdict(cfg), "loss_tiles": throughput.LOSS_TILES},
                       {"stack": "hf", "status": "ok", "step_time_s": 2.4}]}
@@ -632,7 +634,10 @@ def test_bound_of_full_depth_steps_counts_the_configuration_each_ran(tmp_path):
                "one GPU's steps only": {**step, "world_size": 2},
                "does not say how its tiled loss ran": {**step, "loss_tiles": None},
                "no fa4 rate at 2,048": {**step, "config": dict(step["config"], seq_len=2048)},
-               "rates of llama3-8b": {**step, "config": dict(step["config"], model="tiny")}}
+               "rates of llama3-8b": {**step, "config": dict(step["config"], model="tiny")},
+               "2 micro-batches a step": {**step, "config": dict(step["config"], grad_accum=2)},
+               "a step of bfloat16 on NVIDIA H100": {**step, "gpu": "NVIDIA H100"},
+               "did not complete": {**step, "status": "OOM"}}
     for needle, content in refused.items():
         (tmp_path / "bad.json").write_text(json.dumps(content))
         with pytest.raises(SystemExit, match=needle):
