@@ -17,14 +17,26 @@ import torch
 import torch.distributed as dist
 
 
+def git(*args: str) -> str | None:
+    """A git command's output in this repository (None where git or the repository is absent)."""
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                              cwd=Path(__file__).parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.rstrip() if done.returncode == 0 else None  # status lines start " M"
+
+
 def environment() -> dict:
-    commit = os.environ.get("GIT_COMMIT")
+    """Where a result was measured. git_changed_files: the tracked files that differ from
+    git_commit (None: none), so a result from an uncommitted tree, or from a copy whose git
+    metadata lags its files (as the device machine's copy has), says so by itself."""
+    commit, changed = os.environ.get("GIT_COMMIT"), None
     if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
-        except OSError:
-            commit = None
+        commit = git("rev-parse", "HEAD") or None
+        status = git("status", "--porcelain", "--untracked-files=no")
+        paths = [line[3:] for line in (status or "").splitlines()]
+        changed = (paths[:20] + [f"and {len(paths) - 20} more"] * (len(paths) > 20)) or None
     gpus = torch.cuda.device_count()
     return {
         "gpu": torch.cuda.get_device_name(0) if gpus else None,
@@ -32,6 +44,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "git_commit": commit,
+        "git_changed_files": changed,
         "command": (os.environ.get("BENCH_COMMAND")
                     or " ".join([Path(sys.executable).name, *sys.argv])),
         "world_size": int(os.environ.get("WORLD_SIZE", 1)),

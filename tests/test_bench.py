@@ -686,3 +686,18 @@ def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
     with pytest.raises(SystemExit, match="not llama3-8b on 1"):
         throughput.rebound_rows([str(path)], {"model": "llama3-8b", "rows": []}, base,
                                 Runtime(world=1), measure, lambda: True)
+
+
+def test_a_result_names_the_tracked_files_that_differ_from_its_commit(monkeypatch):
+    """bench.report.environment: a result from an uncommitted tree (or a copy whose git metadata
+    lags its files) lists the tracked files that differ from git_commit; a clean tree, None."""
+    from bench import report
+
+    for status, changed in ((" M train.py\nM  bench/step.py", ["train.py", "bench/step.py"]),
+                            ("", None)):
+        answers = {"rev-parse": "abc123", "status": status}
+        monkeypatch.setattr(report, "git", lambda *args: answers[args[0]])
+        env = report.environment()
+        assert (env["git_commit"], env["git_changed_files"]) == ("abc123", changed)
+    monkeypatch.setenv("GIT_COMMIT", "given")  # named by whoever ran it: nothing to compare
+    assert report.environment()["git_changed_files"] is None
