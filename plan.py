@@ -199,7 +199,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # above them keep what they saved, as without checkpointing, until backward reaches them:
     # the norms' and the MLP's tensors (`layer`), the attention's, and the block input where a
     # fused or tiled norm saved it (a checkpointed block's input is its checkpoint).
-    k = (cfg.checkpoint_layers or n_layers) if cfg.checkpoint else 0
+    k = config.checkpointed_layers(cfg, n_layers)
     plain = n_layers - k
     layer = norms["saved"] + norms["block_input"] + mlp_saved
     # --keep-attention: what a checkpointed block keeps besides its input. In a block's backward

@@ -43,6 +43,7 @@ import torch
 
 from bench.report import event_times_ms, release
 from base import kernels
+from support.config import checkpointed_layers
 from support.lessons import tiling, untied_sp as untied
 
 LOSS_TILES = "gradients in forward"  # how 04's tiled loss runs; results before it say nothing:
@@ -148,7 +149,7 @@ def step_gemms(args, cfg, tokens: int, ulysses: int = 1, recompute_logits: bool 
                       "backward": backward})
 
     layers, hd, dim = args.n_layers, args.head_dim, args.dim
-    recomputed = (cfg.checkpoint_layers or layers) if cfg.checkpoint else 0
+    recomputed = checkpointed_layers(cfg, layers)
     mlp_again = layers if cfg.tile_mlp else recomputed  # blocks whose gate and up run again
     if cfg.untied:  # 05 projects per stage (q) and per KV group (k, v)
         chunk = untied.check_head_chunk(args.n_heads, args.n_kv_heads, ulysses, cfg.head_chunk)

@@ -443,6 +443,12 @@ def learning_rate(cfg: Config, step: int) -> float:
     return low + (peak - low) * shape
 
 
+def checkpointed_layers(cfg: Config, n_layers: int) -> int:
+    """The blocks 03 checkpoints (and its recompute runs again): the first --checkpoint-layers,
+    all of them by default, none without --checkpoint."""
+    return (cfg.checkpoint_layers or n_layers) if cfg.checkpoint else 0
+
+
 def model_args(cfg: Config) -> ModelArgs:
     """The model's shape: --init-from's config.json, else the --model preset; with the rotary
     settings of the --rope-* flags (context extension changes these, not the weights)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import model
 from support import byte_counts
-from support.config import Config, model_args
+from support.config import Config, checkpointed_layers, model_args
 from support.lessons import tiling
 from support.runtime import check_layout
 
@@ -165,7 +165,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                        checkpoint_layers=cfg.checkpoint_layers,
                        recompute_down=whole_mlp_recomputed or (cfg.tile_mlp and autograd_tiles),
                        recompute_logits=recompute_logits)
-    recomputed = (cfg.checkpoint_layers or layers) / layers if cfg.checkpoint else 0  # share
+    recomputed = checkpointed_layers(cfg, layers) / layers  # the share of blocks run again
     attention_rate = rates.attention[kernel] * (RING_RATE if ring > 1 else 1)
     linear_s = flops["linear"] / world_size / rates.matmul
     attention_s = flops["attention"] / world_size / attention_rate
