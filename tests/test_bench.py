@@ -422,8 +422,7 @@ def test_profile_counts_the_devices_kernels_once_and_the_time_outside_matmul_and
 def _bound_config(method: str, seq_len: int):
     from bench import throughput
 
-    base = Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
-                  offload=True, tile_mlp=True, tile_loss=True)
+    base = throughput.alst_config("llama3-8b", "cpu", "float32")
     return throughput.method_config(base, method, "llama3-8b", seq_len)
 
 
@@ -661,8 +660,7 @@ def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
         {"method": "ring", "seq_len": 131072, "layers": 1, "status": "OOM"}]}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(saved))
-    base = Config(model="llama3-8b", device="cpu", steps=0, fsdp=True, checkpoint=True,
-                  offload=True, tile_mlp=True, tile_loss=True)
+    base = throughput.alst_config("llama3-8b", "cpu", "float32")
     measured = []
 
     def measure(method, seq_len, full_depth):
