@@ -341,6 +341,9 @@ def full_depth_steps(path: str) -> list[dict]:
     if saved.get("world_size") != 1:
         raise SystemExit(f"--bound-of {path}: {saved.get('world_size')} GPUs; one GPU's steps only")
     if "config" in saved:  # bench.step
+        if saved.get("status") != "ok":
+            raise SystemExit(f"--bound-of {path}: its step did not complete "
+                             f"({saved.get('status')})")
         if saved.get("layers"):
             raise SystemExit(f"--bound-of {path}: {saved['layers']} layers, not full depth")
         found = [(f"{Path(path).name}", saved["config"], saved.get("step_time_s"),
@@ -353,8 +356,6 @@ def full_depth_steps(path: str) -> list[dict]:
                  if r["stack"].startswith("ours") and r.get("status") == "ok"]
     fields = {f.name for f in dataclasses.fields(Config)}
     steps = []
-    if "config" in saved and saved.get("status") != "ok":
-        raise SystemExit(f"--bound-of {path}: its step did not complete ({saved.get('status')})")
     for what, config, step_s, kernel_name, loss_tiles in found:
         if not config or step_s is None:
             raise SystemExit(f"--bound-of {path}: {what} records no Config or no step time "
@@ -379,6 +380,14 @@ def full_depth_steps(path: str) -> list[dict]:
     return steps
 
 
+def as_run(step: dict) -> tuple:
+    """(model args, tokens, its tiled loss recomputed the logits, the GEMMs bench/bound.py
+    counts) of one of full_depth_steps' steps, on its one GPU."""
+    cfg, recompute_logits = step["cfg"], step["loss_tiles"] == RECOMPUTED_LOSS_TILES
+    args, tokens = get_model_args(cfg.model), cfg.seq_len * cfg.batch_size
+    return args, tokens, recompute_logits, bound.step_gemms(args, cfg, tokens, 1, recompute_logits)
+
+
 def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype) -> list[dict]:
     """Table entries: each full-depth step against the bound of its own configuration (its
     GEMMs as bench/bound.py counts them for its Config and tiled loss, timed at their shapes:
@@ -386,13 +395,11 @@ def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype)
     length: `rates`, by "LENGTH@KERNEL")."""
     table = []
     for step in steps:
-        cfg, recompute_logits = step["cfg"], step["loss_tiles"] == RECOMPUTED_LOSS_TILES
-        args, tokens = get_model_args(cfg.model), cfg.seq_len * cfg.batch_size
+        cfg, (args, tokens, recompute_logits, gemms) = step["cfg"], as_run(step)
         flops = step_flops(args, cfg.seq_len, cfg.batch_size, cfg.keep_attention,
                            checkpoint=cfg.checkpoint, tile_mlp=cfg.tile_mlp,
                            tile_loss=cfg.tile_loss, checkpoint_layers=cfg.checkpoint_layers,
                            recompute_logits=recompute_logits)
-        gemms = bound.step_gemms(args, cfg, tokens, 1, recompute_logits)
         matmul_s = bound.matmul_seconds(gemms, device, dtype, gemm_times)
         entry = {"method": "as run", "seq_len": cfg.seq_len, "status": "ok",
                  "step_time_s": step["step_time_s"], "how": step["what"],
@@ -414,12 +421,11 @@ def bound_now(paths: list, result: dict, rt, dtype, repeats: int) -> list[dict]:
     if len({s["cfg"].model for s in steps}) > 1:
         raise SystemExit("--bound-of: steps of one model per run (the kernel's rate is its heads')")
     result["model"] = steps[0]["cfg"].model  # the steps', whatever --model said
-    for key in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
-        kernels.use_kernel(key[1])
-        args = get_model_args(next(s["cfg"].model for s in steps
-                                   if (s["cfg"].seq_len, s["kernel"]) == key))
-        result["kernel_rates"][f"{key[0]}@{key[1]}"] = {
-            **bound.attention_rate(args, key[0], rt.device, dtype, repeats),
+    args = get_model_args(result["model"])
+    for seq_len, kernel in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
+        kernels.use_kernel(kernel)
+        result["kernel_rates"][f"{seq_len}@{kernel}"] = {
+            **bound.attention_rate(args, seq_len, rt.device, dtype, repeats),
             "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
     return bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device, dtype)
 
@@ -441,10 +447,8 @@ def bound_of_saved_rates(paths: list, rates_path: str) -> list[dict]:
         if f"{cfg.seq_len}@{step['kernel']}" not in saved["kernel_rates"]:
             raise SystemExit(f"--rates-from {rates_path}: no {step['kernel']} rate at "
                              f"{cfg.seq_len:,} tokens (it has {sorted(saved['kernel_rates'])})")
-        recompute_logits = step["loss_tiles"] == RECOMPUTED_LOSS_TILES
-        gemms = bound.step_gemms(get_model_args(cfg.model), cfg, cfg.seq_len * cfg.batch_size, 1,
-                                 recompute_logits)
-        untimed = sorted({bound.shape_key(g) for g in gemms} - set(saved["gemm_times_ms"]))
+        untimed = sorted({bound.shape_key(g) for g in as_run(step)[3]}
+                         - set(saved["gemm_times_ms"]))
         if untimed:
             raise SystemExit(f"--rates-from {rates_path}: {step['what']} runs GEMM shapes it did "
                              f"not time ({untimed}): run --bound-of on a GPU")
