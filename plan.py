@@ -108,7 +108,7 @@ def planned_kernel(cfg: Config) -> str:
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False, fused_norm: bool = True,
                 autograd_tiles: bool = False, swiglu: str | None = None,
-                fp32_loss: bool = False) -> dict:
+                fp32_loss: bool = False, norm_outputs_kept: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from support/byte_counts.py.
 
@@ -132,7 +132,9 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     autograd_tiles=True: 04's tiles as the GPU calibration rows so marked measured them, each
     running autograd (byte_counts' note in its 04 section); swiglu: what the untiled MLP kept
     before base/fused.py's SwiGLUDown (byte_counts.SWIGLU_KEPT; the rows say so); fp32_loss=True:
-    the loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so).
+    the loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so);
+    norm_outputs_kept=True: the blocks 03 leaves unchecked keep their norms' outputs, as before
+    its recompute_norms (the rows say so).
     """
     if forward_only:
         return plan_forward_memory(cfg, world_size, args, fused_norm, fp32_loss)
@@ -184,14 +186,23 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # slices the output gradient stage by stage. (Measured at 128K-1M, docs/calibration.md.)
     token_layout = (local_tokens * args.n_heads * args.head_dim * b
                     if cfg.ulysses and not cfg.untied and sp // ring > 1 else 0)
-    block_moments = {
-        "its MLP": (attention_saved, norms["saved"] + hidden + mlp()),
-        "its post-attention RMSNorm": (attention_saved, first_norm + norms["post_norm_input"]
-                                       + 2 * hidden + norms["norm_backward"]),
-        "its attention": (attention() - token_layout, first_norm + 2 * hidden - token_layout),
-    }
-    block_moment = max(block_moments, key=lambda m: sum(block_moments[m]))
-    block_attention, block_rest = block_moments[block_moment]
+    # A block 03 leaves unchecked released its norms' outputs (03's recompute_norms): until
+    # backward reaches its attention, the first one is still released.
+    released = 0 if norm_outputs_kept or not cfg.checkpoint else norms["released"]
+
+    def block_moments(first_output_released=0):
+        return {
+            "its MLP": (attention_saved, norms["saved"] - first_output_released + hidden + mlp()),
+            "its post-attention RMSNorm": (attention_saved, first_norm - first_output_released
+                                           + norms["post_norm_input"] + 2 * hidden
+                                           + norms["norm_backward"]),
+            "its attention": (attention() - token_layout,
+                              first_norm + 2 * hidden - token_layout),
+        }
+
+    moments_of_a_block = {"checkpointed": block_moments(), "plain": block_moments(released // 2)}
+    block_peaks = {kind: max(moments, key=lambda m: sum(moments[m]))
+                   for kind, moments in moments_of_a_block.items()}
 
     params, grads = state["parameters"], state["gradients"]
     adam = state["optimizer"] if adam_allocated else 0
@@ -201,7 +212,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # fused or tiled norm saved it (a checkpointed block's input is its checkpoint).
     k = config.checkpointed_layers(cfg, n_layers)
     plain = n_layers - k
-    layer = norms["saved"] + norms["block_input"] + mlp_saved
+    layer = norms["saved"] - released + norms["block_input"] + mlp_saved
     # --keep-attention: what a checkpointed block keeps besides its input. In a block's backward
     # its own kept output and log-sum-exp are what its attention saved (counted there).
     kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
@@ -227,7 +238,9 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                        else last_checkpointed)
     first_layer_kept = waiting(0, hidden if k else norms["block_input"])
 
-    def backward_of(kept, model_state, fsdp="below_the_top"):  # fsdp_buffer_bytes' moment
+    def backward_of(kept, model_state, fsdp="below_the_top", block="checkpointed"):
+        # fsdp: fsdp_buffer_bytes' moment; block: the running block, checkpointed or plain
+        block_attention, block_rest = moments_of_a_block[block][block_peaks[block]]
         return {"model_state": model_state, "attention": kept["attention"] + block_attention,
                 "saved": kept["saved"], "block": block_rest, "fsdp": buffers[fsdp]}
 
@@ -246,11 +259,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # gradients of the layers above it: most at layer 1, where only two layers' gradients are
     # still to come. It outweighs the last checkpointed block (the same two checkpoints, fewer
     # gradients) always, and layer 0 once a block input is larger than one layer's gradients.
-    middle = {}
+    middle, last_block = {}, "plain" if plain else "checkpointed"
     if k and plain > 1:
         middle[f"backward of layer {k}"] = backward_of(waiting(0, checkpoints["gpu"]
                                                                + norms["block_input"]),
-                                                       with_grads_of(plain - 1))
+                                                       with_grads_of(plain - 1), block="plain")
     if plain and k > 1:
         middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
     if cfg.offload and k > 2:
@@ -259,7 +272,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
         "backward of the last layer": backward_of(last_layer_kept, with_grads_of(0),
-                                                  "during_backward"),
+                                                  "during_backward", last_block),
         **middle,
         "backward of layer 0": backward_of(first_layer_kept, with_grads_of(n_layers - 1),
                                            "during_backward" if n_layers == 1 else "bottom_block"),
@@ -268,8 +281,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         "optimizer step": {"model_state": params + grads + state["optimizer"]},
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
+    plain_at_peak = (peak_moment == f"backward of layer {k}" and k
+                     or peak_moment == "backward of the last layer" and plain)
     return {"moments": moments, "peak_moment": peak_moment,
-            "peak": sum(moments[peak_moment].values()), "block_moment": block_moment,
+            "peak": sum(moments[peak_moment].values()),
+            "block_moment": block_peaks["plain" if plain_at_peak else "checkpointed"],
             "host": host + host_state,
             "host_parts": {"checkpoints": host, "model state": host_state},
             "model_state": sum(state.values()), "local_tokens": local_tokens,

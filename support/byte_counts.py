@@ -223,13 +223,18 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2,
         it is the checkpoint itself, no extra bytes);
       first_norm: the first norm's share of it, kept until the block's input gradient is done;
       norm_backward: the fused backward's input gradient (its weight gradient's partial sums,
-        a few hundred rows of dim, are left out).
+        a few hundred rows of dim, are left out);
+      released: what a block that 03 leaves unchecked gives back of "saved" from its forward
+        until backward reaches it: its two norms' outputs (03's recompute_norms computes them
+        again from the inputs the norms keep).
     fused_norm=False, the norm op by op (F.rms_norm off CUDA; model.py before it called
     F.rms_norm, when the GPU calibration rows so marked were measured): each norm keeps an
     fp32 copy of its input, the normalized copy and 1/rms instead of its input (so
     post_norm_input and block_input are 0), 2 x (dim x (4 + 2 x bytes) + 4); its backward peaks
     in the gradient of x^2, with the fp32 input copy and five fp32 token-sized tensors alive:
-    24 x dim bytes.
+    24 x dim bytes; its outputs released, the inputs that recompute_norms holds to compute
+    them again are kept by nothing else where narrower than fp32 (the norm keeps an fp32 copy):
+    nothing is given back then.
 
     Llama-3-8B, 393,216 tokens per GPU (3M on 8): saved 9 GiB (op by op 24 GiB), norm
     backward 3 GiB (op by op 36 GiB).
@@ -238,10 +243,12 @@ def block_recompute_bytes(args, local_tokens: int, bytes_per_value: int = 2,
     if fused_norm:
         hidden = bytes_per_value * dim * tokens
         return {"saved": 3 * hidden + 2 * 4 * tokens, "first_norm": hidden + 4 * tokens,
-                "post_norm_input": hidden, "block_input": hidden, "norm_backward": hidden}
+                "post_norm_input": hidden, "block_input": hidden, "norm_backward": hidden,
+                "released": 2 * hidden}
     one_norm = dim * (4 + 2 * bytes_per_value) + 4
     return {"saved": 2 * one_norm * tokens, "first_norm": one_norm * tokens,
-            "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * tokens}
+            "post_norm_input": 0, "block_input": 0, "norm_backward": 24 * dim * tokens,
+            "released": 2 * bytes_per_value * dim * tokens if bytes_per_value >= 4 else 0}
 
 
 def kept_attention_bytes(args, seq_len: int, sp: int, bytes_per_value: int = 2) -> list[int]:
@@ -341,11 +348,11 @@ def norm_temporary_bytes(args, local_tokens: int, tile_tokens: int | None = None
     itself, no extra bytes); the peak of one norm's backward: one tile's six fp32 tensors
     (04's rms_norm_backward runs op by op on every device). autograd_tiles (the note above):
     each tile ran autograd through rms_norm, whose fused kernel (fused_norm) held one tile's
-    output and input gradient."""
+    output and input gradient. released: the two outputs (03's recompute_norms)."""
     tile = min(tiling.norm_tile_size(args.dim, local_tokens, tile_tokens), local_tokens)
     hidden = bytes_per_value * args.dim * local_tokens
     return {"saved": 3 * hidden, "first_norm": hidden, "post_norm_input": hidden,
-            "block_input": hidden,
+            "block_input": hidden, "released": 2 * hidden,
             "norm_backward": (2 * bytes_per_value if fused_norm and autograd_tiles else 24)
                              * args.dim * tile}
 

@@ -96,22 +96,29 @@ def gradient_bytes(model) -> int:
 
 def bytes_saved_for_backward(run_step, offloader=None) -> int:
     """CPU stand-in for the GPU allocator's peak: run_step() (forward and backward) and return
-    the bytes of distinct storages autograd kept from forward to backward, parameters excluded.
+    the bytes of distinct storages autograd kept from forward to backward, parameters excluded:
+    their sizes when backward first reads one (03's kept blocks have released their norms'
+    outputs by then, and compute them again later).
 
     The offloader's hooks sit inside ours (only the innermost saved-tensors hooks run), so the
     one block input it keeps on the device is added from its own count.
     """
-    saved = {}
+    saved, kept = {}, []
 
     def pack(t):
         base = t if t._base is None else t._base
         if not (base.is_leaf and base.requires_grad):  # parameters (also FSDP's gathered ones)
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(t):
+        if not kept:  # backward begins: what forward left
+            kept.append(sum(storage.nbytes() for storage in saved.values()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         run_step()
-    return sum(saved.values()) + (offloader.stats["kept_bytes"] if offloader else 0)
+    return kept[0] + (offloader.stats["kept_bytes"] if offloader else 0)
 
 
 # ---------------------------------------------------------------------------------------------

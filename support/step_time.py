@@ -10,8 +10,8 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        casts), once per pass over the blocks
     the loss           its logits' bytes through memory; 04's fp32 weight-gradient sums per tile
     03                 the recompute (one more forward of the checkpointed blocks; with
-                       --keep-attention without attention's), and the offload copies that no
-                       compute hides
+                       --keep-attention without attention's; the norms' outputs of the
+                       others), and the offload copies that no compute hides
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
     the allocator      a plan that leaves little free at its peak: the caching allocator
                        gives its cached blocks back and tries again (a retry, which
@@ -135,7 +135,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                  fused_norm: bool = True, fp32_loss: bool = False,
                  fused_forms: bool = True, free_at_peak: int | None = None,
                  swiglu: str | None = None, autograd_tiles: bool = False,
-                 recompute_logits: bool = False, gradient_memory: str | None = None) -> dict:
+                 recompute_logits: bool = False, gradient_memory: str | None = None,
+                 norm_outputs_kept: bool = False) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
     the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
@@ -146,7 +147,10 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     the untiled MLP under 03 before SwiGLUDown skipped it, the tiled one before 04's
     hand-written backward (step_flops' recompute_down); recompute_logits: rows whose tiled
     loss computed its logits again in backward; gradient_memory: rows measured with FSDP2's own
-    gradient allocation say "reduce-scatter stream" (predicted_retries). free_at_peak: the
+    gradient allocation say "reduce-scatter stream" (predicted_retries); norm_outputs_kept:
+    rows measured before 03 computed the norms' outputs of its unchecked blocks again (in
+    backward, each a norm's forward and a copy: two thirds of a norm's forward + backward,
+    by bytes). free_at_peak: the
     bytes the memory plan leaves usable at its peak (None: not known, no allocator term). A
     ValueError for an impossible layout (check_layout's)."""
     args = args or model_args(cfg)
@@ -173,7 +177,11 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     # 03's recompute runs no MLP activation (SwiGLUDown and 04's tiles skip it there)
     recomputed_width = args.dim + args.ffn_dim * whole_mlp_recomputed
     norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
-    norm_runs = 1 + (recomputed + cfg.tile_norm) / 3  # a recompute is a third of fwd + bwd
+    # each norm's forward + backward; a recompute is a third of that, 03's recompute_norms in
+    # the blocks it leaves unchecked two thirds (a forward, and a copy of as many bytes)
+    norm_runs = (2 * layers + 1) * (1 + (recomputed + cfg.tile_norm) / 3)
+    if cfg.checkpoint and not norm_outputs_kept:
+        norm_runs += 2 * layers * (1 - recomputed) * 2 / 3
     logit_bytes, recomputed_bytes = (FP32_LOGIT_BYTES if fp32_loss
                                      else (LOGIT_BYTES, RECOMPUTED_LOGIT_BYTES))
     seconds = {
@@ -181,7 +189,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "attention": attention_s,
         "elementwise": ((rates.elementwise_s if fused_forms else rates.elementwise_op_by_op_s)
                         * n * layers * (width * 3 + recomputed_width * recomputed)),
-        "norms": norm_s * n * args.dim * (2 * layers + 1) * norm_runs,
+        "norms": norm_s * n * args.dim * norm_runs,
         "loss": n * args.vocab_size
                 * (logit_bytes + recomputed_bytes * (cfg.tile_loss and recompute_logits))
                 / rates.memory,

@@ -353,6 +353,30 @@ def test_checkpointing_k_blocks_keeps_k_inputs_and_the_others_activations():
     assert steps[:-1] == [moments[k] - moments[k + 1] for k in range(L - 1)], (steps, moments)
 
 
+@pytest.mark.parametrize("techniques", [{}, {"untied": True, "head_chunk": 2},
+                                        {"tile_mlp": True, "tile_norm": True, "tile_loss": True}])
+def test_unchecked_blocks_release_their_norm_outputs_and_compute_them_again(techniques,
+                                                                         monkeypatch):
+    """recompute_norms acts: with the first block checkpointed, each of the other L - 1 keeps
+    two token-sized tensors fewer from forward to backward (its norms' outputs, fp32 here), and
+    computes them again bit for bit: the same loss and gradients as when they are kept; also
+    under 04's tiled norms and MLP and 05's stages, which read them in their own ways."""
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
+    cfg = Config(model=MODEL, checkpoint=True, checkpoint_layers=1, seq_len=SEQ,
+                 batch_size=ROWS, **techniques)
+    kept, grads = {}, {}
+    for released in (True, False):
+        if not released:
+            monkeypatch.setattr(checkpointing, "recompute_norms", lambda block: None)
+        model, rt, _ = _build(cfg)
+        kept[released] = bytes_saved_for_backward(
+            lambda: train.forward_backward(model, tokens, rt, labels))
+        grads[released] = {n: p.grad for n, p in model.named_parameters()}
+    hidden = ROWS * SEQ * ARGS.dim * 4
+    assert kept[False] - kept[True] == (L - 1) * 2 * hidden, kept
+    assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
+
+
 def test_offloaded_inputs_are_really_released():
     """Copying a block input to the host frees nothing while anything still references the
     original: after forward, every offloaded input must be gone (only the last block's stays),
@@ -515,6 +539,43 @@ def _gpu_memory_after_forward_and_syncs(offloading: bool, args, seq_len: int):
             torch.cuda.set_sync_debug_mode(0)
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return between, syncs
+
+
+@pytest.mark.gpu
+def test_gpu_unchecked_blocks_release_their_norm_outputs(monkeypatch):
+    """On a GPU (bf16, F.rms_norm's fused kernel, FSDP on one rank): with 1 of 8 blocks
+    checkpointed, the GPU holds 7 x 2 norm outputs fewer between forward and backward, as
+    support/byte_counts.py counts them, and the gradients are the same bits."""
+    run_ranks(1, _gpu_norm_outputs_released, backend="nccl")
+
+
+def _gpu_norm_outputs_released():
+    args = replace(llama.get_model_args("small"), n_layers=8)
+    llama.PRESETS["small-8L"] = args
+    seq_len = 8192
+    cfg = Config(model="small-8L", fsdp=True, checkpoint=True, checkpoint_layers=1,
+                 seq_len=seq_len, device="cuda", dtype="bfloat16")
+    ids = torch.randint(0, args.vocab_size, (1, seq_len), device="cuda")
+    positions = torch.arange(seq_len, device="cuda")[None]
+    between, grads = {}, {}
+    for released in (True, False):
+        recompute = checkpointing.recompute_norms
+        if not released:
+            checkpointing.recompute_norms = lambda block: None
+        try:
+            model, rt, _ = _build(cfg)
+        finally:
+            checkpointing.recompute_norms = recompute
+        model(ids, positions, ids).backward()  # warm-up: first-call allocations and plans
+        model.zero_grad(set_to_none=True)
+        before = _settled_memory_allocated()
+        loss = model(ids, positions, ids)
+        between[released] = _settled_memory_allocated() - before
+        loss.backward()
+        grads[released] = {n: full(p.grad) for n, p in model.named_parameters()}
+    planned = byte_counts.block_recompute_bytes(args, seq_len)["released"]
+    assert between[False] - between[True] == (args.n_layers - 1) * planned, between
+    assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
 
 
 @pytest.mark.gpu
