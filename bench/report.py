@@ -81,13 +81,28 @@ def default_out_dir() -> str:
     return os.environ.get("OUT") or str(Path(__file__).resolve().parents[1] / "docs" / "results")
 
 
+_written = set()  # the result files this process wrote (saved again after every configuration)
+
+
+def result_path(name: str, out_dir: str | None = None) -> Path:
+    """<out_dir>/<name>.json, where this run may write its result: refused (FileExistsError)
+    where an earlier run's result is there. A benchmark asks before it measures anything."""
+    path = Path(out_dir or default_out_dir()) / f"{name}.json"
+    if path.exists() and path.resolve() not in _written:
+        raise FileExistsError(f"{path} holds an earlier run's result; give this run another "
+                              f"--name (or --out), or move that file away")
+    return path
+
+
 def write_result(name: str, result: dict, out_dir: str | None = None,
                  announce: bool = True) -> Path:
-    """`result` with environment() as <out_dir>/<name>.json; announce=False for the saves a
-    benchmark makes after every configuration (a run cut short keeps what it measured)."""
-    path = Path(out_dir or default_out_dir()) / f"{name}.json"
+    """`result` with environment() as <out_dir>/<name>.json, never over an earlier run's
+    (result_path); announce=False for the saves a benchmark makes after every configuration
+    (a run cut short keeps what it measured)."""
+    path = result_path(name, out_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
+    _written.add(path.resolve())
     if announce:
         print(f"wrote {path}")
     return path

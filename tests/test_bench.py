@@ -699,3 +699,26 @@ def test_a_result_names_the_tracked_files_that_differ_from_its_commit(monkeypatc
         assert (env["git_commit"], env["git_changed_files"]) == ("abc123", changed)
     monkeypatch.setenv("GIT_COMMIT", "given")  # named by whoever ran it: nothing to compare
     assert report.environment()["git_changed_files"] is None
+
+
+def test_a_result_never_replaces_an_earlier_runs_file(tmp_path, monkeypatch):
+    """bench.report.write_result saves a run's result again after every configuration, but
+    refuses a file that an earlier run wrote, naming it; benchmarks ask first (result_path), and
+    bench/peers refuses an --out that exists, before measuring anything."""
+    from bench import report
+    from bench.peers import run as peers
+
+    monkeypatch.setattr(report, "_written", set())
+    earlier = tmp_path / "throughput_llama3-8b_1gpu.json"
+    earlier.write_text('{"rows": ["an earlier run"]}')
+    with pytest.raises(FileExistsError, match="earlier run's result"):
+        report.result_path("throughput_llama3-8b_1gpu", tmp_path)
+    with pytest.raises(FileExistsError, match="throughput_llama3-8b_1gpu.json"):
+        report.write_result("throughput_llama3-8b_1gpu", {"rows": []}, tmp_path)
+    assert earlier.read_text() == '{"rows": ["an earlier run"]}'
+    for rows in ([1], [1, 2]):  # this run's own saves replace each other
+        report.write_result("this_run", {"rows": rows}, tmp_path, announce=False)
+    assert json.loads((tmp_path / "this_run.json").read_text())["rows"] == [1, 2]
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--stacks", "hf", "--out", str(earlier)])
+    assert earlier.read_text() == '{"rows": ["an earlier run"]}'

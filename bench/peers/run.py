@@ -179,6 +179,9 @@ def parse_args(argv=None):
                 parser.error(str(error))
         if opts.out is None:
             opts.out = str(Path(os.environ.get("OUT", ".")) / "peers.json")
+        if Path(opts.out).exists():  # the parent writes it after every row: never an earlier's
+            parser.error(f"{opts.out} holds an earlier run's result; give another --out, or move "
+                         f"that file away")
         if opts.lr is None:  # train.py's for the model, passed to every stack
             from support.config import Config, default_lr
 
