@@ -377,6 +377,21 @@ def test_unchecked_blocks_release_their_norm_outputs_and_compute_them_again(tech
     assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
 
 
+def test_released_norm_outputs_leave_nothing_behind_from_step_to_step():
+    """Five steps with 1 of 4 blocks checkpointed: recompute_norms' hooks on each step's
+    tensors go with that step's graph (no tensor more after the first step, which makes
+    AdamW's state)."""
+    model, rt, cfg = _build(Config(model=MODEL, checkpoint=True, checkpoint_layers=1,
+                                   seq_len=SEQ, batch_size=ROWS, lr=1e-3))
+    optimizer = train.make_optimizer(model, cfg)
+    data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
+    live = []
+    for step in range(5):
+        train.train_step(model, optimizer, data.batch(step), rt, cfg)
+        live.append(_live_tensors())
+    assert len(set(live[1:])) == 1, live
+
+
 def test_offloaded_inputs_are_really_released():
     """Copying a block input to the host frees nothing while anything still references the
     original: after forward, every offloaded input must be gone (only the last block's stays),
