@@ -71,8 +71,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
         if isinstance(module, FSDPModule) and not offload_model_state:
             # FSDP2 reduce-scatters on a stream of its own; left to it, the gradients' memory
             # stays cached for that stream, where the next forward cannot reuse it (near the
-            # GPU's capacity: allocator retries, base/gradient_memory.py).
-            gradients_in_compute_memory(module)
+            # GPU's capacity: allocator retries, base/gradient_memory.py). On one rank the
+            # reduce-scatter is the identity: its output is its input, nothing is copied.
+            gradients_in_compute_memory(module, one_rank=ranks == 1)
         if isinstance(module, FSDPModule) and ranks > 1:
             # Our loss is already the mean over the tokens of all ranks (train.py divides the
             # summed loss by the global token count), so the rank gradients must be summed,

@@ -108,7 +108,8 @@ def planned_kernel(cfg: Config) -> str:
 def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = True,
                 forward_only: bool = False, fused_norm: bool = True,
                 autograd_tiles: bool = False, swiglu: str | None = None,
-                fp32_loss: bool = False, norm_outputs_kept: bool = False) -> dict:
+                fp32_loss: bool = False, norm_outputs_kept: bool = False,
+                one_rank_copied: bool = False) -> dict:
     """Per-GPU bytes of one training step of `cfg` on `world_size` GPUs, at the moments where
     the step can peak, by component; every count comes from support/byte_counts.py.
 
@@ -134,7 +135,9 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     before base/fused.py's SwiGLUDown (byte_counts.SWIGLU_KEPT; the rows say so); fp32_loss=True:
     the loss's cross-entropy with fp32 logits, as before base/fused.py's (the rows say so);
     norm_outputs_kept=True: the blocks 03 leaves unchecked keep their norms' outputs, as before
-    its recompute_norms (the rows say so).
+    its recompute_norms (the rows say so); one_rank_copied=True: one GPU's reduce-scatter
+    copied its input into an output of its own, as before 01 reduced one rank in place (the
+    rows say so).
     """
     if forward_only:
         return plan_forward_memory(cfg, world_size, args, fused_norm, fp32_loss)
@@ -149,7 +152,9 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     block_params = (n_params - model.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
     if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
         state = byte_counts.model_state_bytes(args, world_size)
-        buffers = byte_counts.fsdp_buffer_bytes(args, b, world_size)
+        # 01 reduces one rank in place, but where the state goes to the host (FSDP2's own)
+        in_place = world_size == 1 and not cfg.offload_model_state and not one_rank_copied
+        buffers = byte_counts.fsdp_buffer_bytes(args, b, world_size, in_place)
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
         state = {"parameters": b * n_params, "gradients": b * n_params,
                  "optimizer": 2 * b * n_params}

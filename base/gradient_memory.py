@@ -20,6 +20,13 @@ ones') is reused only after that. 01 leaves FSDP2's own allocation where the gra
 the host (--offload-model-state: they leave the GPU at once). Where the reduce dtype differs
 from the parameters' (not 01's: fp32 into fp32 shards) FSDP2's cast would put the gradients
 on its stream's memory again.
+
+On one rank a reduce-scatter is the identity, yet FSDP2 still copies its input, the block's
+gradients gathered in fp32, into an output of the same size (a pass of 8 bytes per parameter
+each step: 64 GB for Llama-3-8B), and holds the input until the next block's reduce-scatter
+(0.81 GiB there). `one_rank=True` hands FSDP2 the input's memory as the output as well: its
+copy is then a copy onto itself, which PyTorch skips, the gradient shards are views of that
+memory, and nothing else is held.
 """
 
 import torch
@@ -33,9 +40,26 @@ except ImportError:  # older torch: FSDP2 allocates as it does, on its own strea
 
 class ComputeMemoryReduceScatter(ReduceScatter):
     """torch.distributed's reduce-scatter, its buffers allocated from the compute stream's pool
-    (the default stream, where train.py runs)."""
+    (the default stream, where train.py runs); over one rank, its output is its input."""
+
+    def __init__(self, one_rank: bool = False):
+        super().__init__()
+        self.one_rank = one_rank
+        self.input = None  # one rank: the input FSDP2 asked for, until it asks for the output
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # FSDP2 asks for two buffers per reduce-scatter, its input then its output: over one
+        # rank the second is the first
+        if self.input is not None:
+            buffer, self.input = self.input, None
+            if buffer.shape == torch.Size(size) and buffer.dtype == dtype:
+                return buffer
+        buffer = self.new_buffer(size, dtype, device)
+        if self.one_rank:
+            self.input = buffer
+        return buffer
+
+    def new_buffer(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
             return torch.empty(*size, dtype=dtype, device=device)
         using = torch.cuda.current_stream(device)  # FSDP2's reduce-scatter stream, for the output
@@ -48,6 +72,8 @@ class ComputeMemoryReduceScatter(ReduceScatter):
         return buffer
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if output_tensor is input_tensor:  # one rank: nothing to reduce, nothing to move
+            return None
         # torch 2.13 renamed it (the old name warns there), 2.11 has only the old one; looked up
         # at each call, as FSDP2 does (a wrapper put on torch.distributed, bench/rehearse.py's
         # byte counter, sees the call)
@@ -56,11 +82,12 @@ class ComputeMemoryReduceScatter(ReduceScatter):
                               async_op=async_op)
 
 
-def gradients_in_compute_memory(module) -> None:
+def gradients_in_compute_memory(module, one_rank: bool = False) -> None:
     """Give FSDP module `module` (one fully_shard call's) the reduce-scatter above, where this
-    torch has custom reduce-scatters (elsewhere its gradients stay on FSDP2's stream)."""
+    torch has custom reduce-scatters (elsewhere its gradients stay on FSDP2's stream);
+    one_rank: it shards over one rank."""
     if ReduceScatter is not object and hasattr(module, "set_custom_reduce_scatter"):
-        module.set_custom_reduce_scatter(ComputeMemoryReduceScatter())
+        module.set_custom_reduce_scatter(ComputeMemoryReduceScatter(one_rank))
 
 
 def gradients_on_the_reduce_scatter_stream(model) -> None:

@@ -27,7 +27,8 @@ def model_state_bytes(args, world_size: int) -> dict:
     return {"parameters": 4 * per_rank, "gradients": 4 * per_rank, "optimizer": 8 * per_rank}
 
 
-def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1) -> dict:
+def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1,
+                      in_place: bool = False) -> dict:
     """Per-rank bytes of the unsharded copies FSDP2 makes, in the compute dtype, at four moments
     of a step. The "root" holds the embeddings, the final norm and lm_head; apply_fsdp keeps it
     (and the last block) gathered from forward to backward.
@@ -54,6 +55,11 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1) -> di
                        per root parameter (Llama-3-8B: 3.91 GiB, measured 3.97 at
                        step_llama3-8b_1gpu_16k_1l_undivided.json).
 
+    in_place: one rank whose reduce-scatter output is its input (01's, base/gradient_memory.py:
+    the gradient shards are views of the fp32 input): no input is held beside the gradients, so
+    below the top nothing more, and at the end of backward only the root's unsharded
+    gradients as they are copied into it.
+
     For Llama-3-8B in bf16: root 1.96 GiB, one block 0.41 GiB; on any number of GPUs.
     """
     root = num_params(replace(args, n_layers=0))
@@ -61,6 +67,11 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1) -> di
     gathered_blocks = min(args.n_layers, 2)
     during_backward = bytes_per_value * (root + (gathered_blocks + 1) * block
                                          + args.vocab_size * args.dim)
+    if in_place:
+        return {"after_forward": bytes_per_value * (root + block),
+                "during_backward": during_backward, "below_the_top": during_backward,
+                "bottom_block": during_backward - bytes_per_value * block,
+                "end_of_backward": bytes_per_value * root}
     return {"after_forward": bytes_per_value * (root + block),
             "during_backward": during_backward,
             "below_the_top": during_backward + REDUCE_BYTES * block,

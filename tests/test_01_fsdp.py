@@ -10,6 +10,7 @@ from ranks import run_ranks
 from reference import assert_within_bf16_error, full, make_batch, parameter_updates
 
 import model as llama
+import plan
 from support import byte_counts
 from support.config import Config, MAX_STACK, learning_rate, resolve_techniques
 from support.lessons import sharding
@@ -133,6 +134,67 @@ def _gradients_come_from_the_compute_memory():
     assert gradient_memory.gradient_memory_of(on_host) == "reduce-scatter stream"
     assert gradient_memory.gradient_memory_of(llama.Transformer(llama.get_model_args("tiny"))) \
         is None
+
+
+def _one_rank_reduces_in_place(device="cpu", model_name="tiny", seq_len=SEQ_LEN):
+    """One rank: each FSDP group's reduce-scatter takes one buffer, its input, and the gradient
+    shards are views of it (FSDP2's copy to an output of its own is a copy onto itself); the
+    loss and gradients are FSDP2's own reduce-scatter's, bit for bit. On a GPU the step's peak
+    is lower by what FSDP2 held besides (the planner's in_place count)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from base import gradient_memory
+
+    comm = gradient_memory.ComputeMemoryReduceScatter
+    args = llama.get_model_args(model_name)
+    tokens = torch.randint(0, args.vocab_size, (ROWS_PER_RANK, seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    cfg = Config(model=model_name, fsdp=True, seq_len=seq_len, batch_size=ROWS_PER_RANK,
+                 device=device, dtype="bfloat16" if device == "cuda" else "float32")
+    rt = setup_runtime(cfg)
+    results, peaks = {}, {}
+    for ours in (True, False):
+        model = train.build_model(cfg, rt)
+        if not ours:
+            gradient_memory.gradients_on_the_reduce_scatter_stream(model)
+        buffers, new_buffer = [], comm.new_buffer
+        comm.new_buffer = lambda self, *a: buffers.append(new_buffer(self, *a)) or buffers[-1]
+        try:
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            loss = train.forward_backward(model, tokens, rt)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                peaks[ours] = torch.cuda.max_memory_allocated()
+        finally:
+            comm.new_buffer = new_buffer
+        grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+        results[ours] = loss, grads
+        if ours:
+            groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            assert len(buffers) == len(groups), (len(buffers), len(groups))
+            held = {b.untyped_storage().data_ptr() for b in buffers}
+            assert {g.untyped_storage().data_ptr() for g in grads.values()} == held
+        else:
+            assert not buffers  # FSDP2's own allocation
+        del model
+    (loss, grads), (loss_default, grads_default) = results[True], results[False]
+    assert torch.equal(loss, loss_default)
+    assert all(torch.equal(grads[n], grads_default[n]) for n in grads)
+    if peaks:
+        plans = [plan.plan_memory(cfg, 1, one_rank_copied=copied)["peak"]
+                 for copied in (False, True)]
+        assert plans[0] < plans[1] and peaks[True] < peaks[False], (plans, peaks)
+
+
+def test_one_rank_reduces_in_place():
+    run_ranks(1, _one_rank_reduces_in_place)
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_reduces_in_place():
+    run_ranks(1, _one_rank_reduces_in_place, "cuda", "small", 2048, backend="nccl")
 
 
 def test_gradients_come_from_the_compute_memory():
