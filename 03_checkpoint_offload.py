@@ -113,12 +113,18 @@ def release_norm_output(norm, latest: dict, reader, inputs, output) -> None:
     x, y = latest.pop("input", None), latest.pop("output", None)
     if y is None or inputs[0] is not y or not output.requires_grad:
         return
-    storage = y.untyped_storage()
-    nbytes = storage.nbytes()
-    storage.resize_(0)
+    nbytes = y.untyped_storage().nbytes()
+    y.untyped_storage().resize_(0)
+    # The hook lives as long as the step's graph: it lets go of x and y once it has run, so
+    # that y goes when its reader's backward is done with it.
+    held = [x, y]
 
     def compute_again(grad_output):
-        storage.resize_(nbytes)
+        if not held:  # a second backward through the same graph: y is there already
+            return
+        x, y = held
+        held.clear()
+        y.untyped_storage().resize_(nbytes)
         # the same kernel on the same input: bit for bit what forward computed; writing it
         # back is no in-place change autograd must refuse, so y's version stays
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(y):

@@ -152,8 +152,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     block_params = (n_params - model.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
     if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
         state = byte_counts.model_state_bytes(args, world_size)
-        # 01 reduces one rank in place, but where the state goes to the host (FSDP2's own)
-        in_place = world_size == 1 and not cfg.offload_model_state and not one_rank_copied
+        # 01 reduces one rank in place, but where the state goes to the host (FSDP2's own);
+        # a later micro-batch's input (--grad-accum) is added into the gradients and held
+        in_place = (world_size == 1 and not cfg.offload_model_state and cfg.grad_accum == 1
+                    and not one_rank_copied)
         buffers = byte_counts.fsdp_buffer_bytes(args, b, world_size, in_place)
     else:  # one process: the model, its gradients and Adam's two moments in the compute dtype
         state = {"parameters": b * n_params, "gradients": b * n_params,

@@ -48,11 +48,16 @@ class ComputeMemoryReduceScatter(ReduceScatter):
         self.input = None  # one rank: the input FSDP2 asked for, until it asks for the output
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # FSDP2 asks for two buffers per reduce-scatter, its input then its output: over one
-        # rank the second is the first
+        # FSDP2 asks for two buffers per reduce-scatter, its input (on the compute stream) then
+        # its output (on its reduce-scatter stream): over one rank the second is the first
         if self.input is not None:
             buffer, self.input = self.input, None
             if buffer.shape == torch.Size(size) and buffer.dtype == dtype:
+                if device.type == "cuda":
+                    using = torch.cuda.current_stream(device)
+                    if using != torch.cuda.default_stream(device):
+                        # the output's stream adds to it (--grad-accum's later micro-batches)
+                        buffer.record_stream(using)
                 return buffer
         buffer = self.new_buffer(size, dtype, device)
         if self.one_rank:
@@ -73,6 +78,7 @@ class ComputeMemoryReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         if output_tensor is input_tensor:  # one rank: nothing to reduce, nothing to move
+            assert self.one_rank and group.size() == 1, "an in-place reduce-scatter of ranks"
             return None
         # torch 2.13 renamed it (the old name warns there), 2.11 has only the old one; looked up
         # at each call, as FSDP2 does (a wrapper put on torch.distributed, bench/rehearse.py's

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench.report import cuda_time_ms, refuse_without_gpu, write_result
+from bench.report import claim_result, cuda_time_ms, refuse_without_gpu, write_result
 
 SHAPES = {  # name: (tile tokens, weight rows, weight columns)
     "llama3-8b MLP weight, 4,096-token tile": (4096, 14336, 4096),
@@ -57,6 +57,7 @@ def main():
     parser.add_argument("--name", default="grad_sums_1gpu")
     opts = parser.parse_args()
     refuse_without_gpu("grad_sums.py")
+    claim_result(opts.name, None)  # never over an earlier run's result
     torch.manual_seed(0)
     rows = {}
     for name, shape in SHAPES.items():

@@ -53,8 +53,8 @@ from model import get_model_args
 import plan as planner
 from support import byte_counts
 from bench.report import allocate_adam_state
-from bench.report import (end_distributed, refuse_without_gpu, release, synchronize, within_budget,
-                          write_result)
+from bench.report import (claim_result, end_distributed, refuse_without_gpu, release, synchronize,
+                          within_budget, write_result)
 from bench.step import with_layers
 from bench.throughput import method_config
 from support.data import parse_tokens
@@ -258,6 +258,7 @@ def main():
             + ("_offload_model_state" if opts.offload_model_state else "")
             + ("_eval" if opts.forward_only else "")
             + ("" if opts.device == "cuda" else "_cpu"))
+    claim_result(name, opts.out)  # never over an earlier run's result, on every rank
 
     def save(method, planned, fits, fails, trials):
         result["methods"][method] = {"planner_longest": planned, "longest_completed": fits,

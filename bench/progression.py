@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-from bench.report import default_out_dir, refuse_without_gpu, write_result
+from bench.report import claim_result, default_out_dir, refuse_without_gpu, write_result
 
 # (label, train.py flags); "none" is one process: without FSDP nothing keeps ranks in sync
 CONFIGS = [
@@ -79,6 +79,7 @@ def main():
     result = {"what": "memory progression, per-GPU", "model": opts.model, "seq_len": opts.seq_len,
               "gpus": opts.gpus, "layers": opts.layers, "rows": rows}
     name = f"progression_{opts.model}_{opts.gpus}gpu"
+    claim_result(name, opts.out)  # never over an earlier run's result
     with tempfile.TemporaryDirectory() as tmp:
         for label, flags in CONFIGS:
             if opts.only and label not in opts.only:

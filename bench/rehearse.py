@@ -90,7 +90,7 @@ import torch.distributed as dist
 from model import PRESETS, get_model_args, num_params
 import plan as planner
 from bench import max_length
-from bench.report import release, synchronize, write_result
+from bench.report import claim_result, release, synchronize, write_result
 from base import checkpointed, kernels
 from support import byte_counts
 from support.data import parse_tokens
@@ -819,6 +819,7 @@ def main(argv=None):
               "method": __doc__.split("Method. ")[1].split("\n\n")[0].replace("\n", " "),
               "real": REAL, "not_real": NOT_REAL, "budget_s": main_opts.budget_s, "runs": []}
     name = result_name(main_opts, rehearsals)
+    claim_result(name, main_opts.out)  # never over an earlier run's result
 
     def save():
         result["wall_s"] = time.perf_counter() - started

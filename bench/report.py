@@ -86,11 +86,20 @@ _written = set()  # the result files this process wrote (saved again after every
 
 def result_path(name: str, out_dir: str | None = None) -> Path:
     """<out_dir>/<name>.json, where this run may write its result: refused (FileExistsError)
-    where an earlier run's result is there. A benchmark asks before it measures anything."""
+    where an earlier run's result is there."""
     path = Path(out_dir or default_out_dir()) / f"{name}.json"
     if path.exists() and path.resolve() not in _written:
         raise FileExistsError(f"{path} holds an earlier run's result; give this run another "
                               f"--name (or --out), or move that file away")
+    return path
+
+
+def claim_result(name: str, out_dir: str | None = None) -> Path:
+    """result_path, asked by a benchmark before it measures anything: on every rank, which then
+    wait for each other, so that no rank's first save comes before another rank has asked."""
+    path = result_path(name, out_dir)
+    if dist.is_initialized():
+        dist.barrier()
     return path
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from model import get_model_args
-from bench.report import peak_and_times, refuse_without_gpu, release, write_result
+from bench.report import claim_result, peak_and_times, refuse_without_gpu, release, write_result
 from base import kernels
 from support.data import parse_tokens
 from support.lessons import ring_sp
@@ -126,6 +126,8 @@ def main(argv=None):
                        cpu_form="python -m bench.ring_blocks --device cpu --model tiny --ulysses 1 "
                                 "--seq-len 256 --check-seq-len 128 --kernels auto --repeats 1")
     device = torch.device(opts.device)
+    # never over an earlier run's result
+    claim_result(opts.name + ("" if device.type == "cuda" else "_cpu"), opts.out)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = get_model_args(opts.model)
     heads, kv_heads = args.n_heads // opts.ulysses, max(args.n_kv_heads // opts.ulysses, 1)

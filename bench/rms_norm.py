@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from bench.report import refuse_without_gpu, write_result
+from bench.report import claim_result, refuse_without_gpu, write_result
 from model import rms_norm
 from support.data import parse_tokens
 
@@ -72,6 +72,7 @@ def main():
     parser.add_argument("--name", default="rms_norm_1gpu")
     opts = parser.parse_args()
     refuse_without_gpu("rms_norm.py")
+    claim_result(opts.name, None)  # never over an earlier run's result
     torch.manual_seed(0)
     shape, eps = (1, opts.tokens, opts.dim), 1e-5
     x0 = torch.randn(shape, device="cuda", dtype=torch.bfloat16)

@@ -36,8 +36,8 @@ from base.gradient_memory import gradient_memory_of, gradients_on_the_reduce_sca
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
-from bench.report import (allocator_retries, cached_by_stream, end_distributed, profile,
-                          refuse_without_gpu, result_path, write_result)
+from bench.report import (allocator_retries, cached_by_stream, claim_result, end_distributed,
+                          profile, refuse_without_gpu, write_result)
 from support.data import TokenData
 
 train = importlib.import_module("train")
@@ -75,7 +75,7 @@ def main():
                         help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
     opts, train_argv = parser.parse_known_args()
     refuse_without_gpu("step.py")
-    result_path(opts.name, opts.out)  # never over an earlier run's result
+    claim_result(opts.name, opts.out)  # never over an earlier run's result
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
     cfg.model = with_layers(cfg.model, opts.layers)

@@ -78,8 +78,8 @@ from support.step_time import step_flops
 from model import get_model_args
 import plan as planner
 from bench import bound, ring
-from bench.report import (default_out_dir, end_distributed, refuse_without_gpu, release,
-                          result_path, synchronize, within_budget, write_result)
+from bench.report import (claim_result, default_out_dir, end_distributed, refuse_without_gpu,
+                          release, synchronize, within_budget, write_result)
 from bench.step import with_layers
 from support.data import parse_tokens
 from support.runtime import read_machine, setup_runtime
@@ -586,7 +586,7 @@ def main():
     name = opts.name or (f"throughput_{opts.model}_{rt.world}gpu"
                          + ("" if opts.device == "cuda" else "_cpu"))
     out_dir = Path(opts.out or default_out_dir())
-    result_path(name, out_dir)  # never over an earlier run's result
+    claim_result(name, out_dir)  # never over an earlier run's result
 
     in_budget = partial(within_budget, started, opts.budget_s, rt.device)
 

@@ -118,7 +118,8 @@ def bytes_saved_for_backward(run_step, offloader=None) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         run_step()
-    return kept[0] + (offloader.stats["kept_bytes"] if offloader else 0)
+    forward_left = kept[0] if kept else sum(storage.nbytes() for storage in saved.values())
+    return forward_left + (offloader.stats["kept_bytes"] if offloader else 0)
 
 
 # ---------------------------------------------------------------------------------------------

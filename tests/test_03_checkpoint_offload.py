@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
                        reference_loss_and_grads, train_loss_and_grads, with_kernel)
@@ -375,6 +376,35 @@ def test_unchecked_blocks_release_their_norm_outputs_and_compute_them_again(tech
     hidden = ROWS * SEQ * ARGS.dim * 4
     assert kept[False] - kept[True] == (L - 1) * 2 * hidden, kept
     assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
+
+
+def test_a_recomputed_norm_output_goes_with_its_readers_backward(monkeypatch):
+    """A norm output computed again lives only through its reader's backward, as a kept one
+    does: once backward has left the unchecked blocks (at checkpointed block 0's output), none
+    of their norm outputs is alive. (The hook that computes it again lives with the graph
+    until the whole backward is done; holding the output there kept all of them, 4 x tokens x
+    dim per block.)"""
+    outputs, alive_below = [], []
+    release = checkpointing.release_norm_output
+
+    def watched(norm, latest, reader, inputs, output):
+        if "output" in latest:
+            outputs.append(StorageWeakRef(latest["output"].untyped_storage()))
+        return release(norm, latest, reader, inputs, output)
+
+    monkeypatch.setattr(checkpointing, "release_norm_output", watched)
+    model, rt, _ = _build(Config(model=MODEL, checkpoint=True, checkpoint_layers=1, seq_len=SEQ,
+                                 batch_size=ROWS))
+
+    def at_block_0(block, inputs, output):
+        if output.requires_grad:
+            output.register_hook(lambda grad: alive_below.append(
+                [not ref.expired() for ref in outputs]))
+
+    model.layers[0].register_forward_hook(at_block_0)
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=6)
+    train.forward_backward(model, tokens, rt, labels)
+    assert len(outputs) == 2 * (L - 1) and alive_below == [[False] * len(outputs)], alive_below
 
 
 def test_released_norm_outputs_leave_nothing_behind_from_step_to_step():

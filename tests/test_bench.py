@@ -703,8 +703,8 @@ def test_a_result_names_the_tracked_files_that_differ_from_its_commit(monkeypatc
 
 def test_a_result_never_replaces_an_earlier_runs_file(tmp_path, monkeypatch):
     """bench.report.write_result saves a run's result again after every configuration, but
-    refuses a file that an earlier run wrote, naming it; benchmarks ask first (result_path), and
-    bench/peers refuses an --out that exists, before measuring anything."""
+    refuses a file that an earlier run wrote, naming it; benchmarks ask first (claim_result, on
+    every rank), and bench/peers refuses an --out that exists, before measuring anything."""
     from bench import report
     from bench.peers import run as peers
 
@@ -712,7 +712,7 @@ def test_a_result_never_replaces_an_earlier_runs_file(tmp_path, monkeypatch):
     earlier = tmp_path / "throughput_llama3-8b_1gpu.json"
     earlier.write_text('{"rows": ["an earlier run"]}')
     with pytest.raises(FileExistsError, match="earlier run's result"):
-        report.result_path("throughput_llama3-8b_1gpu", tmp_path)
+        report.claim_result("throughput_llama3-8b_1gpu", tmp_path)
     with pytest.raises(FileExistsError, match="throughput_llama3-8b_1gpu.json"):
         report.write_result("throughput_llama3-8b_1gpu", {"rows": []}, tmp_path)
     assert earlier.read_text() == '{"rows": ["an earlier run"]}'
