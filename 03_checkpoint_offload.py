@@ -93,7 +93,8 @@ def block_contexts(layer: int, offloader):
 
 def recompute_norms(block) -> None:
     """Each RMSNorm output of `block` is released once its reader (the attention, the MLP) has
-    run, and computed again, into the same memory, when backward reaches that reader."""
+    run, and computed again, into the same memory, when backward reaches that reader. (Code
+    that reads it in between, a hook of your own, finds no memory behind it.)"""
     for norm, reader in ((block.input_layernorm, block.self_attn),
                          (block.post_attention_layernorm, block.mlp)):
         latest = {}  # the norm's input and output, from its forward until its reader's
