@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import assert_within_bf16_error, full, make_batch, parameter_updates
+from reference import (assert_within_bf16_error, full, make_batch, parameter_updates,
+                       relative_error)
 
 import model as llama
 from support import byte_counts
@@ -178,7 +179,11 @@ def _one_rank_reduces_in_place(device="cpu", model_name="tiny", seq_len=SEQ_LEN)
         del model
     (loss, grads), (loss_default, grads_default) = results[True], results[False]
     assert torch.equal(loss, loss_default)
-    assert all(torch.equal(grads[n], grads_default[n]) for n in grads)
+    if device == "cpu":
+        assert all(torch.equal(grads[n], grads_default[n]) for n in grads)
+    else:  # to the attention backward's run-to-run spread (fp32 sums in no fixed order)
+        errors = {n: relative_error(grads[n], grads_default[n]) for n in grads}
+        assert max(errors.values()) < 1e-3, errors
     if allocated:
         outputs = 4 * sum(g.numel() for g in grads.values())  # fp32, one rank: all of them
         more = allocated[False] - allocated[True]

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
-                       reference_loss_and_grads, train_loss_and_grads, with_kernel)
+                       reference_loss_and_grads, relative_error, train_loss_and_grads,
+                       with_kernel)
 
 import plan
 from base import host_buffers, kernels
@@ -620,7 +621,10 @@ def _gpu_norm_outputs_released():
         grads[released] = {n: full(p.grad) for n, p in model.named_parameters()}
     planned = byte_counts.block_recompute_bytes(args, seq_len)["released"]
     assert between[False] - between[True] == (args.n_layers - 1) * planned, between
-    assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
+    # the same numbers, to the attention backward's own run-to-run spread (its fp32 sums run
+    # in no fixed order on a GPU)
+    errors = {n: relative_error(grads[True][n], grads[False][n]) for n in grads[False]}
+    assert max(errors.values()) < 1e-3, errors
 
 
 @pytest.mark.gpu
