@@ -107,6 +107,28 @@ def gradients_on_the_reduce_scatter_stream(model) -> None:
             module.set_custom_reduce_scatter(DefaultReduceScatter())
 
 
+def one_rank_copies(model) -> None:
+    """The compute stream's memory still, but one rank's output a copy of its own again, as
+    FSDP2 makes it (bench.step's A/B of the in-place reduce)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            gradients_in_compute_memory(module, one_rank=False)
+
+
+def one_rank_reduce_of(model) -> str | None:
+    """How one rank's reduce-scatter runs, as results record it: "in place" (01's), "copied"
+    (FSDP2's own, or one_rank_copies), None without FSDP or over more ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule) or model._get_fsdp_state()._fsdp_param_group is None:
+        return None
+    if model._get_fsdp_state()._fsdp_param_group.mesh_info.shard_mesh_size != 1:
+        return None
+    return "in place" if getattr(reduce_scatter_of(model), "one_rank", False) else "copied"
+
+
 def reduce_scatter_of(module):
     """The reduce-scatter FSDP2 runs for `module`'s gradients (tests)."""
     return module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm

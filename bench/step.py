@@ -32,7 +32,8 @@ import torch
 
 import plan as planner
 from base import kernels
-from base.gradient_memory import gradient_memory_of, gradients_on_the_reduce_scatter_stream
+from base.gradient_memory import (gradient_memory_of, gradients_on_the_reduce_scatter_stream,
+                                  one_rank_copies, one_rank_reduce_of)
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
@@ -70,6 +71,9 @@ def main():
     parser.add_argument("--reduce-scatter-stream-gradients", action="store_true",
                         help="FSDP2's own allocation of the gradients, on its reduce-scatter "
                              "stream (the A/B of base/gradient_memory.py)")
+    parser.add_argument("--one-rank-reduce-copied", action="store_true",
+                        help="on one GPU, FSDP2's reduce-scatter output a copy of its input again "
+                             "(the A/B of base/gradient_memory.py's in-place reduce)")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None,
                         help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
@@ -89,6 +93,8 @@ def main():
     model = train.build_model(cfg, rt)
     if opts.reduce_scatter_stream_gradients:
         gradients_on_the_reduce_scatter_stream(model)
+    elif opts.one_rank_reduce_copied:
+        one_rank_copies(model)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
     times, peaks, reserved, losses, retries, cached = [], [], [], [], [], []
@@ -96,6 +102,7 @@ def main():
               "loss_tiles": bound.LOSS_TILES,
               "release_cache": opts.release_cache,
               "gradient_memory": gradient_memory_of(model),
+              "one_rank_reduce": one_rank_reduce_of(model),
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
                                                                 getattr(torch, cfg.dtype))}

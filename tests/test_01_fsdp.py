@@ -169,6 +169,7 @@ def _one_rank_reduces_in_place(device="cpu", model_name="tiny", seq_len=SEQ_LEN)
             comm.new_buffer = new_buffer
         grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
         results[ours] = loss, grads
+        assert gradient_memory.one_rank_reduce_of(model) == ("in place" if ours else "copied")
         if ours:
             groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
             assert len(buffers) == len(groups), (len(buffers), len(groups))
@@ -181,6 +182,12 @@ def _one_rank_reduces_in_place(device="cpu", model_name="tiny", seq_len=SEQ_LEN)
     assert torch.equal(loss, loss_default)
     if device == "cpu":
         assert all(torch.equal(grads[n], grads_default[n]) for n in grads)
+        copying = train.build_model(cfg, rt)  # bench.step's A/B: our memory, FSDP2's copy
+        gradient_memory.one_rank_copies(copying)
+        train.forward_backward(copying, tokens, rt)
+        assert gradient_memory.one_rank_reduce_of(copying) == "copied"
+        assert all(torch.equal(p.grad.to_local(), grads[n])
+                   for n, p in copying.named_parameters())
     else:  # to the attention backward's run-to-run spread (fp32 sums in no fixed order)
         errors = {n: relative_error(grads[n], grads_default[n]) for n in grads}
         assert max(errors.values()) < 1e-3, errors
