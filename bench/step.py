@@ -11,7 +11,9 @@ kernel; the allocator's peak reserved memory and its retries per step (a failed 
 the cache emptied, tried again), and what it holds cached per CUDA stream after each step
 (`--release-cache`: given back at each step's end, an A/B against the retries;
 `--reduce-scatter-stream-gradients`: FSDP2's own allocation of the gradients, the A/B of
-base/gradient_memory.py).
+base/gradient_memory.py; `--one-rank-reduce-copied`: on one GPU FSDP2's copy of the reduced
+gradients again, the A/B of its in-place reduce; `--norm-outputs-kept`: the blocks 03 leaves
+unchecked keep their norms' outputs, the A/B of 03's recompute_norms).
 `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds what was
 alive at the peak (model state / attention / other, and the largest owners), read from PyTorch's
 memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapshot.
@@ -34,6 +36,7 @@ import plan as planner
 from base import kernels
 from base.gradient_memory import (gradient_memory_of, gradients_on_the_reduce_scatter_stream,
                                   one_rank_copies, one_rank_reduce_of)
+from support.lessons import checkpointing
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
@@ -71,6 +74,9 @@ def main():
     parser.add_argument("--reduce-scatter-stream-gradients", action="store_true",
                         help="FSDP2's own allocation of the gradients, on its reduce-scatter "
                              "stream (the A/B of base/gradient_memory.py)")
+    parser.add_argument("--norm-outputs-kept", action="store_true",
+                        help="the blocks 03 leaves unchecked keep their norms' outputs (the A/B "
+                             "of 03's recompute_norms)")
     parser.add_argument("--one-rank-reduce-copied", action="store_true",
                         help="on one GPU, FSDP2's reduce-scatter output a copy of its input again "
                              "(the A/B of base/gradient_memory.py's in-place reduce)")
@@ -90,6 +96,8 @@ def main():
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
+    if opts.norm_outputs_kept:  # before the build, which applies 03
+        checkpointing.recompute_norms = lambda block: None
     model = train.build_model(cfg, rt)
     if opts.reduce_scatter_stream_gradients:
         gradients_on_the_reduce_scatter_stream(model)
@@ -103,6 +111,7 @@ def main():
               "release_cache": opts.release_cache,
               "gradient_memory": gradient_memory_of(model),
               "one_rank_reduce": one_rank_reduce_of(model),
+              "norm_outputs": "kept" if opts.norm_outputs_kept else "recomputed",
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
                                                                 getattr(torch, cfg.dtype))}
