@@ -50,15 +50,16 @@ class ComputeMemoryReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # FSDP2 asks for two buffers per reduce-scatter, its input (on the compute stream) then
         # its output (on its reduce-scatter stream): over one rank the second is the first
-        if self.input is not None:
-            buffer, self.input = self.input, None
-            if buffer.shape == torch.Size(size) and buffer.dtype == dtype:
-                if device.type == "cuda":
-                    using = torch.cuda.current_stream(device)
-                    if using != torch.cuda.default_stream(device):
-                        # the output's stream adds to it (--grad-accum's later micro-batches)
-                        buffer.record_stream(using)
-                return buffer
+        pending, self.input = self.input, None
+        output = (pending is not None and pending.shape == torch.Size(size)
+                  and pending.dtype == dtype)
+        if output and device.type == "cuda":  # asked for on FSDP2's stream, not the compute one
+            using = torch.cuda.current_stream(device)
+            output = using != torch.cuda.default_stream(device)
+            if output:  # the output's stream adds to it (--grad-accum's later micro-batches)
+                pending.record_stream(using)
+        if output:
+            return pending
         buffer = self.new_buffer(size, dtype, device)
         if self.one_rank:
             self.input = buffer
@@ -112,8 +113,9 @@ def one_rank_copies(model) -> None:
     FSDP2 makes it (bench.step's A/B of the in-place reduce)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
+    for module in model.modules():  # (where 01 left FSDP2's own, it stays)
+        if isinstance(module, FSDPModule) and isinstance(reduce_scatter_of(module),
+                                                         ComputeMemoryReduceScatter):
             gradients_in_compute_memory(module, one_rank=False)
 
 

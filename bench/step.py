@@ -36,6 +36,7 @@ import plan as planner
 from base import kernels
 from base.gradient_memory import (gradient_memory_of, gradients_on_the_reduce_scatter_stream,
                                   one_rank_copies, one_rank_reduce_of)
+from support.config import checkpointed_layers
 from support.lessons import checkpointing
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
@@ -84,17 +85,21 @@ def main():
     parser.add_argument("--trace", default=None,
                         help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
     opts, train_argv = parser.parse_known_args()
+    if opts.reduce_scatter_stream_gradients and opts.one_rank_reduce_copied:
+        parser.error("--one-rank-reduce-copied is the A/B of the compute stream's reduce-scatter; "
+                     "--reduce-scatter-stream-gradients replaces that one: give one of them")
     refuse_without_gpu("step.py")
-    claim_result(opts.name, opts.out)  # never over an earlier run's result
     train_argv = [a for a in train_argv if a != "--"]
     cfg = train.parse_args(train_argv)
     cfg.model = with_layers(cfg.model, opts.layers)
     # train.py's choices for these flags (the planner's, on this GPU), before the runtime
     cfg = dataclasses.replace(cfg, **planner.plan_run(cfg, read_machine(cfg)).settings)
     rt = setup_runtime(cfg)
+    claim_result(opts.name, opts.out)  # never over an earlier run's result, on every rank
     if opts.snapshot or opts.snapshot_file:
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
     data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
+    n_layers = get_model_args(cfg.model).n_layers
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
     if opts.norm_outputs_kept:  # before the build, which applies 03
         checkpointing.recompute_norms = lambda block: None
@@ -111,7 +116,8 @@ def main():
               "release_cache": opts.release_cache,
               "gradient_memory": gradient_memory_of(model),
               "one_rank_reduce": one_rank_reduce_of(model),
-              "norm_outputs": "kept" if opts.norm_outputs_kept else "recomputed",
+              "norm_outputs": (None if checkpointed_layers(cfg, n_layers) in (0, n_layers)
+                               else "kept" if opts.norm_outputs_kept else "recomputed"),
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,
                                                                 getattr(torch, cfg.dtype))}
