@@ -288,11 +288,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         "optimizer step": {"model_state": params + grads + state["optimizer"]},
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
-    plain_at_peak = (peak_moment == f"backward of layer {k}" and k
-                     or peak_moment == "backward of the last layer" and plain)
+    running = {"backward of the last layer": last_block, f"backward of layer {k}": "plain"}
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()),
-            "block_moment": block_peaks["plain" if plain_at_peak else "checkpointed"],
+            "block_moment": block_peaks[running.get(peak_moment, "checkpointed")],
             "host": host + host_state,
             "host_parts": {"checkpoints": host, "model state": host_state},
             "model_state": sum(state.values()), "local_tokens": local_tokens,

@@ -98,8 +98,8 @@ def main():
     claim_result(opts.name, opts.out)  # never over an earlier run's result, on every rank
     if opts.snapshot or opts.snapshot_file:
         snapshot.start_recording()  # before the model exists: its bytes are in the trace too
-    data = TokenData(cfg, get_model_args(cfg.model).vocab_size, rt.dp_rank, rt.dp)
-    n_layers = get_model_args(cfg.model).n_layers
+    args = get_model_args(cfg.model)
+    data = TokenData(cfg, args.vocab_size, rt.dp_rank, rt.dp)
     gib = lambda: torch.cuda.memory_allocated() / GiB  # noqa: E731
     if opts.norm_outputs_kept:  # before the build, which applies 03
         checkpointing.recompute_norms = lambda block: None
@@ -116,7 +116,7 @@ def main():
               "release_cache": opts.release_cache,
               "gradient_memory": gradient_memory_of(model),
               "one_rank_reduce": one_rank_reduce_of(model),
-              "norm_outputs": (None if checkpointed_layers(cfg, n_layers) in (0, n_layers)
+              "norm_outputs": (None if checkpointed_layers(cfg, args.n_layers) in (0, args.n_layers)
                                else "kept" if opts.norm_outputs_kept else "recomputed"),
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,
               "attention_kernel": kernels.attention_kernel_name(rt.device,

@@ -111,15 +111,17 @@ def bytes_saved_for_backward(run_step, offloader=None) -> int:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage()
         return t
 
+    def held() -> int:
+        return sum(storage.nbytes() for storage in saved.values())
+
     def unpack(t):
         if not kept:  # backward begins: what forward left
-            kept.append(sum(storage.nbytes() for storage in saved.values()))
+            kept.append(held())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         run_step()
-    forward_left = kept[0] if kept else sum(storage.nbytes() for storage in saved.values())
-    return forward_left + (offloader.stats["kept_bytes"] if offloader else 0)
+    return (kept[0] if kept else held()) + (offloader.stats["kept_bytes"] if offloader else 0)
 
 
 # ---------------------------------------------------------------------------------------------
