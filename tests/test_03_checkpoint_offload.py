@@ -627,6 +627,27 @@ def _gpu_norm_outputs_released():
     assert max(errors.values()) < 1e-3, errors
 
 
+def _gpu_unchecked_block_matches_fp32():
+    """bf16 on the GPU, 1 of 2 blocks checkpointed (the other computes its norms' outputs
+    again; on one rank the reduce-scatter runs in place), against the fp32 unsharded model by
+    the bf16 rule of every GPU test (reference.assert_step_matches)."""
+    sp = dist.get_world_size()
+    cfg = Config(model="tiny-hd64", fsdp=True, checkpoint=True, checkpoint_layers=1,
+                 ulysses=sp > 1, seq_len=256, batch_size=2, device="cuda", dtype="bfloat16")
+    tokens, labels = make_batch(llama.get_model_args(cfg.model).vocab_size, 2, cfg.seq_len,
+                                seed=7, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)
+    loss, grads = train_loss_and_grads(cfg, tokens, labels)
+    assert_step_matches(loss.cpu(), grads, ref_loss, ref_grads, cfg.model, tokens, labels,
+                        cfg.dtype, what=f"checkpoint_layers=1 sp={sp}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_unchecked_block_bf16_matches_fp32_reference(world):
+    run_ranks(world, _gpu_unchecked_block_matches_fp32, backend="nccl")
+
+
 @pytest.mark.gpu
 def test_gpu_offload_pinned_side_stream_less_memory_and_exact():
     run_ranks(1, _gpu_offload_is_pinned_async_and_exact, backend="nccl")
