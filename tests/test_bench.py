@@ -721,4 +721,11 @@ def test_a_result_never_replaces_an_earlier_runs_file(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "this_run.json").read_text())["rows"] == [1, 2]
     with pytest.raises(SystemExit):
         peers.parse_args(["--stacks", "hf", "--out", str(earlier)])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--stacks", "hf", "--out", str(tmp_path / "peers.txt")])
     assert earlier.read_text() == '{"rows": ["an earlier run"]}'
+    for rows in ([1], [1, 2]):  # bench/peers saves through write_result after every row
+        peers.write(str(tmp_path / "peers.json"), {"rows": rows})
+    assert json.loads((tmp_path / "peers.json").read_text())["rows"] == [1, 2]
+    with pytest.raises(FileExistsError):
+        peers.write(str(earlier), {"rows": []})

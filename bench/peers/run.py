@@ -56,7 +56,8 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import BEST, parse_choice, parse_spec, window
-from bench.report import allocator_retries, profile, release, synchronize
+from bench.report import (allocator_retries, profile, release, result_path, synchronize,
+                          write_result)
 from support.data import parse_tokens
 
 GiB = 2**30
@@ -179,9 +180,12 @@ def parse_args(argv=None):
                 parser.error(str(error))
         if opts.out is None:
             opts.out = str(Path(os.environ.get("OUT", ".")) / "peers.json")
-        if Path(opts.out).exists():  # the parent writes it after every row: never an earlier's
-            parser.error(f"{opts.out} holds an earlier run's result; give another --out, or move "
-                         f"that file away")
+        if not opts.out.endswith(".json"):
+            parser.error(f"--out {opts.out}: name a .json file")
+        try:  # the parent writes it after every row: never over an earlier run's
+            result_path(Path(opts.out).stem, str(Path(opts.out).parent))
+        except FileExistsError as error:
+            parser.error(str(error))
         if opts.lr is None:  # train.py's for the model, passed to every stack
             from support.config import Config, default_lr
 
@@ -307,10 +311,9 @@ def last_error(tail: list) -> str:
 
 
 def write(path: str, result: dict) -> None:
-    from bench.report import environment
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**environment(), **result}, indent=1, default=str) + "\n")
+    """The JSON at --out (bench.report's write_result: never over an earlier run's file), saved
+    again after every row."""
+    write_result(Path(path).stem, result, str(Path(path).parent), announce=False)
 
 
 # ---------------------------------------------------------------------------------------------
