@@ -95,11 +95,13 @@ def recompute_norms(block) -> None:
     """Each RMSNorm output of `block` is released once its reader (the attention, the MLP) has
     run, and computed again, into the same memory, when backward reaches that reader. (Code
     that reads it in between, a hook of your own, finds no memory behind it.)"""
+    block.norm_recompute_hooks = []  # (07 removes them where a block's outputs go to the host)
     for norm, reader in ((block.input_layernorm, block.self_attn),
                          (block.post_attention_layernorm, block.mlp)):
         latest = {}  # the norm's input and output, from its forward until its reader's
-        norm.register_forward_hook(partial(remember_norm, latest))
-        reader.register_forward_hook(partial(release_norm_output, norm, latest))
+        block.norm_recompute_hooks += [
+            norm.register_forward_hook(partial(remember_norm, latest)),
+            reader.register_forward_hook(partial(release_norm_output, norm, latest))]
 
 
 def remember_norm(latest: dict, norm, inputs, output) -> None:

@@ -219,7 +219,16 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # fused or tiled norm saved it (a checkpointed block's input is its checkpoint).
     k = config.checkpointed_layers(cfg, n_layers)
     plain = n_layers - k
+    if cfg.offload_activations > plain:
+        raise ValueError(f"--offload-activations {cfg.offload_activations} needs as many blocks "
+                         f"that 03 leaves unchecked; {k} of {n_layers} are checkpointed")
     layer = norms["saved"] - released + norms["block_input"] + mlp_saved
+    # 07: the lowest `offloaded` of the plain blocks keep all they saved (their norms' outputs
+    # too) in host memory; copied out beside the forward of the blocks above them, they are off
+    # the GPU at its end. In backward each comes back during the backward of the block above:
+    # at most one waits on the GPU beside the running block.
+    offloaded = cfg.offload_activations
+    offloaded_layer = layer + released  # (its attention's tensors: attention_saved)
     # --keep-attention: what a checkpointed block keeps besides its input. In a block's backward
     # its own kept output and log-sum-exp are what its attention saved (counted there).
     kept_tensors = (byte_counts.kept_attention_bytes(args, tokens, sp, b)
@@ -229,11 +238,15 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                                                         pinned=True, also_kept=kept_tensors,
                                                         layers=k)
     host = checkpoints["host"]
+    host_activations = offloaded * (offloaded_layer + attention_saved)
 
-    def waiting(plain_blocks, saved):  # the plain blocks' activations, and `saved` besides
-        return {"saved": saved + plain_blocks * layer, "attention": plain_blocks * attention_saved}
+    def waiting(plain_blocks, saved, back=0):  # the plain blocks' activations, `back` offloaded
+        # blocks' brought back, and `saved` besides
+        return {"saved": saved + plain_blocks * layer + back * offloaded_layer,
+                "attention": (plain_blocks + back) * attention_saved}
 
-    forward_kept = waiting(plain, checkpoints["gpu"])
+    kept_plain = plain - offloaded  # the plain blocks that keep their activations on the GPU
+    forward_kept = waiting(kept_plain, checkpoints["gpu"])
     # The backward of the last checkpointed block: all checkpoints still on the GPU; offloaded,
     # its own input (it stayed) and the one below, brought back ahead of time (if there is one
     # below: a single checkpointed block keeps its only input on the GPU).
@@ -241,8 +254,11 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     last_checkpointed = waiting(0, checkpoints["gpu"] - kept + prefetched)
     # A plain block's backward: the checkpoints, the plain blocks below it, and its own input
     # where its norm saved it.
-    last_layer_kept = (waiting(plain - 1, checkpoints["gpu"] + norms["block_input"]) if plain
-                       else last_checkpointed)
+    # (07: the offloaded block just below comes back during the backward of the one above it)
+    last_layer_kept = (waiting(max(kept_plain - 1, 0), checkpoints["gpu"] + norms["block_input"],
+                               back=int(offloaded > 0 and (kept_plain == 1 or offloaded > 1
+                                                           and not kept_plain)))
+                       if plain else last_checkpointed)
     first_layer_kept = waiting(0, hidden if k else norms["block_input"])
 
     def backward_of(kept, model_state, fsdp="below_the_top", block="checkpointed"):
@@ -266,11 +282,25 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # gradients of the layers above it: most at layer 1, where only two layers' gradients are
     # still to come. It outweighs the last checkpointed block (the same two checkpoints, fewer
     # gradients) always, and layer 0 once a block input is larger than one layer's gradients.
-    middle, last_block = {}, "plain" if plain else "checkpointed"
+    # A running offloaded block has its norms' outputs back: the moments of a checkpointed one.
+    # With 07, the lowest kept block and the second offloaded one each have an offloaded block
+    # back below them, and more gradients than the last layer.
+    middle = {}
+    last_block = "plain" if kept_plain else "checkpointed"
+    lowest_plain = "checkpointed" if offloaded else "plain"
     if k and plain > 1:
         middle[f"backward of layer {k}"] = backward_of(waiting(0, checkpoints["gpu"]
                                                                + norms["block_input"]),
-                                                       with_grads_of(plain - 1), block="plain")
+                                                       with_grads_of(plain - 1),
+                                                       block=lowest_plain)
+    if offloaded > 1:
+        middle[f"backward of layer {k + 1}"] = backward_of(
+            waiting(0, checkpoints["gpu"] + norms["block_input"], back=1),
+            with_grads_of(plain - 2), block="checkpointed")
+    if offloaded and kept_plain > 1:
+        middle[f"backward of layer {k + offloaded}"] = backward_of(
+            waiting(0, checkpoints["gpu"] + norms["block_input"], back=1),
+            with_grads_of(kept_plain - 1), block="plain")
     if plain and k > 1:
         middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
     if cfg.offload and k > 2:
@@ -288,12 +318,14 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         "optimizer step": {"model_state": params + grads + state["optimizer"]},
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
-    running = {"backward of the last layer": last_block, f"backward of layer {k}": "plain"}
+    running = {"backward of the last layer": last_block, f"backward of layer {k}": lowest_plain,
+               f"backward of layer {k + offloaded}": "plain" if offloaded else lowest_plain}
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()),
             "block_moment": block_peaks[running.get(peak_moment, "checkpointed")],
-            "host": host + host_state,
-            "host_parts": {"checkpoints": host, "model state": host_state},
+            "host": host + host_state + host_activations,
+            "host_parts": {"checkpoints": host, "model state": host_state,
+                           "activations (07)": host_activations},
             "model_state": sum(state.values()), "local_tokens": local_tokens,
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk, "ring": ring}
 
@@ -417,7 +449,8 @@ def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: i
         peak = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)["peak"]
         return fits_on_gpu(peak, gpu_mem) and free_at_peak(peak, gpu_mem) >= headroom
 
-    low, high = 1, args.n_layers  # the peak falls as k grows: bisect for the first enough
+    # the peak falls as k grows (to the L - N that leave 07's N blocks): bisect for the first
+    low, high = 1, args.n_layers - cfg.offload_activations
     while low < high:
         middle = (low + high) // 2
         low, high = (low, middle) if enough(middle) else (middle + 1, high)
@@ -840,7 +873,7 @@ HOST_HEADROOM = 0.9
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
             "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
-            "offload_model_state")
+            "offload_model_state", "offload_activations")
 
 
 @dataclass
@@ -929,8 +962,10 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
 
     def predicted(candidate, plan):
         free = free_at_peak(plan["peak"], machine.gpu_mem)
+        block = plan["host_parts"]["activations (07)"] // max(candidate.offload_activations, 1)
         return (step_time.step_seconds_total(candidate, machine.gpus, rates, kernel,
-                                             free_at_peak=free) if rates else None)
+                                             free_at_peak=free, offloaded_block_bytes=block)
+                if rates else None)
 
     ranked, first_error = [], None
     for candidate in candidate_configs(cfg, machine.gpus):
@@ -985,8 +1020,12 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
         # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
-        # that fit need each candidate's plan.
-        candidates += [replace(chosen, head_chunk=chunk, mlp_tile_tokens=tile, keep_attention=keep)
+        # that fit need each candidate's plan. With 07's blocks above them, at most L - N.
+        layers = chosen.checkpoint_layers
+        if chosen.checkpoint and chosen.offload_activations and layers is None:
+            layers = args.n_layers - chosen.offload_activations
+        candidates += [replace(chosen, head_chunk=chunk, mlp_tile_tokens=tile, keep_attention=keep,
+                               checkpoint_layers=layers)
                        for chunk, tile, keep in product(chunks, tiles, kept)]
     return candidates
 
@@ -1084,7 +1123,9 @@ def flags_text(cfg: Config) -> str:
     return " ".join(flags + settings_flags(cfg, ("checkpoint_layers", "head_chunk",
                                                  "keep_attention", "mlp_tile_tokens"))
                     + (["--tile-norm"] if cfg.tile_norm else [])
-                    + (["--offload-model-state"] if cfg.offload_model_state else []))
+                    + (["--offload-model-state"] if cfg.offload_model_state else [])
+                    + ([f"--offload-activations {cfg.offload_activations}"]
+                       if cfg.offload_activations else []))
 
 
 def level_techniques(level: int) -> set:

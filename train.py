@@ -33,7 +33,8 @@ from support.config import Config, learning_rate, model_args
 from support.data import TokenData
 from support.errors import exit_on_error, out_of_memory_names
 from support.host_memory import use_this_ranks_cores
-from support.lessons import checkpointing, ring_sp, tiling, ulysses_sp, untied_sp
+from support.lessons import (activation_offload, checkpointing, ring_sp, tiling, ulysses_sp,
+                             untied_sp)
 from support.runtime import Runtime, read_machine, setup_runtime
 
 
@@ -81,7 +82,8 @@ def build_model(cfg: Config, rt: Runtime):
     args = model_args(cfg)
     dtype = getattr(torch, cfg.dtype)
 
-    def apply_techniques(model):  # the order: (keep-attention) -> seam (02/05, 06) -> 04 -> 03; 01
+    def apply_techniques(model):  # the order: (keep-attention) -> seam (02/05, 06) -> 04 -> 03
+        # -> 07; then 01
         if cfg.checkpoint:  # --keep-attention's kernel first: 02 wraps it, 03 its blocks
             keep_attention.apply_keep_attention(model, cfg.keep_attention)
         if rt.ring > 1:  # Ulysses over P/R ranks around a ring over R (06), for 02 or 05
@@ -98,6 +100,9 @@ def build_model(cfg: Config, rt: Runtime):
             offloader = (keep_attention.Offloader if cfg.keep_attention
                          else checkpointing.BlockInputOffloader)
             checkpointing.apply_checkpointing(model, cfg.offload, cfg.checkpoint_layers, offloader)
+        if cfg.offload_activations:  # 07: the blocks above 03's keep theirs in host memory
+            first = config.checkpointed_layers(cfg, args.n_layers)
+            activation_offload.apply_activation_offload(model, cfg.offload_activations, first)
 
     mesh = rt.fsdp_mesh if cfg.fsdp else None  # 01's apply_fsdp shards over it (support/build.py)
     if cfg.init_from:

@@ -29,7 +29,7 @@ MAX_TOKENS = 2**31  # per data-parallel rank and micro-batch
 # --stack auto; under auto each one given is kept (a constraint on what the planner ranks).
 TECHNIQUE_FIELDS = ("stack", *(flag for flag, _ in TECHNIQUES), "tile_norm", "offload_model_state",
                     "ring", "checkpoint_layers", "keep_attention", "mlp_tile_tokens",
-                    "loss_tile_tokens", "head_chunk")
+                    "loss_tile_tokens", "head_chunk", "offload_activations")
 
 
 @dataclass
@@ -63,6 +63,8 @@ class Config:
     checkpoint_layers: int | None = None  # 03: checkpoint the first K blocks; None: all
     keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
     # None: decided on a GPU, from the plan (plan.plan_run; off on the CPU)
+    offload_activations: int = 0  # 07: the N blocks above 03's checkpointed ones keep what
+    # they saved in host memory (above none: the first N)
     tile_mlp: bool = False
     tile_loss: bool = False
     tile_norm: bool = False
@@ -209,6 +211,11 @@ def add_technique_flags(parser):
                             "faster at long lengths, one more block input's bytes per layer "
                             "(default: on for a GPU run that checkpoints when the plan says GPU "
                             "and host memory fit it; off on the CPU)")
+    group.add_argument("--offload-activations", type=int, default=0, metavar="N",
+                       help="07: the N blocks above 03's checkpointed ones (without "
+                            "--checkpoint: the first N) keep what they saved for backward in "
+                            "host memory, copied out and back beside the compute, instead of on "
+                            "the GPU; not chosen by --stack auto yet (not yet measured on a GPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",
@@ -390,6 +397,7 @@ def resolve_techniques(cfg: Config) -> Config:
     if cfg.checkpoint_layers is not None and cfg.checkpoint_layers > n_layers:
         raise ValueError(f"--checkpoint-layers {cfg.checkpoint_layers} is more than the model's "
                          f"{n_layers} layers")
+    check_offloaded_activations(cfg, n_layers, planned=auto or cfg.device == "cuda")
     if cfg.lr is None:
         cfg.lr = default_lr(cfg)
     if cfg.min_lr is None:
@@ -411,6 +419,25 @@ def resolve_techniques(cfg: Config) -> Config:
     if cfg.export_hf:
         pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
     return cfg
+
+
+def check_offloaded_activations(cfg: Config, n_layers: int, planned: bool) -> None:
+    """07's blocks sit above 03's checkpointed ones: --offload-activations N needs N of the L
+    blocks left unchecked (on a GPU the plan picks --checkpoint-layers K <= L - N)."""
+    offloaded = cfg.offload_activations
+    if offloaded < 0:
+        raise ValueError(f"--offload-activations must be at least 0, got {offloaded}")
+    if not offloaded:
+        return
+    checkpointed = cfg.checkpoint_layers if cfg.checkpoint else 0
+    if checkpointed is None and not planned:
+        raise ValueError(f"--offload-activations {offloaded} needs blocks that 03 leaves "
+                         f"unchecked: add --checkpoint-layers K with K + {offloaded} <= the "
+                         f"model's {n_layers} layers")
+    if (checkpointed or 0) + offloaded > n_layers:
+        raise ValueError(f"--offload-activations {offloaded}"
+                         + (f" above --checkpoint-layers {checkpointed}" if checkpointed else "")
+                         + f" is more than the model's {n_layers} layers")
 
 
 def techniques_given(cfg: Config) -> bool:
@@ -470,6 +497,8 @@ def techniques_text(cfg: Config, head_chunk, ring: int = 1) -> str:
     names += ["tile_norm"] if cfg.tile_norm else []
     names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
+    names += ([f"offload_activations ({cfg.offload_activations} blocks)"]
+              if cfg.offload_activations else [])
     labels = {"untied": f"untied (U={head_chunk})"}
     n_layers = model_args(cfg).n_layers if cfg.checkpoint_layers else None
     if cfg.checkpoint_layers and cfg.checkpoint_layers < n_layers:  # --checkpoint-layers K < L

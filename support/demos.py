@@ -218,7 +218,7 @@ def measure_step_memory(demo, args, mesh, techniques) -> dict:
     Ulysses over every rank when launched with torchrun; FSDP over `mesh`), run one forward and
     backward of random tokens, and return this rank's {"device": bytes, "host": bytes}. Device:
     on a GPU the peak allocated above the parameters and their gradients (None where it ran
-    out), on a CPU the bytes kept for backward; host: 03's offloader's buffers."""
+    out), on a CPU the bytes kept for backward; host: 03's and 07's offloaders' buffers."""
     import gc
 
     from support.build import build_model
@@ -253,7 +253,8 @@ def measure_step_memory(demo, args, mesh, techniques) -> dict:
             device_bytes = bytes_saved_for_backward(step, offloader)
     except torch.OutOfMemoryError:
         device_bytes = None
-    host_bytes = offloader.host_buffers.nbytes if offloader else 0
+    host_bytes = sum(held.host_buffers.nbytes for held in
+                     (offloader, getattr(model, "activation_offload", None)) if held)
     model = offloader = step = None
     gc.collect()  # a block and its replaced forward refer to each other: free them now
     if demo.on_gpu:

@@ -1,7 +1,8 @@
 """The numbered lessons, imported by name in this one place (a module name cannot start with a
 digit). support/, the commands and bench/ take them from here:
 
-    from support.lessons import sharding, ulysses_sp, checkpointing, tiling, untied_sp, ring_sp
+    from support.lessons import (sharding, ulysses_sp, checkpointing, tiling, untied_sp, ring_sp,
+                                 activation_offload)
 
 Each alias says what the file holds and is never the name of a flag or a Runtime field
 (`cfg.ulysses` is a flag, `rt.ulysses` a degree, `ulysses_sp` the module). The lessons import
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("01_fsdp", "02_ulysses", "03_checkpoint_offload", "04_alst_tiling",
-         "05_untied_ulysses", "06_ring_attention")
+         "05_untied_ulysses", "06_ring_attention", "07_offload_activations")
 
 
 
@@ -32,5 +33,5 @@ def register_running_lesson() -> None:
 
 
 register_running_lesson()
-sharding, ulysses_sp, checkpointing, tiling, untied_sp, ring_sp = (
+(sharding, ulysses_sp, checkpointing, tiling, untied_sp, ring_sp, activation_offload) = (
     importlib.import_module(name) for name in NAMES)

@@ -136,7 +136,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                  fused_forms: bool = True, free_at_peak: int | None = None,
                  swiglu: str | None = None, autograd_tiles: bool = False,
                  recompute_logits: bool = False, gradient_memory: str | None = None,
-                 norm_outputs_kept: bool = False) -> dict:
+                 norm_outputs_kept: bool = False, offloaded_block_bytes: int = 0) -> dict:
     """Seconds of one optimizer step of `cfg` on `world_size` GPUs of `rates`, per term (their
     sum is the prediction), with attention `kernel` ("fa4", "cudnn", "flash"). fused_norm=False:
     the RMSNorms op by op, as the calibration rows so marked ran them; fp32_loss=True: the
@@ -151,7 +151,9 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     rows measured before 03 computed the norms' outputs of its unchecked blocks again (in
     backward, each a norm's forward and a copy: two thirds of a norm's forward + backward,
     by bytes). free_at_peak: the
-    bytes the memory plan leaves usable at its peak (None: not known, no allocator term). A
+    bytes the memory plan leaves usable at its peak (None: not known, no allocator term).
+    offloaded_block_bytes: what one block of 07's sends to the host (the plan's
+    host_parts["activations (07)"] over --offload-activations; 0: no copy term). A
     ValueError for an impossible layout (check_layout's)."""
     args = args or model_args(cfg)
     sp, ring, head_chunk = check_layout(cfg, world_size, args)
@@ -196,6 +198,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
         "tiles (04)": tile_seconds(cfg, args, n, rates),
         "offload copies (03)": offload_seconds(cfg, args, n, b, rates,
                                                (linear_s + attention_s) / passes / layers),
+        "activation copies (07)": activation_copy_seconds(
+            cfg, offloaded_block_bytes, rates, (linear_s + attention_s) / passes / layers),
         "exchanges (02)": exchange_seconds(cfg, args, n, sp // ring, b, rates),
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
@@ -288,6 +292,16 @@ def offload_seconds(cfg: Config, args, n: int, b: int, rates: GpuRates,
     copy = nbytes / rates.pinned_copy
     shown = max(0.0, copy - layer_forward_s) + max(0.0, copy - 2 * layer_forward_s)
     return (checkpointed - 1) * shown
+
+
+def activation_copy_seconds(cfg: Config, block_bytes: int, rates: GpuRates,
+                            layer_forward_s: float) -> float:
+    """07: each offloaded block's saved tensors come back during the backward of the block
+    above (about twice a block's forward): a longer copy shows. Going out they queue beside
+    the forward and hold nothing back (the memory plan counts them off the GPU at its end).
+    Not yet calibrated: no step with 07 has been measured on a GPU."""
+    copy = block_bytes / rates.pinned_copy
+    return cfg.offload_activations * max(0.0, copy - 2 * layer_forward_s)
 
 
 # ---- 04_alst_tiling.py: the fp32 weight-gradient sum of every tile -------------------------

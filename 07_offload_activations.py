@@ -1,0 +1,313 @@
+"""07 - Offloading a block's activations to host memory, instead of recomputing them.
+
+The memory problem. Llama-3-8B on one H200 (139.8 GiB): the model state, fp32 weights and
+Adam's two moments, takes 89.7 GiB before any activation. A block keeps about 92 KiB per token
+for its backward (03's recompute_norms already gives back the norms' outputs): 1.4 GiB at 16K
+tokens, 2.9 GiB at 32K, so 32 blocks want 46 GiB and 92 GiB. 03 makes them fit by checkpointing
+the first k blocks (5 of 32 at 16K, 20 at 32K), and each runs its forward twice: at 32K about
+0.5 s of a 4.6 s step is recompute.
+
+The idea. The GPU has copy engines that run beside its compute. A block can keep everything it
+saved, not on the GPU but in pinned host memory: each saved tensor is copied out on a side
+stream while the next blocks compute, and in backward a block's tensors come back during the
+backward of the block above it. Nothing is computed twice. The copies cost time only where they
+cannot hide: at 55 GB/s each way (the H200 machine's pinned copies), a 16K block's 1.4 GiB
+takes 27 ms out, against its ~19 ms forward and ~38 ms backward; so a run of a few offloaded
+blocks queues its copies in forward, and the blocks kept above them drain the queue. 03's
+checkpoint inputs are the small version of this (8 KiB per token); here a block sends all of
+its ~92 KiB.
+
+    --offload-activations N   the N blocks above 03's checkpointed ones (or the first N)
+
+The engine is PyTorch's saved-tensors hooks again: around an offloaded block's forward, `pack`
+receives every tensor autograd saves for backward and returns a handle; `unpack` returns the
+tensor on the GPU. Three details make it exact and cheap:
+  - the unit is the bytes a saved tensor spans, copied once: a tensor saved by two ops moves
+    once, and a view moves only its own part of a larger buffer (whose other parts may be
+    written later: 05 fills its output stage by stage);
+  - the block's parameters stay (FSDP2 frees its gathered copies after forward and gathers
+    them again for backward), and so do the block's other arguments (the rotary tables, shared
+    by every block);
+  - the host buffers are reused every step (base/host_buffers.py, as 03's).
+
+    python 07_offload_activations.py                       # CPU: small model, bytes kept
+    torchrun --nproc-per-node 2 07_offload_activations.py  # FSDP: CPU/gloo, or GPUs
+"""
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+
+from base.host_buffers import HostBuffer, HostBufferPool
+
+GiB, MiB = 2**30, 2**20
+
+
+# Forward: the block's saved tensors go to the host; the block above will bring them back.
+
+def offloaded_forward(forward, layer: int, offloader, x: torch.Tensor, rope, cu_seqlens=None):
+    """A block's forward whose saved tensors wait in host memory until its backward."""
+    if not torch.is_grad_enabled():  # no backward coming: nothing is saved
+        return forward(x, rope, cu_seqlens)
+    # The rotary tables and documents' boundaries are every block's: they stay where they are.
+    offloader.begin_block(layer, stays=[t for t in (*rope, cu_seqlens) if torch.is_tensor(t)])
+    with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer),
+                                                  offloader.unpack):
+        out = forward(x, rope, cu_seqlens)
+    offloader.end_block()
+    return prefetch_when_backward_starts(out, layer, offloader) if out.requires_grad else out
+
+
+def prefetching_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
+                        cu_seqlens=None):
+    """The forward of the block just above the offloaded ones: it keeps its activations, and
+    its backward brings back the top offloaded block's."""
+    out = forward(x, rope, cu_seqlens)
+    return prefetch_when_backward_starts(out, layer, offloader) if out.requires_grad else out
+
+
+def prefetch_when_backward_starts(out: torch.Tensor, layer: int, offloader) -> torch.Tensor:
+    # The gradient of a block's output is computed just before the block's own backward: then
+    # the block below starts coming back, and its copy overlaps this block's backward.
+    out.register_hook(lambda grad: offloader.bring_back(layer - 1, "prefetch"))
+    return out
+
+
+# The offloader: one handle per saved tensor, one host copy per distinct saved tensor.
+
+@dataclass
+class SavedBytes:
+    """The bytes a saved tensor spans in its storage: on the host between forward and
+    backward."""
+    layer: int
+    nbytes: int
+    device: torch.device
+    key: object = None                     # its host buffer's key in the pool: (layer, index)
+    host: HostBuffer | None = None         # its bytes in host memory while they wait
+    on_device: torch.Tensor | None = None  # its bytes (uint8) back on the device
+    copied_back: object = None             # CUDA event on the side stream: the copy back is done
+    prefetched: bool = False               # its copy back started before its block needed it
+    used: bool = False                     # backward has read it
+
+
+@dataclass
+class SavedView:
+    """What autograd holds instead of a saved tensor: how to view its SavedBytes again."""
+    saved: SavedBytes
+    size: torch.Size
+    stride: tuple
+    dtype: torch.dtype
+
+
+class ActivationOffloader:
+    """Moves what the offloaded blocks save to host memory in forward and back in backward, one
+    block ahead of their use."""
+
+    def __init__(self, layers: range):
+        self.layers = layers  # the offloaded blocks
+        self.host_buffers = HostBufferPool()  # pinned host memory by (layer, index), reused
+        self.waiting = {}    # layer -> its SavedBytes on the host
+        self.packing = {}    # the running block's: (address, bytes) -> SavedBytes, its source
+        self.stays = set()   # the running block's: addresses of storages that stay
+        self.stream = None   # the side CUDA stream for every copy, made on first use
+        self.stats = new_step_record()
+
+    # --- forward: pack ------------------------------------------------------------------------
+
+    def begin_block(self, layer: int, stays: list) -> None:
+        if layer == self.layers.start:
+            self.new_step()
+        self.packing = {}
+        self.stays = {t.untyped_storage().data_ptr() for t in stays}
+
+    def end_block(self) -> None:
+        self.packing, self.stays = {}, set()  # the handles own the SavedBytes from now on
+
+    def new_step(self) -> None:
+        """The lowest offloaded block runs: a step whose backward never ran gives its buffers
+        back."""
+        self.stats = new_step_record()
+        for block_saved in self.waiting.values():
+            for saved in block_saved:
+                self.host_buffers.give_back(saved.key, saved.host)
+        self.waiting.clear()
+
+    def pack(self, layer: int, t: torch.Tensor):
+        base = t if t._base is None else t._base
+        storage = t.untyped_storage()
+        if ((base.is_leaf and base.requires_grad)  # a parameter (or a view of one, W^T)
+                or storage.data_ptr() in self.stays or storage.nbytes() == 0):
+            return t
+        start = t.storage_offset() * t.element_size()
+        spans = (1 + sum((n - 1) * step for n, step in zip(t.size(), t.stride()))
+                 if t.numel() else 0) * t.element_size()
+        which = (storage.data_ptr() + start, spans)  # views over the same bytes: one copy
+        if which not in self.packing:  # bytes saved for the first time: copy them out
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                storage, start, (spans,), (1,))
+            # (held until the block ends: no later tensor of the block gets this address)
+            self.packing[which] = (self.send(layer, source), source)
+        return SavedView(self.packing[which][0], t.size(), t.stride(), t.dtype)
+
+    def send(self, layer: int, source: torch.Tensor) -> SavedBytes:
+        """Start the copy of `source` (uint8) to a host buffer; its memory is free to go."""
+        key = (layer, len(self.packing))  # the same key for the same tensor every step
+        device = source.device
+        saved = SavedBytes(layer, source.numel(), device, key)
+        saved.host = self.host_buffers.take(key, source)
+        self.waiting.setdefault(layer, []).append(saved)
+        record(self.stats, "offload", saved)
+        if device.type != "cuda":
+            saved.host.copy_from(source)
+            return saved
+        stream = self.side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the tensor is computed first
+        with torch.cuda.stream(stream):
+            saved.host.copy_from(source, non_blocking=True)
+        # The compute stream runs on. When forward drops the tensor, its memory must not be
+        # handed to another before the side stream has read it.
+        source.record_stream(stream)
+        return saved
+
+    # --- backward: bring back, unpack ---------------------------------------------------------
+
+    def bring_back(self, layer: int, event: str) -> None:
+        """Start the copy back of what block `layer` saved, if it waits on the host."""
+        block_saved = self.waiting.pop(layer, [])
+        for saved in block_saved:
+            saved.prefetched = event == "prefetch"
+            self.copy_back(saved)
+        if block_saved:
+            record(self.stats, event, None, layer)
+
+    def copy_back(self, saved: SavedBytes) -> None:
+        host = saved.host
+        if saved.device.type != "cuda":
+            saved.on_device = torch.empty(saved.nbytes, dtype=torch.uint8)
+            host.copy_into(saved.on_device)
+        else:
+            # Allocated for the compute stream, which uses and frees it; its memory may have
+            # been released by compute work still queued, so the side stream waits for that.
+            saved.on_device = torch.empty(saved.nbytes, dtype=torch.uint8, device=saved.device)
+            stream = self.side_stream(saved.device)
+            stream.wait_stream(torch.cuda.current_stream(saved.device))
+            with torch.cuda.stream(stream):
+                host.copy_into(saved.on_device, non_blocking=True)
+                saved.copied_back = torch.cuda.Event()
+                saved.copied_back.record(stream)
+            saved.on_device.record_stream(stream)
+        # Every copy to or from a host buffer is on the one side stream, in order: the next
+        # step's copy out cannot overtake this copy back, so the buffer is free again now.
+        self.host_buffers.give_back(saved.key, host)
+        saved.host = None
+
+    def unpack(self, view):
+        if isinstance(view, torch.Tensor):
+            return view
+        saved = view.saved
+        if saved.on_device is None:  # nobody prefetched it: now, and wait
+            self.bring_back(saved.layer, "fetch")
+        if saved.copied_back is not None:  # the compute stream, not the host, waits
+            torch.cuda.current_stream(saved.device).wait_event(saved.copied_back)
+        if not saved.used:
+            saved.used = True
+            record(self.stats, "use", saved)
+        return torch.empty(0, dtype=view.dtype, device=saved.device).set_(
+            saved.on_device.untyped_storage(), 0, view.size, view.stride)
+
+    def side_stream(self, device: torch.device):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=device)
+        return self.stream
+
+
+def apply_activation_offload(model, count: int, first: int = 0) -> None:
+    """Offload what blocks first .. first + count - 1 save for backward (03 checkpoints the
+    blocks below `first`, the blocks above keep theirs). The offloader is
+    `model.activation_offload`.
+
+    Runs on the meta-device model before FSDP, after 03: only the blocks' forward functions are
+    replaced (instance attributes: parameter names are unchanged), and these blocks' norms'
+    outputs go to the host with the rest instead of being computed again (03's
+    recompute_norms)."""
+    layers = check_model(model, count, first)
+    offloader = ActivationOffloader(layers)
+    model.activation_offload = offloader
+    for layer in layers:
+        block = model.layers[layer]
+        for hook in block.__dict__.pop("norm_recompute_hooks", []):
+            hook.remove()
+        block.forward = partial(offloaded_forward, block.forward, layer, offloader)
+    if layers.stop < len(model.layers):  # the block above: its backward brings back the top one
+        block = model.layers[layers.stop]
+        block.forward = partial(prefetching_forward, block.forward, layers.stop, offloader)
+
+
+# ---- below: checks, the step record, demo --------------------------------------------------------
+
+def check_model(model, count: int, first: int) -> range:
+    """The offloaded blocks, refused unless 1 <= count and first + count <= the model's layers."""
+    if not hasattr(model, "layers"):
+        raise ValueError(f"apply_activation_offload needs a model with .layers (its blocks), "
+                         f"got {type(model).__name__}")
+    if hasattr(model, "activation_offload"):
+        raise ValueError("activation offload is already applied to this model")
+    n_layers = len(model.layers)
+    if count < 1 or first < 0 or first + count > n_layers:
+        raise ValueError(f"the offloaded blocks ({count} from block {first}) must be within "
+                         f"the model's {n_layers} layers, above 03's checkpointed ones")
+    return range(first, first + count)
+
+
+# The offloader's record of one step (restarted when the lowest offloaded block runs), which the
+# tests read: the saved tensors and their bytes sent to the host and used again in backward, how
+# many came back through a prefetch, and the events in order ("offload 3", ..., "prefetch 2",
+# "use 3", ...: one "offload" and one "use" per distinct saved tensor).
+
+def new_step_record() -> dict:
+    return {"offloaded": 0, "offloaded_bytes": 0, "restored": 0, "restored_bytes": 0,
+            "prefetched": 0, "events": []}
+
+
+def record(stats: dict, event: str, saved: SavedBytes | None, layer: int | None = None):
+    stats["events"].append(f"{event} {saved.layer if saved else layer}")
+    counted = {"offload": "offloaded", "use": "restored"}.get(event)
+    if counted:
+        stats[counted] += 1
+        stats[f"{counted}_bytes"] += saved.nbytes
+        stats["prefetched"] += event == "use" and saved.prefetched
+
+
+# Demo: the bytes kept for backward on the device, and in host memory, against the offloaded
+# blocks; beside them what the planner counts for one block (support/byte_counts.py).
+
+def main():
+    from support.demos import (demo_parser, demo_setup, end_ranks, in_units, measure_step_memory,
+                               print_table, step_memory_meaning)
+
+    parser = demo_parser(__doc__, cpu=("small", "2K"), gpu=("llama3-8b", "16K"))
+    parser.add_argument("--layers", type=int, default=4)
+    demo = demo_setup(parser.parse_args())
+    mesh = None
+    if demo.launched:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(demo.device.type, (demo.world,))
+    unit, unit_name = (GiB, "GiB") if demo.on_gpu else (MiB, "MiB")
+    args = replace(demo.args, n_layers=demo.opts.layers)
+    rows = []
+    for count in range(args.n_layers + 1):
+        apply = partial(apply_activation_offload, count=count) if count else (lambda model: None)
+        kept = measure_step_memory(demo, args, mesh, apply)
+        rows.append([count, in_units(kept["device"], unit), in_units(kept["host"], unit)])
+    if demo.rank == 0:
+        print(f"{demo.setting}, {args.n_layers} layers{', FSDP' if mesh else ''}")
+        print(f"per rank, {unit_name}: {step_memory_meaning(demo.on_gpu)}; host: the "
+              f"offloader's host buffers")
+        print_table(["offloaded blocks", "device", "host"], rows, [16, 10, 10])
+    end_ranks()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""07: blocks that keep what they saved in host memory compute the same numbers, move exactly
+what they saved (and nothing else), bring it back one block ahead, and leave nothing behind."""
+
+import gc
+import importlib
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from ranks import run_ranks
+from reference import (assert_matches, assert_step_matches, full, make_batch,
+                       reference_loss_and_grads, train_loss_and_grads)
+
+import model as llama
+import plan as planner
+from support.config import Config, resolve_techniques
+from support.demos import bytes_saved_for_backward
+from support.runtime import setup_runtime
+
+activation_offload = importlib.import_module("07_offload_activations")
+train = importlib.import_module("train")
+
+# The tiny preset with 4 layers (registered at import: the spawned ranks import this module).
+MODEL = "tiny-4L"
+llama.PRESETS[MODEL] = replace(llama.get_model_args("tiny"), n_layers=4)
+ARGS = llama.get_model_args(MODEL)
+L = ARGS.n_layers
+ROWS, SEQ = 2, 32
+
+
+def _build(cfg):
+    """The model exactly as train.py builds it, with its runtime."""
+    cfg = resolve_techniques(cfg)
+    rt = setup_runtime(cfg)
+    return train.build_model(cfg, rt), rt, cfg
+
+
+def _check_stats(stats, first: int, count: int):
+    """Every tensor sent out came back once, in backward order; each block was brought back
+    while the block above ran its backward (the top one by the block kept above it, where there
+    is one), never fetched late, and no other block was touched."""
+    layers = range(first, first + count)
+    assert stats["offloaded"] == stats["restored"] > 0, stats
+    assert stats["offloaded_bytes"] == stats["restored_bytes"], stats
+    events = stats["events"]
+    assert {int(e.split()[-1]) for e in events} == set(layers), events
+    outs = [e for e in events if e.startswith("offload")]
+    assert outs == sorted(outs, key=lambda e: int(e.split()[-1])), events  # forward order
+    uses = [int(e.split()[-1]) for e in events if e.startswith("use")]
+    assert uses == sorted(uses, reverse=True), events  # backward order
+    top_fetched = first + count == L  # nothing above the top block to bring it back
+    assert [e for e in events if e.startswith("fetch")] == (
+        [f"fetch {layers[-1]}"] if top_fetched else []), events
+    for layer in layers[:-1] if top_fetched else layers:
+        assert events.index(f"prefetch {layer}") < events.index(f"use {layer}"), events
+    assert stats["prefetched"] == stats["restored"] - (
+        sum(e == f"use {layers[-1]}" for e in events) if top_fetched else 0), stats
+
+
+def _equal_with_and_without_offloaded_activations():
+    sp = dist.get_world_size()
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=3, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads(MODEL, tokens, labels)
+    base = dict(model=MODEL, fsdp=True, ulysses=True, seq_len=SEQ, batch_size=ROWS)
+    # (techniques, blocks checkpointed by 03, blocks offloaded by 07)
+    cases = [({}, 0, 0), ({}, 0, 1), ({}, 0, 2), ({}, 0, L),
+             ({"checkpoint": True}, 1, 0), ({"checkpoint": True}, 1, 2),
+             ({"offload": True, "keep_attention": True}, 2, 1),
+             ({"tile_mlp": True, "tile_loss": True}, 0, 3)]
+    plain = {}
+    for techniques, k, count in cases:
+        cfg = Config(**base, **techniques, checkpoint_layers=k or None,
+                     offload_activations=count)
+        model, rt, cfg = _build(cfg)
+        loss = train.forward_backward(model, tokens, rt, labels)
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        what = f"{techniques} checkpoint_layers={k} offload_activations={count} sp={sp}"
+        assert_matches(loss, grads, ref_loss, ref_grads, what=what)
+        key = (tuple(techniques), k)
+        if count == 0:
+            plain[key] = (loss, grads)
+            continue
+        _check_stats(model.activation_offload.stats, k, count)
+        assert not model.activation_offload.waiting
+        if key in plain:  # the host round trip reproduces the same bits
+            loss0, grads0 = plain[key]
+            assert torch.equal(loss, loss0), what
+            assert all(torch.equal(grads[n], grads0[n]) for n in grads0), what
+
+
+def test_offloaded_activations_equal_the_reference_with_fsdp_and_ulysses():
+    """P=2 (FSDP + Ulysses): 1, 2 and all blocks offloaded, above 03's checkpointed ones
+    (offloaded too, with keep-attention), and with 04's tiles: all equal the unsharded fp32
+    model, and bit for bit the same configuration without 07; each step moved every offloaded
+    block's tensors out and back, one block ahead of its backward."""
+    run_ranks(2, _equal_with_and_without_offloaded_activations)
+
+
+def test_offload_moves_what_the_blocks_kept_and_the_planner_counts_it():
+    """07 acts: the bytes kept for backward fall by exactly what goes to the host, block by
+    block, and the host holds what the planner counts for one block (fp32, the norms op by op as
+    on the CPU). Offloaded above checkpointed blocks they also move their norms' outputs, which
+    03 would release: a block's host bytes are then a kept block's and those two outputs."""
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=1)
+    released = 2 * ROWS * SEQ * ARGS.dim * 4  # the two norms' outputs 03 releases in a block
+    kept, host = {}, {}
+    for k, count in [(k, count) for k in (0, 1) for count in range(L - k + 1)]:
+        cfg = Config(model=MODEL, checkpoint=k > 0, checkpoint_layers=k or None,
+                     offload_activations=count, seq_len=SEQ, batch_size=ROWS)
+        model, rt, cfg = _build(cfg)
+        kept[k, count] = bytes_saved_for_backward(
+            lambda: train.forward_backward(model, tokens, rt, labels))
+        host[k, count] = model.activation_offload.host_buffers.nbytes if count else 0
+        # With 03, a kept block had released its norms' outputs; offloaded it keeps them.
+        gone = host[k, count] - (count * released if k else 0)
+        if count == L - k:  # no kept block saves the rotary tables where the count sees them
+            gone += 2 * SEQ * ARGS.head_dim * 4  # (cos and sin: they stay on the device)
+        assert kept[k, count] == kept[k, 0] - gone, (k, count, kept, host)
+        planned = planner.plan_memory(cfg, 1, fused_norm=False)["host_parts"]
+        assert planned["activations (07)"] == host[k, count], (k, count, planned, host)
+    for k in (0, 1):  # the same bytes for each block
+        assert [host[k, count] for count in range(L - k + 1)] == [
+            count * host[k, 1] for count in range(L - k + 1)], host
+    assert host[1, 1] == host[0, 1] > released, host  # the same block, sent whole either way
+
+
+def test_parameters_and_shared_tables_stay_and_the_originals_go():
+    """Nothing sent out is a parameter's memory or the rotary tables' (every block's), and
+    what was sent out is gone from forward's memory once forward ends: only the host copy
+    waits."""
+    model, rt, _ = _build(Config(model=MODEL, offload_activations=2, seq_len=SEQ,
+                                 batch_size=ROWS))
+    offloader = model.activation_offload
+    sent, stayed, send, begin = [], set(), offloader.send, offloader.begin_block
+
+    def watching_send(layer, source):
+        sent.append((source.untyped_storage().data_ptr(),
+                     StorageWeakRef(source.untyped_storage())))
+        return send(layer, source)
+
+    def watching_begin(layer, stays):
+        begin(layer, stays=stays)
+        stayed.update(offloader.stays)
+
+    offloader.send, offloader.begin_block = watching_send, watching_begin
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=2)
+    ids, positions = tokens[:, :-1], torch.arange(SEQ).expand(ROWS, SEQ)
+    loss = model(ids, positions, labels)
+    gc.collect()
+    assert sent and stayed  # the rotary tables stayed
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not (params | stayed) & {ptr for ptr, _ in sent}
+    assert all(ref.expired() for _, ref in sent), "an offloaded tensor is still in memory"
+    loss.backward()
+    assert offloader.stats["restored"] == offloader.stats["offloaded"] == len(sent)
+
+
+def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
+    model, rt, _ = _build(Config(model=MODEL, offload_activations=3, seq_len=SEQ,
+                                 batch_size=ROWS))
+    offloader = model.activation_offload
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
+    allocations, live = [], []
+    for _ in range(4):
+        train.forward_backward(model, tokens, rt, labels)
+        for p in model.parameters():
+            p.grad = None
+        gc.collect()
+        allocations.append(offloader.host_buffers.allocations)
+        live.append(sum(torch.is_tensor(o) for o in gc.get_objects()))
+        assert not offloader.waiting and not offloader.packing
+    assert allocations[1:] == allocations[:-1] and allocations[0] > 0, allocations
+    assert live[-1] == live[1], live
+
+
+def test_a_forward_whose_backward_never_ran_leaves_nothing_waiting():
+    model, rt, _ = _build(Config(model=MODEL, offload_activations=2, seq_len=SEQ))
+    offloader = model.activation_offload
+    ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
+    model(ids, positions)  # (evaluation with gradients on: its graph dropped)
+    assert offloader.waiting
+    buffers = offloader.host_buffers.nbytes
+    loss = model(ids, positions, ids)  # the next step gives the waiting buffers back first
+    loss.backward()
+    assert not offloader.waiting and offloader.host_buffers.nbytes == buffers
+
+
+def test_no_grad_forward_saves_nothing_and_matches():
+    model, _, _ = _build(Config(model=MODEL, offload_activations=L, seq_len=SEQ))
+    plain, _, _ = _build(Config(model=MODEL, seq_len=SEQ))
+    ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, positions), plain(ids, positions), rtol=0, atol=0)
+    assert model.activation_offload.stats["events"] == []
+
+
+def test_a_second_backward_through_the_same_graph_reads_the_same_tensors():
+    """retain_graph: what came back stays on the device for the second backward."""
+    model, _, _ = _build(Config(model=MODEL, offload_activations=2, seq_len=SEQ))
+    ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
+    loss = model(ids, positions, ids)
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss.backward()
+    assert all(torch.equal(p.grad, 2 * once[n]) for n, p in model.named_parameters())
+
+
+def test_parameter_names_unchanged_and_applied_once():
+    with torch.device("meta"):
+        model = llama.Transformer(ARGS)
+    names = [n for n, _ in model.named_parameters()]
+    activation_offload.apply_activation_offload(model, 2, first=1)
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="already applied"):
+        activation_offload.apply_activation_offload(model, 1)
+
+
+@pytest.mark.parametrize("flags, error", [
+    (dict(offload_activations=-1), "at least 0"),
+    (dict(offload_activations=L + 1), f"more than the model's {L} layers"),
+    (dict(checkpoint=True, offload_activations=1), "add --checkpoint-layers K"),
+    (dict(checkpoint=True, checkpoint_layers=2, offload_activations=3),
+     "above --checkpoint-layers 2 is more than"),
+])
+def test_bad_offload_flags_are_refused_before_anything_runs(flags, error):
+    with pytest.raises(ValueError, match=error):
+        resolve_techniques(Config(model=MODEL, device="cpu", **flags))
+
+
+def test_the_planner_moves_offloaded_blocks_to_the_host():
+    """Llama-3-8B at 32K on one H200: each offloaded block leaves the end of forward with all
+    it saved, the host holds it, and the checkpointed blocks that fit fall."""
+    cfg = Config(model="llama3-8b", seq_len=32768, fsdp=True, checkpoint=True, untied=True,
+                 head_chunk=32, keep_attention=True, checkpoint_layers=16, tile_loss=True,
+                 dtype="bfloat16", device="cpu")
+    plans = {n: planner.plan_memory(replace(cfg, offload_activations=n), 1) for n in (0, 1, 8)}
+    end = {n: sum(p["moments"]["end of forward (loss)"].values()) for n, p in plans.items()}
+    block = plans[1]["host_parts"]["activations (07)"]
+    assert 2.5 * 2**30 < block < 3.5 * 2**30  # ~92 KiB a token, and the two norms' outputs
+    assert plans[8]["host_parts"]["activations (07)"] == 8 * block
+    assert end[0] - end[1] < block and end[0] - end[8] > 7 * (end[0] - end[1])
+    gpu = 139.8 * 2**30
+    fewest = {n: planner.fewest_checkpointed_layers_that_fit(
+        replace(cfg, checkpoint_layers=None, offload_activations=n), 1, gpu) for n in (0, 8)}
+    assert fewest[8] < fewest[0] <= 32 - 8, fewest
+
+
+@pytest.mark.gpu
+def test_gpu_offloaded_activations_bf16_match_fp32_and_free_the_gpu():
+    run_ranks(1, _gpu_offloaded_matches_fp32, backend="nccl")
+
+
+def _gpu_offloaded_matches_fp32():
+    """bf16 on the GPU, 1 of 2 blocks offloaded (pinned buffers, side stream), against the fp32
+    unsharded model by the bf16 rule of every GPU test; and the memory held between forward and
+    backward falls by the bytes sent to the host."""
+    cfg = Config(model="tiny-hd64", fsdp=True, offload_activations=1, seq_len=256,
+                 batch_size=2, device="cuda", dtype="bfloat16")
+    tokens, labels = make_batch(llama.get_model_args(cfg.model).vocab_size, 2, cfg.seq_len,
+                                seed=7, ignore_frac=0.2)
+    ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)
+    loss, grads = train_loss_and_grads(cfg, tokens, labels)
+    assert_step_matches(loss.cpu(), grads, ref_loss, ref_grads, cfg.model, tokens, labels,
+                        cfg.dtype, what="offload_activations=1")
+    held = {}
+    for count in (0, 1):
+        model, rt, _ = _build(replace(cfg, offload_activations=count))
+        ids, positions = tokens[:, :-1].cuda(), torch.arange(cfg.seq_len).expand(2, -1).cuda()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(ids, positions, labels.cuda())
+        torch.cuda.synchronize()
+        held[count] = torch.cuda.memory_allocated() - before
+        loss.backward()
+        if count:
+            offloader = model.activation_offload
+            buffers = [b for free in offloader.host_buffers.free.values() for b in free]
+            assert buffers and all(piece.is_pinned() for b in buffers for piece in b.pieces)
+            sent = offloader.stats["offloaded_bytes"]
+        del model, loss
+    assert held[0] - held[1] >= sent * 0.9, (held, sent)
