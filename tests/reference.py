@@ -68,6 +68,19 @@ def parameter_updates(model, initial: dict) -> dict:
             for name, p in model.named_parameters()}
 
 
+# The tiny preset with 4 layers: 03 and 07 need blocks above and below the ones they act on.
+# (Registered at import, so the spawned ranks, which import this module, have it too.)
+TINY_4L = "tiny-4L"
+llama.PRESETS[TINY_4L] = replace(llama.get_model_args("tiny"), n_layers=4)
+
+
+def build_as_train(cfg):
+    """The model exactly as train.py builds it, its runtime and its resolved Config."""
+    cfg = resolve_techniques(cfg)
+    rt = setup_runtime(cfg)
+    return train.build_model(cfg, rt), rt, cfg
+
+
 def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=None):
     """Build the model exactly as train.py does and run one forward+backward on this rank's
     share of `tokens` (rows of its data-parallel rank). Returns loss and full gradients."""

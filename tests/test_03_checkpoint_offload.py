@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
-from reference import (GPU_KERNELS, assert_matches, assert_step_matches, full, make_batch,
-                       reference_loss_and_grads, relative_error, train_loss_and_grads,
-                       with_kernel)
+from reference import (GPU_KERNELS, TINY_4L, assert_matches, assert_step_matches,
+                       build_as_train, full, make_batch, reference_loss_and_grads, relative_error,
+                       train_loss_and_grads, with_kernel)
 
 import plan
 from base import host_buffers, kernels
@@ -27,27 +27,18 @@ from support.demos import bytes_saved_for_backward
 from support import byte_counts
 import plan as planner
 from support.config import Config, resolve_techniques
-from support.runtime import Machine, setup_runtime
+from support.runtime import Machine
 
 checkpointing = importlib.import_module("03_checkpoint_offload")
 ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The tiny preset with 4 layers: 3 offloaded block inputs, so prefetching has a chain to follow.
-# (Registered at import, so the spawned ranks, which import this module, have it too.)
-MODEL = "tiny-4L"
-llama.PRESETS[MODEL] = replace(llama.get_model_args("tiny"), n_layers=4)
+# 4 layers: 3 offloaded block inputs, so prefetching has a chain to follow.
+MODEL = TINY_4L
 ARGS = llama.get_model_args(MODEL)
 L = ARGS.n_layers
 ROWS, SEQ = 2, 32
-
-
-def _build(cfg):
-    """The model exactly as train.py builds it, with its runtime."""
-    cfg = resolve_techniques(cfg)
-    rt = setup_runtime(cfg)
-    return train.build_model(cfg, rt), rt, cfg
 
 
 def _check_offload_stats(stats, local_tokens, itemsize=4, checkpointed=L):
@@ -91,7 +82,7 @@ def _equal_with_and_without_checkpoint_and_offload():
         cfg = Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=True,
                      offload=offloading, keep_attention=offloading, checkpoint_layers=k,
                      seq_len=SEQ, batch_size=ROWS)
-        model, rt, _ = _build(cfg)
+        model, rt, _ = build_as_train(cfg)
         loss = train.forward_backward(model, tokens, rt, labels)
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         what = f"checkpoint_layers={k} offload={offloading} keep_attention={offloading} sp={sp}"
@@ -114,7 +105,7 @@ def _equal_with_and_without_checkpoint_and_offload():
         assert all(torch.equal(grads[name], grads0[name]) for name in grads0)
 
     # The offload acts: count what moved during one step of the same configuration.
-    model, rt, _ = _build(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
+    model, rt, _ = build_as_train(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
                                  seq_len=SEQ, batch_size=ROWS))
     offloader = model.checkpoint_offload
     train.forward_backward(model, tokens, rt, labels)
@@ -144,7 +135,7 @@ def _live_tensors() -> int:
 
 def _repeated_steps_do_not_grow(keep_attention: bool):
     sp = dist.get_world_size()
-    model, rt, cfg = _build(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
+    model, rt, cfg = build_as_train(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
                                    keep_attention=keep_attention, seq_len=SEQ,
                                    batch_size=ROWS, lr=1e-3))
     offloader = model.checkpoint_offload
@@ -200,7 +191,7 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
                              keep_attention=keep, seq_len=SEQ, batch_size=ROWS,
                              **{seam: True})
                 calls.clear()
-                model, rt, cfg = _build(cfg)
+                model, rt, cfg = build_as_train(cfg)
                 train.forward_backward(model, tokens, rt, labels)
                 step_calls = len(calls)
                 loss, grads = train_loss_and_grads(cfg, tokens, labels)
@@ -270,7 +261,7 @@ def test_a_forward_whose_backward_never_ran_leaves_nothing_behind(keep_attention
     """A forward with gradients and no backward (an error between them, say) leaves offloaded
     inputs and kept outputs behind; the next step hands their host buffers back to the pool
     instead of pinning new ones, and ends with nothing waiting."""
-    model, rt, _ = _build(Config(model=MODEL, offload=True, keep_attention=keep_attention,
+    model, rt, _ = build_as_train(Config(model=MODEL, offload=True, keep_attention=keep_attention,
                                  seq_len=SEQ, batch_size=ROWS))
     offloader = model.checkpoint_offload
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
@@ -311,7 +302,7 @@ def test_offload_acts_on_memory_kept_for_backward():
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=1)
     kept, host = {}, {}
     for mode, (checkpoints, offloading) in checkpointing.MODES.items():
-        model, rt, _ = _build(Config(model=MODEL, checkpoint=checkpoints,
+        model, rt, _ = build_as_train(Config(model=MODEL, checkpoint=checkpoints,
                                      offload=offloading, seq_len=SEQ, batch_size=ROWS))
         offloader = model.checkpoint_offload if checkpoints else None
         kept[mode] = bytes_saved_for_backward(
@@ -337,7 +328,7 @@ def test_checkpointing_k_blocks_keeps_k_inputs_and_the_others_activations():
     for k, offloading in [(k, o) for k in range(L + 1) for o in (False, True) if k or not o]:
         cfg = Config(model=MODEL, checkpoint=k > 0, offload=offloading,
                      checkpoint_layers=k or None, seq_len=SEQ, batch_size=ROWS)
-        model, rt, cfg = _build(cfg)
+        model, rt, cfg = build_as_train(cfg)
         offloader = model.checkpoint_offload if k else None
         kept[k, offloading] = bytes_saved_for_backward(
             lambda: train.forward_backward(model, tokens, rt, labels), offloader)
@@ -370,7 +361,7 @@ def test_unchecked_blocks_release_their_norm_outputs_and_compute_them_again(tech
     for released in (True, False):
         if not released:
             monkeypatch.setattr(checkpointing, "recompute_norms", lambda block: None)
-        model, rt, _ = _build(cfg)
+        model, rt, _ = build_as_train(cfg)
         kept[released] = bytes_saved_for_backward(
             lambda: train.forward_backward(model, tokens, rt, labels))
         grads[released] = {n: p.grad for n, p in model.named_parameters()}
@@ -394,8 +385,8 @@ def test_a_recomputed_norm_output_goes_with_its_readers_backward(monkeypatch):
         return release(norm, latest, reader, inputs, output)
 
     monkeypatch.setattr(checkpointing, "release_norm_output", watched)
-    model, rt, _ = _build(Config(model=MODEL, checkpoint=True, checkpoint_layers=1, seq_len=SEQ,
-                                 batch_size=ROWS))
+    model, rt, _ = build_as_train(Config(model=MODEL, checkpoint=True, checkpoint_layers=1,
+                                         seq_len=SEQ, batch_size=ROWS))
 
     def at_block_0(block, inputs, output):
         if output.requires_grad:
@@ -412,7 +403,7 @@ def test_released_norm_outputs_leave_nothing_behind_from_step_to_step():
     """Five steps with 1 of 4 blocks checkpointed: recompute_norms' hooks on each step's
     tensors go with that step's graph (no tensor more after the first step, which makes
     AdamW's state)."""
-    model, rt, cfg = _build(Config(model=MODEL, checkpoint=True, checkpoint_layers=1,
+    model, rt, cfg = build_as_train(Config(model=MODEL, checkpoint=True, checkpoint_layers=1,
                                    seq_len=SEQ, batch_size=ROWS, lr=1e-3))
     optimizer = train.make_optimizer(model, cfg)
     data = TokenData(cfg, ARGS.vocab_size, rt.dp_rank, rt.dp)
@@ -428,7 +419,7 @@ def test_offloaded_inputs_are_really_released():
     original: after forward, every offloaded input must be gone (only the last block's stays),
     which is what lets the GPU reuse that memory. (A strong reference from the pack hook once
     kept them all alive on the GPU although the copies were made and counted.)"""
-    model, rt, _ = _build(Config(model=MODEL, offload=True, seq_len=SEQ, batch_size=ROWS))
+    model, rt, _ = build_as_train(Config(model=MODEL, offload=True, seq_len=SEQ, batch_size=ROWS))
     offloader = model.checkpoint_offload
     seen, pack = [], offloader.pack
 
@@ -448,8 +439,8 @@ def test_offloaded_inputs_are_really_released():
 
 
 def test_no_grad_forward_saves_nothing_and_matches():
-    model, rt, _ = _build(Config(model=MODEL, offload=True, seq_len=SEQ))
-    plain, _, _ = _build(Config(model=MODEL, seq_len=SEQ))
+    model, rt, _ = build_as_train(Config(model=MODEL, offload=True, seq_len=SEQ))
+    plain, _, _ = build_as_train(Config(model=MODEL, seq_len=SEQ))
     ids = torch.randint(0, ARGS.vocab_size, (1, SEQ))
     positions = torch.arange(SEQ)[None]
     with torch.no_grad():
@@ -528,7 +519,7 @@ def _gpu_offload_is_pinned_async_and_exact():
         assert_matches(loss.cpu(), {n: g.cpu() for n, g in grads.items()}, ref_loss, ref_grads,
                        what=f"cuda fp32 offload={offloading}")
 
-    model, rt, cfg = _build(Config(offload=True, **base))
+    model, rt, cfg = build_as_train(Config(offload=True, **base))
     offloader = model.checkpoint_offload
     optimizer = train.make_optimizer(model, cfg)
     after_step = []
@@ -565,7 +556,7 @@ def _gpu_memory_after_forward_and_syncs(offloading: bool, args, seq_len: int):
     """GPU bytes held between forward and backward, and how many times forward + backward made
     the host wait for the GPU (torch's sync debug mode)."""
     llama.PRESETS["small-8L"] = args
-    model, rt, _ = _build(Config(model="small-8L", checkpoint=True, offload=offloading,
+    model, rt, _ = build_as_train(Config(model="small-8L", checkpoint=True, offload=offloading,
                                  seq_len=seq_len, device="cuda", dtype="float32"))
     ids = torch.randint(0, args.vocab_size, (1, seq_len), device="cuda")
     positions = torch.arange(seq_len, device="cuda")[None]
@@ -609,7 +600,7 @@ def _gpu_norm_outputs_released():
         if not released:
             checkpointing.recompute_norms = lambda block: None
         try:
-            model, rt, _ = _build(cfg)
+            model, rt, _ = build_as_train(cfg)
         finally:
             checkpointing.recompute_norms = recompute
         model(ids, positions, ids).backward()  # warm-up: first-call allocations and plans

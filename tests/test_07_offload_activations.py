@@ -10,31 +10,22 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
-from reference import (assert_matches, assert_step_matches, full, make_batch,
-                       reference_loss_and_grads, train_loss_and_grads)
+from reference import (TINY_4L, assert_matches, assert_step_matches, build_as_train, full,
+                       make_batch, reference_loss_and_grads, train_loss_and_grads)
 
 import model as llama
 import plan as planner
 from support.config import Config, resolve_techniques
 from support.demos import bytes_saved_for_backward
-from support.runtime import setup_runtime
 
 activation_offload = importlib.import_module("07_offload_activations")
 train = importlib.import_module("train")
 
-# The tiny preset with 4 layers (registered at import: the spawned ranks import this module).
-MODEL = "tiny-4L"
-llama.PRESETS[MODEL] = replace(llama.get_model_args("tiny"), n_layers=4)
+# 4 layers: blocks below, among and above the offloaded ones.
+MODEL = TINY_4L
 ARGS = llama.get_model_args(MODEL)
 L = ARGS.n_layers
 ROWS, SEQ = 2, 32
-
-
-def _build(cfg):
-    """The model exactly as train.py builds it, with its runtime."""
-    cfg = resolve_techniques(cfg)
-    rt = setup_runtime(cfg)
-    return train.build_model(cfg, rt), rt, cfg
 
 
 def _check_stats(stats, first: int, count: int):
@@ -73,7 +64,7 @@ def _equal_with_and_without_offloaded_activations():
     for techniques, k, count in cases:
         cfg = Config(**base, **techniques, checkpoint_layers=k or None,
                      offload_activations=count)
-        model, rt, cfg = _build(cfg)
+        model, rt, cfg = build_as_train(cfg)
         loss = train.forward_backward(model, tokens, rt, labels)
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         what = f"{techniques} checkpoint_layers={k} offload_activations={count} sp={sp}"
@@ -109,7 +100,7 @@ def test_offload_moves_what_the_blocks_kept_and_the_planner_counts_it():
     for k, count in [(k, count) for k in (0, 1) for count in range(L - k + 1)]:
         cfg = Config(model=MODEL, checkpoint=k > 0, checkpoint_layers=k or None,
                      offload_activations=count, seq_len=SEQ, batch_size=ROWS)
-        model, rt, cfg = _build(cfg)
+        model, rt, cfg = build_as_train(cfg)
         kept[k, count] = bytes_saved_for_backward(
             lambda: train.forward_backward(model, tokens, rt, labels))
         host[k, count] = model.activation_offload.host_buffers.nbytes if count else 0
@@ -130,7 +121,7 @@ def test_parameters_and_shared_tables_stay_and_the_originals_go():
     """Nothing sent out is a parameter's memory or the rotary tables' (every block's), and
     what was sent out is gone from forward's memory once forward ends: only the host copy
     waits."""
-    model, rt, _ = _build(Config(model=MODEL, offload_activations=2, seq_len=SEQ,
+    model, rt, _ = build_as_train(Config(model=MODEL, offload_activations=2, seq_len=SEQ,
                                  batch_size=ROWS))
     offloader = model.activation_offload
     sent, stayed, send, begin = [], set(), offloader.send, offloader.begin_block
@@ -158,7 +149,7 @@ def test_parameters_and_shared_tables_stay_and_the_originals_go():
 
 
 def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
-    model, rt, _ = _build(Config(model=MODEL, offload_activations=3, seq_len=SEQ,
+    model, rt, _ = build_as_train(Config(model=MODEL, offload_activations=3, seq_len=SEQ,
                                  batch_size=ROWS))
     offloader = model.activation_offload
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=4)
@@ -176,7 +167,7 @@ def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
 
 
 def test_a_forward_whose_backward_never_ran_leaves_nothing_waiting():
-    model, rt, _ = _build(Config(model=MODEL, offload_activations=2, seq_len=SEQ))
+    model, rt, _ = build_as_train(Config(model=MODEL, offload_activations=2, seq_len=SEQ))
     offloader = model.activation_offload
     ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
     model(ids, positions)  # (evaluation with gradients on: its graph dropped)
@@ -188,8 +179,8 @@ def test_a_forward_whose_backward_never_ran_leaves_nothing_waiting():
 
 
 def test_no_grad_forward_saves_nothing_and_matches():
-    model, _, _ = _build(Config(model=MODEL, offload_activations=L, seq_len=SEQ))
-    plain, _, _ = _build(Config(model=MODEL, seq_len=SEQ))
+    model, _, _ = build_as_train(Config(model=MODEL, offload_activations=L, seq_len=SEQ))
+    plain, _, _ = build_as_train(Config(model=MODEL, seq_len=SEQ))
     ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
     with torch.no_grad():
         torch.testing.assert_close(model(ids, positions), plain(ids, positions), rtol=0, atol=0)
@@ -198,7 +189,7 @@ def test_no_grad_forward_saves_nothing_and_matches():
 
 def test_a_second_backward_through_the_same_graph_reads_the_same_tensors():
     """retain_graph: what came back stays on the device for the second backward."""
-    model, _, _ = _build(Config(model=MODEL, offload_activations=2, seq_len=SEQ))
+    model, _, _ = build_as_train(Config(model=MODEL, offload_activations=2, seq_len=SEQ))
     ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
     loss = model(ids, positions, ids)
     loss.backward(retain_graph=True)
@@ -266,7 +257,7 @@ def _gpu_offloaded_matches_fp32():
                         cfg.dtype, what="offload_activations=1")
     held = {}
     for count in (0, 1):
-        model, rt, _ = _build(replace(cfg, offload_activations=count))
+        model, rt, _ = build_as_train(replace(cfg, offload_activations=count))
         ids, positions = tokens[:, :-1].cuda(), torch.arange(cfg.seq_len).expand(2, -1).cuda()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
