@@ -81,6 +81,15 @@ def build_as_train(cfg):
     return train.build_model(cfg, rt), rt, cfg
 
 
+def settled_memory_allocated() -> int:
+    """Bytes allocated once the GPU is idle. Memory last read by a side stream (an offloaded
+    tensor copied out, recorded with record_stream) is released by the allocator at its next
+    allocation after the copy finished: make one."""
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+    return torch.cuda.memory_allocated()
+
+
 def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=None):
     """Build the model exactly as train.py does and run one forward+backward on this rank's
     share of `tokens` (rows of its data-parallel rank). Returns loss and full gradients."""

@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (GPU_KERNELS, TINY_4L, assert_matches, assert_step_matches,
                        build_as_train, full, make_batch, reference_loss_and_grads, relative_error,
-                       train_loss_and_grads, with_kernel)
+                       settled_memory_allocated, train_loss_and_grads, with_kernel)
 
 import plan
 from base import host_buffers, kernels
@@ -526,7 +526,7 @@ def _gpu_offload_is_pinned_async_and_exact():
     for step in range(3):
         train.train_step(model, optimizer, tokens, rt, cfg)
         _check_offload_stats(offloader.stats, SEQ)
-        after_step.append(_settled_memory_allocated())
+        after_step.append(settled_memory_allocated())
     buffers = [b for free in offloader.host_buffers.free.values() for b in free]
     assert len(buffers) == L - 1
     assert all(p.is_pinned() and p.device.type == "cpu" for b in buffers for p in b.pieces)
@@ -543,15 +543,6 @@ def _gpu_offload_is_pinned_async_and_exact():
     assert after_step[0] - after_step[2] <= 2 * params + 4096, (after_step, params)
 
 
-def _settled_memory_allocated() -> int:
-    """Bytes allocated once the GPU is idle. Memory last read by the side stream (a block input
-    copied out, recorded with record_stream) is released by the allocator at its next
-    allocation after the copy finished: make one."""
-    torch.cuda.synchronize()
-    torch.empty(1, device="cuda")
-    return torch.cuda.memory_allocated()
-
-
 def _gpu_memory_after_forward_and_syncs(offloading: bool, args, seq_len: int):
     """GPU bytes held between forward and backward, and how many times forward + backward made
     the host wait for the GPU (torch's sync debug mode)."""
@@ -562,14 +553,14 @@ def _gpu_memory_after_forward_and_syncs(offloading: bool, args, seq_len: int):
     positions = torch.arange(seq_len, device="cuda")[None]
     model(ids, positions, ids).backward()  # warm-up: first-call allocations and plans
     model.zero_grad(set_to_none=True)
-    before = _settled_memory_allocated()
+    before = settled_memory_allocated()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             loss = model(ids, positions, ids)
             torch.cuda.set_sync_debug_mode(0)
-            between = _settled_memory_allocated() - before
+            between = settled_memory_allocated() - before
             torch.cuda.set_sync_debug_mode("warn")
             loss.backward()
         finally:
@@ -605,9 +596,9 @@ def _gpu_norm_outputs_released():
             checkpointing.recompute_norms = recompute
         model(ids, positions, ids).backward()  # warm-up: first-call allocations and plans
         model.zero_grad(set_to_none=True)
-        before = _settled_memory_allocated()
+        before = settled_memory_allocated()
         loss = model(ids, positions, ids)
-        between[released] = _settled_memory_allocated() - before
+        between[released] = settled_memory_allocated() - before
         loss.backward()
         grads[released] = {n: full(p.grad) for n, p in model.named_parameters()}
     planned = byte_counts.block_recompute_bytes(args, seq_len)["released"]
