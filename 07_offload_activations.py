@@ -11,24 +11,27 @@ The idea. The GPU has copy engines that run beside its compute. A block can keep
 saved, not on the GPU but in pinned host memory: each saved tensor is copied out on a side
 stream while the next blocks compute, and in backward a block's tensors come back during the
 backward of the block above it. Nothing is computed twice. The copies cost time only where they
-cannot hide: at 55 GB/s each way (the H200 machine's pinned copies), a 16K block's 1.4 GiB
-takes 27 ms out, against its ~19 ms forward and ~38 ms backward; so a run of a few offloaded
-blocks queues its copies in forward, and the blocks kept above them drain the queue. 03's
-checkpoint inputs are the small version of this (8 KiB per token); here a block sends all of
-its ~92 KiB.
+cannot hide: at 55 GB/s each way (the H200 machine's pinned copies), a 16K block's 1.7 GiB (its
+norms' outputs go too) takes 33 ms each way, against a block's ~19 ms forward and ~38 ms
+backward. So the offloaded blocks alternate with kept ones: a block's copy out has its own
+forward's end and the next two blocks' forward before its memory is needed again, and its copy
+back runs during the backward of the kept block above it. Half of the L - K blocks above 03's
+can go this way: at 16K, 8 are enough for none to be checkpointed.
 
-    --offload-activations N   the N blocks above 03's checkpointed ones (or the first N)
+    --offload-activations N   blocks K, K + 2, ..., K + 2(N - 1), K = 03's checkpointed blocks
 
 The engine is PyTorch's saved-tensors hooks again: around an offloaded block's forward, `pack`
 receives every tensor autograd saves for backward and returns a handle; `unpack` returns the
 tensor on the GPU. Three details make it exact and cheap:
   - the unit is the bytes a saved tensor spans, copied once: a tensor saved by two ops moves
-    once, and a view moves only its own part of a larger buffer (whose other parts may be
-    written later: 05 fills its output stage by stage);
+    once, and a view only the span of its part of a larger buffer (q, k and v of one
+    projection, each its own; views that overlap otherwise are copied twice);
   - the block's parameters stay (FSDP2 frees its gathered copies after forward and gathers
     them again for backward), and so do the block's other arguments (the rotary tables, shared
     by every block);
   - the host buffers are reused every step (base/host_buffers.py, as 03's).
+A saved tensor changed in place after it was saved, which autograd refuses, is not checked
+under these hooks: its copy out would race the change.
 
     python 07_offload_activations.py                       # CPU: small model, bytes kept
     torchrun --nproc-per-node 2 07_offload_activations.py  # FSDP: CPU/gloo, or GPUs
@@ -44,7 +47,8 @@ from base.host_buffers import HostBuffer, HostBufferPool
 GiB, MiB = 2**30, 2**20
 
 
-# Forward: the block's saved tensors go to the host; the block above will bring them back.
+# Forward: an offloaded block's saved tensors go to the host; the kept block above it brings
+# them back in backward.
 
 def offloaded_forward(forward, layer: int, offloader, x: torch.Tensor, rope, cu_seqlens=None):
     """A block's forward whose saved tensors wait in host memory until its backward."""
@@ -52,24 +56,30 @@ def offloaded_forward(forward, layer: int, offloader, x: torch.Tensor, rope, cu_
         return forward(x, rope, cu_seqlens)
     # The rotary tables and documents' boundaries are every block's: they stay where they are.
     offloader.begin_block(layer, stays=[t for t in (*rope, cu_seqlens) if torch.is_tensor(t)])
-    with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer),
-                                                  offloader.unpack):
-        out = forward(x, rope, cu_seqlens)
-    offloader.end_block()
-    return prefetch_when_backward_starts(out, layer, offloader) if out.requires_grad else out
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(partial(offloader.pack, layer),
+                                                      offloader.unpack):
+            out = forward(x, rope, cu_seqlens)
+    finally:
+        offloader.end_block(layer)
+    # The offloaded block two below has had this block's and the one between's forward to
+    # finish its copy out: its memory can go now.
+    offloader.release(layer - 2)
+    return out
 
 
-def prefetching_forward(forward, layer: int, offloader, x: torch.Tensor, rope,
-                        cu_seqlens=None):
-    """The forward of the block just above the offloaded ones: it keeps its activations, and
-    its backward brings back the top offloaded block's."""
+def kept_above_forward(forward, layer: int, offloader, top: bool, x: torch.Tensor, rope,
+                       cu_seqlens=None):
+    """The forward of a kept block right above an offloaded one (layer - 1): its backward
+    brings that block's tensors back; above the top offloaded block, its forward lets that
+    block's memory go."""
     out = forward(x, rope, cu_seqlens)
-    return prefetch_when_backward_starts(out, layer, offloader) if out.requires_grad else out
-
-
-def prefetch_when_backward_starts(out: torch.Tensor, layer: int, offloader) -> torch.Tensor:
+    if not out.requires_grad:
+        return out
+    if top:
+        offloader.release(layer - 1)
     # The gradient of a block's output is computed just before the block's own backward: then
-    # the block below starts coming back, and its copy overlaps this block's backward.
+    # the offloaded block below starts coming back, and its copy overlaps this block's backward.
     out.register_hook(lambda grad: offloader.bring_back(layer - 1, "prefetch"))
     return out
 
@@ -86,7 +96,6 @@ class SavedBytes:
     key: object = None                     # its host buffer's key in the pool: (layer, index)
     host: HostBuffer | None = None         # its bytes in host memory while they wait
     on_device: torch.Tensor | None = None  # its bytes (uint8) back on the device
-    copied_back: object = None             # CUDA event on the side stream: the copy back is done
     prefetched: bool = False               # its copy back started before its block needed it
     used: bool = False                     # backward has read it
 
@@ -102,18 +111,30 @@ class SavedView:
 
 class ActivationOffloader:
     """Moves what the offloaded blocks save to host memory in forward and back in backward, one
-    block ahead of their use."""
+    block ahead of their use.
+
+    Memory and streams: a saved tensor's memory is read by the copy out on the side stream, so
+    it may be reused only after that copy. The offloader keeps the tensors of a block until two
+    blocks later in forward, then makes the compute stream wait for the block's copies (one
+    CUDA event) and lets them go: whatever the compute stream allocates there afterwards runs
+    after the copy. (record_stream would leave that to the allocator, which reuses such memory
+    only once the copy has finished by the time the host asks, and the host runs blocks ahead
+    of the GPU: the memory of every block in flight would stay reserved.) The copies back are
+    written into memory the compute stream allocates, and it waits for them (one event per
+    block) before it reads any."""
 
     def __init__(self, layers: range):
-        self.layers = layers  # the offloaded blocks
+        self.layers = layers  # the offloaded blocks (every other one: a kept block above each)
         self.host_buffers = HostBufferPool()  # pinned host memory by (layer, index), reused
         self.waiting = {}    # layer -> its SavedBytes on the host
         self.packing = {}    # the running block's: (address, bytes) -> SavedBytes, its source
         self.stays = set()   # the running block's: addresses of storages that stay
+        self.leaving = {}    # layer -> (its copies out done: event, its sources) until released
+        self.arrived = {}    # layer -> its copies back done: event (None on the CPU)
         self.stream = None   # the side CUDA stream for every copy, made on first use
         self.stats = new_step_record()
 
-    # --- forward: pack ------------------------------------------------------------------------
+    # --- forward: pack, send, release ---------------------------------------------------------
 
     def begin_block(self, layer: int, stays: list) -> None:
         if layer == self.layers.start:
@@ -121,17 +142,28 @@ class ActivationOffloader:
         self.packing = {}
         self.stays = {t.untyped_storage().data_ptr() for t in stays}
 
-    def end_block(self) -> None:
+    def end_block(self, layer: int) -> None:
+        sources = [source for _, source in self.packing.values()]
+        self.leaving[layer] = (self.side_event(sources[0].device) if sources else None, sources)
         self.packing, self.stays = {}, set()  # the handles own the SavedBytes from now on
+
+    def release(self, layer: int) -> None:
+        """Block `layer`'s saved tensors may go: the compute stream waits for their copies."""
+        done, sources = self.leaving.pop(layer, (None, []))
+        if done is not None:  # (then the sources go, for the compute stream to reuse)
+            torch.cuda.current_stream(sources[0].device).wait_event(done)
 
     def new_step(self) -> None:
         """The lowest offloaded block runs: a step whose backward never ran gives its buffers
         back."""
         self.stats = new_step_record()
+        for layer in list(self.leaving):
+            self.release(layer)
         for block_saved in self.waiting.values():
             for saved in block_saved:
                 self.host_buffers.give_back(saved.key, saved.host)
         self.waiting.clear()
+        self.arrived.clear()
 
     def pack(self, layer: int, t: torch.Tensor):
         base = t if t._base is None else t._base
@@ -146,12 +178,12 @@ class ActivationOffloader:
         if which not in self.packing:  # bytes saved for the first time: copy them out
             source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
                 storage, start, (spans,), (1,))
-            # (held until the block ends: no later tensor of the block gets this address)
+            # (held until released: no later tensor gets this memory before the copy read it)
             self.packing[which] = (self.send(layer, source), source)
         return SavedView(self.packing[which][0], t.size(), t.stride(), t.dtype)
 
     def send(self, layer: int, source: torch.Tensor) -> SavedBytes:
-        """Start the copy of `source` (uint8) to a host buffer; its memory is free to go."""
+        """Start the copy of `source` (uint8) to a host buffer."""
         key = (layer, len(self.packing))  # the same key for the same tensor every step
         device = source.device
         saved = SavedBytes(layer, source.numel(), device, key)
@@ -165,42 +197,35 @@ class ActivationOffloader:
         stream.wait_stream(torch.cuda.current_stream(device))  # the tensor is computed first
         with torch.cuda.stream(stream):
             saved.host.copy_from(source, non_blocking=True)
-        # The compute stream runs on. When forward drops the tensor, its memory must not be
-        # handed to another before the side stream has read it.
-        source.record_stream(stream)
         return saved
 
     # --- backward: bring back, unpack ---------------------------------------------------------
 
-    def bring_back(self, layer: int, event: str) -> None:
+    def bring_back(self, layer: int, why: str) -> None:
         """Start the copy back of what block `layer` saved, if it waits on the host."""
         block_saved = self.waiting.pop(layer, [])
+        if not block_saved:
+            return
+        device = block_saved[0].device
+        if device.type == "cuda":
+            # The memory is the compute stream's, and may have been released by compute work
+            # still queued: the side stream waits for that, then copies.
+            stream = self.side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
         for saved in block_saved:
-            saved.prefetched = event == "prefetch"
-            self.copy_back(saved)
-        if block_saved:
-            record(self.stats, event, None, layer)
-
-    def copy_back(self, saved: SavedBytes) -> None:
-        host = saved.host
-        if saved.device.type != "cuda":
-            saved.on_device = torch.empty(saved.nbytes, dtype=torch.uint8)
-            host.copy_into(saved.on_device)
-        else:
-            # Allocated for the compute stream, which uses and frees it; its memory may have
-            # been released by compute work still queued, so the side stream waits for that.
-            saved.on_device = torch.empty(saved.nbytes, dtype=torch.uint8, device=saved.device)
-            stream = self.side_stream(saved.device)
-            stream.wait_stream(torch.cuda.current_stream(saved.device))
-            with torch.cuda.stream(stream):
-                host.copy_into(saved.on_device, non_blocking=True)
-                saved.copied_back = torch.cuda.Event()
-                saved.copied_back.record(stream)
-            saved.on_device.record_stream(stream)
-        # Every copy to or from a host buffer is on the one side stream, in order: the next
-        # step's copy out cannot overtake this copy back, so the buffer is free again now.
-        self.host_buffers.give_back(saved.key, host)
-        saved.host = None
+            saved.prefetched = why == "prefetch"
+            saved.on_device = torch.empty(saved.nbytes, dtype=torch.uint8, device=device)
+            if device.type != "cuda":
+                saved.host.copy_into(saved.on_device)
+            else:
+                with torch.cuda.stream(stream):
+                    saved.host.copy_into(saved.on_device, non_blocking=True)
+            # Every copy to or from a host buffer is on the one side stream, in order: the next
+            # step's copy out cannot overtake this copy back, so the buffer is free again now.
+            self.host_buffers.give_back(saved.key, saved.host)
+            saved.host = None
+        self.arrived[layer] = self.side_event(device) if device.type == "cuda" else None
+        record(self.stats, why, None, layer)
 
     def unpack(self, view):
         if isinstance(view, torch.Tensor):
@@ -208,8 +233,9 @@ class ActivationOffloader:
         saved = view.saved
         if saved.on_device is None:  # nobody prefetched it: now, and wait
             self.bring_back(saved.layer, "fetch")
-        if saved.copied_back is not None:  # the compute stream, not the host, waits
-            torch.cuda.current_stream(saved.device).wait_event(saved.copied_back)
+        arrived = self.arrived.pop(saved.layer, None)
+        if arrived is not None:  # the block's first tensor read: the compute stream waits
+            torch.cuda.current_stream(saved.device).wait_event(arrived)
         if not saved.used:
             saved.used = True
             record(self.stats, "use", saved)
@@ -221,15 +247,24 @@ class ActivationOffloader:
             self.stream = torch.cuda.Stream(device=device)
         return self.stream
 
+    def side_event(self, device: torch.device):
+        """An event after the side stream's copies so far (None on the CPU: copies are done)."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side_stream(device))
+        return event
+
 
 def apply_activation_offload(model, count: int, first: int = 0) -> None:
-    """Offload what blocks first .. first + count - 1 save for backward (03 checkpoints the
-    blocks below `first`, the blocks above keep theirs). The offloader is
+    """Offload what `count` blocks save for backward: every other block from `first` on (03
+    checkpoints the blocks below `first`), each with a kept block above it, whose backward
+    brings it back and whose forward gives its copy out time. The offloader is
     `model.activation_offload`.
 
     Runs on the meta-device model before FSDP, after 03: only the blocks' forward functions are
-    replaced (instance attributes: parameter names are unchanged), and these blocks' norms'
-    outputs go to the host with the rest instead of being computed again (03's
+    replaced (instance attributes: parameter names are unchanged), and the offloaded blocks'
+    norms' outputs go to the host with the rest instead of being computed again (03's
     recompute_norms)."""
     layers = check_model(model, count, first)
     offloader = ActivationOffloader(layers)
@@ -239,25 +274,27 @@ def apply_activation_offload(model, count: int, first: int = 0) -> None:
         for hook in block.__dict__.pop("norm_recompute_hooks", []):
             hook.remove()
         block.forward = partial(offloaded_forward, block.forward, layer, offloader)
-    if layers.stop < len(model.layers):  # the block above: its backward brings back the top one
-        block = model.layers[layers.stop]
-        block.forward = partial(prefetching_forward, block.forward, layers.stop, offloader)
+        above = model.layers[layer + 1]
+        above.forward = partial(kept_above_forward, above.forward, layer + 1, offloader,
+                                layer == layers[-1])
 
 
 # ---- below: checks, the step record, demo --------------------------------------------------------
 
 def check_model(model, count: int, first: int) -> range:
-    """The offloaded blocks, refused unless 1 <= count and first + count <= the model's layers."""
+    """The offloaded blocks (every other one from `first`), refused unless 1 <= count and each
+    has a block of the model above it."""
     if not hasattr(model, "layers"):
         raise ValueError(f"apply_activation_offload needs a model with .layers (its blocks), "
                          f"got {type(model).__name__}")
     if hasattr(model, "activation_offload"):
         raise ValueError("activation offload is already applied to this model")
     n_layers = len(model.layers)
-    if count < 1 or first < 0 or first + count > n_layers:
-        raise ValueError(f"the offloaded blocks ({count} from block {first}) must be within "
-                         f"the model's {n_layers} layers, above 03's checkpointed ones")
-    return range(first, first + count)
+    if count < 1 or first < 0 or first + 2 * count > n_layers:
+        raise ValueError(f"{count} offloaded blocks from block {first}, each with a kept block "
+                         f"above it, need {2 * count} of the model's {n_layers} layers above "
+                         f"03's checkpointed ones")
+    return range(first, first + 2 * count, 2)
 
 
 # The offloader's record of one step (restarted when the lowest offloaded block runs), which the
@@ -287,7 +324,7 @@ def main():
                                print_table, step_memory_meaning)
 
     parser = demo_parser(__doc__, cpu=("small", "2K"), gpu=("llama3-8b", "16K"))
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=6)
     demo = demo_setup(parser.parse_args())
     mesh = None
     if demo.launched:
@@ -297,7 +334,7 @@ def main():
     unit, unit_name = (GiB, "GiB") if demo.on_gpu else (MiB, "MiB")
     args = replace(demo.args, n_layers=demo.opts.layers)
     rows = []
-    for count in range(args.n_layers + 1):
+    for count in range(args.n_layers // 2 + 1):  # every other block, a kept one above each
         apply = partial(apply_activation_offload, count=count) if count else (lambda model: None)
         kept = measure_step_memory(demo, args, mesh, apply)
         rows.append([count, in_units(kept["device"], unit), in_units(kept["host"], unit)])

@@ -219,15 +219,18 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # fused or tiled norm saved it (a checkpointed block's input is its checkpoint).
     k = config.checkpointed_layers(cfg, n_layers)
     plain = n_layers - k
-    if cfg.offload_activations > plain:
-        raise ValueError(f"--offload-activations {cfg.offload_activations} needs as many blocks "
-                         f"that 03 leaves unchecked; {k} of {n_layers} are checkpointed")
+    if 2 * cfg.offload_activations > plain:
+        raise ValueError(f"--offload-activations {cfg.offload_activations} needs twice as many "
+                         f"blocks that 03 leaves unchecked (a kept one above each); {k} of "
+                         f"{n_layers} are checkpointed")
     layer = norms["saved"] - released + norms["block_input"] + mlp_saved
-    # 07: the lowest `offloaded` of the plain blocks keep all they saved (their norms' outputs
-    # too) in host memory; copied out beside the forward of the blocks above them, they are off
-    # the GPU at its end. In backward each comes back during the backward of the block above:
-    # at most one waits on the GPU beside the running block.
+    # 07: every other plain block from layer k on (k, k + 2, .., `top`) keeps all it saved
+    # (its norms' outputs too) in host memory, each with a kept block above it. In forward a
+    # block's tensors go once the next offloaded block's forward is done (the top one's after
+    # the block above it): all are off the GPU at its end. In backward each comes back during
+    # the backward of the kept block above it: one beside that block's own.
     offloaded = cfg.offload_activations
+    top = k + 2 * (offloaded - 1)
     offloaded_layer = layer + released  # (its attention's tensors: attention_saved)
     # --keep-attention: what a checkpointed block keeps besides its input. In a block's backward
     # its own kept output and log-sum-exp are what its attention saved (counted there).
@@ -254,10 +257,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     last_checkpointed = waiting(0, checkpoints["gpu"] - kept + prefetched)
     # A plain block's backward: the checkpoints, the plain blocks below it, and its own input
     # where its norm saved it.
-    # (07: the offloaded block just below comes back during the backward of the one above it)
-    last_layer_kept = (waiting(max(kept_plain - 1, 0), checkpoints["gpu"] + norms["block_input"],
-                               back=int(offloaded > 0 and (kept_plain == 1 or offloaded > 1
-                                                           and not kept_plain)))
+    # (07: with the top offloaded block just below it, that block comes back beside it)
+    top_below_last = offloaded and top == n_layers - 2
+    last_layer_kept = (waiting(kept_plain - 1, checkpoints["gpu"] + norms["block_input"],
+                               back=int(top_below_last))
                        if plain else last_checkpointed)
     first_layer_kept = waiting(0, hidden if k else norms["block_input"])
 
@@ -282,30 +285,33 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # gradients of the layers above it: most at layer 1, where only two layers' gradients are
     # still to come. It outweighs the last checkpointed block (the same two checkpoints, fewer
     # gradients) always, and layer 0 once a block input is larger than one layer's gradients.
-    # A running offloaded block has its norms' outputs back: the moments of a checkpointed one.
-    # With 07, the lowest kept block and the second offloaded one each have an offloaded block
-    # back below them, and more gradients than the last layer.
+    # With 07, the lowest plain block is offloaded: running, it has its norms' outputs back (the
+    # moments of a checkpointed block); the kept block above it has it back below it, with
+    # more gradients than the last layer.
     middle = {}
-    last_block = "plain" if kept_plain else "checkpointed"
+    last_block = "plain" if plain else "checkpointed"
     lowest_plain = "checkpointed" if offloaded else "plain"
     if k and plain > 1:
         middle[f"backward of layer {k}"] = backward_of(waiting(0, checkpoints["gpu"]
                                                                + norms["block_input"]),
                                                        with_grads_of(plain - 1),
                                                        block=lowest_plain)
-    if offloaded > 1:
+    if offloaded and k + 1 < n_layers - 1:
         middle[f"backward of layer {k + 1}"] = backward_of(
             waiting(0, checkpoints["gpu"] + norms["block_input"], back=1),
-            with_grads_of(plain - 2), block="checkpointed")
-    if offloaded and kept_plain > 1:
-        middle[f"backward of layer {k + offloaded}"] = backward_of(
-            waiting(0, checkpoints["gpu"] + norms["block_input"], back=1),
-            with_grads_of(kept_plain - 1), block="plain")
+            with_grads_of(plain - 2), block="plain")
     if plain and k > 1:
         middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
     if cfg.offload and k > 2:
         middle["backward of layer 1"] = backward_of(last_checkpointed, with_grads_of(n_layers - 2))
+    # 07's forward holds most at the end of the top offloaded block's: its tensors and the
+    # previous offloaded block's (going now), and the kept blocks below it.
+    forward_moments = {} if not offloaded else {f"forward of layer {top}": {
+        "model_state": params + adam + held_grads,
+        **waiting(offloaded - 1, checkpoints["gpu"], back=min(offloaded, 2)),
+        "fsdp": buffers["after_forward"]}}
     moments = {
+        **forward_moments,
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
         "backward of the last layer": backward_of(last_layer_kept, with_grads_of(0),
@@ -319,7 +325,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     running = {"backward of the last layer": last_block, f"backward of layer {k}": lowest_plain,
-               f"backward of layer {k + offloaded}": "plain" if offloaded else lowest_plain}
+               **({f"backward of layer {k + 1}": "plain"} if offloaded else {})}
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()),
             "block_moment": block_peaks[running.get(peak_moment, "checkpointed")],
@@ -449,8 +455,9 @@ def fewest_checkpointed_layers_that_fit(cfg: Config, world_size: int, gpu_mem: i
         peak = plan_memory(replace(cfg, checkpoint_layers=k), world_size, args)["peak"]
         return fits_on_gpu(peak, gpu_mem) and free_at_peak(peak, gpu_mem) >= headroom
 
-    # the peak falls as k grows (to the L - N that leave 07's N blocks): bisect for the first
-    low, high = 1, args.n_layers - cfg.offload_activations
+    # the peak falls as k grows (to the L - 2N that leave 07's N blocks and the kept ones above
+    # them): bisect for the first
+    low, high = 1, args.n_layers - 2 * cfg.offload_activations
     while low < high:
         middle = (low + high) // 2
         low, high = (low, middle) if enough(middle) else (middle + 1, high)
@@ -1020,10 +1027,10 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
         # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
-        # that fit need each candidate's plan. With 07's blocks above them, at most L - N.
+        # that fit need each candidate's plan. With 07's blocks above them, at most L - 2N.
         layers = chosen.checkpoint_layers
         if chosen.checkpoint and chosen.offload_activations and layers is None:
-            layers = args.n_layers - chosen.offload_activations
+            layers = args.n_layers - 2 * chosen.offload_activations
         candidates += [replace(chosen, head_chunk=chunk, mlp_tile_tokens=tile, keep_attention=keep,
                                checkpoint_layers=layers)
                        for chunk, tile, keep in product(chunks, tiles, kept)]

@@ -422,8 +422,9 @@ def resolve_techniques(cfg: Config) -> Config:
 
 
 def check_offloaded_activations(cfg: Config, n_layers: int, planned: bool) -> None:
-    """07's blocks sit above 03's checkpointed ones: --offload-activations N needs N of the L
-    blocks left unchecked (on a GPU the plan picks --checkpoint-layers K <= L - N)."""
+    """07's blocks alternate with kept ones above 03's checkpointed ones: --offload-activations
+    N needs 2N of the L blocks left unchecked (on a GPU the plan picks --checkpoint-layers
+    K <= L - 2N)."""
     offloaded = cfg.offload_activations
     if offloaded < 0:
         raise ValueError(f"--offload-activations must be at least 0, got {offloaded}")
@@ -432,12 +433,15 @@ def check_offloaded_activations(cfg: Config, n_layers: int, planned: bool) -> No
     checkpointed = cfg.checkpoint_layers if cfg.checkpoint else 0
     if checkpointed is None and not planned:
         raise ValueError(f"--offload-activations {offloaded} needs blocks that 03 leaves "
-                         f"unchecked: add --checkpoint-layers K with K + {offloaded} <= the "
+                         f"unchecked: add --checkpoint-layers K with K + 2 x {offloaded} <= the "
                          f"model's {n_layers} layers")
-    if (checkpointed or 0) + offloaded > n_layers:
-        raise ValueError(f"--offload-activations {offloaded}"
-                         + (f" above --checkpoint-layers {checkpointed}" if checkpointed else "")
-                         + f" is more than the model's {n_layers} layers")
+    below = (checkpointed or 1) if cfg.checkpoint else 0  # (planned: at least one)
+    if below + 2 * offloaded > n_layers:
+        raise ValueError(f"--offload-activations {offloaded}: each offloaded block needs a kept "
+                         f"block above it, so {2 * offloaded} blocks"
+                         + (f" above --checkpoint-layers {checkpointed}" if checkpointed
+                            else " above 03's checkpointed ones" if cfg.checkpoint else "")
+                         + f"; the model has {n_layers} layers")
 
 
 def techniques_given(cfg: Config) -> bool:
