@@ -82,9 +82,9 @@ def build_as_train(cfg):
 
 
 def settled_memory_allocated() -> int:
-    """Bytes allocated once the GPU is idle. Memory last read by a side stream (an offloaded
-    tensor copied out, recorded with record_stream) is released by the allocator at its next
-    allocation after the copy finished: make one."""
+    """Bytes allocated once the GPU is idle: synchronized, and after one allocation, at which
+    the allocator also takes back into its pool what it held for a side stream's use (memory
+    freed with record_stream: counted as freed already, reserved until that use is done)."""
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")
     return torch.cuda.memory_allocated()

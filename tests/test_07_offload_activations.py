@@ -270,3 +270,20 @@ def _gpu_offloaded_matches_fp32():
             assert offloader.stats["prefetched"] == offloader.stats["restored"] > 0
         del model, loss
     assert sent and held[0] - held[1] >= 0.9 * sent, (held, sent)
+    # The streams' order: every copy delayed on the side stream (a missing wait would let the
+    # compute stream read a copy back, or reuse memory a copy out reads, too early), against
+    # the same step without 07, bit for bit (the math attention kernel: deterministic).
+    exact = replace(cfg, attn_kernel="math")
+    _, grads_kept = train_loss_and_grads(replace(exact, offload_activations=0), tokens, labels)
+    model, rt, _ = build_as_train(exact)
+    side_stream = model.activation_offload.side_stream
+
+    def delayed_side_stream(device):
+        stream = side_stream(device)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)  # about a millisecond
+        return stream
+
+    model.activation_offload.side_stream = delayed_side_stream
+    train.forward_backward(model, tokens, rt, labels)
+    assert all(torch.equal(full(p.grad), grads_kept[n]) for n, p in model.named_parameters())
