@@ -11,12 +11,12 @@ The idea. The GPU has copy engines that run beside its compute. A block can keep
 saved, not on the GPU but in pinned host memory: each saved tensor is copied out on a side
 stream while the next blocks compute, and in backward a block's tensors come back during the
 backward of the block above it. Nothing is computed twice. The copies cost time only where they
-cannot hide: at 55 GB/s each way (the H200 machine's pinned copies), a 16K block's 1.7 GiB (its
-norms' outputs go too) takes 33 ms each way, against a block's ~19 ms forward and ~38 ms
-backward. So the offloaded blocks alternate with kept ones: a block's copy out has its own
-forward's end and the next two blocks' forward before its memory is needed again, and its copy
-back runs during the backward of the kept block above it. Half of the L - K blocks above 03's
-can go this way: at 16K, 8 leave 1 of 32 blocks checkpointed, 12 none.
+cannot hide: at 55 GB/s each way (the H200 machine's pinned copies), a 16K block's 1.5 GiB (its
+norms' outputs go too) takes ~29 ms each way, against a block's ~19 ms forward and ~38 ms
+backward. So the offloaded blocks alternate with kept ones: a block's copy out has the end of
+its own forward and the next two blocks' (the top block: the one above it) before its memory
+is needed again, and its copy back runs during the backward of the kept block above it. Half of
+the L - K blocks above 03's can go this way: at 16K, 8 leave 1 of 32 blocks checkpointed, 12 none.
 
     --offload-activations N   blocks K, K + 2, ..., K + 2(N - 1), K = 03's checkpointed blocks
 
@@ -74,10 +74,10 @@ def kept_above_forward(forward, layer: int, offloader, top: bool, x: torch.Tenso
     brings that block's tensors back; above the top offloaded block, its forward lets that
     block's memory go."""
     out = forward(x, rope, cu_seqlens)
-    if not out.requires_grad:
-        return out
     if top:
         offloader.release(layer - 1)
+    if not out.requires_grad:
+        return out
     # The gradient of a block's output is computed just before the block's own backward: then
     # the offloaded block below starts coming back, and its copy overlaps this block's backward.
     out.register_hook(lambda grad: offloader.bring_back(layer - 1, "prefetch"))
@@ -93,6 +93,7 @@ class SavedBytes:
     layer: int
     nbytes: int
     device: torch.device
+    step: int                              # the offloader's forward that saved it
     key: object = None                     # its host buffer's key in the pool: (layer, index)
     host: HostBuffer | None = None         # its bytes in host memory while they wait
     on_device: torch.Tensor | None = None  # its bytes (uint8) back on the device
@@ -114,14 +115,14 @@ class ActivationOffloader:
     block ahead of their use.
 
     Memory and streams: a saved tensor's memory is read by the copy out on the side stream, so
-    it may be reused only after that copy. The offloader keeps the tensors of a block until two
-    blocks later in forward, then makes the compute stream wait for the block's copies (one
-    CUDA event) and lets them go: whatever the compute stream allocates there afterwards runs
-    after the copy. (record_stream would leave that to the allocator, which reuses such memory
-    only once the copy has finished by the time the host asks, and the host runs blocks ahead
-    of the GPU: the memory of every block in flight would stay reserved.) The copies back are
-    written into memory the compute stream allocates, and it waits for them (one event per
-    block) before it reads any."""
+    it may be reused only after that copy. The offloader keeps the tensors of a block until the
+    next offloaded block's forward has run (the top one's: the kept block's above it), then
+    makes the compute stream wait for the block's copies (one CUDA event) and lets them go:
+    whatever the compute stream allocates there afterwards runs after the copy. (record_stream
+    would leave that to the allocator, which reuses such memory only once the copy has finished
+    by the time the host asks, and the host runs blocks ahead of the GPU: the memory of every
+    block in flight would stay reserved.) The copies back are written into memory the compute
+    stream allocates, and it waits for them (one event per block) before it reads any."""
 
     def __init__(self, layers: range):
         self.layers = layers  # the offloaded blocks (every other one: a kept block above each)
@@ -130,7 +131,8 @@ class ActivationOffloader:
         self.packing = {}    # the running block's: (address, bytes) -> SavedBytes, its source
         self.stays = set()   # the running block's: addresses of storages that stay
         self.leaving = {}    # layer -> (its copies out done: event, its sources) until released
-        self.arrived = {}    # layer -> its copies back done: event (None on the CPU)
+        self.arrived = {}    # layer -> (its copies back done: event, their memory) until read
+        self.step = 0        # forwards through the lowest offloaded block so far
         self.stream = None   # the side CUDA stream for every copy, made on first use
         self.stats = new_step_record()
 
@@ -149,21 +151,27 @@ class ActivationOffloader:
 
     def release(self, layer: int) -> None:
         """Block `layer`'s saved tensors may go: the compute stream waits for their copies."""
-        done, sources = self.leaving.pop(layer, (None, []))
-        if done is not None:  # (then the sources go, for the compute stream to reuse)
-            torch.cuda.current_stream(sources[0].device).wait_event(done)
+        if layer not in self.leaving:
+            return
+        done, _ = self.leaving.pop(layer)  # (the sources go on return)
+        if done is not None:  # the compute stream reuses their memory after the copies
+            torch.cuda.current_stream(self.stream.device).wait_event(done)
+        record(self.stats, "release", None, layer)
 
     def new_step(self) -> None:
         """The lowest offloaded block runs: a step whose backward never ran gives its buffers
         back."""
         self.stats = new_step_record()
+        self.step += 1
         for layer in list(self.leaving):
             self.release(layer)
+        for layer in list(self.arrived):  # brought back, never read (autograd.grad of a part)
+            self.wait_for_copies_back(layer)
         for block_saved in self.waiting.values():
             for saved in block_saved:
                 self.host_buffers.give_back(saved.key, saved.host)
+                saved.host = None
         self.waiting.clear()
-        self.arrived.clear()
 
     def pack(self, layer: int, t: torch.Tensor):
         base = t if t._base is None else t._base
@@ -186,7 +194,7 @@ class ActivationOffloader:
         """Start the copy of `source` (uint8) to a host buffer."""
         key = (layer, len(self.packing))  # the same key for the same tensor every step
         device = source.device
-        saved = SavedBytes(layer, source.numel(), device, key)
+        saved = SavedBytes(layer, source.numel(), device, self.step, key)
         saved.host = self.host_buffers.take(key, source)
         self.waiting.setdefault(layer, []).append(saved)
         record(self.stats, "offload", saved)
@@ -224,18 +232,26 @@ class ActivationOffloader:
             # step's copy out cannot overtake this copy back, so the buffer is free again now.
             self.host_buffers.give_back(saved.key, saved.host)
             saved.host = None
-        self.arrived[layer] = self.side_event(device) if device.type == "cuda" else None
+        # (their memory is held here too until the compute stream waits for the copies: a
+        # block never read, by autograd.grad of a part of the model, goes at the next step)
+        self.arrived[layer] = (self.side_event(device), [saved.on_device for saved in block_saved])
         record(self.stats, why, None, layer)
+
+    def wait_for_copies_back(self, layer: int) -> None:
+        done, _ = self.arrived.pop(layer, (None, None))
+        if done is not None:  # the compute stream waits; then the memory is its own
+            torch.cuda.current_stream(self.stream.device).wait_event(done)
 
     def unpack(self, view):
         if isinstance(view, torch.Tensor):
             return view
         saved = view.saved
+        if saved.step != self.step:
+            raise RuntimeError("07 holds one forward's tensors at a time: another forward ran "
+                               "through the offloaded blocks before this backward")
         if saved.on_device is None:  # nobody prefetched it: now, and wait
             self.bring_back(saved.layer, "fetch")
-        arrived = self.arrived.pop(saved.layer, None)
-        if arrived is not None:  # the block's first tensor read: the compute stream waits
-            torch.cuda.current_stream(saved.device).wait_event(arrived)
+        self.wait_for_copies_back(saved.layer)  # (its block's first tensor read)
         if not saved.used:
             saved.used = True
             record(self.stats, "use", saved)

@@ -300,16 +300,26 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         middle[f"backward of layer {k + 1}"] = backward_of(
             waiting(0, checkpoints["gpu"] + norms["block_input"], back=1),
             with_grads_of(plain - 2), block="plain")
+    if offloaded > 1 and top + 1 < n_layers - 1:  # the top one back below the highest kept
+        middle[f"backward of layer {top + 1}"] = backward_of(  # with an offloaded one below
+            waiting(offloaded - 1, checkpoints["gpu"] + norms["block_input"], back=1),
+            with_grads_of(n_layers - top - 2), block="plain")
     if plain and k > 1:
         middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
     if cfg.offload and k > 2:
         middle["backward of layer 1"] = backward_of(last_checkpointed, with_grads_of(n_layers - 2))
-    # 07's forward holds most at the end of the top offloaded block's: its tensors and the
-    # previous offloaded block's (going now), and the kept blocks below it.
-    forward_moments = {} if not offloaded else {f"forward of layer {top}": {
-        "model_state": params + adam + held_grads,
-        **waiting(offloaded - 1, checkpoints["gpu"], back=min(offloaded, 2)),
-        "fsdp": buffers["after_forward"]}}
+    # 07's forward holds most at the end of the top offloaded block's forward (its tensors,
+    # the previous offloaded block's, going now, and the kept blocks below it) or of the kept
+    # block's above it (the top one's, going then); FSDP then holds the running block's
+    # parameters gathered and the next one's, as in backward.
+    def in_forward(kept_blocks, offloaded_blocks):
+        return {"model_state": params + adam + held_grads,
+                **waiting(kept_blocks, checkpoints["gpu"], back=offloaded_blocks),
+                "fsdp": buffers["during_backward"]}
+
+    forward_moments = {} if not offloaded else {
+        f"forward of layer {top}": in_forward(offloaded - 1, min(offloaded, 2)),
+        f"forward of layer {top + 1}": in_forward(offloaded, 1)}
     moments = {
         **forward_moments,
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
@@ -325,7 +335,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     running = {"backward of the last layer": last_block, f"backward of layer {k}": lowest_plain,
-               **({f"backward of layer {k + 1}": "plain"} if offloaded else {})}
+               **({f"backward of layer {k + 1}": "plain", f"backward of layer {top + 1}": "plain"}
+                  if offloaded else {})}
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()),
             "block_moment": block_peaks[running.get(peak_moment, "checkpointed")],

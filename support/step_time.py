@@ -296,16 +296,17 @@ def offload_seconds(cfg: Config, args, n: int, b: int, rates: GpuRates,
 
 def activation_copy_seconds(cfg: Config, block_bytes: int, rates: GpuRates,
                             layer_forward_s: float) -> float:
-    """07: an offloaded block's copy out has the end of its forward and the next two blocks'
-    (the top one's: the block above it) before the compute stream waits for it, and its copy
-    back the backward of the kept block above it (about twice a block's forward): a longer
-    copy shows. Not yet calibrated: no step with 07 has been measured on a GPU."""
+    """07: an offloaded block's copy out has two blocks' forward before the compute stream
+    waits for it (the top one's: the block above it), the copies one after another on one
+    stream, and its copy back the backward of the kept block above it (about twice a block's
+    forward): a longer copy shows. Not yet calibrated: no step with 07 has been measured on
+    a GPU."""
     offloaded = cfg.offload_activations
     if not offloaded:
         return 0.0
     copy = block_bytes / rates.pinned_copy
-    out = ((offloaded - 1) * max(0.0, copy - 2.5 * layer_forward_s)
-           + max(0.0, copy - 1.5 * layer_forward_s))
+    out = ((offloaded - 1) * max(0.0, copy - 2 * layer_forward_s)
+           + max(0.0, copy - layer_forward_s))
     return out + offloaded * max(0.0, copy - 2 * layer_forward_s)
 
 

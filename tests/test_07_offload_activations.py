@@ -43,8 +43,22 @@ def _check_stats(stats, first: int, count: int):
     uses = [int(e.split()[-1]) for e in events if e.startswith("use")]
     assert uses == sorted(uses, reverse=True), events  # backward order
     assert not [e for e in events if e.startswith("fetch")], events
+
+    def last(event):
+        return len(events) - 1 - events[::-1].index(event)
+
     for layer in layers:
         assert events.index(f"prefetch {layer}") < events.index(f"use {layer}"), events
+        # brought back one block ahead: after the offloaded block above it was used
+        if layer + 2 in layers:
+            assert events.index(f"prefetch {layer}") > last(f"use {layer + 2}"), events
+        # its memory went once the next offloaded block's forward ran (the top's: the block
+        # above it), before any other block's forward
+        after = last(f"offload {layer + 2}") if layer + 2 in layers else last(f"offload {layer}")
+        assert after < events.index(f"release {layer}"), events
+        if layer + 4 in layers:
+            assert events.index(f"release {layer}") < events.index(f"offload {layer + 4}"), events
+    assert last(f"release {layers[-1]}") < events.index(f"prefetch {layers[-1]}"), events
 
 
 def _equal_with_and_without_offloaded_activations():
@@ -70,8 +84,12 @@ def _equal_with_and_without_offloaded_activations():
         if count == 0:
             plain[key] = (loss, grads)
             continue
-        _check_stats(model.activation_offload.stats, k, count)
+        stats = model.activation_offload.stats
+        _check_stats(stats, k, count)
         assert not model.activation_offload.waiting
+        if not techniques.get("tile_mlp"):  # exactly what the planner counts for the host
+            planned = planner.plan_memory(cfg, sp, fused_norm=False)["host_parts"]
+            assert stats["offloaded_bytes"] == planned["activations (07)"], (what, stats)
         if key in plain:  # the host round trip reproduces the same bits
             loss0, grads0 = plain[key]
             assert torch.equal(loss, loss0), what
@@ -193,6 +211,17 @@ def test_a_second_backward_through_the_same_graph_reads_the_same_tensors():
     assert all(torch.equal(p.grad, 2 * once[n]) for n, p in model.named_parameters())
 
 
+def test_two_forwards_before_one_backward_are_refused():
+    """07 holds one forward's tensors (its host buffers are reused by the next): a backward
+    through an earlier forward's graph says so instead of reading the later one's."""
+    model, _, _ = build_as_train(Config(model=MODEL, offload_activations=1, seq_len=SEQ))
+    ids, positions = torch.randint(0, ARGS.vocab_size, (1, SEQ)), torch.arange(SEQ)[None]
+    first = model(ids, positions, ids)
+    second = model(ids, positions, ids)
+    with pytest.raises(RuntimeError, match="one forward's tensors at a time"):
+        (first + second).backward()
+
+
 def test_parameter_names_unchanged_and_applied_once():
     with torch.device("meta"):
         model = llama.Transformer(ARGS)
@@ -232,7 +261,11 @@ def test_the_planner_moves_offloaded_blocks_to_the_host():
     gpu = 139.8 * 2**30
     fewest = {n: planner.fewest_checkpointed_layers_that_fit(
         replace(cfg, checkpoint_layers=None, offload_activations=n), 1, gpu) for n in (0, 8)}
-    assert fewest[8] < fewest[0] <= 32 - 8, fewest
+    assert fewest[8] < fewest[0] and fewest[8] <= 32 - 2 * 8, fewest
+
+
+GPU_MODEL = "tiny-hd64-4L"  # a GPU kernel's head size, 4 layers: blocks 0 and 2 offloaded
+llama.PRESETS[GPU_MODEL] = replace(llama.get_model_args("tiny-hd64"), n_layers=4)
 
 
 @pytest.mark.gpu
@@ -241,20 +274,21 @@ def test_gpu_offloaded_activations_bf16_match_fp32_and_free_the_gpu():
 
 
 def _gpu_offloaded_matches_fp32():
-    """bf16 on the GPU, 1 of 2 blocks offloaded (pinned buffers, side stream), against the fp32
-    unsharded model by the bf16 rule of every GPU test; and the memory held between forward and
-    backward falls by the bytes sent to the host."""
-    cfg = Config(model="tiny-hd64", fsdp=True, offload_activations=1, seq_len=256,
+    """bf16 on the GPU, 2 of 4 blocks offloaded (pinned buffers, side stream), against the fp32
+    unsharded model by the bf16 rule of every GPU test; the memory held between forward and
+    backward falls by the bytes sent to the host; and with every copy delayed, or the compute
+    before each copy, the step is the same bits as without 07."""
+    cfg = Config(model=GPU_MODEL, fsdp=True, offload_activations=2, seq_len=256,
                  batch_size=2, device="cuda", dtype="bfloat16")
     tokens, labels = make_batch(llama.get_model_args(cfg.model).vocab_size, 2, cfg.seq_len,
                                 seed=7, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)
     loss, grads = train_loss_and_grads(cfg, tokens, labels)
     assert_step_matches(loss.cpu(), grads, ref_loss, ref_grads, cfg.model, tokens, labels,
-                        cfg.dtype, what="offload_activations=1")
+                        cfg.dtype, what="offload_activations=2")
     ids, positions = tokens[:, :-1].cuda(), torch.arange(cfg.seq_len).expand(2, -1).cuda()
     held, sent = {}, None
-    for count in (0, 1):
+    for count in (0, 2):
         model, rt, _ = build_as_train(replace(cfg, offload_activations=count))
         model(ids, positions, labels.cuda()).backward()  # warm-up: first-call allocations
         model.zero_grad(set_to_none=True)
@@ -269,21 +303,30 @@ def _gpu_offloaded_matches_fp32():
             sent = offloader.stats["offloaded_bytes"]
             assert offloader.stats["prefetched"] == offloader.stats["restored"] > 0
         del model, loss
-    assert sent and held[0] - held[1] >= 0.9 * sent, (held, sent)
-    # The streams' order: every copy delayed on the side stream (a missing wait would let the
-    # compute stream read a copy back, or reuse memory a copy out reads, too early), against
-    # the same step without 07, bit for bit (the math attention kernel: deterministic).
+    assert sent and held[0] - held[2] >= 0.9 * sent, (held, sent)
+    # The streams' order: a missing wait would let a copy read a tensor not yet computed, the
+    # compute stream read a copy back not yet done, or reuse memory a copy out still reads.
+    # Delay each side of it in turn and compare with the step without 07, bit for bit (the
+    # math attention kernel: deterministic).
     exact = replace(cfg, attn_kernel="math")
     _, grads_kept = train_loss_and_grads(replace(exact, offload_activations=0), tokens, labels)
-    model, rt, _ = build_as_train(exact)
-    side_stream = model.activation_offload.side_stream
+    def sleeping(stream_of, work):  # work(...) after a sleep of ~1 ms queued on stream_of()
+        def run(*args):
+            with torch.cuda.stream(stream_of()):
+                torch.cuda._sleep(2_000_000)
+            return work(*args)
+        return run
 
-    def delayed_side_stream(device):
-        stream = side_stream(device)
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(2_000_000)  # about a millisecond
-        return stream
-
-    model.activation_offload.side_stream = delayed_side_stream
-    train.forward_backward(model, tokens, rt, labels)
-    assert all(torch.equal(full(p.grad), grads_kept[n]) for n, p in model.named_parameters())
+    for delayed in ("side", "compute"):
+        model, rt, _ = build_as_train(exact)
+        offloader = model.activation_offload
+        if delayed == "side":  # every copy starts late
+            side_stream = offloader.side_stream
+            offloader.side_stream = sleeping(lambda: side_stream(torch.device("cuda")),
+                                             side_stream)
+        else:  # the compute queued before each copy finishes late
+            offloader.send = sleeping(torch.cuda.current_stream, offloader.send)
+            offloader.bring_back = sleeping(torch.cuda.current_stream, offloader.bring_back)
+        train.forward_backward(model, tokens, rt, labels)
+        assert all(torch.equal(full(p.grad), grads_kept[n])
+                   for n, p in model.named_parameters()), delayed
