@@ -63,8 +63,8 @@ class Config:
     checkpoint_layers: int | None = None  # 03: checkpoint the first K blocks; None: all
     keep_attention: bool | None = None  # 03: attention outputs kept through the checkpoint;
     # None: decided on a GPU, from the plan (plan.plan_run; off on the CPU)
-    offload_activations: int = 0  # 07: the N blocks above 03's checkpointed ones keep what
-    # they saved in host memory (above none: the first N)
+    offload_activations: int = 0  # 07: N blocks, every other one above 03's checkpointed ones,
+    # keep what they saved in host memory
     tile_mlp: bool = False
     tile_loss: bool = False
     tile_norm: bool = False
@@ -212,10 +212,11 @@ def add_technique_flags(parser):
                             "(default: on for a GPU run that checkpoints when the plan says GPU "
                             "and host memory fit it; off on the CPU)")
     group.add_argument("--offload-activations", type=int, default=0, metavar="N",
-                       help="07: the N blocks above 03's checkpointed ones (without "
-                            "--checkpoint: the first N) keep what they saved for backward in "
-                            "host memory, copied out and back beside the compute, instead of on "
-                            "the GPU; not chosen by --stack auto yet (not yet measured on a GPU)")
+                       help="07: N blocks, every other one from the first that 03 leaves "
+                            "unchecked (a kept block above each), keep what they saved for "
+                            "backward in host memory, copied out and back beside the compute, "
+                            "instead of on the GPU; not chosen by --stack auto yet (not yet "
+                            "measured on a GPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",
