@@ -176,6 +176,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     linear_s = flops["linear"] / world_size / rates.matmul
     attention_s = flops["attention"] / world_size / attention_rate
     passes = 3 + recomputed  # forward, backward (twice its work), 03's recompute
+    layer_forward_s = (linear_s + attention_s) / passes / layers  # one block's forward
     # 03's recompute runs no MLP activation (SwiGLUDown and 04's tiles skip it there)
     recomputed_width = args.dim + args.ffn_dim * whole_mlp_recomputed
     norm_s = rates.norm_fused_s if fused_norm else rates.norm_op_by_op_s
@@ -196,10 +197,9 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                 * (logit_bytes + recomputed_bytes * (cfg.tile_loss and recompute_logits))
                 / rates.memory,
         "tiles (04)": tile_seconds(cfg, args, n, rates),
-        "offload copies (03)": offload_seconds(cfg, args, n, b, rates,
-                                               (linear_s + attention_s) / passes / layers),
-        "activation copies (07)": activation_copy_seconds(
-            cfg, offloaded_block_bytes, rates, (linear_s + attention_s) / passes / layers),
+        "offload copies (03)": offload_seconds(cfg, args, n, b, rates, layer_forward_s),
+        "activation copies (07)": activation_copy_seconds(cfg, offloaded_block_bytes, rates,
+                                                          layer_forward_s),
         "exchanges (02)": exchange_seconds(cfg, args, n, sp // ring, b, rates),
         "stages (05)": (untied_seconds(args, n, head_chunk, sp // ring, rates)
                         if cfg.untied else 0),
