@@ -308,18 +308,36 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
     if cfg.offload and k > 2:
         middle["backward of layer 1"] = backward_of(last_checkpointed, with_grads_of(n_layers - 2))
+    # 08: each block keeps its gradients until its next forward, so the forward of layer j
+    # holds those of the blocks above it (the root's go first). Per block the forward adds a
+    # checkpoint or a block's activations and lets one block's gradients go, so within the
+    # checkpointed blocks and within the plain ones the most is at either end: layer 0, the
+    # last checkpointed block (layer k - 1), or the end of forward, where all are gone. (The
+    # first step updates at once: Adam's moments are allocated then.)
+    behind = cfg.overlap_optimizer and adam_allocated
+
+    def forward_state(layer):  # the model state during the forward of `layer`
+        return with_grads_of(n_layers - 1 - layer) if behind else params + adam + held_grads
+
     # 07's forward holds most at the end of the top offloaded block's forward (its tensors,
     # the previous offloaded block's, going now, and the kept blocks below it) or of the kept
     # block's above it (the top one's, going then); FSDP then holds the running block's
     # parameters gathered and the next one's, as in backward.
-    def in_forward(kept_blocks, offloaded_blocks):
-        return {"model_state": params + adam + held_grads,
-                **waiting(kept_blocks, checkpoints["gpu"], back=offloaded_blocks),
+    def in_forward(layer, kept_blocks, offloaded_blocks=0, saved=checkpoints["gpu"]):
+        return {"model_state": forward_state(layer),
+                **waiting(kept_blocks, saved, back=offloaded_blocks),
                 "fsdp": buffers["during_backward"]}
 
-    forward_moments = {} if not offloaded else {
-        f"forward of layer {top}": in_forward(offloaded - 1, min(offloaded, 2)),
-        f"forward of layer {top + 1}": in_forward(offloaded, 1)}
+    forward_moments = {}
+    if behind:  # (a checkpoint on the GPU per checkpointed block: checkpoints["gpu"] / k)
+        forward_moments["forward of layer 0"] = (in_forward(0, 0, saved=checkpoints["gpu"] // k)
+                                                 if k else in_forward(0, 1, saved=0))
+        if k > 1:
+            forward_moments[f"forward of layer {k - 1}"] = in_forward(k - 1, 0)
+    if offloaded:
+        forward_moments.update({
+            f"forward of layer {top}": in_forward(top, offloaded - 1, min(offloaded, 2)),
+            f"forward of layer {top + 1}": in_forward(top + 1, offloaded, 1)})
     moments = {
         **forward_moments,
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
@@ -1143,7 +1161,8 @@ def flags_text(cfg: Config) -> str:
                     + (["--tile-norm"] if cfg.tile_norm else [])
                     + (["--offload-model-state"] if cfg.offload_model_state else [])
                     + ([f"--offload-activations {cfg.offload_activations}"]
-                       if cfg.offload_activations else []))
+                       if cfg.offload_activations else [])
+                    + (["--overlap-optimizer"] if cfg.overlap_optimizer else []))
 
 
 def level_techniques(level: int) -> set:

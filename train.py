@@ -1,4 +1,4 @@
-"""train.py - compose the techniques of 01..06 and train.
+"""train.py - compose the techniques of 01..08 and train.
 
     python train.py                                   # tiny model, synthetic data, CPU or GPU
     torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M   # --stack auto on GPUs
@@ -13,9 +13,10 @@ that fits (a GPU run's default); each technique also has its own switch. They ar
 this order, on the meta device, before any weight:
   --keep-attention's kernel (support/keep_attention.py, a speed setting of 03)
   -> attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
-  -> tiling (04) -> checkpointing/offload (03)
+  -> tiling (04) -> checkpointing/offload (03) -> the activations of blocks above 03's (07)
   -> FSDP (01: each block, then the root; --offload-model-state keeps the shards on the host)
-which is the order torchtitan uses (checkpoint inside, FSDP outside).
+which is the order torchtitan uses (checkpoint inside, FSDP outside). Then the optimizer: fused
+AdamW, or with --overlap-optimizer 08's, each block's update behind its next forward.
 """
 
 import math
@@ -33,8 +34,8 @@ from support.config import Config, learning_rate, model_args
 from support.data import TokenData
 from support.errors import exit_on_error, out_of_memory_names
 from support.host_memory import use_this_ranks_cores
-from support.lessons import (activation_offload, checkpointing, ring_sp, tiling, ulysses_sp,
-                             untied_sp)
+from support.lessons import (activation_offload, checkpointing, optimizer_overlap, ring_sp,
+                             tiling, ulysses_sp, untied_sp)
 from support.runtime import Runtime, read_machine, setup_runtime
 
 
@@ -122,8 +123,11 @@ def make_optimizer(model, cfg: Config):
     state lives (the GPU; the host with --offload-model-state, 01)."""
     if cfg.offload_model_state:
         use_this_ranks_cores()  # the host steps it
-    return torch.optim.AdamW(model.parameters(), fused=True, lr=learning_rate(cfg, 0),
-                             weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    settings = {"lr": learning_rate(cfg, 0), "weight_decay": cfg.weight_decay,
+                "betas": (0.9, 0.95)}
+    if cfg.overlap_optimizer:  # 08: each block's update behind its next forward
+        return optimizer_overlap.apply_optimizer_overlap(model, **settings)
+    return torch.optim.AdamW(model.parameters(), fused=True, **settings)
 
 
 # One step.
@@ -231,16 +235,16 @@ def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, firs
                          leave=False):
             tokens = data.batch(step)  # the data position is the step: resuming needs nothing more
             documents = data.documents(step, tokens)  # None unless --documents
-            if rt.device.type == "cuda":
+            if rt.device.type == "cuda":  # (the compute stream: 08's updates go on beside it)
                 torch.cuda.reset_peak_memory_stats()
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             start_bar(step)
             start = time.perf_counter()
             with errors.what_to_try_next(cfg, rt):  # an out-of-memory step says it
                 metrics = train_step(model, optimizer, tokens, rt, cfg, step=step,
                                      documents=documents)
             if rt.device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             record = progress.step_record(step, metrics, time.perf_counter() - start,
                                           tokens_per_gpu, documents, rt)
             history.append(record)
@@ -249,6 +253,7 @@ def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, firs
             outputs.log(record)
             if outputs.after_step(model, optimizer, step):  # saves when due; True: a signal
                 break  # stopped the run (every rank after the same step)
+    optimizer_overlap.settle(optimizer)  # 08: the last step's updates, before anything reads them
     outputs.finish(model, args)  # --export-hf, unless stopped: the run is not finished then
     if is_main:
         print(progress.summary_line(history, tokens_per_gpu, time.perf_counter() - run_start,

@@ -197,6 +197,14 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def step_done(device):
+    """A timed step's end (and the next one's start): the compute stream's work done. A side
+    stream may go on (08's updates run beside the next forward, which waits for what it needs);
+    every other stream's work a step queues, the compute stream has waited for by then."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def release(device):
     """Free what the last configuration left (models hold reference cycles) before the next."""
     gc.collect()

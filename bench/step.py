@@ -42,7 +42,7 @@ from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
 from bench.report import (allocator_retries, cached_by_stream, claim_result, end_distributed,
-                          profile, refuse_without_gpu, write_result)
+                          profile, refuse_without_gpu, step_done, write_result)
 from support.data import TokenData
 
 train = importlib.import_module("train")
@@ -125,7 +125,7 @@ def main():
         for step in range(opts.steps):
             if opts.snapshot or opts.snapshot_file:
                 snapshot.step_begins_here()
-            torch.cuda.synchronize()
+            step_done(rt.device)  # (08's updates may go on beside the next forward)
             torch.cuda.reset_peak_memory_stats()
             retried = allocator_retries()
             start = time.perf_counter()
@@ -140,7 +140,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             if opts.release_cache:
                 torch.cuda.empty_cache()
-            torch.cuda.synchronize()
+            step_done(rt.device)
             times.append(time.perf_counter() - start)
             peaks.append(torch.cuda.max_memory_allocated() / GiB)
             reserved.append(torch.cuda.max_memory_reserved() / GiB)  # allocated + cached

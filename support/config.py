@@ -73,6 +73,7 @@ class Config:
     untied: bool = False
     head_chunk: int | None = None
     offload_model_state: bool = False  # 01: params, grads and Adam on the host (any level >= 1)
+    overlap_optimizer: bool = False  # 08: each block's AdamW update behind its next forward
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
@@ -179,7 +180,7 @@ def add_document_flags(parser):
 
 
 def add_technique_flags(parser):
-    group = parser.add_argument_group("techniques (01-06)")
+    group = parser.add_argument_group("techniques (01-08)")
     group.add_argument("--stack", type=stack_flag, default=None,
                        help="0-5, each level adds to the one below: 1 --fsdp, 2 --ulysses, "
                             "3 --checkpoint --offload, 4 --tile-mlp --tile-loss, 5 --untied in "
@@ -217,6 +218,11 @@ def add_technique_flags(parser):
                             "backward in host memory, copied out and back beside the compute, "
                             "instead of on the GPU; not chosen by --stack auto yet (not yet "
                             "measured on a GPU)")
+    group.add_argument("--overlap-optimizer", action="store_true",
+                       help="08: each block's AdamW update on a side stream, behind that "
+                            "block's next forward: the same weights bit for bit, the forward "
+                            "holding the gradients of the blocks it has not reached; not chosen "
+                            "by --stack auto yet (not yet measured on a GPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",
@@ -369,6 +375,10 @@ def resolve_techniques(cfg: Config) -> Config:
     if cfg.offload_model_state and not cfg.fsdp and not auto:
         raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
                          "--stack 1 or higher")
+    if cfg.overlap_optimizer and cfg.offload_model_state:
+        raise ValueError("--overlap-optimizer (08) hides AdamW's pass over the GPU's memory "
+                         "behind the forward; with --offload-model-state (01) AdamW runs on the "
+                         "host's cores instead: drop one of them")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
     for flag, value, least in (("--steps", cfg.steps, 0), ("--batch-size", cfg.batch_size, 1),
@@ -502,6 +512,7 @@ def techniques_text(cfg: Config, head_chunk, ring: int = 1) -> str:
     names += ["tile_norm"] if cfg.tile_norm else []
     names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
+    names += ["overlap_optimizer"] if cfg.overlap_optimizer else []
     names += ([f"offload_activations ({cfg.offload_activations} blocks)"]
               if cfg.offload_activations else [])
     labels = {"untied": f"untied (U={head_chunk})"}

@@ -21,13 +21,14 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
     01                 the optimizer step on the GPU, or on the host (--offload-model-state:
                        CPU fused AdamW) with its copies (FSDP's own per-parameter cost fitted
                        to nothing once the allocator's retries were counted: it is not a term)
+    08                 the part of that step run beside the next forward that still shows
 Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
 measured speeds, and a few constants fitted on measured steps (docs/calibration.md, "Step
 time"; tests/test_step_time.py holds every calibrated row within 10%). A GPU without rates gets
 no prediction: the planner then falls back to its memory-only choice and says so.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import model
 from support import byte_counts
@@ -87,6 +88,9 @@ GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp
 ADAMW_BYTES = 32  # per fp32 parameter: AdamW reads 4 tensors and writes 3; the gradient norm
 # reads the gradients once (train.clipped_step)
 CLIP_BYTES = 4  # with --grad-clip: AdamW writes each gradient back, divided by the clip
+BESIDE_FORWARD_SHOWN = 0.5  # 08: the share of an update run beside the forward that still
+# lengthens the step (its kernels take SMs and memory bandwidth from the forward's): a prior,
+# not yet measured on a GPU
 
 
 def rates_for(gpu_name: str | None) -> GpuRates | None:
@@ -208,7 +212,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
     seconds["allocator retries"] = (predicted_retries(cfg, args, world_size, free_at_peak,
                                                       gradient_memory)
                                     * rates.alloc_retry_s)  # a step's (measured: one batch)
-    seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates)
+    seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates, layer_forward_s)
     return seconds
 
 
@@ -343,17 +347,24 @@ def untied_seconds(args, n: int, head_chunk: int, ulysses: int, rates: GpuRates)
 
 # ---- 01_fsdp.py: the optimizer step, on the GPU or on the host -----------------------------
 
-def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates) -> float:
+def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
+                      layer_forward_s: float = 0.0) -> float:
     """The fused AdamW step and gradient clipping over this GPU's fp32 shard, memory-bound; with
     --offload-model-state on the host instead, on the rank's share of its cores (16 per GPU on
     the machines measured), with the clipping of host gradients and what the shards' copies
     between host and GPU leave uncovered. Without FSDP one process steps the compute-dtype
-    state."""
+    state. With 08 (--overlap-optimizer) the forward waits for the root's update and block 0's;
+    each later block's runs beside the blocks below it, shown by BESIDE_FORWARD_SHOWN where one
+    block's update is shorter than one block's forward (`layer_forward_s`), and whole beyond."""
     n_params = model.num_params(args)
     per_param = ADAMW_BYTES + CLIP_BYTES * (cfg.grad_clip > 0)
-    if not cfg.fsdp:
-        return n_params * per_param / 2 / rates.memory
-    shard = n_params / world_size
-    if not cfg.offload_model_state:
-        return shard * per_param / rates.memory
-    return shard * rates.host_adamw_s
+    if cfg.offload_model_state:
+        return n_params / world_size * rates.host_adamw_s
+    whole = n_params * per_param / (world_size if cfg.fsdp else 2) / rates.memory
+    if not cfg.overlap_optimizer:
+        return whole
+    layers = args.n_layers
+    block = whole * (n_params - model.num_params(replace(args, n_layers=0))) / layers / n_params
+    first = whole - (layers - 1) * block  # the root's and block 0's: waited for
+    beside = min(block, layer_forward_s)
+    return first + (layers - 1) * (BESIDE_FORWARD_SHOWN * beside + block - beside)

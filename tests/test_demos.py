@@ -22,6 +22,8 @@ DEMOS = {  # file -> (launched with torchrun, a line the demo prints, the smalle
     "04_alst_tiling.py": (False, "MLP tiled", []),
     "05_untied_ulysses.py": (True, "Untied Ulysses", ["--seq-len", "4K"]),
     "06_ring_attention.py": (True, "ring buffers in flight", ["--seq-len", "4K"]),
+    "07_offload_activations.py": (False, "offloaded blocks", []),
+    "08_optimizer_overlap.py": (False, "units queued", []),
 }
 
 

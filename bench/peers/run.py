@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import BEST, parse_choice, parse_spec, window
-from bench.report import (allocator_retries, profile, release, result_path, synchronize,
+from bench.report import (allocator_retries, profile, release, result_path, step_done,
                           write_result)
 from support.data import parse_tokens
 
@@ -384,13 +384,13 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
     try:
         stack.prepare(seq_len)
         for _ in range(opts.steps):
-            synchronize(device)
+            step_done(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 retried = allocator_retries()
             start = time.perf_counter()
             metrics.append(stack.step(tokens))
-            synchronize(device)
+            step_done(device)
             times.append(time.perf_counter() - start)
             if device.type == "cuda":
                 peaks.append(torch.cuda.max_memory_allocated() / GiB)

@@ -1,0 +1,193 @@
+"""08 - The optimizer step behind the next forward: AdamW while the tensor cores compute.
+
+The problem in bytes. AdamW does little arithmetic per byte. Fused, it reads each fp32 weight,
+its gradient and Adam's two moments, and writes back the weight, the moments and (with the
+clip) the gradient: 32 bytes per parameter. Llama-3-8B on one H200: 257 GB a step, ~67 ms
+measured (docs/results.md), in which the tensor cores have nothing to do: 3.5% of a 16K step.
+The forward that follows is the opposite, compute-bound at these lengths.
+
+The idea. A block's new weights are first needed when its next forward gathers them (FSDP's
+unshard). So the update runs unit by unit, FSDP's units in forward order (the root: embeddings,
+final norm and lm_head; then block 0, 1, ...), on a side CUDA stream, queued as soon as the
+gradient norm is known. Each unit's next forward waits for its own update alone, and only then
+lets its gradients go: block 5 updates while blocks 0-4 compute. What the forward still waits
+for is the root's update and block 0's, 16% of Llama-3-8B's parameters. The arithmetic is
+AdamW's own, the same fused kernel with the same clip (`grad_scale`) and the same skip of a
+non-finite step (`found_inf`), on the same tensors: the weights are bit for bit those of the
+step taken at once.
+
+The price in bytes: a unit's gradients stay until its next forward, not the end of the step,
+so the forward holds the gradients of the blocks it has not reached yet (4 bytes per parameter,
+0.81 GiB per Llama-3-8B block on one GPU). A plan that peaks at the end of forward, where all
+of them are gone, does not grow; plan.py counts the forward's moments with them.
+
+On the CPU there is no second stream: each unit's update runs in that unit's pre-forward hook,
+the order of events the GPU's streams keep. The first step allocates Adam's moments and runs
+at once.
+
+    python 08_optimizer_overlap.py                 # CPU: when each unit updates and lets go
+    torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 16K --overlap-optimizer
+"""
+
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+
+CLIP = ("grad_scale", "found_inf")  # what AdamW.step reads from the optimizer: the clip's tensors
+
+
+class AdamWBehindForward(torch.optim.AdamW):
+    """Fused AdamW whose step() queues each FSDP unit's update behind that unit's next forward.
+
+    `model` is the Transformer (sharded or not): its units are the root's own parameters, then
+    each block's. settle() finishes every queued update: before the weights or the state are
+    read outside a forward (a save, an export, the run's end)."""
+
+    def __init__(self, model, **adamw_settings):
+        super().__init__(model.parameters(), fused=True, **adamw_settings)
+        blocks = list(model.layers)
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_blocks]
+        self.units = [(model, root)] + [(block, list(block.parameters())) for block in blocks]
+        on_gpu = next(model.parameters()).is_cuda
+        self.stream = torch.cuda.Stream() if on_gpu else None
+        self.queued = {}  # unit -> its update's event (GPU), or the clip to update with (CPU)
+        self.clip = {}  # the clip's tensors, read on the side stream until every unit waited
+        self.events = None  # a list to record "update UNIT" / "forward UNIT" in (tests, demo)
+        for unit, (module, _) in enumerate(self.units):
+            # prepend: before FSDP's own pre-forward, which gathers the unit's weights
+            module.register_forward_pre_hook(partial(self.before_forward, unit), prepend=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("AdamWBehindForward.step takes no closure (it queues the update)")
+        self.settle()  # (a step before the last one's forward: the last one's first)
+        if not self.state:  # the first step allocates Adam's moments: at once, on this stream
+            return super().step()
+        clip = {name: getattr(self, name) for name in CLIP if hasattr(self, name)}
+        if self.stream is None:  # CPU: each unit's update runs in its pre-forward
+            self.queued = dict.fromkeys(range(len(self.units)), clip)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream())  # the gradients and clip are done
+        with torch.cuda.stream(self.stream):
+            for unit in range(len(self.units)):
+                self.update(unit, clip)
+                self.queued[unit] = self.stream.record_event()
+        self.clip = clip
+        return None
+
+    def before_forward(self, unit: int, module=None, args=None) -> None:
+        """The unit's update done before its forward reads the weights (on the GPU: the
+        compute stream and FSDP's gather wait for its event); then its gradients go."""
+        queued = self.queued.pop(unit, None)
+        if queued is not None:
+            if self.stream is None:
+                self.update(unit, queued)
+            else:
+                torch.cuda.current_stream().wait_event(queued)
+                gather = gather_stream(self.units[unit][0])
+                if gather is not None:  # more than one rank: FSDP copies the shards in there
+                    gather.wait_event(queued)
+            for p in self.units[unit][1]:
+                p.grad = None
+            if not self.queued:  # the side stream is past its last read of the clip's tensors
+                self.clip = {}
+        if self.events is not None and module is not None:
+            self.events.append(f"forward {unit}")
+
+    def update(self, unit: int, clip: dict) -> None:
+        """AdamW's step over one unit's parameters (its own kernel, each group cut to them)."""
+        if self.events is not None:
+            self.events.append(f"update {unit}")
+        with only(self, self.units[unit][1], clip):
+            super().step()
+
+    def settle(self) -> None:
+        """Every queued update done (the compute stream waits for it) and its gradients gone."""
+        for unit in list(self.queued):
+            self.before_forward(unit)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """A unit whose update is queued keeps its gradients: its next forward lets them go."""
+        if not self.queued:
+            super().zero_grad(set_to_none)
+
+    def state_dict(self):
+        self.settle()
+        return super().state_dict()
+
+
+@contextmanager
+def only(optimizer, params: list, clip: dict):
+    """`optimizer` over `params` alone, with the clip's tensors `clip`: each parameter group cut
+    to them for the duration, then as it was."""
+    ids = {id(p) for p in params}
+    whole = [group["params"] for group in optimizer.param_groups]
+    before = {name: optimizer.__dict__.pop(name) for name in CLIP if name in optimizer.__dict__}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in ids]
+    optimizer.__dict__.update(clip)
+    try:
+        yield
+    finally:
+        for group, params_of_group in zip(optimizer.param_groups, whole):
+            group["params"] = params_of_group
+        for name in CLIP:
+            optimizer.__dict__.pop(name, None)
+        optimizer.__dict__.update(before)
+
+
+def gather_stream(module):
+    """The stream FSDP2 copies `module`'s shards in for its all-gather (over more than one
+    rank; a private attribute, looked up where it exists), or None."""
+    state = getattr(module, "_get_fsdp_state", None)
+    comm = getattr(state(), "_comm_ctx", None) if state is not None else None
+    return getattr(comm, "all_gather_copy_in_stream", None)
+
+
+def apply_optimizer_overlap(model, **adamw_settings) -> AdamWBehindForward:
+    """The optimizer for `model` (already sharded), its step behind the next forward."""
+    return AdamWBehindForward(model, **adamw_settings)
+
+
+def settle(optimizer) -> None:
+    """`optimizer`'s queued updates done, if it is 08's (train.py's loop, at its end)."""
+    if isinstance(optimizer, AdamWBehindForward):
+        optimizer.settle()
+
+
+# ---- below: the demo -----------------------------------------------------------------------------
+
+def main():
+    """Three steps of a small model on the CPU: when each unit updates, when its gradients go."""
+    from model import Transformer, get_model_args
+
+    torch.manual_seed(0)
+    args = get_model_args("tiny")
+    model = Transformer(args)
+    optimizer = apply_optimizer_overlap(model, lr=1e-3)
+    optimizer.events = []
+    tokens = torch.randint(0, args.vocab_size, (1, 65))
+    positions = torch.arange(64).unsqueeze(0)
+    for step in range(3):
+        optimizer.events.clear()
+        loss = model(tokens[:, :-1], positions, tokens[:, 1:]) / 64
+        loss.backward()
+        held = sum(p.grad.numel() for _, params in optimizer.units for p in params)
+        optimizer.step()
+        optimizer.zero_grad()
+        left = sum(p.grad is not None for _, params in optimizer.units for p in params)
+        print(f"step {step}: loss {loss.item():.4f}; this step's forward: "
+              f"{' '.join(optimizer.events)}")
+        print(f"  after step(): {len(optimizer.queued)} units queued, {left} gradients "
+              f"({held * 4 / 2**20:.2f} MiB fp32) kept until their unit's next forward")
+    optimizer.settle()
+    print("unit 0 is the root (embeddings, final norm, lm_head), then the blocks. The first "
+          "step updated at once (Adam's moments are allocated then); each later forward "
+          "updates a unit just before it runs.")
+
+
+if __name__ == "__main__":
+    main()
