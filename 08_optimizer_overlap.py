@@ -34,7 +34,9 @@ from functools import partial
 
 import torch
 
-CLIP = ("grad_scale", "found_inf")  # what AdamW.step reads from the optimizer: the clip's tensors
+# What AdamW.step reads from the optimizer besides its groups: the clip's divisor (grad_scale) and
+# the flag that skips a non-finite step (found_inf), set by train.clipped_step around step().
+STEP_INPUTS = ("grad_scale", "found_inf")
 
 
 class AdamWBehindForward(torch.optim.AdamW):
@@ -52,8 +54,11 @@ class AdamWBehindForward(torch.optim.AdamW):
         self.units = [(model, root)] + [(block, list(block.parameters())) for block in blocks]
         on_gpu = next(model.parameters()).is_cuda
         self.stream = torch.cuda.Stream() if on_gpu else None
-        self.queued = {}  # unit -> its update's event (GPU), or the clip to update with (CPU)
-        self.clip = {}  # the clip's tensors, read on the side stream until every unit waited
+        self.queued = {}  # unit -> the event its update ends with on the side stream (GPU), or
+        # None (CPU: not run yet)
+        self.inputs = None  # what the queued updates use, as step() saw them: the step's
+        # inputs (STEP_INPUTS' tensors, read on the side stream until every unit waited) and
+        # each group's settings (its learning rate)
         self.events = None  # a list to record "update UNIT" / "forward UNIT" in (tests, demo)
         for unit, (module, _) in enumerate(self.units):
             # prepend: before FSDP's own pre-forward, which gathers the unit's weights
@@ -65,44 +70,50 @@ class AdamWBehindForward(torch.optim.AdamW):
             raise ValueError("AdamWBehindForward.step takes no closure (it queues the update)")
         self.settle()  # (a step before the last one's forward: the last one's first)
         if not self.state:  # the first step allocates Adam's moments: at once, on this stream
-            return super().step()
-        clip = {name: getattr(self, name) for name in CLIP if hasattr(self, name)}
+            return self.adamw_step()
+        self.inputs = ({name: getattr(self, name) for name in STEP_INPUTS if hasattr(self, name)},
+                       [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups])
         if self.stream is None:  # CPU: each unit's update runs in its pre-forward
-            self.queued = dict.fromkeys(range(len(self.units)), clip)
+            self.queued = dict.fromkeys(range(len(self.units)))
             return None
         self.stream.wait_stream(torch.cuda.current_stream())  # the gradients and clip are done
         with torch.cuda.stream(self.stream):
             for unit in range(len(self.units)):
-                self.update(unit, clip)
+                self.update(unit)
                 self.queued[unit] = self.stream.record_event()
-        self.clip = clip
         return None
 
     def before_forward(self, unit: int, module=None, args=None) -> None:
         """The unit's update done before its forward reads the weights (on the GPU: the
         compute stream and FSDP's gather wait for its event); then its gradients go."""
-        queued = self.queued.pop(unit, None)
-        if queued is not None:
-            if self.stream is None:
-                self.update(unit, queued)
+        if unit in self.queued:
+            event = self.queued.pop(unit)
+            if event is None:  # CPU
+                self.update(unit)
             else:
-                torch.cuda.current_stream().wait_event(queued)
-                gather = gather_stream(self.units[unit][0])
-                if gather is not None:  # more than one rank: FSDP copies the shards in there
-                    gather.wait_event(queued)
+                torch.cuda.current_stream().wait_event(event)
+                gather_stream(self.units[unit][0]).wait_event(event)
             for p in self.units[unit][1]:
                 p.grad = None
-            if not self.queued:  # the side stream is past its last read of the clip's tensors
-                self.clip = {}
+            if not self.queued:  # (the side stream is past its last read of the inputs)
+                self.inputs = None
         if self.events is not None and module is not None:
             self.events.append(f"forward {unit}")
 
-    def update(self, unit: int, clip: dict) -> None:
-        """AdamW's step over one unit's parameters (its own kernel, each group cut to them)."""
+    def update(self, unit: int) -> None:
+        """AdamW's step over one unit's parameters, with the inputs step() saw: AdamW's own
+        step function, each group cut to the unit for one call."""
         if self.events is not None:
             self.events.append(f"update {unit}")
-        with only(self, self.units[unit][1], clip):
-            super().step()
+        with only(self, self.units[unit][1], *self.inputs):
+            self.adamw_step()
+
+    def adamw_step(self) -> None:
+        """AdamW's own step. PyTorch wraps a class's step in the optimizer's hooks and profiler
+        range once an instance exists; this class's step() runs those, once a step, so AdamW's
+        is called without them."""
+        step = super().step.__func__
+        (step.__wrapped__ if getattr(step, "hooked", False) else step)(self)
 
     def settle(self) -> None:
         """Every queued update done (the compute stream waits for it) and its gradients gone."""
@@ -118,33 +129,49 @@ class AdamWBehindForward(torch.optim.AdamW):
         self.settle()
         return super().state_dict()
 
+    def load_state_dict(self, state_dict) -> None:
+        self.settle()
+        super().load_state_dict(state_dict)
+
 
 @contextmanager
-def only(optimizer, params: list, clip: dict):
-    """`optimizer` over `params` alone, with the clip's tensors `clip`: each parameter group cut
-    to them for the duration, then as it was."""
+def only(optimizer, params: list, step_inputs: dict, group_settings: list):
+    """`optimizer` over `params` alone, its groups with `group_settings` and the step's inputs
+    `step_inputs` (STEP_INPUTS), for the duration; then as it was."""
     ids = {id(p) for p in params}
-    whole = [group["params"] for group in optimizer.param_groups]
-    before = {name: optimizer.__dict__.pop(name) for name in CLIP if name in optimizer.__dict__}
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in ids]
-    optimizer.__dict__.update(clip)
+    groups = [dict(group) for group in optimizer.param_groups]  # each group as it was
+    before = {name: optimizer.__dict__.pop(name) for name in STEP_INPUTS
+              if name in optimizer.__dict__}
+    for group, settings in zip(optimizer.param_groups, group_settings):
+        group.update(settings, params=[p for p in group["params"] if id(p) in ids])
+    optimizer.__dict__.update(step_inputs)
     try:
         yield
     finally:
-        for group, params_of_group in zip(optimizer.param_groups, whole):
-            group["params"] = params_of_group
-        for name in CLIP:
+        for group, was in zip(optimizer.param_groups, groups):
+            group.clear()
+            group.update(was)
+        for name in STEP_INPUTS:
             optimizer.__dict__.pop(name, None)
         optimizer.__dict__.update(before)
 
 
-def gather_stream(module):
-    """The stream FSDP2 copies `module`'s shards in for its all-gather (over more than one
-    rank; a private attribute, looked up where it exists), or None."""
-    state = getattr(module, "_get_fsdp_state", None)
-    comm = getattr(state(), "_comm_ctx", None) if state is not None else None
-    return getattr(comm, "all_gather_copy_in_stream", None)
+def gather_stream(module) -> torch.cuda.Stream:
+    """The stream FSDP2 reads `module`'s shards on for its all-gather (FSDP2's private
+    attribute); the compute stream without FSDP. FSDP2 gathers a unit in that unit's own
+    pre-forward (it prefetches in forward only where set_modules_to_forward_prefetch asks), so
+    08's hook, before it, is early enough."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return torch.cuda.current_stream()
+    comm = getattr(module._get_fsdp_state(), "_comm_ctx", None)
+    stream = getattr(comm, "all_gather_copy_in_stream", None)
+    if stream is None:
+        raise RuntimeError("08 waits FSDP2's all-gather copy-in stream for each update, and this "
+                           "torch's FSDP2 has no _comm_ctx.all_gather_copy_in_stream: run without "
+                           "--overlap-optimizer")
+    return stream
 
 
 def apply_optimizer_overlap(model, **adamw_settings) -> AdamWBehindForward:
@@ -171,22 +198,30 @@ def main():
     optimizer.events = []
     tokens = torch.randint(0, args.vocab_size, (1, 65))
     positions = torch.arange(64).unsqueeze(0)
+    plain_model = Transformer(args)  # the same weights, AdamW's step at once
+    plain_model.load_state_dict(model.state_dict())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3, fused=True)
     for step in range(3):
         optimizer.events.clear()
         loss = model(tokens[:, :-1], positions, tokens[:, 1:]) / 64
         loss.backward()
-        held = sum(p.grad.numel() for _, params in optimizer.units for p in params)
         optimizer.step()
         optimizer.zero_grad()
-        left = sum(p.grad is not None for _, params in optimizer.units for p in params)
-        print(f"step {step}: loss {loss.item():.4f}; this step's forward: "
+        (plain_model(tokens[:, :-1], positions, tokens[:, 1:]) / 64).backward()
+        plain.step()
+        plain.zero_grad()
+        kept = [p for _, params in optimizer.units for p in params if p.grad is not None]
+        print(f"step {step}: loss {loss.item():.4f}; its forward ran: "
               f"{' '.join(optimizer.events)}")
-        print(f"  after step(): {len(optimizer.queued)} units queued, {left} gradients "
-              f"({held * 4 / 2**20:.2f} MiB fp32) kept until their unit's next forward")
+        print(f"  after step(): {len(optimizer.queued)} units queued, {len(kept)} gradients "
+              f"({sum(p.numel() for p in kept) * 4 / 2**20:.2f} MiB fp32) kept until their "
+              f"unit's next forward")
     optimizer.settle()
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
     print("unit 0 is the root (embeddings, final norm, lm_head), then the blocks. The first "
-          "step updated at once (Adam's moments are allocated then); each later forward "
-          "updates a unit just before it runs.")
+          "step updated at once (Adam's moments are allocated then); from the second on, each "
+          "unit updates just before its next forward.")
+    print(f"after 3 steps, settled: the weights equal plain fused AdamW's bit for bit: {same}")
 
 
 if __name__ == "__main__":

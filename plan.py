@@ -308,12 +308,12 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         middle[f"backward of layer {k - 1}"] = backward_of(last_checkpointed, with_grads_of(plain))
     if cfg.offload and k > 2:
         middle["backward of layer 1"] = backward_of(last_checkpointed, with_grads_of(n_layers - 2))
-    # 08: each block keeps its gradients until its next forward, so the forward of layer j
-    # holds those of the blocks above it (the root's go first). Per block the forward adds a
-    # checkpoint or a block's activations and lets one block's gradients go, so within the
-    # checkpointed blocks and within the plain ones the most is at either end: layer 0, the
-    # last checkpointed block (layer k - 1), or the end of forward, where all are gone. (The
-    # first step updates at once: Adam's moments are allocated then.)
+    # 08: each block keeps its gradients until its next forward (the root's go first), so the
+    # forward of layer j holds those of the blocks above it. The backward of layer j holds as
+    # much and more: the same blocks' activations below it, the same gradients above it, the
+    # root's and the block's backward. So 08 adds no moment of its own; it adds to 07's
+    # forward moments, which have more offloaded blocks' tensors than any backward. (The first
+    # step updates at once: Adam's moments are allocated then.)
     behind = cfg.overlap_optimizer and adam_allocated
 
     def forward_state(layer):  # the model state during the forward of `layer`
@@ -323,21 +323,14 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # the previous offloaded block's, going now, and the kept blocks below it) or of the kept
     # block's above it (the top one's, going then); FSDP then holds the running block's
     # parameters gathered and the next one's, as in backward.
-    def in_forward(layer, kept_blocks, offloaded_blocks=0, saved=checkpoints["gpu"]):
+    def in_forward(layer, kept_blocks, offloaded_blocks):
         return {"model_state": forward_state(layer),
-                **waiting(kept_blocks, saved, back=offloaded_blocks),
+                **waiting(kept_blocks, checkpoints["gpu"], back=offloaded_blocks),
                 "fsdp": buffers["during_backward"]}
 
-    forward_moments = {}
-    if behind:  # (a checkpoint on the GPU per checkpointed block: checkpoints["gpu"] / k)
-        forward_moments["forward of layer 0"] = (in_forward(0, 0, saved=checkpoints["gpu"] // k)
-                                                 if k else in_forward(0, 1, saved=0))
-        if k > 1:
-            forward_moments[f"forward of layer {k - 1}"] = in_forward(k - 1, 0)
-    if offloaded:
-        forward_moments.update({
-            f"forward of layer {top}": in_forward(top, offloaded - 1, min(offloaded, 2)),
-            f"forward of layer {top + 1}": in_forward(top + 1, offloaded, 1)})
+    forward_moments = {} if not offloaded else {
+        f"forward of layer {top}": in_forward(top, offloaded - 1, min(offloaded, 2)),
+        f"forward of layer {top + 1}": in_forward(top + 1, offloaded, 1)}
     moments = {
         **forward_moments,
         "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
@@ -619,7 +612,7 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         changes.append((f"--checkpoint-layers {k}", replace(cfg, checkpoint_layers=k), world_size))
     changes += [(f"--stack {level}", replace(cfg, stack=level), world_size)
                 for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
-    if cfg.fsdp and not cfg.offload_model_state:
+    if cfg.fsdp and not cfg.offload_model_state and not cfg.overlap_optimizer:
         changes.append(("--offload-model-state", replace(cfg, offload_model_state=True),
                         world_size))
     if cfg.untied and cfg.head_chunk:
@@ -1097,7 +1090,9 @@ def auto_techniques(cfg: Config, world_size: int) -> list:
                     offload_model_state=on_host)
             for (seam, ring), (checkpoint, offload), tile_mlp, tile_loss, on_host in product(
                 seams, checkpointing, on(cfg.tile_mlp or cfg.mlp_tile_tokens),
-                on(cfg.tile_loss or cfg.loss_tile_tokens), on(cfg.offload_model_state))]
+                on(cfg.tile_loss or cfg.loss_tile_tokens),
+                # 08 steps AdamW on the GPU: its state stays there
+                [False] if cfg.overlap_optimizer else on(cfg.offload_model_state))]
 
 
 def unconstrained(cfg: Config) -> Config:

@@ -206,7 +206,10 @@ def step_done(device):
 
 
 def release(device):
-    """Free what the last configuration left (models hold reference cycles) before the next."""
+    """Free what the last configuration left (models hold reference cycles) before the next,
+    once every stream's work on it is done (08's updates run on a side stream)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

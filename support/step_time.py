@@ -86,7 +86,8 @@ RECOMPUTED_LOGIT_BYTES = 2  # 04's tiled loss computed each tile's logits again 
 FP32_LOGIT_BYTES = (30, 10)  # the two, before: fp32 copy, log-softmax, its gradient and cast
 GRAD_SUM_BYTES = 10  # per weight value and tile: its bf16 gradient read, the fp32 sum read, written
 ADAMW_BYTES = 32  # per fp32 parameter: AdamW reads 4 tensors and writes 3; the gradient norm
-# reads the gradients once (train.clipped_step)
+# reads the gradients once (train.clipped_step): NORM_BYTES of them
+NORM_BYTES = 4
 CLIP_BYTES = 4  # with --grad-clip: AdamW writes each gradient back, divided by the clip
 BESIDE_FORWARD_SHOWN = 0.5  # 08: the share of an update run beside the forward that still
 # lengthens the step (its kernels take SMs and memory bandwidth from the forward's): a prior,
@@ -360,11 +361,14 @@ def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
     per_param = ADAMW_BYTES + CLIP_BYTES * (cfg.grad_clip > 0)
     if cfg.offload_model_state:
         return n_params / world_size * rates.host_adamw_s
-    whole = n_params * per_param / (world_size if cfg.fsdp else 2) / rates.memory
+    per_second = (world_size if cfg.fsdp else 2) * rates.memory  # parameters' bytes a second
+    whole = n_params * per_param / per_second
     if not cfg.overlap_optimizer:
         return whole
     layers = args.n_layers
-    block = whole * (n_params - model.num_params(replace(args, n_layers=0))) / layers / n_params
-    first = whole - (layers - 1) * block  # the root's and block 0's: waited for
+    block_params = (n_params - model.num_params(replace(args, n_layers=0))) / layers
+    block = block_params * (per_param - NORM_BYTES) / per_second  # one block's update
+    # waited for: the clip's norm (on the compute stream, before), the root's update and block 0's
+    first = whole - (layers - 1) * block
     beside = min(block, layer_forward_s)
     return first + (layers - 1) * (BESIDE_FORWARD_SHOWN * beside + block - beside)

@@ -157,6 +157,9 @@ def _one_rank_reduces_in_place(device="cpu", model_name="tiny", seq_len=SEQ_LEN)
         model = train.build_model(cfg, rt)
         if not ours:
             gradient_memory.gradients_on_the_reduce_scatter_stream(model)
+        if device == "cuda":  # first calls allocate workspaces and plans: not in the count
+            train.forward_backward(model, tokens, rt)
+            model.zero_grad(set_to_none=True)
         buffers, new_buffer = [], comm.new_buffer
         comm.new_buffer = lambda self, *a: buffers.append(new_buffer(self, *a)) or buffers[-1]
         try:

@@ -602,7 +602,10 @@ def _gpu_norm_outputs_released():
         loss.backward()
         grads[released] = {n: full(p.grad) for n, p in model.named_parameters()}
     planned = byte_counts.block_recompute_bytes(args, seq_len)["released"]
-    assert between[False] - between[True] == (args.n_layers - 1) * planned, between
+    # (to the allocator's 512-byte rounding of a block's small tensors: measured 512 bytes off
+    # on an H100, of 58.7 MB)
+    released = between[False] - between[True]
+    assert abs(released - (args.n_layers - 1) * planned) <= 512 * args.n_layers, between
     # the same numbers, to the attention backward's own run-to-run spread (its fp32 sums run
     # in no fixed order on a GPU)
     errors = {n: relative_error(grads[True][n], grads[False][n]) for n in grads[False]}

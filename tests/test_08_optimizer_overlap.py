@@ -3,6 +3,7 @@ updates each unit just before its forward, carries the clip and the skip of a no
 with it, and the planner counts the gradients the forward holds."""
 
 import importlib
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -24,9 +25,12 @@ L = llama.get_model_args(MODEL).n_layers
 
 
 def _run(**flags):
-    """train.py's run of 4 steps: a clip small enough to clip every step, weight decay."""
+    """train.py's run of 4 steps: a clip small enough to clip every step, weight decay, and a
+    learning rate that changes every step (a warm-up, then a cosine decay: each update must
+    take its own step's rate, not the next one's)."""
     cfg = resolve_techniques(Config(model=MODEL, seq_len=32, batch_size=2, steps=4,
-                                    grad_clip=0.05, weight_decay=0.1, device="cpu", **flags))
+                                    grad_clip=0.05, weight_decay=0.1, warmup_steps=2,
+                                    lr_schedule="cosine", device="cpu", **flags))
     return train.train(cfg)
 
 
@@ -140,7 +144,7 @@ def test_the_clip_and_a_skipped_step_travel_with_the_queued_update():
 def test_a_run_saved_with_updates_queued_resumes_exactly(tmp_path):
     """A save after a step whose updates are still queued (the optimizer's state_dict settles
     them first), resumed: the same losses, weights and Adam state as the run straight through."""
-    _resume_equals_straight(tmp_path, [{"overlap_optimizer": True},
+    _resume_equals_straight(tmp_path, [{"overlap_optimizer": True, "lr_schedule": "cosine"},
                                        {"overlap_optimizer": True, "fsdp": True}])
 
 
@@ -150,24 +154,65 @@ def test_overlap_with_the_state_on_the_host_is_refused():
                                   overlap_optimizer=True, device="cpu"))
 
 
-def test_the_planner_counts_the_gradients_the_forward_holds():
-    """Llama-3-8B at 16K on one GPU, 10 of 32 blocks checkpointed: the forward of layer 0 holds
-    the gradients of blocks 1-31, the last checkpointed block's those of the 22 above it, each
-    4 bytes a parameter; the end of forward none. That plan peaks later: the peak is the same."""
-    cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True,
-                 checkpoint_layers=10, tile_loss=True, dtype="bfloat16", device="cpu")
+def test_step_hooks_run_once_a_step():
+    """PyTorch wraps AdamW.step in the optimizer's hooks once any AdamW exists in the process;
+    08's per-unit updates call the step unwrapped, so a hook runs once per step() (a plain
+    AdamW made first, as a script that builds both would)."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)  # wraps AdamW.step
+    cfg = resolve_techniques(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
+                                    overlap_optimizer=True))
+    rt = setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    optimizer = train.make_optimizer(model, cfg)
+    calls = []
+    optimizer.register_step_post_hook(lambda *_: calls.append(1))
+    tokens = torch.randint(0, model.args.vocab_size, (2, 33))
+    for _ in range(3):
+        train.clipped_step(model, optimizer, train.forward_backward(model, tokens, rt), 1.0)
+    optimizer.settle()
+    assert len(calls) == 3
+
+
+# The planner: the backward of a layer holds what 08's forward of it holds and more (the same
+# activations below, the same gradients above, the root's, the block's backward), so 08 adds no
+# moment; it adds the gradients above to 07's forward moments, which can outweigh a backward.
+PLANNED = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True, tile_loss=True,
+                 dtype="bfloat16", device="cpu")
+
+
+@pytest.mark.parametrize("flags", [
+    {"checkpoint_layers": 10}, {"checkpoint_layers": 4, "offload": True, "seq_len": 131072},
+    {"checkpoint": False, "tile_loss": False, "seq_len": 4096}, {"fsdp": False, "seq_len": 8192},
+    {"checkpoint_layers": 2, "grad_accum": 2}])
+def test_the_planner_finds_no_new_peak_without_07(flags):
+    at_once = planner.plan_memory(replace(PLANNED, **flags), 1)
+    behind = planner.plan_memory(replace(PLANNED, overlap_optimizer=True, **flags), 1)
+    assert behind["moments"] == at_once["moments"]
+
+
+def test_the_planner_counts_the_gradients_07s_forward_holds():
+    """With 07 (8 blocks from layer 10: the top one is layer 24), the forward of the top
+    offloaded block holds the gradients of the 7 blocks above it, 4 bytes a parameter; the end
+    of forward none."""
+    cfg = replace(PLANNED, checkpoint_layers=10, offload_activations=8)
     args = llama.get_model_args(cfg.model)
     at_once = planner.plan_memory(cfg, 1)
     behind = planner.plan_memory(replace(cfg, overlap_optimizer=True), 1)
     block = (llama.num_params(args) - llama.num_params(replace(args, n_layers=0))) // 32
-    state = at_once["moments"]["end of forward (loss)"]["model_state"]
-    assert behind["moments"]["forward of layer 0"]["model_state"] == state + 4 * block * 31
-    assert behind["moments"]["forward of layer 9"]["model_state"] == state + 4 * block * 22
+    for layer, above in ((24, 7), (25, 6)):
+        moment = f"forward of layer {layer}"
+        assert behind["moments"][moment]["model_state"] == \
+            at_once["moments"][moment]["model_state"] + 4 * block * above
     assert behind["moments"]["end of forward (loss)"] == at_once["moments"]["end of forward (loss)"]
-    assert behind["peak"] == at_once["peak"] and behind["peak_moment"] == at_once["peak_moment"]
-    # The first step updates at once: nothing held in its forward
     first = planner.plan_memory(replace(cfg, overlap_optimizer=True), 1, adam_allocated=False)
-    assert "forward of layer 0" not in first["moments"]
+    assert first["moments"] == planner.plan_memory(cfg, 1, adam_allocated=False)["moments"]
+
+
+def test_auto_keeps_adam_on_the_gpu_with_08():
+    """--stack auto never pairs 08 with the model state on the host (AdamW would run there)."""
+    cfg = replace(PLANNED, stack="auto", checkpoint=False, tile_loss=False, seq_len=262144,
+                  overlap_optimizer=True)
+    assert not any(c.offload_model_state for c in planner.candidate_configs(cfg, 1))
 
 
 GPU_MODEL = "tiny-hd64-4L"
@@ -179,24 +224,56 @@ def test_gpu_updates_behind_the_forward_are_the_step_at_once():
     run_ranks(1, _gpu_behind_the_forward, backend="nccl")
 
 
+@pytest.mark.gpu
+def test_gpu_updates_behind_the_forward_on_2_ranks():
+    """FSDP over 2 NCCL ranks (sharing one GPU where there is one): FSDP2 gathers each unit on
+    its copy-in stream, which must wait for that unit's update; with every update delayed, the
+    same weights and Adam state bit for bit as the step at once."""
+    run_ranks(2, _gpu_delayed_updates_are_the_step_at_once, backend="nccl")
+
+
+def _gpu_delayed_updates_are_the_step_at_once():
+    cfg = resolve_techniques(Config(model=GPU_MODEL, fsdp=True, seq_len=256, batch_size=1,
+                                    steps=4, device="cuda", dtype="bfloat16", grad_clip=0.05,
+                                    attn_kernel="math",  # deterministic: bit for bit
+                                    warmup_steps=2, lr_schedule="cosine"))
+    at_once = train.train(cfg)
+    with delayed_updates():
+        _assert_same_run(at_once, train.train(replace(cfg, overlap_optimizer=True)), "2 ranks")
+
+
+CYCLES = int(2e7)  # torch.cuda._sleep's unit: GPU cycles (~10-20 ms at 1-2 GHz)
+
+
+@contextmanager
+def delayed_updates(last_longer: int = 1):
+    """Each unit's update queued behind ~10-20 ms of sleep on the side stream (the last
+    block's `last_longer` times that): a missing wait would read weights not yet updated."""
+    real_update = optimizer_overlap.AdamWBehindForward.update
+
+    def delayed_update(self, unit):
+        if self.stream is not None and torch.cuda.current_stream() == self.stream:
+            torch.cuda._sleep(CYCLES * (last_longer if unit == L else 1))
+        real_update(self, unit)
+
+    optimizer_overlap.AdamWBehindForward.update = delayed_update
+    try:
+        yield
+    finally:
+        optimizer_overlap.AdamWBehindForward.update = real_update
+
+
 def _gpu_behind_the_forward():
     """bf16 on the GPU, FSDP on one rank: with every unit's update delayed on the side stream
     (~20 ms of sleep before each), four steps give the same weights and Adam state bit for bit
     as the step at once; and the update does run beside the forward: block 0's forward has
     finished while the last block's update, slept longer, has not."""
     cfg = resolve_techniques(Config(model=GPU_MODEL, fsdp=True, seq_len=256, batch_size=2,
-                                    steps=4, device="cuda", dtype="bfloat16", grad_clip=0.05))
+                                    steps=4, device="cuda", dtype="bfloat16", grad_clip=0.05,
+                                    attn_kernel="math",  # deterministic: bit for bit
+                                    warmup_steps=2, lr_schedule="cosine"))
     at_once = train.train(cfg)
-    real_update = optimizer_overlap.AdamWBehindForward.update
-    cycles = int(2e7)  # torch.cuda._sleep's unit: GPU cycles (~10-20 ms at 1-2 GHz)
-
-    def delayed_update(self, unit, clip):
-        if self.stream is not None:
-            torch.cuda._sleep(cycles * (10 if unit == L else 1))  # on the side stream
-        real_update(self, unit, clip)
-
-    optimizer_overlap.AdamWBehindForward.update = delayed_update
-    try:
+    with delayed_updates(last_longer=10):
         behind = train.train(replace(cfg, overlap_optimizer=True))
         _assert_same_run(at_once, behind, "delayed updates")
         model, optimizer = behind.model, behind.optimizer
@@ -216,5 +293,3 @@ def _gpu_behind_the_forward():
         hook.remove()
         assert seen[0] is False  # block 0 computed while the side stream still updated
         optimizer.settle()
-    finally:
-        optimizer_overlap.AdamWBehindForward.update = real_update
