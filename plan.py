@@ -1210,7 +1210,7 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
             lines.append(f"  runner-up: {flags_text(runner_up.cfg)}: "
                          f"{candidate_text(runner_up, machine)} (python plan.py with these "
                          f"flags ranks them all)")
-        return lines
+        return lines + unmeasured_lines(chosen, machine)
     if not chosen.fits:
         return [f"the plan of these flags does not fit: {candidate_text(chosen, machine)}; they "
                 f"run as given, their open settings at the least memory (python plan.py with "
@@ -1220,6 +1220,23 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
         return []
     return [f"the plan's settings for these flags: {' '.join(chosen_flags)}, {how}: "
             f"{candidate_text(chosen, machine)}; give a flag to choose"]
+
+
+def unmeasured_lines(chosen: Candidate, machine: Machine) -> list:
+    """Where 08 is off and would take 1% or more off the chosen plan's predicted step: a line
+    that says so. auto does not weigh it until a GPU has measured it; the plan's memory is the
+    same (plan_memory: 08 adds to no moment without 07's)."""
+    cfg = chosen.cfg
+    if (chosen.seconds is None or cfg.overlap_optimizer or cfg.offload_model_state
+            or cfg.offload_activations):
+        return []
+    behind = step_time.step_seconds_total(
+        replace(cfg, overlap_optimizer=True), machine.gpus, step_time.rates_for(machine.gpu_name),
+        planned_kernel(cfg), free_at_peak=free_at_peak(chosen.plan["peak"], machine.gpu_mem))
+    if behind > 0.99 * chosen.seconds:  # (worth a line from 1% of the step)
+        return []
+    return [f"  not weighed (no GPU has measured it yet): --overlap-optimizer (08) predicts "
+            f"{behind:.2f} s a step with these flags"]
 
 
 def nothing_fits_text(cfg: Config, machine: Machine) -> str:
