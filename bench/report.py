@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,6 +204,54 @@ def step_done(device):
     every other stream's work a step queues, the compute stream has waited for by then."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class GpuClocks:
+    """The GPU's SM clock, power draw and temperature, sampled by nvidia-smi every 100 ms while
+    the `with` block runs; `.summary` their medians and extremes (None without nvidia-smi).
+    A step's GEMMs ran 10% slower than the same GEMMs timed alone (docs/results.md): under a
+    step's sustained power the clocks are one suspect, and this records them beside each."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+    def __init__(self, device_index: int = 0):
+        self.device_index, self.process, self.summary = device_index, None, None
+
+    def __enter__(self):
+        self.samples = tempfile.TemporaryFile(mode="w+")  # (a pipe could fill in a long step)
+        try:
+            self.process = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "-i",
+                 str(self.device_index), "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=self.samples, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi here
+            self.process = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.samples.seek(0)
+            self.summary = clock_summary(self.samples.read())
+        self.samples.close()
+
+
+def clock_summary(text: str) -> dict | None:
+    """nvidia-smi's CSV lines (SM MHz, W, degrees C) as medians and extremes."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append([float(value) for value in line.split(",")])
+        except ValueError:  # a line cut by the termination, or "[N/A]"
+            continue
+    rows = [row for row in rows if len(row) == 3]
+    if not rows:
+        return None
+    sm, watts, celsius = zip(*rows)
+    return {"samples": len(rows), "sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm),
+            "sm_mhz_max": max(sm), "power_w_median": statistics.median(watts),
+            "power_w_max": max(watts), "temperature_c_max": max(celsius)}
 
 
 def release(device):

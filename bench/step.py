@@ -41,8 +41,8 @@ from support.lessons import checkpointing
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
-from bench.report import (allocator_retries, cached_by_stream, claim_result, end_distributed,
-                          profile, refuse_without_gpu, step_done, write_result)
+from bench.report import (GpuClocks, allocator_retries, cached_by_stream, claim_result,
+                          end_distributed, profile, refuse_without_gpu, step_done, write_result)
 from support.data import TokenData
 
 train = importlib.import_module("train")
@@ -122,34 +122,39 @@ def main():
               "attention_kernel": kernels.attention_kernel_name(rt.device,
                                                                 getattr(torch, cfg.dtype))}
     try:
-        for step in range(opts.steps):
-            if opts.snapshot or opts.snapshot_file:
-                snapshot.step_begins_here()
-            step_done(rt.device)  # (08's updates may go on beside the next forward)
-            torch.cuda.reset_peak_memory_stats()
-            retried = allocator_retries()
-            start = time.perf_counter()
-            loss = train.forward_backward(model, data.batch(step), rt)
-            if step == 0:
-                torch.cuda.synchronize()
-                memory["after_backward_gib"] = gib()
-            optimizer.step()
-            if step == 0:
-                torch.cuda.synchronize()
-                memory["after_optimizer_step_gib"] = gib()
-            optimizer.zero_grad(set_to_none=True)
-            if opts.release_cache:
-                torch.cuda.empty_cache()
-            step_done(rt.device)
-            times.append(time.perf_counter() - start)
-            peaks.append(torch.cuda.max_memory_allocated() / GiB)
-            reserved.append(torch.cuda.max_memory_reserved() / GiB)  # allocated + cached
-            retries.append(allocator_retries() - retried)
-            cached.append(cached_by_stream())  # after zero_grad: the gradients' blocks cached
-            losses.append(float(loss))
-            if rt.rank == 0:
-                print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "
-                      f"peak {peaks[-1]:.2f} GiB", flush=True)
+        # the SM clock and power across the steps (a step's GEMMs beside the same timed alone)
+        with GpuClocks(torch.cuda.current_device()) as clocks:
+            for step in range(opts.steps):
+                if opts.snapshot or opts.snapshot_file:
+                    snapshot.step_begins_here()
+                step_done(rt.device)  # (08's updates may go on beside the next forward)
+                torch.cuda.reset_peak_memory_stats()
+                retried = allocator_retries()
+                start = time.perf_counter()
+                loss = train.forward_backward(model, data.batch(step), rt)
+                if step == 0:
+                    torch.cuda.synchronize()
+                    memory["after_backward_gib"] = gib()
+                optimizer.step()
+                if step == 0:
+                    torch.cuda.synchronize()
+                    memory["after_optimizer_step_gib"] = gib()
+                optimizer.zero_grad(set_to_none=True)
+                if opts.release_cache:
+                    torch.cuda.empty_cache()
+                step_done(rt.device)
+                times.append(time.perf_counter() - start)
+                peaks.append(torch.cuda.max_memory_allocated() / GiB)
+                reserved.append(torch.cuda.max_memory_reserved() / GiB)  # allocated + cached
+                retries.append(allocator_retries() - retried)
+                # after zero_grad: the gradients' blocks cached (with 08 still held: each
+                # goes in its unit's next forward)
+                cached.append(cached_by_stream())
+                losses.append(float(loss))
+                if rt.rank == 0:
+                    print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "
+                          f"peak {peaks[-1]:.2f} GiB", flush=True)
+        result["gpu_clocks_during_steps"] = clocks.summary
         step_time = statistics.median(times[1:] or times)
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,

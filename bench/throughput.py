@@ -78,8 +78,8 @@ from support.step_time import step_flops
 from model import get_model_args
 import plan as planner
 from bench import bound, ring
-from bench.report import (claim_result, default_out_dir, end_distributed, refuse_without_gpu,
-                          release, synchronize, within_budget, write_result)
+from bench.report import (GpuClocks, claim_result, default_out_dir, end_distributed,
+                          refuse_without_gpu, release, synchronize, within_budget, write_result)
 from bench.step import with_layers
 from support.data import parse_tokens
 from support.runtime import read_machine, setup_runtime
@@ -422,12 +422,18 @@ def bound_now(paths: list, result: dict, rt, dtype, repeats: int) -> list[dict]:
         raise SystemExit("--bound-of: steps of one model per run (the kernel's rate is its heads')")
     result["model"] = steps[0]["cfg"].model  # the steps', whatever --model said
     args = get_model_args(result["model"])
-    for seq_len, kernel in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
-        kernels.use_kernel(kernel)
-        result["kernel_rates"][f"{seq_len}@{kernel}"] = {
-            **bound.attention_rate(args, seq_len, rt.device, dtype, repeats),
-            "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
-    return bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device, dtype)
+    # the SM clock and power while the kernels are timed alone (bench.step records them in a
+    # step): a step's GEMMs ran 10% slower than these timings
+    with GpuClocks(torch.cuda.current_device()) as clocks:
+        for seq_len, kernel in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
+            kernels.use_kernel(kernel)
+            result["kernel_rates"][f"{seq_len}@{kernel}"] = {
+                **bound.attention_rate(args, seq_len, rt.device, dtype, repeats),
+                "kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim)}
+        table = bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device,
+                            dtype)
+    result["gpu_clocks_during_bound"] = clocks.summary
+    return table
 
 
 def bound_of_saved_rates(paths: list, rates_path: str) -> list[dict]:

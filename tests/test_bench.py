@@ -729,3 +729,19 @@ def test_a_result_never_replaces_an_earlier_runs_file(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "peers.json").read_text())["rows"] == [1, 2]
     with pytest.raises(FileExistsError):
         peers.write(str(earlier), {"rows": []})
+
+
+def test_gpu_clocks_are_summarized_and_absent_without_nvidia_smi(monkeypatch):
+    """bench.report.GpuClocks: nvidia-smi's CSV samples (SM MHz, W, degrees C) as medians and
+    extremes, lines cut short or "[N/A]" skipped; without nvidia-smi no summary, no error."""
+    from bench.report import GpuClocks, clock_summary
+
+    summary = clock_summary("1980, 650.5, 61\n1755, 700.0, 66\n[N/A], 1, 2\n1830, 69\n")
+    assert summary == {"samples": 2, "sm_mhz_median": 1867.5, "sm_mhz_min": 1755.0,
+                       "sm_mhz_max": 1980.0, "power_w_median": 675.25, "power_w_max": 700.0,
+                       "temperature_c_max": 66.0}
+    assert clock_summary("") is None
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with GpuClocks() as clocks:
+        pass
+    assert clocks.summary is None
