@@ -215,6 +215,9 @@ class GpuClocks:
     FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
 
     def __init__(self, device_index: int = 0):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")  # CUDA's numbering
+        if device_index < len(visible) and visible[device_index].strip().isdigit():
+            device_index = int(visible[device_index])  # as nvidia-smi numbers them
         self.device_index, self.process, self.summary = device_index, None, None
 
     def __enter__(self):
