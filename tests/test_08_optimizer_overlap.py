@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from ranks import run_ranks
-from reference import TINY_4L, full
+from reference import TINY_4L, build_as_train, full
 from test_saved_state import _resume_equals_straight
 
 import model as llama
@@ -73,10 +73,8 @@ def test_each_unit_updates_just_before_its_next_forward():
     queues every unit, and unit u (the root, then each block) updates right before its own
     forward, after the units below it ran theirs. Until then it keeps its gradients; the blocks
     above the running one still hold theirs."""
-    cfg = resolve_techniques(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
-                                    fsdp=True, overlap_optimizer=True))
-    rt = setup_runtime(cfg)
-    model = train.build_model(cfg, rt)
+    model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
+                                           fsdp=True, overlap_optimizer=True))
     optimizer = train.make_optimizer(model, cfg)
     optimizer.events = []
     held = {}  # block -> whether each block held gradients as that block's forward began
@@ -117,10 +115,8 @@ def test_the_clip_and_a_skipped_step_travel_with_the_queued_update():
     """A step whose gradient norm is not finite updates nothing, Adam's state and step count
     included, though the update runs in the next forward (after train_step's finally dropped
     the clip's tensors from the optimizer)."""
-    cfg = resolve_techniques(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
-                                    overlap_optimizer=True))
-    rt = setup_runtime(cfg)
-    model = train.build_model(cfg, rt)
+    model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
+                                           overlap_optimizer=True))
     optimizer = train.make_optimizer(model, cfg)
     tokens = torch.randint(0, model.args.vocab_size, (2, 33))
     for _ in range(2):  # Adam's moments exist: the next step is queued
@@ -159,10 +155,8 @@ def test_step_hooks_run_once_a_step():
     08's per-unit updates call the step unwrapped, so a hook runs once per step() (a plain
     AdamW made first, as a script that builds both would)."""
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)  # wraps AdamW.step
-    cfg = resolve_techniques(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
-                                    overlap_optimizer=True))
-    rt = setup_runtime(cfg)
-    model = train.build_model(cfg, rt)
+    model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
+                                           overlap_optimizer=True))
     optimizer = train.make_optimizer(model, cfg)
     calls = []
     optimizer.register_step_post_hook(lambda *_: calls.append(1))

@@ -27,7 +27,6 @@ from bench import bound
 from bench.peers.common import GRAD_CLIP, WEIGHT_DECAY, Spec
 from bench.report import release
 from support.config import model_args, techniques_text
-from support.lessons import optimizer_overlap
 from support.runtime import read_machine, setup_runtime
 from support.progress import attention_kernel
 
@@ -81,7 +80,6 @@ class Stack:
         decisions = dataclasses.replace(cfg, seq_len=0)
         if decisions == self.built_for:
             return
-        optimizer_overlap.settle(self.optimizer)  # 08: no update left queued on what goes
         self.model = self.optimizer = None
         release(self.rt.device)
         started = time.perf_counter()
