@@ -42,7 +42,8 @@ def train_flags(spec: Spec, model: str, device: torch.device, init_from: str | N
               else "float32", "--seed", str(seed), "--steps", "1000",
               "--weight-decay", str(WEIGHT_DECAY), "--grad-clip", str(GRAD_CLIP)]
     flags += ["--lr", str(lr)] if lr is not None else []
-    return flags + (["--offload-model-state"] if spec.offload else [])
+    return (flags + (["--offload-model-state"] if spec.offload else [])
+            + (["--overlap-optimizer"] if spec.overlap_optimizer else []))
 
 
 def run_config(flags: list, spec: Spec):
@@ -111,6 +112,8 @@ class Stack:
             "weights": "fp32 master, bf16 compute (FSDP2 mixed precision)"
                        if cfg.dtype == "bfloat16" else cfg.dtype,
             "optimizer": "torch AdamW fused, fp32 state on the "
-                         + ("host" if cfg.offload_model_state else "GPU"),
+                         + ("host" if cfg.offload_model_state else "GPU")
+                         + (", each unit's update beside its next forward (08)"
+                            if cfg.overlap_optimizer else ""),
             "lr": cfg.lr, "build_s": self.build_s,
         }

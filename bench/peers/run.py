@@ -143,7 +143,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stacks", nargs="+", default=list(BEST.values()),
-                        help="ours:N|auto[@KERNEL][+offload], alst[@tiledloss|@sdpa][+offload], "
+                        help="ours:N|auto[@KERNEL][+offload][+overlap], "
+                             "alst[@tiledloss|@sdpa][+offload], "
                              "hf[@fp32][+nockpt], or a choice A|B tried fastest first "
                              "(default: each stack at its best)")
     parser.add_argument("--model", default="llama3.2-3b", help="a preset of model.py")
