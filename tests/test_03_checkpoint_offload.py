@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (GPU_KERNELS, TINY_4L, assert_matches, assert_step_matches,
-                       build_as_train, full, make_batch, reference_loss_and_grads, relative_error,
+                       build_as_train, full, make_batch, reference_loss_and_grads,
                        settled_memory_allocated, train_loss_and_grads, with_kernel)
 
 import plan
@@ -580,9 +580,11 @@ def test_gpu_unchecked_blocks_release_their_norm_outputs(monkeypatch):
 def _gpu_norm_outputs_released():
     args = replace(llama.get_model_args("small"), n_layers=8)
     llama.PRESETS["small-8L"] = args
-    seq_len = 8192
+    seq_len = 4096
+    # the math attention kernel: deterministic, so the two gradients can be the same bits
+    # (FlashAttention-4's backward sums in no fixed order: 0.6% apart at layer 0 on an H100)
     cfg = Config(model="small-8L", fsdp=True, checkpoint=True, checkpoint_layers=1,
-                 seq_len=seq_len, device="cuda", dtype="bfloat16")
+                 seq_len=seq_len, device="cuda", dtype="bfloat16", attn_kernel="math")
     ids = torch.randint(0, args.vocab_size, (1, seq_len), device="cuda")
     positions = torch.arange(seq_len, device="cuda")[None]
     between, grads = {}, {}
@@ -606,10 +608,8 @@ def _gpu_norm_outputs_released():
     # on an H100, of 58.7 MB)
     released = between[False] - between[True]
     assert abs(released - (args.n_layers - 1) * planned) <= 512 * args.n_layers, between
-    # the same numbers, to the attention backward's own run-to-run spread (its fp32 sums run
-    # in no fixed order on a GPU)
-    errors = {n: relative_error(grads[True][n], grads[False][n]) for n in grads[False]}
-    assert max(errors.values()) < 1e-3, errors
+    differ = [n for n in grads[False] if not torch.equal(grads[True][n], grads[False][n])]
+    assert not differ, differ
 
 
 def _gpu_unchecked_block_matches_fp32():
