@@ -222,6 +222,7 @@ class GpuClocks:
 
     def __enter__(self):
         self.samples = tempfile.TemporaryFile(mode="w+")  # (a pipe could fill in a long step)
+        self.kept_from = 0  # the file's offset where the summarized samples begin
         try:
             self.process = subprocess.Popen(
                 ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "-i",
@@ -231,12 +232,20 @@ class GpuClocks:
             self.process = None
         return self
 
+    def restart(self) -> None:
+        """Summarize only what is sampled from now on (not a first step's compiles and idle
+        waits, which would pull the medians toward an idle GPU's)."""
+        self.kept_from = os.fstat(self.samples.fileno()).st_size
+
     def __exit__(self, *exc) -> None:
         if self.process is not None:
             self.process.terminate()
             self.process.wait(timeout=10)
-            self.samples.seek(0)
-            self.summary = clock_summary(self.samples.read())
+            self.samples.seek(self.kept_from)
+            text = self.samples.read()
+            if self.kept_from:  # the line being written at restart() may be cut: dropped
+                text = text.partition("\n")[2]
+            self.summary = clock_summary(text)
         self.samples.close()
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -745,3 +746,23 @@ def test_gpu_clocks_are_summarized_and_absent_without_nvidia_smi(monkeypatch):
     with GpuClocks() as clocks:
         pass
     assert clocks.summary is None
+
+
+def test_gpu_clocks_restart_leaves_out_what_came_before(tmp_path, monkeypatch):
+    """restart(): only samples taken after it are summarized (bench.step calls it after the
+    first step, whose compiles and idle waits are not what the median step ran at)."""
+    from bench.report import GpuClocks
+
+    fake = tmp_path / "nvidia-smi"  # an idle GPU for 0.3 s, then a busy one
+    fake.write_text("#!/bin/sh\nfor i in 1 2 3; do echo '345, 80.0, 30'; done\nsleep 0.3\n"
+                    "while true; do echo '1755, 690.0, 64'; sleep 0.05; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with GpuClocks() as clocks:
+        time.sleep(0.2)
+        clocks.restart()
+        time.sleep(0.4)
+    assert clocks.summary["sm_mhz_min"] == 1755.0 and clocks.summary["power_w_median"] == 690.0
+    with GpuClocks() as clocks:  # without restart(): everything
+        time.sleep(0.5)
+    assert clocks.summary["sm_mhz_min"] == 345.0
