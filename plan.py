@@ -902,7 +902,7 @@ HOST_HEADROOM = 0.9
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
             "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
-            "offload_model_state", "offload_activations")
+            "offload_model_state", "offload_activations", "overlap_optimizer")
 
 
 @dataclass
@@ -1048,14 +1048,18 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
                                for t in MLP_TILE_CHOICES if min(t, local_tokens) > args.dim}])
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
+        # 08 where AdamW runs on the GPU (with the state on the host it runs on the host's cores)
+        behind = ([bool(chosen.overlap_optimizer)]
+                  if chosen.overlap_optimizer is not None or chosen.offload_model_state
+                  else [False, True])
         # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
         # that fit need each candidate's plan. With 07's blocks above them, at most L - 2N.
         layers = chosen.checkpoint_layers
         if chosen.checkpoint and chosen.offload_activations and layers is None:
             layers = args.n_layers - 2 * chosen.offload_activations
         candidates += [replace(chosen, head_chunk=chunk, mlp_tile_tokens=tile, keep_attention=keep,
-                               checkpoint_layers=layers)
-                       for chunk, tile, keep in product(chunks, tiles, kept)]
+                               checkpoint_layers=layers, overlap_optimizer=overlap)
+                       for chunk, tile, keep, overlap in product(chunks, tiles, kept, behind)]
     return candidates
 
 
@@ -1120,10 +1124,11 @@ def memory_order(cfg: Config) -> tuple:
     """The memory-only order (a GPU without speed rates; ties): the fewest techniques in the
     files' order (the model state on the host last, then the ring, 05, 04, 03), then the
     fewest stages, kept attention outputs, the largest MLP tile, the fewest checkpointed
-    blocks."""
+    blocks, AdamW at once (08 off)."""
     return (cfg.offload_model_state, (cfg.ring or 1) > 1, cfg.untied, cfg.tile_mlp,
             cfg.tile_loss, cfg.offload, cfg.checkpoint, -(cfg.head_chunk or 0),
-            not cfg.keep_attention, -(cfg.mlp_tile_tokens or 0), cfg.checkpoint_layers or 2**31)
+            not cfg.keep_attention, -(cfg.mlp_tile_tokens or 0), cfg.checkpoint_layers or 2**31,
+            bool(cfg.overlap_optimizer))
 
 
 def techniques_of(cfg: Config) -> tuple:
@@ -1168,7 +1173,7 @@ def level_techniques(level: int) -> set:
 
 def settings_flags(cfg: Config, names) -> list:
     """The flags of cfg's settings among `names` (03's checkpointed blocks and
-    --keep-attention, 05's U, 04's MLP tile), where its techniques have them."""
+    --keep-attention, 05's U, 04's MLP tile, 08), where its techniques have them."""
     flags = []
     if "checkpoint_layers" in names and cfg.checkpoint and cfg.checkpoint_layers:
         flags.append(f"--checkpoint-layers {cfg.checkpoint_layers}")
@@ -1178,6 +1183,8 @@ def settings_flags(cfg: Config, names) -> list:
         flags.append("--keep-attention" if cfg.keep_attention else "--no-keep-attention")
     if "mlp_tile_tokens" in names and cfg.tile_mlp and cfg.mlp_tile_tokens:
         flags.append(f"--mlp-tile-tokens {cfg.mlp_tile_tokens}")
+    if "overlap_optimizer" in names and not cfg.offload_model_state:
+        flags.append("--overlap-optimizer" if cfg.overlap_optimizer else "--no-overlap-optimizer")
     return flags
 
 
@@ -1210,7 +1217,7 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
             lines.append(f"  runner-up: {flags_text(runner_up.cfg)}: "
                          f"{candidate_text(runner_up, machine)} (python plan.py with these "
                          f"flags ranks them all)")
-        return lines + unmeasured_lines(chosen, machine)
+        return lines
     if not chosen.fits:
         return [f"the plan of these flags does not fit: {candidate_text(chosen, machine)}; they "
                 f"run as given, their open settings at the least memory (python plan.py with "
@@ -1220,23 +1227,6 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
         return []
     return [f"the plan's settings for these flags: {' '.join(chosen_flags)}, {how}: "
             f"{candidate_text(chosen, machine)}; give a flag to choose"]
-
-
-def unmeasured_lines(chosen: Candidate, machine: Machine) -> list:
-    """Where 08 is off and would take 1% or more off the chosen plan's predicted step: a line
-    that says so. auto does not weigh it until a GPU has measured it; the plan's memory is the
-    same (plan_memory: 08 adds to no moment without 07's)."""
-    cfg = chosen.cfg
-    if (chosen.seconds is None or cfg.overlap_optimizer or cfg.offload_model_state
-            or cfg.offload_activations):
-        return []
-    behind = step_time.step_seconds_total(
-        replace(cfg, overlap_optimizer=True), machine.gpus, step_time.rates_for(machine.gpu_name),
-        planned_kernel(cfg), free_at_peak=free_at_peak(chosen.plan["peak"], machine.gpu_mem))
-    if behind > 0.99 * chosen.seconds:  # (worth a line from 1% of the step)
-        return []
-    return [f"  not weighed (no GPU has measured it yet): --overlap-optimizer (08) predicts "
-            f"{behind:.2f} s a step with these flags"]
 
 
 def nothing_fits_text(cfg: Config, machine: Machine) -> str:

@@ -73,7 +73,8 @@ class Config:
     untied: bool = False
     head_chunk: int | None = None
     offload_model_state: bool = False  # 01: params, grads and Adam on the host (any level >= 1)
-    overlap_optimizer: bool = False  # 08: each block's AdamW update behind its next forward
+    overlap_optimizer: bool | None = None  # 08: each block's AdamW update behind its next
+    # forward; None: decided on a GPU, from the predicted step (plan.plan_run; off on the CPU)
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
@@ -218,11 +219,13 @@ def add_technique_flags(parser):
                             "backward in host memory, copied out and back beside the compute, "
                             "instead of on the GPU; not chosen by --stack auto yet (not yet "
                             "measured on a GPU)")
-    group.add_argument("--overlap-optimizer", action="store_true",
+    group.add_argument("--overlap-optimizer", action=argparse.BooleanOptionalAction,
+                       default=None,
                        help="08: each block's AdamW update on a side stream, behind that "
                             "block's next forward: the same weights bit for bit, the forward "
-                            "holding the gradients of the blocks it has not reached; not chosen "
-                            "by --stack auto yet (not yet measured on a GPU)")
+                            "holding the gradients of the blocks it has not reached (default: "
+                            "on for a GPU run whose AdamW runs on the GPU where the speed model "
+                            "predicts it faster; off on the CPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",

@@ -89,9 +89,12 @@ ADAMW_BYTES = 32  # per fp32 parameter: AdamW reads 4 tensors and writes 3; the 
 # reads the gradients once (train.clipped_step): NORM_BYTES of them
 NORM_BYTES = 4
 CLIP_BYTES = 4  # with --grad-clip: AdamW writes each gradient back, divided by the clip
-BESIDE_FORWARD_SHOWN = 0.5  # 08: the share of an update run beside the forward that still
-# lengthens the step (its kernels take SMs and memory bandwidth from the forward's): a prior,
-# not yet measured on a GPU
+BESIDE_FORWARD_SHOWN = 0.75  # 08: the share of an update run beside the forward that still
+# lengthens the step (its kernels take SMs and memory bandwidth from the forward's). Measured on
+# one H100 (Llama-3.2-3B, --stack auto, 16K and 32K, 6 and 10 steps each; docs/results.md):
+# 08 took 3.9-19.4 ms off a step, the mean 11 ms of the 44.5 ms this model's later blocks'
+# updates take at the H200's memory rate scaled to the H100's bandwidth (3.35 / 4.8 TB/s):
+# 1 - 11 / 44.5 = 0.75 still shows
 
 
 def rates_for(gpu_name: str | None) -> GpuRates | None:
