@@ -15,7 +15,7 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
     02 / 05 / 06       Ulysses' exchanges; Untied Ulysses' per-stage cost; the ring's blocks
     the allocator      a plan that leaves little free at its peak: the caching allocator
                        gives its cached blocks back and tries again (a retry, which
-                       synchronizes the GPU), once a step below FRAGMENTATION_HEADROOM; twice
+                       synchronizes the GPU), once a step below FRAGMENTATION_BLOCKS' room; twice
                        below what FSDP2's reduce-scatter stream keeps cached where FSDP2
                        allocates the gradients itself (--offload-model-state)
     01                 the optimizer step on the GPU, or on the host (--offload-model-state:
@@ -76,6 +76,14 @@ GPU_RATES = {
         elementwise_s=5.05e-12, elementwise_op_by_op_s=1.06e-11, stage_s=7.70e-8,
         host_adamw_s=7.89e-10, alloc_retry_s=0.0831),
 }
+# The H100 (SXM, 80 GB HBM3) has the H200's GH100 compute: 132 SMs, the same clocks and 700 W,
+# its kernels measured within a few percent of the H200's (GEMMs at Llama-3.2-3B's shapes 743-751
+# TFLOP/s, FA4 628-641 at 16K-32K: bound_llama3.2-3b_1gpu_h100_08ab.json). So it takes the
+# H200's rates and fitted constants, its memory-bound passes (AdamW, the tiles' sums, the
+# logits) at its HBM3's 3.35 TB/s against the H200's 4.8. Held against its eight measured steps
+# (Llama-3.2-3B, 16K and 32K) in docs/calibration.md, not fitted on them.
+GPU_RATES["NVIDIA H100 80GB HBM3"] = replace(GPU_RATES["NVIDIA H200"],
+                                             memory=GPU_RATES["NVIDIA H200"].memory * 3.35 / 4.8)
 
 RING_RATE = 0.985  # 06's blocks against one causal call: 0.992 (R = 2), 0.985 (R = 4), FA4 at
 # 512K (ring_blocks_llama3-8b_1gpu_512k.json); the K/V blocks travel behind the kernel
@@ -239,14 +247,17 @@ def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | No
     allocation, 1 every other step without), and what is left is fragmentation: measured at
     bd79859, Llama-3-8B on one H200 retried about once a step where its plan left 0.5 to 6.7
     GiB free at its peak (16K with 8 and 9 of 32 blocks checkpointed, 32K with 19) and never
-    with 6.5 to 11.2 (32K with 21, 16K with 10 and 12): FRAGMENTATION_HEADROOM, one retry."""
+    with 6.5 to 11.2 (32K with 21, 16K with 10 and 12): FRAGMENTATION_BLOCKS, one retry."""
     headroom = allocator_headroom(cfg, args, world_size, gradient_memory)
     if free_at_peak is None or headroom is None or free_at_peak >= headroom:
         return 0
     return 2 if streams_cache(cfg, gradient_memory) else 1
 
 
-FRAGMENTATION_HEADROOM = 7 * 2**30  # bytes free at the peak below which a step retried once
+FRAGMENTATION_BLOCKS = 17  # free at the peak below 17 blocks' gathered bf16 weights, a step
+# retried once: Llama-3-8B's 6.9 GiB (measured on one H200: retries with 6.7 GiB free, none from
+# 6.5, above); Llama-3.2-3B's 3.2 GiB (one H100, 16K and 32K: none with 5.8 and 3.7 GiB free).
+# The largest allocations that recur are of a block's size, so the room they need scales with it.
 
 
 def streams_cache(cfg: Config, gradient_memory: str | None) -> bool:
@@ -262,8 +273,13 @@ def allocator_headroom(cfg: Config, args, world_size: int,
     if not cfg.fsdp:
         return None
     if not streams_cache(cfg, gradient_memory):
-        return FRAGMENTATION_HEADROOM
+        return FRAGMENTATION_BLOCKS * 2 * block_params(args)  # bf16: 2 bytes a weight
     return byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
+
+
+def block_params(args) -> int:
+    """One transformer block's parameters."""
+    return (model.num_params(args) - model.num_params(replace(args, n_layers=0))) // args.n_layers
 
 
 def step_seconds_total(*arguments, **options) -> float:
@@ -369,8 +385,7 @@ def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
     if not cfg.overlap_optimizer:
         return whole
     layers = args.n_layers
-    block_params = (n_params - model.num_params(replace(args, n_layers=0))) / layers
-    block = block_params * (per_param - NORM_BYTES) / per_second  # one block's update
+    block = block_params(args) * (per_param - NORM_BYTES) / per_second  # one block's update
     # waited for: the clip's norm (on the compute stream, before), the root's update and block 0's
     first = whole - (layers - 1) * block
     beside = min(block, layer_forward_s)

@@ -218,7 +218,7 @@ def test_auto_weighs_08_where_adamw_runs_on_the_gpu():
     assert at_once.settings.get("overlap_optimizer") in (None, False)
     assert "--overlap-optimizer" not in at_once.lines[0]
     assert 0.97 * at_once.chosen.seconds < choice.chosen.seconds < 0.995 * at_once.chosen.seconds
-    unknown_gpu = replace(one_h200, gpu_name="NVIDIA H100 80GB HBM3")
+    unknown_gpu = replace(one_h200, gpu_name="NVIDIA Imaginary 80GB")
     assert not planner.plan_run(auto, unknown_gpu).chosen.cfg.overlap_optimizer
     on_host = replace(auto, offload_model_state=True)
     assert not any(c.overlap_optimizer for c in planner.candidate_configs(on_host, 1))

@@ -57,19 +57,21 @@ def row_config(row: dict):
     return cfg, replace(args, n_layers=row.get("layers") or args.n_layers)
 
 
-def predicted_s(row: dict, rates=H200) -> dict:
+def predicted_s(row: dict, rates=None) -> dict:
     """The speed model's terms for a row, as the planner predicts them (the memory its plan
-    leaves free on the row's H200s included; rows measured before a change say so)."""
+    leaves free on the row's GPUs included; rows measured before a change say so), at the rates
+    of the row's GPU (`gpu`: an H200 unless it says)."""
+    rates = rates or step_time.GPU_RATES[row.get("gpu", "NVIDIA H200")]
     cfg, args = row_config(row)
     fused_norm, fp32_loss = row.get("rms_norm") != "op by op", row.get("cross_entropy") == "fp32"
-    # every calibrated row ran on H200s (139.8 GiB each): the rows do not record the memory
+    # the rows ran on H200s (139.8 GiB each) unless they say (gpu_mem_gib)
     swiglu, autograd_tiles = row.get("swiglu"), row.get("tile_backward") == "autograd"
     norm_outputs_kept = row.get("norm_outputs") == "kept"  # before 03's recompute_norms
     plan = planner.plan_memory(cfg, row["gpus"], args, fused_norm=fused_norm, fp32_loss=fp32_loss,
                                swiglu=swiglu, autograd_tiles=autograd_tiles,
                                norm_outputs_kept=norm_outputs_kept,
                                one_rank_copied=row.get("one_rank_reduce") == "copied")
-    free = planner.free_at_peak(plan["peak"], ONE_H200.gpu_mem)
+    free = planner.free_at_peak(plan["peak"], int(row.get("gpu_mem_gib", 139.8) * GiB))
     return step_time.step_seconds(cfg, row["gpus"], rates, cfg.attn_kernel, args,
                                   fused_norm=fused_norm, fp32_loss=fp32_loss,
                                   fused_forms=row.get("elementwise") != "op by op",
@@ -115,13 +117,13 @@ def test_the_fitted_constants_are_the_calibrations_fit():
 
 
 def fit(rows: list) -> dict:
-    """The FITTED constants minimizing the squared relative errors of `rows` (the prediction is
-    linear in them)."""
+    """The FITTED constants minimizing the squared relative errors of `rows`' H200 rows (the
+    prediction is linear in them; the H100 rows hold its rates, which take these, to 10%)."""
     import torch
 
     zero = replace(H200, **dict.fromkeys(FITTED, 0.0))
     features, targets = [], []
-    for row in rows:
+    for row in [row for row in rows if "gpu" not in row]:
         measured, fixed = measured_s(row), sum(predicted_s(row, zero).values())
         features.append([(sum(predicted_s(row, replace(zero, **{name: 1.0})).values()) - fixed)
                          / measured for name in FITTED])
@@ -190,7 +192,7 @@ def test_a_plan_that_leaves_too_little_free_pays_for_the_allocator_s_retries():
     never. The speed model prices two retries below the cache, none above it, for FSDP2's own
     allocation (every row before bd79859; with it Llama-3-8B retried at every depth on one
     H200, its state 119.7 GiB). Since the gradients come from the compute stream's memory the
-    cache is gone: one retry below FRAGMENTATION_HEADROOM, and --stack auto takes a plan that
+    cache is gone: one retry below FRAGMENTATION_BLOCKS' room, and --stack auto takes a plan that
     does not retry, on either model."""
     args = llama.get_model_args("llama3.2-3b")
     cfg = _cfg("llama3.2-3b", 2**15, fsdp=True)
@@ -223,8 +225,9 @@ def test_a_plan_that_leaves_too_little_free_pays_for_the_allocator_s_retries():
     eight_b_free = planner.free_at_peak(eight_b.plan["peak"], ONE_H200.gpu_mem)
     assert step_time.predicted_retries(eight_b.cfg, big, 1, eight_b_free, stream) == 2
     # with the gradients from the compute stream's memory (01's default since bd79859) the
-    # cache is gone, and fragmentation retries once below FRAGMENTATION_HEADROOM
-    assert step_time.allocator_headroom(cfg, args, 1) == step_time.FRAGMENTATION_HEADROOM
+    # cache is gone, and fragmentation retries once below FRAGMENTATION_BLOCKS' room
+    assert step_time.allocator_headroom(cfg, args, 1) == (
+        step_time.FRAGMENTATION_BLOCKS * 2 * step_time.block_params(args))
     assert step_time.predicted_retries(eight_b.cfg, big, 1, eight_b_free) == 0
     assert step_time.predicted_retries(eight_b.cfg, big, 1, 5 * GiB) == 1
     on_host = replace(cfg, offload_model_state=True)  # FSDP2's own allocation there
