@@ -611,6 +611,7 @@ def main():
         result["wall_s"] = time.perf_counter() - started
         if rt.rank == 0:
             print_table(result["table"])
+            print("\n".join(clock_lines(opts.bound_of, result["gpu_clocks_during_bound"])))
             write_result(name, result, out_dir)
         stop_if_faster_than_bound(result["table"], rt.device)
         end_distributed()
@@ -714,6 +715,22 @@ def rebound_rows(paths: list, result: dict, base: Config, rt, measure, in_budget
             break
         measure(method, seq_len, full_depth_config(base, method, seq_len,
                                                    {**result, "world_size": rt.world}))
+
+
+def clock_lines(paths: list, during_bound: dict | None) -> list:
+    """The SM clock (median, MHz) and power (median, W) while the bound's kernels were timed
+    beside those of each step file that recorded them (bench.step's gpu_clocks_during_steps):
+    a sustained step can run at a lower clock than short timed kernels (the power cap)."""
+    def text(c):
+        return f"{c['sm_mhz_median']:,.0f} MHz at {c['power_w_median']:,.0f} W"
+
+    lines = [f"SM clock, median: the bound's kernels alone {text(during_bound)}"] if during_bound \
+        else []
+    for path in paths:
+        steps = json.loads(Path(path).read_text()).get("gpu_clocks_during_steps")
+        if during_bound and steps:
+            lines.append(f"  {Path(path).name}'s steps {text(steps)}")
+    return lines
 
 
 def print_table(table: list) -> None:

@@ -766,3 +766,18 @@ def test_gpu_clocks_restart_leaves_out_what_came_before(tmp_path, monkeypatch):
     with GpuClocks() as clocks:  # without restart(): everything
         time.sleep(0.5)
     assert clocks.summary["sm_mhz_min"] == 345.0
+
+
+def test_bound_of_prints_the_clocks_beside_the_steps():
+    """bench.throughput --bound-of: the SM clock and power while its kernels were timed alone,
+    beside each step file's (bench.step's gpu_clocks_during_steps; files without them: none)."""
+    throughput = importlib.import_module("bench.throughput")
+    results = ROOT / "docs" / "results"
+    during = json.loads((results / "bound_llama3.2-3b_1gpu_h100_08ab.json").read_text())[
+        "gpu_clocks_during_bound"]
+    steps = str(results / "step_llama3.2-3b_1gpu_32K_auto_10steps_08ab_h100.json")
+    lines = throughput.clock_lines([steps, str(results / "grad_sums_1gpu.json")], during)
+    assert lines == ["SM clock, median: the bound's kernels alone 1,980 MHz at 119 W",
+                     "  step_llama3.2-3b_1gpu_32K_auto_10steps_08ab_h100.json's steps "
+                     "1,440 MHz at 696 W"]
+    assert throughput.clock_lines([steps], None) == []
