@@ -149,7 +149,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     hidden = local_tokens * args.dim * b  # a block's input or output, or its gradient
     n_layers = args.n_layers
     n_params = model.num_params(args)
-    block_params = (n_params - model.num_params(replace(args, n_layers=0))) // max(n_layers, 1)
+    block_params = byte_counts.block_params(args)
     if cfg.fsdp:  # fp32 master weights, gradients and Adam, sharded; bf16 copies gathered
         state = byte_counts.model_state_bytes(args, world_size)
         # 01 reduces one rank in place, but where the state goes to the host (FSDP2's own);

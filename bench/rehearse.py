@@ -87,7 +87,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from model import PRESETS, get_model_args, num_params
+from model import PRESETS, get_model_args
 import plan as planner
 from bench import max_length
 from bench.report import claim_result, release, synchronize, write_result
@@ -519,7 +519,7 @@ def rehearse_length(opts, seq_len: int, window: int, head_chunk_of: int | None =
     # And the block above the top one, missing here, would still hold its reduce-scatter input
     # (its unsharded gradients in fp32) through the top block's backward (byte_counts'
     # fsdp_buffer_bytes, "below_the_top"): allocated and freed as FSDP2 would.
-    block = (num_params(args) - num_params(dataclasses.replace(args, n_layers=0))) // args.n_layers
+    block = byte_counts.block_params(args)
     pending = byte_counts.REDUCE_BYTES * block if opts.layers < args.n_layers else 0
 
     def step(model, optimizer, tokens, rt, cfg):

@@ -16,6 +16,11 @@ from support.lessons import tiling, untied_sp
 
 # ---- 01_fsdp.py: model state, sharded; FSDP2's gathered copies; the state on the host -------
 
+def block_params(args) -> int:
+    """One transformer block's parameters (Llama-3-8B: 218,112,000)."""
+    return (num_params(args) - num_params(replace(args, n_layers=0))) // max(args.n_layers, 1)
+
+
 def model_state_bytes(args, world_size: int) -> dict:
     """Per-rank bytes of model state with AdamW in mixed precision, sharded over `world_size`.
 
@@ -63,7 +68,7 @@ def fsdp_buffer_bytes(args, bytes_per_value: int = 2, world_size: int = 1,
     For Llama-3-8B in bf16: root 1.96 GiB, one block 0.41 GiB; on any number of GPUs.
     """
     root = num_params(replace(args, n_layers=0))
-    block = (num_params(args) - root) // max(args.n_layers, 1)
+    block = block_params(args)
     gathered_blocks = min(args.n_layers, 2)
     during_backward = bytes_per_value * (root + (gathered_blocks + 1) * block
                                          + args.vocab_size * args.dim)

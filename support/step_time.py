@@ -273,13 +273,8 @@ def allocator_headroom(cfg: Config, args, world_size: int,
     if not cfg.fsdp:
         return None
     if not streams_cache(cfg, gradient_memory):
-        return FRAGMENTATION_BLOCKS * 2 * block_params(args)  # bf16: 2 bytes a weight
+        return FRAGMENTATION_BLOCKS * 2 * byte_counts.block_params(args)  # bf16: 2 bytes a weight
     return byte_counts.gradient_stream_cache_bytes(args, world_size, cfg.offload_model_state)
-
-
-def block_params(args) -> int:
-    """One transformer block's parameters."""
-    return (model.num_params(args) - model.num_params(replace(args, n_layers=0))) // args.n_layers
 
 
 def step_seconds_total(*arguments, **options) -> float:
@@ -385,7 +380,8 @@ def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
     if not cfg.overlap_optimizer:
         return whole
     layers = args.n_layers
-    block = block_params(args) * (per_param - NORM_BYTES) / per_second  # one block's update
+    # one block's update
+    block = byte_counts.block_params(args) * (per_param - NORM_BYTES) / per_second
     # waited for: the clip's norm (on the compute stream, before), the root's update and block 0's
     first = whole - (layers - 1) * block
     beside = min(block, layer_forward_s)

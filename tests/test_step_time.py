@@ -227,7 +227,7 @@ def test_a_plan_that_leaves_too_little_free_pays_for_the_allocator_s_retries():
     # with the gradients from the compute stream's memory (01's default since bd79859) the
     # cache is gone, and fragmentation retries once below FRAGMENTATION_BLOCKS' room
     assert step_time.allocator_headroom(cfg, args, 1) == (
-        step_time.FRAGMENTATION_BLOCKS * 2 * step_time.block_params(args))
+        step_time.FRAGMENTATION_BLOCKS * 2 * byte_counts.block_params(args))
     assert step_time.predicted_retries(eight_b.cfg, big, 1, eight_b_free) == 0
     assert step_time.predicted_retries(eight_b.cfg, big, 1, 5 * GiB) == 1
     on_host = replace(cfg, offload_model_state=True)  # FSDP2's own allocation there
