@@ -169,8 +169,8 @@ def gather_stream(module) -> torch.cuda.Stream:
     stream = getattr(comm, "all_gather_copy_in_stream", None)
     if stream is None:
         raise RuntimeError("08 waits FSDP2's all-gather copy-in stream for each update, and this "
-                           "torch's FSDP2 has no _comm_ctx.all_gather_copy_in_stream: run without "
-                           "--overlap-optimizer")
+                           "torch's FSDP2 has no _comm_ctx.all_gather_copy_in_stream: run with "
+                           "--no-overlap-optimizer (a GPU run's plan takes 08 unless told)")
     return stream
 
 

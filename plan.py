@@ -899,6 +899,9 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
 # offload to fit (03's checkpoints, 01's model state: given, or taken by --stack auto) has to fit
 # the whole, as host_memory_error holds every run to.
 HOST_HEADROOM = 0.9
+# 08 left open is taken where it is predicted to take this share of the step off or more: its
+# measured gains, 0.4-1.0% on one H100 (docs/results.md), are about one step's own spread.
+OVERLAP_MIN_GAIN = 0.005
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
             "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
@@ -979,7 +982,7 @@ def choose(cfg: Config, machine: Machine) -> tuple:
         return ranking[0], ranking
     if cfg.stack == config.AUTO:
         raise ValueError(nothing_fits_text(cfg, machine))
-    return min(ranking, key=lambda c: c.plan["peak"]), ranking
+    return min(ranking, key=lambda c: (c.plan["peak"], memory_order(c.cfg))), ranking
 
 
 def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
@@ -1003,8 +1006,13 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
         except ValueError as error:
             first_error = first_error or error
             continue
+        seconds = predicted(candidate, plan)
+        if (candidate.overlap_optimizer and cfg.overlap_optimizer is None and seconds
+                and seconds > (1 - OVERLAP_MIN_GAIN) * predicted(
+                    replace(candidate, overlap_optimizer=False), plan)):
+            continue  # 08 left open, and too little to gain: AdamW at once
         fits = candidate_fits(plan, candidate, cfg, machine)
-        ranked.append(Candidate(candidate, plan, predicted(candidate, plan), fits))
+        ranked.append(Candidate(candidate, plan, seconds, fits))
         if fits and candidate.checkpoint and cfg.checkpoint_layers is None:
             # 03's k of L blocks checkpointed, left open: the fewest that fit (each block left
             # out skips its recompute; fewer offloaded, so the host holds less too), and with
@@ -1048,10 +1056,11 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
                                for t in MLP_TILE_CHOICES if min(t, local_tokens) > args.dim}])
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
-        # 08 where AdamW runs on the GPU (with the state on the host it runs on the host's cores)
+        # 08 where FSDP's units run AdamW on the GPU (with the state on the host it runs on the
+        # host's cores; without FSDP no GPU has run it)
         behind = ([bool(chosen.overlap_optimizer)]
                   if chosen.overlap_optimizer is not None or chosen.offload_model_state
-                  else [False, True])
+                  or not chosen.fsdp else [False, True])
         # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
         # that fit need each candidate's plan. With 07's blocks above them, at most L - 2N.
         layers = chosen.checkpoint_layers
@@ -1183,8 +1192,8 @@ def settings_flags(cfg: Config, names) -> list:
         flags.append("--keep-attention" if cfg.keep_attention else "--no-keep-attention")
     if "mlp_tile_tokens" in names and cfg.tile_mlp and cfg.mlp_tile_tokens:
         flags.append(f"--mlp-tile-tokens {cfg.mlp_tile_tokens}")
-    if "overlap_optimizer" in names and not cfg.offload_model_state:
-        flags.append("--overlap-optimizer" if cfg.overlap_optimizer else "--no-overlap-optimizer")
+    if "overlap_optimizer" in names and cfg.overlap_optimizer:  # (off: AdamW at once, as ever)
+        flags.append("--overlap-optimizer")
     return flags
 
 

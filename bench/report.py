@@ -241,9 +241,9 @@ class GpuClocks:
         if self.process is not None:
             self.process.terminate()
             self.process.wait(timeout=10)
-            self.samples.seek(self.kept_from)
+            self.samples.seek(max(self.kept_from - 1, 0))
             text = self.samples.read()
-            if self.kept_from:  # the line being written at restart() may be cut: dropped
+            if self.kept_from:  # from the first line begun after restart() (one cut: dropped)
                 text = text.partition("\n")[2]
             self.summary = clock_summary(text)
         self.samples.close()

@@ -224,8 +224,8 @@ def add_technique_flags(parser):
                        help="08: each block's AdamW update on a side stream, behind that "
                             "block's next forward: the same weights bit for bit, the forward "
                             "holding the gradients of the blocks it has not reached (default: "
-                            "on for a GPU run whose AdamW runs on the GPU where the speed model "
-                            "predicts it faster; off on the CPU)")
+                            "on for a GPU run with FSDP and AdamW on the GPU where the speed "
+                            "model predicts it 0.5%% faster or more; off on the CPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",
@@ -460,7 +460,10 @@ def check_offloaded_activations(cfg: Config, n_layers: int, planned: bool) -> No
 
 def techniques_given(cfg: Config) -> bool:
     """Whether any flag that chooses a technique or its setting was given (TECHNIQUE_FIELDS)."""
-    return any(getattr(cfg, field) not in (None, False) for field in TECHNIQUE_FIELDS)
+    def given(field, value):  # --stack 0 is a level given (0 == False would hide it)
+        return value is not None and value is not False and (field == "stack" or value != 0)
+
+    return any(given(field, getattr(cfg, field)) for field in TECHNIQUE_FIELDS)
 
 
 def default_lr(cfg: Config) -> float:

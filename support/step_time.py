@@ -258,6 +258,7 @@ FRAGMENTATION_BLOCKS = 17  # free at the peak below 17 blocks' gathered bf16 wei
 # retried once: Llama-3-8B's 6.9 GiB (measured on one H200: retries with 6.7 GiB free, none from
 # 6.5, above); Llama-3.2-3B's 3.2 GiB (one H100, 16K and 32K: none with 5.8 and 3.7 GiB free).
 # The largest allocations that recur are of a block's size, so the room they need scales with it.
+# Two models set it (the 3B only from above): beyond 8B an extrapolation no GPU has checked.
 
 
 def streams_cache(cfg: Config, gradient_memory: str | None) -> bool:

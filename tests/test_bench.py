@@ -758,13 +758,19 @@ def test_gpu_clocks_restart_leaves_out_what_came_before(tmp_path, monkeypatch):
                     "while true; do echo '1755, 690.0, 64'; sleep 0.05; done\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    def written_past(clocks, size):  # (waits for the stand-in, however late it starts)
+        deadline = time.monotonic() + 30
+        while os.fstat(clocks.samples.fileno()).st_size < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    idle = len("345, 80.0, 30\n")
     with GpuClocks() as clocks:
-        time.sleep(0.2)
+        written_past(clocks, 3 * idle)
         clocks.restart()
-        time.sleep(0.4)
+        written_past(clocks, 3 * idle + len("1755, 690.0, 64\n"))
     assert clocks.summary["sm_mhz_min"] == 1755.0 and clocks.summary["power_w_median"] == 690.0
     with GpuClocks() as clocks:  # without restart(): everything
-        time.sleep(0.5)
+        written_past(clocks, 3 * idle + len("1755, 690.0, 64\n"))
     assert clocks.summary["sm_mhz_min"] == 345.0
 
 

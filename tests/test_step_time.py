@@ -26,7 +26,7 @@ import model as llama  # noqa: E402
 import plan as planner  # noqa: E402
 from support import byte_counts, step_time  # noqa: E402
 from support.runtime import Machine  # noqa: E402
-from support.config import Config, resolve_techniques
+from support.config import Config, resolve_techniques, techniques_given
 
 train = importlib.import_module("train")
 
@@ -292,6 +292,8 @@ def test_explicit_flags_win_and_a_disagreement_is_said():
     assert choice.lines[0].startswith("--stack auto: --stack 1 --offload-model-state")
     said = [line for line in choice.lines if line.startswith("the planner's fastest plan")]
     assert said and said[0].startswith("the planner's fastest plan that fits is --stack 1 ")
+    # --stack 0 is a level given too (0 == False once hid it: a GPU run took auto instead)
+    assert techniques_given(Config(stack=0)) and not techniques_given(Config())
 
 
 def test_open_settings_of_given_flags_are_the_fastest_that_fit():

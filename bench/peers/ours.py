@@ -43,7 +43,8 @@ def train_flags(spec: Spec, model: str, device: torch.device, init_from: str | N
               "--weight-decay", str(WEIGHT_DECAY), "--grad-clip", str(GRAD_CLIP)]
     flags += ["--lr", str(lr)] if lr is not None else []
     return (flags + (["--offload-model-state"] if spec.offload else [])
-            + (["--overlap-optimizer"] if spec.overlap_optimizer else []))
+            + ([] if spec.overlap_optimizer is None else
+               ["--overlap-optimizer" if spec.overlap_optimizer else "--no-overlap-optimizer"]))
 
 
 def run_config(flags: list, spec: Spec):
