@@ -965,7 +965,8 @@ def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list
         fastest = choose(unconstrained(cfg), machine)[0]
     except ValueError:  # nothing fits without the flags: they are needed
         return []
-    if techniques_of(fastest.cfg) == techniques_of(chosen.cfg):
+    # (auto weighs FSDP plans only: flags without FSDP can be faster than all it weighs)
+    if techniques_of(fastest.cfg) == techniques_of(chosen.cfg) or fastest.seconds >= chosen.seconds:
         return []
     return [f"the planner's fastest plan that fits is {flags_text(fastest.cfg)} (predicted "
             f"{fastest.seconds:.2f} s a step against {chosen.seconds:.2f} with the flags given, "
