@@ -503,6 +503,15 @@ def fits_on_gpu(peak: int, gpu_mem: int) -> bool:
     return peak * (1 + PLAN_MARGIN) <= gpu_mem - PLAN_GPU_RESERVE
 
 
+def gpu_kind(name: str) -> str:
+    """--gpu as a GPU_RATES key: the name itself, or the one key it is a part of (any case:
+    "h100" is "NVIDIA H100 80GB HBM3"); else the name as given (the memory-only choice)."""
+    if name in step_time.GPU_RATES:
+        return name
+    matches = [kind for kind in step_time.GPU_RATES if name.lower() in kind.lower()]
+    return matches[0] if len(matches) == 1 else name
+
+
 def free_at_peak(peak: int, gpu_mem: int) -> int:
     """What a plan's peak leaves of the GPU's usable memory (less PLAN_GPU_RESERVE), without the
     margin: the speed model's allocator term (step_time.predicted_retries) weighs it."""
@@ -1406,10 +1415,12 @@ def plan_main(argv) -> str:
     planner.add_argument("--eval", action="store_true", help="eval.py's forward only")
     planner.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
                          help=f"the GPU kind whose speed --stack auto predicts, as "
-                              f"torch.cuda.get_device_name() names it (default {DEFAULT_GPU}; "
-                              f"rates for: {', '.join(step_time.GPU_RATES)})")
+                              f"torch.cuda.get_device_name() names it or a part of that name "
+                              f"(h100) (default {DEFAULT_GPU}; rates for: "
+                              f"{', '.join(step_time.GPU_RATES)})")
     parser.set_defaults(dtype="bfloat16", seq_len="max")
     opts = parser.parse_args(argv)
+    opts.gpu = gpu_kind(opts.gpu)
     longest = opts.seq_len.strip().lower() == "max"
     if longest and opts.stack == config.AUTO:
         raise ValueError("--stack auto ranks the configurations at one length: give --seq-len "

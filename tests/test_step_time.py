@@ -424,6 +424,21 @@ def test_a_gpu_without_rates_takes_the_memory_only_choice_and_says_so():
     assert "no speed rates for 'NVIDIA Imaginary 80GB'" in table and "memory-only" in table
 
 
+def test_the_h100_has_rates_and_plan_py_takes_a_part_of_its_name():
+    """The H100 (SXM, 80 GB): the H200's compute rates and fitted constants, its memory-bound
+    passes at 3.35 of the H200's 4.8 TB/s; plan.py's --gpu takes "h100" for it, and a name
+    that matches no kind or several is kept as given (the memory-only choice names it)."""
+    h100 = step_time.rates_for("NVIDIA H100 80GB HBM3")
+    assert replace(h100, memory=H200.memory) == H200
+    assert h100.memory == pytest.approx(H200.memory * 3.35 / 4.8)
+    assert planner.gpu_kind("h100") == "NVIDIA H100 80GB HBM3"
+    assert planner.gpu_kind("NVIDIA H200") == "NVIDIA H200"
+    assert planner.gpu_kind("A100") == "A100" and planner.gpu_kind("nvidia") == "nvidia"
+    table = planner.plan_main(["--model", "llama3.2-3b", "--gpus", "1", "--gpu-mem", "79.18GiB",
+                               "--seq-len", "16K", "--gpu", "h100", "--attn-kernel", "fa4"])
+    assert "step times predicted for NVIDIA H100 80GB HBM3 GPUs" in table
+
+
 def test_plan_py_answers_the_newcomers_question():
     """`python plan.py --model llama3-8b --gpus 8 --seq-len 3M`, no technique flag: the ranking
     a GPU run takes its choice from (it used to stop at "8 processes need --fsdp")."""
