@@ -55,10 +55,18 @@ def _same_weights_as_the_step_at_once(cases):
         _assert_same_run(at_once, behind, flags)
 
 
+# what --stack auto takes for Llama-3-8B at 16K on one H200, 08 with it: 03's offloaded
+# checkpoints on some blocks (side streams of their own) and kept attention, 04's tiled loss, 05
+AUTO_16K = {"fsdp": True, "offload": True, "tile_loss": True, "untied": True,
+            "checkpoint_layers": 2, "keep_attention": True}
+
+
 def test_the_weights_and_state_are_bit_for_bit_the_step_at_once():
     """One process, plain and under FSDP (with 03's checkpoints: the recompute runs a block's
-    forward again): four clipped steps give the same losses, norms, weights and Adam state."""
-    _same_weights_as_the_step_at_once([{}, {"fsdp": True}, {"fsdp": True, "checkpoint": True}])
+    forward again; and the techniques auto takes with 08 at 16K): four clipped steps give the
+    same losses, norms, weights and Adam state."""
+    _same_weights_as_the_step_at_once([{}, {"fsdp": True}, {"fsdp": True, "checkpoint": True},
+                                       AUTO_16K])
 
 
 def test_the_weights_are_the_step_at_once_on_2_and_4_ranks():
@@ -261,12 +269,21 @@ def test_gpu_updates_behind_the_forward_on_2_ranks():
     run_ranks(2, _gpu_delayed_updates_are_the_step_at_once, backend="nccl")
 
 
-def _gpu_delayed_updates_are_the_step_at_once():
-    cfg = resolve_techniques(Config(model=GPU_MODEL, fsdp=True, seq_len=256, batch_size=1,
+@pytest.mark.gpu
+def test_gpu_updates_behind_the_forward_with_auto_s_16k_techniques():
+    """One rank with the techniques --stack auto takes with 08 for Llama-3-8B at 16K (03's
+    offload copies on their own side streams beside 08's): with every update delayed, the same
+    bits as the step at once."""
+    run_ranks(1, _gpu_delayed_updates_are_the_step_at_once, AUTO_16K, backend="nccl")
+
+
+def _gpu_delayed_updates_are_the_step_at_once(flags=None):
+    cfg = resolve_techniques(Config(model=GPU_MODEL, seq_len=256, batch_size=1,
                                     steps=4, device="cuda", dtype="bfloat16", grad_clip=0.05,
                                     attn_kernel="math",  # deterministic: bit for bit
                                     warmup_steps=2, lr_schedule="cosine",
-                                    overlap_optimizer=False))  # (left open, a GPU plans 08)
+                                    overlap_optimizer=False,  # (left open, a GPU plans 08)
+                                    **(flags or {"fsdp": True})))
     at_once = train.train(cfg)
     assert not isinstance(at_once.optimizer, optimizer_overlap.AdamWBehindForward)
     with delayed_updates():
