@@ -724,11 +724,12 @@ def clock_lines(paths: list, during_bound: dict | None) -> list:
     def text(c):
         return f"{c['sm_mhz_median']:,.0f} MHz at {c['power_w_median']:,.0f} W"
 
-    lines = [f"SM clock, median: the bound's kernels alone {text(during_bound)}"] if during_bound \
-        else []
+    if not during_bound:
+        return []
+    lines = [f"SM clock, median: the bound's kernels alone {text(during_bound)}"]
     for path in paths:
         steps = json.loads(Path(path).read_text()).get("gpu_clocks_during_steps")
-        if during_bound and steps:
+        if steps:
             lines.append(f"  {Path(path).name}'s steps {text(steps)}")
     return lines
 
