@@ -66,6 +66,11 @@ WORST_UNDER_PREDICTION = (3.781 - 3.641) / 3.781
 PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DEFAULT_GPU = "NVIDIA H200"  # whose speed rates plan.py predicts with, when --gpu is not given
+DEFAULT_GPU_MEM = "80GiB"  # per GPU, when neither --gpu-mem nor a known --gpu is given
+GPU_MEMORY = {  # what torch.cuda.get_device_properties().total_memory reports (not the nominal)
+    "NVIDIA H200": int(139.8 * 2**30),
+    "NVIDIA H100 80GB HBM3": int(79.18 * 2**30),
+}
 DOCUMENTS_NOTE = ("packed documents: planned as dense (same attention tensors); the per-document "
                   "loop adds up to one attention output and one dq/dk/dv while concatenating")
 PLAN_COMPONENTS = {  # component -> (label, when nothing is checkpointed, when some blocks are)
@@ -1403,7 +1408,9 @@ def plan_main(argv) -> str:
     planner = parser.add_argument_group(
         "planner", "--seq-len max (the default): the longest length that fits, per --stack level")
     planner.add_argument("--gpus", type=int, default=8, help="GPUs planned for (default 8)")
-    planner.add_argument("--gpu-mem", default="80GiB", help="memory per GPU (default 80GiB)")
+    planner.add_argument("--gpu-mem", default=None,
+                         help=f"memory per GPU (default: --gpu's as torch reports it, 139.8GiB "
+                              f"for h200; without --gpu {DEFAULT_GPU_MEM})")
     planner.add_argument("--host-mem", default=None,
                          help=f"host memory per node (default {DEFAULT_HOST_MEM}; it can decide "
                               f"the answer: give yours)")
@@ -1413,14 +1420,14 @@ def plan_main(argv) -> str:
                          help="with --seq-len max: the longest length on each GPU count (default "
                               "8 16 32 64), the model state on the GPUs and on the host")
     planner.add_argument("--eval", action="store_true", help="eval.py's forward only")
-    planner.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
+    planner.add_argument("--gpu", default=None, metavar="NAME",
                          help=f"the GPU kind whose speed --stack auto predicts, as "
                               f"torch.cuda.get_device_name() names it or a part of that name "
                               f"(h100) (default {DEFAULT_GPU}; rates for: "
                               f"{', '.join(step_time.GPU_RATES)})")
     parser.set_defaults(dtype="bfloat16", seq_len="max")
     opts = parser.parse_args(argv)
-    opts.gpu = gpu_kind(opts.gpu)
+    gpu_given, opts.gpu = opts.gpu is not None, gpu_kind(opts.gpu or DEFAULT_GPU)
     longest = opts.seq_len.strip().lower() == "max"
     if longest and opts.stack == config.AUTO:
         raise ValueError("--stack auto ranks the configurations at one length: give --seq-len "
@@ -1429,7 +1436,11 @@ def plan_main(argv) -> str:
         # none of them, but --offload-model-state alone is refused without FSDP
         opts.seq_len, opts.fsdp = str(config.DEFAULTS.seq_len), True
     cfg = config.config_from_flags(opts)
-    gpu_mem, host_mem = parse_bytes(opts.gpu_mem), parse_bytes(opts.host_mem or DEFAULT_HOST_MEM)
+    host_mem = parse_bytes(opts.host_mem or DEFAULT_HOST_MEM)
+    # A GPU named by --gpu brings its own memory, as a run on it would see it.
+    gpu_mem = (parse_bytes(opts.gpu_mem) if opts.gpu_mem is not None
+               else GPU_MEMORY[opts.gpu] if gpu_given and opts.gpu in GPU_MEMORY
+               else parse_bytes(DEFAULT_GPU_MEM))
     if opts.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {opts.gpus_per_node}")
     if opts.scaling is not None:

@@ -439,6 +439,21 @@ def test_the_h100_has_rates_and_plan_py_takes_a_part_of_its_name():
     assert "step times predicted for NVIDIA H100 80GB HBM3 GPUs" in table
 
 
+@pytest.mark.parametrize("flags,gib", [
+    (["--gpu", "h200"], "139.8"),  # a named GPU brings its memory, as torch reports it
+    (["--gpu", "h100"], "79.2"),
+    (["--gpu", "h200", "--gpu-mem", "100GiB"], "100.0"),  # --gpu-mem wins
+    ([], "80.0"),  # neither: the default 80GiB
+    (["--gpu", "NVIDIA Imaginary 48GB"], "80.0"),  # a kind with no known memory: the default
+])
+def test_plan_py_takes_the_named_gpu_s_memory(flags, gib):
+    """`plan.py --gpu h200` plans for the H200's 139.8 GiB, not the 80 GiB default (a newcomer
+    naming the GPU expects its memory); an explicit --gpu-mem still wins."""
+    table = planner.plan_main(["--model", "llama3.2-3b", "--gpus", "1", "--seq-len", "16K",
+                               *flags])
+    assert f"on 1 GPU of {gib} GiB" in table.splitlines()[1], table[:400]
+
+
 def test_plan_py_answers_the_newcomers_question():
     """`python plan.py --model llama3-8b --gpus 8 --seq-len 3M`, no technique flag: the ranking
     a GPU run takes its choice from (it used to stop at "8 processes need --fsdp")."""
