@@ -38,6 +38,8 @@ exceed 4x the GPU's L2 cache, so no call finds the previous call's operands ther
 """
 
 import math
+import statistics
+import time
 
 import torch
 
@@ -259,3 +261,66 @@ def faster_than_bound(step_s: float, bound: dict, what: str) -> str | None:
             f" = attention {terms['attention'][0]:.3f} s + matmul {terms['matmul'][0]:.3f} s), "
             f"which a bound cannot be: the {wrong} term is wrong ({why}; measured "
             f"{(rate or 0) / 1e12:.0f} TFLOP/s, {how})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The same kernels back to back: what they take under a step's sustained power.
+# ---------------------------------------------------------------------------------------------
+
+def back_to_back(gemms: list, args, seq_len: int, attention_calls: float, device, dtype,
+                 seconds: float) -> dict:
+    """The bound's kernels run one after another, as a step runs them, for `seconds`: each of
+    `gemms` its counts of times (x W^T, dY W, dY^T x), and the attention kernel's forward and
+    backward `attention_calls` times over all heads at `seq_len` (a fraction: forward calls for
+    that share of a call's FLOPs, the recomputed forwards). Not a bound: timed one call at a
+    time, the kernels run in bursts at the card's highest clock; run for seconds, as a step
+    runs, they draw the card's power and a capped card lowers its clock. A step with gaps may
+    run its kernels at a higher clock than this. Returns the first pass's seconds, the median
+    pass of the run's second half and the SM clock and power over that half."""
+    from bench.report import GpuClocks  # nvidia-smi, beside the passes
+
+    sets = {shape_key(g): random_sets([(g["m"], g["k"]), (g["n"], g["k"]), (g["m"], g["n"])],
+                                      device, dtype) for g in gemms}
+    shapes = [(1, seq_len, args.n_heads, args.head_dim)] + [
+        (1, seq_len, args.n_kv_heads, args.head_dim)] * 2
+    q, k, v = random_sets(shapes, device, dtype)[0]
+    grad = torch.randn_like(q)
+    whole = int(attention_calls)
+    forwards = round((attention_calls - whole) * 3.5)  # a forward is 1 / 3.5 of a call's FLOPs
+
+    def one_pass(turn: int):
+        for g in gemms:
+            x, w, dy = sets[shape_key(g)][turn % len(sets[shape_key(g)])]
+            for _ in range(g["forward"]):
+                torch.nn.functional.linear(x, w)
+            for _ in range(g["backward"]):
+                dy @ w
+                dy.t() @ x
+        for _ in range(forwards):
+            kernels.attention_forward_lse(q, k, v)
+        for _ in range(whole):
+            out, lse = kernels.attention_forward_lse(q, k, v)
+            kernels.attention_backward_lse(grad, q, k, v, out, lse)
+
+    on_gpu = torch.device(device).type == "cuda"
+    with torch.no_grad():  # the warm-up: compiles, cuBLAS's handles, the allocator's blocks
+        one_pass(0)
+    release(torch.device(device))
+    passes, started, steady_from = [], time.perf_counter(), None
+    with torch.no_grad(), GpuClocks(torch.cuda.current_device() if on_gpu else 0) as clocks:
+        while not passes or time.perf_counter() - started < seconds:
+            if steady_from is None and time.perf_counter() - started >= seconds / 2:
+                clocks.restart()  # the summary: the second half's samples
+                steady_from = len(passes)
+            begun = time.perf_counter()
+            one_pass(len(passes))
+            if on_gpu:
+                torch.cuda.synchronize()
+            passes.append(time.perf_counter() - begun)
+    steady = passes[steady_from:] if steady_from is not None else passes[-1:]
+    sets = q = k = v = grad = None
+    release(torch.device(device))
+    return {"back_to_back_s": statistics.median(steady),
+            "back_to_back_first_pass_s": passes[0], "back_to_back_passes": len(passes),
+            "back_to_back_seconds": round(time.perf_counter() - started, 1),
+            "gpu_clocks_back_to_back": clocks.summary}

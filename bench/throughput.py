@@ -388,11 +388,13 @@ def as_run(step: dict) -> tuple:
     return args, tokens, recompute_logits, bound.step_gemms(args, cfg, tokens, 1, recompute_logits)
 
 
-def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype) -> list[dict]:
+def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype,
+                back_to_back_s: float = 0) -> list[dict]:
     """Table entries: each full-depth step against the bound of its own configuration (its
     GEMMs as bench/bound.py counts them for its Config and tiled loss, timed at their shapes:
     `gemm_times`, which times missing shapes on a GPU; the attention kernel's rate at its
-    length: `rates`, by "LENGTH@KERNEL")."""
+    length: `rates`, by "LENGTH@KERNEL"). back_to_back_s > 0 (a GPU): also the same kernels
+    run back to back for that many seconds (bench/bound.py's back_to_back)."""
     table = []
     for step in steps:
         cfg, (args, tokens, recompute_logits, gemms) = step["cfg"], as_run(step)
@@ -410,13 +412,21 @@ def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype)
                  **bound.kernel_bound(flops["attention"], rates[f"{cfg.seq_len}@{step['kernel']}"],
                                       matmul_s, flops["linear"])}
         entry["step_over_bound"] = entry["step_time_s"] / entry["kernel_bound_s"]
+        if back_to_back_s:
+            kernels.use_kernel(step["kernel"])
+            entry.update(bound.back_to_back(
+                gemms, args, cfg.seq_len, flops["attention"] / bound.attention_flops(
+                    args, cfg.seq_len), device, dtype, back_to_back_s))
+            entry["step_over_back_to_back"] = entry["step_time_s"] / entry["back_to_back_s"]
         table.append(entry)
     return table
 
 
-def bound_now(paths: list, result: dict, rt, dtype, repeats: int) -> list[dict]:
+def bound_now(paths: list, result: dict, rt, dtype, repeats: int,
+              back_to_back_s: float = 0) -> list[dict]:
     """--bound-of on a GPU: the steps against the attention kernel's rate at each length and
-    their GEMMs' times, measured now on this GPU (kept in `result`)."""
+    their GEMMs' times, measured now on this GPU (kept in `result`); with back_to_back_s, also
+    their kernels back to back for that long, as a step runs them."""
     steps = [step for path in paths for step in full_depth_steps(path)]
     if len({s["cfg"].model for s in steps}) > 1:
         raise SystemExit("--bound-of: steps of one model per run (the kernel's rate is its heads')")
@@ -433,6 +443,9 @@ def bound_now(paths: list, result: dict, rt, dtype, repeats: int) -> list[dict]:
         table = bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device,
                             dtype)
     result["gpu_clocks_during_bound"] = clocks.summary
+    if back_to_back_s:  # after the bound's clocks: these draw the card's sustained power
+        table = bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device,
+                            dtype, back_to_back_s)
     return table
 
 
@@ -540,6 +553,10 @@ def main():
                         help="no steps: full-depth steps of one GPU measured before (bench.step's "
                              "results, bench/peers' ours rows) against the bound of the "
                              "configuration each ran, measured now (or --rates-from)")
+    parser.add_argument("--back-to-back-s", type=float, default=0, metavar="SECONDS",
+                        help="with --bound-of on a GPU: also run each step's kernels back to "
+                             "back this long, as a step runs them (the clock a step's sustained "
+                             "power leaves them; not a bound)")
     parser.add_argument("--rates-from", default=None, metavar="JSON",
                         help="with --bound-of, no GPU: the kernel rates and GEMM times this "
                              "bench.throughput result measured")
@@ -607,7 +624,8 @@ def main():
     if opts.bound_of:
         result["bound_of"] = [{"file": str(p), "command": json.loads(Path(p).read_text())
                                .get("command")} for p in opts.bound_of]
-        result["table"] = bound_now(opts.bound_of, result, rt, dtype, opts.rate_repeats)
+        result["table"] = bound_now(opts.bound_of, result, rt, dtype, opts.rate_repeats,
+                                    opts.back_to_back_s)
         result["wall_s"] = time.perf_counter() - started
         if rt.rank == 0:
             print_table(result["table"])
@@ -747,6 +765,14 @@ def print_table(table: list) -> None:
               f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
               f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(rates[0], '.0f'):>6} "
               f"{fmt(rates[1], '.0f'):>6} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
+        if e.get("back_to_back_s"):
+            clocks = e.get("gpu_clocks_back_to_back")
+            print(f"{'':>8} {'':>12} the same kernels back to back for "
+                  f"{e['back_to_back_seconds']:.0f} s: {e['back_to_back_s']:.3f} s a pass "
+                  f"(the first {e['back_to_back_first_pass_s']:.3f})"
+                  + (f", {clocks['sm_mhz_median']:,.0f} MHz at {clocks['power_w_median']:,.0f} W"
+                     if clocks else "")
+                  + f"; step / back to back {e['step_over_back_to_back']:.3f}")
     print("(attn, matmul: the bound's rates in TFLOP/s: the attention kernel at its best at that "
           "length, the step's GEMMs at their shapes; bench/bound.py)")
 

@@ -787,3 +787,43 @@ def test_bound_of_prints_the_clocks_beside_the_steps():
                      "  step_llama3.2-3b_1gpu_32K_auto_10steps_08ab_h100.json's steps "
                      "1,440 MHz at 696 W"]
     assert throughput.clock_lines([steps], None) == []
+
+
+def test_back_to_back_runs_each_pass_the_steps_kernels(monkeypatch):
+    """bench/bound.py's back_to_back: every pass runs the step's GEMMs as often as the bound
+    counts them (their FLOPs, by torch's own counter) and the attention kernel's forward and
+    backward as often as the step's attention FLOPs say (the recomputed forwards of 03's
+    checkpointed blocks as forward calls); a warm-up pass first, then passes until the time is
+    spent, the median of the second half returned."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import model as llama
+    from bench import bound
+    from base import kernels
+
+    args = llama.get_model_args("tiny")
+    cfg = Config(model="tiny", seq_len=256, fsdp=True, checkpoint=True, checkpoint_layers=1)
+    gemms = bound.step_gemms(args, cfg, 256)
+    attention = step_time.step_flops(args, 256, 1, False, checkpoint=True,
+                                     tile_mlp=False, tile_loss=False,
+                                     checkpoint_layers=1)["attention"]
+    calls = attention / bound.attention_flops(args, 256)
+    assert calls == pytest.approx(args.n_layers + 1 / 3.5)  # one block's forward again
+    counted = {"forward": 0, "backward": 0}
+
+    def forward(q, k, v):
+        counted["forward"] += 1
+        return torch.zeros_like(q), None
+
+    def backward(grad, q, k, v, out, lse):
+        counted["backward"] += 1
+
+    monkeypatch.setattr(kernels, "attention_forward_lse", forward)
+    monkeypatch.setattr(kernels, "attention_backward_lse", backward)
+    with FlopCounterMode(display=False) as flops:
+        result = bound.back_to_back(gemms, args, 256, calls, "cpu", torch.float32, 0.2)
+    runs = 1 + result["back_to_back_passes"]  # the warm-up pass and the timed ones
+    assert result["back_to_back_passes"] >= 2
+    assert flops.get_total_flops() == runs * bound.gemm_flops(gemms)
+    assert counted == {"forward": runs * (args.n_layers + 1), "backward": runs * args.n_layers}
+    assert 0 < result["back_to_back_s"] < 0.2 and result["back_to_back_first_pass_s"] > 0
