@@ -35,6 +35,12 @@ Timing, both terms (bench.report.event_times_ms): CUDA events around each call, 
 first (compiles, cuBLAS handles, the allocator), the median of the repeats, random normal bf16
 operands (never zeros: they run faster than data), rotated among enough sets that together they
 exceed 4x the GPU's L2 cache, so no call finds the previous call's operands there.
+
+Beside the bound, not a bound: `back_to_back` runs a step's same kernels one after another for
+seconds, as a step runs them. Timed one call at a time the kernels run in short bursts at the
+card's highest clock; for seconds on end they draw its power, and a card at its power cap (700 W
+on an H100 or H200) lowers its clock. What a step reaches of the bound is then split into what
+its kernels lose to the sustained clock and what is outside them.
 """
 
 import math
