@@ -1409,8 +1409,9 @@ def plan_main(argv) -> str:
         "planner", "--seq-len max (the default): the longest length that fits, per --stack level")
     planner.add_argument("--gpus", type=int, default=8, help="GPUs planned for (default 8)")
     planner.add_argument("--gpu-mem", default=None,
-                         help=f"memory per GPU (default: --gpu's as torch reports it, 139.8GiB "
-                              f"for h200; without --gpu {DEFAULT_GPU_MEM})")
+                         help=f"memory per GPU (default: a named --gpu's as torch reports it, "
+                              f"139.8GiB for h200, 79.2GiB for h100; without --gpu, or for a "
+                              f"kind of unknown memory, {DEFAULT_GPU_MEM})")
     planner.add_argument("--host-mem", default=None,
                          help=f"host memory per node (default {DEFAULT_HOST_MEM}; it can decide "
                               f"the answer: give yours)")
@@ -1423,7 +1424,8 @@ def plan_main(argv) -> str:
     planner.add_argument("--gpu", default=None, metavar="NAME",
                          help=f"the GPU kind whose speed --stack auto predicts, as "
                               f"torch.cuda.get_device_name() names it or a part of that name "
-                              f"(h100) (default {DEFAULT_GPU}; rates for: "
+                              f"(h100), and its memory unless --gpu-mem says (default "
+                              f"{DEFAULT_GPU}'s rates with {DEFAULT_GPU_MEM}; rates for: "
                               f"{', '.join(step_time.GPU_RATES)})")
     parser.set_defaults(dtype="bfloat16", seq_len="max")
     opts = parser.parse_args(argv)

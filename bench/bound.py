@@ -43,13 +43,15 @@ on an H100 or H200) lowers its clock. What a step reaches of the bound is then s
 its kernels lose to the sustained clock and what is outside them.
 """
 
+import contextlib
+import itertools
 import math
 import statistics
 import time
 
 import torch
 
-from bench.report import event_times_ms, release
+from bench.report import GpuClocks, event_times_ms, release, synchronize
 from base import kernels
 from support.config import checkpointed_layers
 from support.lessons import tiling, untied_sp as untied
@@ -273,55 +275,59 @@ def faster_than_bound(step_s: float, bound: dict, what: str) -> str | None:
 # The same kernels back to back: what they take under a step's sustained power.
 # ---------------------------------------------------------------------------------------------
 
-def back_to_back(gemms: list, args, seq_len: int, attention_calls: float, device, dtype,
-                 seconds: float) -> dict:
+def back_to_back(gemms: list, args, seq_len: int, attention_calls: int, recomputed_forwards: int,
+                 device, dtype, seconds: float) -> dict:
     """The bound's kernels run one after another, as a step runs them, for `seconds`: each of
-    `gemms` its counts of times (x W^T, dY W, dY^T x), and the attention kernel's forward and
-    backward `attention_calls` times over all heads at `seq_len` (a fraction: forward calls for
-    that share of a call's FLOPs, the recomputed forwards). Not a bound: timed one call at a
-    time, the kernels run in bursts at the card's highest clock; run for seconds, as a step
-    runs, they draw the card's power and a capped card lowers its clock. A step with gaps may
-    run its kernels at a higher clock than this. Returns the first pass's seconds, the median
-    pass of the run's second half and the SM clock and power over that half."""
-    from bench.report import GpuClocks  # nvidia-smi, beside the passes
-
+    `gemms` its counts of times (x W^T, dY W, dY^T x, each call on the next operand set, as the
+    bound times them), and the attention kernel over all heads at `seq_len`: forward and
+    backward `attention_calls` times, forward alone `recomputed_forwards` times (03's recompute
+    without --keep-attention). Not a bound: timed one call at a time, the kernels run in bursts
+    at the card's highest clock; run for seconds, as a step runs, they draw the card's power
+    and a capped card lowers its clock. A step with gaps may run its kernels at a higher clock
+    than this. Returns the first pass's seconds (after a warm-up pass), the median pass of the
+    run's second half and the SM clock and power over that half (None off a GPU)."""
     sets = {shape_key(g): random_sets([(g["m"], g["k"]), (g["n"], g["k"]), (g["m"], g["n"])],
                                       device, dtype) for g in gemms}
     shapes = [(1, seq_len, args.n_heads, args.head_dim)] + [
         (1, seq_len, args.n_kv_heads, args.head_dim)] * 2
     q, k, v = random_sets(shapes, device, dtype)[0]
     grad = torch.randn_like(q)
-    whole = int(attention_calls)
-    forwards = round((attention_calls - whole) * 3.5)  # a forward is 1 / 3.5 of a call's FLOPs
+    calls = itertools.count()
 
-    def one_pass(turn: int):
+    def operands(g):
+        shape_sets = sets[shape_key(g)]
+        return shape_sets[next(calls) % len(shape_sets)]
+
+    def one_pass():
         for g in gemms:
-            x, w, dy = sets[shape_key(g)][turn % len(sets[shape_key(g)])]
             for _ in range(g["forward"]):
+                x, w, _ = operands(g)
                 torch.nn.functional.linear(x, w)
             for _ in range(g["backward"]):
+                x, w, dy = operands(g)
                 dy @ w
                 dy.t() @ x
-        for _ in range(forwards):
+        for _ in range(recomputed_forwards):
             kernels.attention_forward_lse(q, k, v)
-        for _ in range(whole):
+        for _ in range(attention_calls):
             out, lse = kernels.attention_forward_lse(q, k, v)
             kernels.attention_backward_lse(grad, q, k, v, out, lse)
 
     on_gpu = torch.device(device).type == "cuda"
+    clocks = GpuClocks(torch.cuda.current_device()) if on_gpu else contextlib.nullcontext()
     with torch.no_grad():  # the warm-up: compiles, cuBLAS's handles, the allocator's blocks
-        one_pass(0)
-    release(torch.device(device))
+        one_pass()
+    synchronize(torch.device(device))
     passes, started, steady_from = [], time.perf_counter(), None
-    with torch.no_grad(), GpuClocks(torch.cuda.current_device() if on_gpu else 0) as clocks:
+    with torch.no_grad(), clocks:
         while not passes or time.perf_counter() - started < seconds:
             if steady_from is None and time.perf_counter() - started >= seconds / 2:
-                clocks.restart()  # the summary: the second half's samples
+                if on_gpu:
+                    clocks.restart()  # the summary: the second half's samples
                 steady_from = len(passes)
             begun = time.perf_counter()
-            one_pass(len(passes))
-            if on_gpu:
-                torch.cuda.synchronize()
+            one_pass()
+            synchronize(torch.device(device))
             passes.append(time.perf_counter() - begun)
     steady = passes[steady_from:] if steady_from is not None else passes[-1:]
     sets = q = k = v = grad = None
@@ -329,4 +335,4 @@ def back_to_back(gemms: list, args, seq_len: int, attention_calls: float, device
     return {"back_to_back_s": statistics.median(steady),
             "back_to_back_first_pass_s": passes[0], "back_to_back_passes": len(passes),
             "back_to_back_seconds": round(time.perf_counter() - started, 1),
-            "gpu_clocks_back_to_back": clocks.summary}
+            "gpu_clocks_back_to_back": clocks.summary if on_gpu else None}

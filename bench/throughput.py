@@ -63,6 +63,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import re
 import statistics
 import time
@@ -83,7 +84,7 @@ from bench.report import (GpuClocks, claim_result, default_out_dir, end_distribu
 from bench.step import with_layers
 from support.data import parse_tokens
 from support.runtime import read_machine, setup_runtime
-from support.config import Config, resolve_techniques, techniques_text
+from support.config import Config, checkpointed_layers, resolve_techniques, techniques_text
 
 train = importlib.import_module("train")
 GiB = 2**30
@@ -414,12 +415,25 @@ def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype,
         entry["step_over_bound"] = entry["step_time_s"] / entry["kernel_bound_s"]
         if back_to_back_s:
             kernels.use_kernel(step["kernel"])
-            entry.update(bound.back_to_back(
-                gemms, args, cfg.seq_len, flops["attention"] / bound.attention_flops(
-                    args, cfg.seq_len), device, dtype, back_to_back_s))
+            entry.update(bound.back_to_back(gemms, args, cfg.seq_len,
+                                            *attention_calls(args, cfg, flops["attention"]),
+                                            device, dtype, back_to_back_s))
             entry["step_over_back_to_back"] = entry["step_time_s"] / entry["back_to_back_s"]
         table.append(entry)
     return table
+
+
+def attention_calls(args, cfg: Config, flops: float) -> tuple[int, int]:
+    """(forward + backward calls, forward calls alone) of a step's attention over all heads:
+    one of each per layer and sequence, and a forward again in each block 03 recomputes
+    without --keep-attention; checked against the FLOPs the bound counts (`flops`)."""
+    both = args.n_layers * cfg.batch_size
+    again = 0 if cfg.keep_attention else checkpointed_layers(cfg, args.n_layers) * cfg.batch_size
+    counted = bound.attention_flops(args, cfg.seq_len) * (both + again / 3.5)
+    if not math.isclose(counted, flops, rel_tol=1e-9):
+        raise SystemExit(f"--back-to-back-s: {both} attention calls and {again} forwards make "
+                         f"{counted:.4g} FLOPs, the bound counts {flops:.4g}")
+    return both, again
 
 
 def bound_now(paths: list, result: dict, rt, dtype, repeats: int,
@@ -568,6 +582,9 @@ def main():
     opts = parser.parse_args()
     if opts.rates_from and not opts.bound_of:
         parser.error("--rates-from is read by --bound-of: give the steps to bound")
+    if opts.back_to_back_s and (not opts.bound_of or opts.rates_from):
+        parser.error("--back-to-back-s runs the kernels of --bound-of's steps on this GPU: give "
+                     "--bound-of FILES, without --rates-from")
     if opts.recount:
         print_table(recount(opts.recount))
         return

@@ -792,23 +792,18 @@ def test_bound_of_prints_the_clocks_beside_the_steps():
 def test_back_to_back_runs_each_pass_the_steps_kernels(monkeypatch):
     """bench/bound.py's back_to_back: every pass runs the step's GEMMs as often as the bound
     counts them (their FLOPs, by torch's own counter) and the attention kernel's forward and
-    backward as often as the step's attention FLOPs say (the recomputed forwards of 03's
-    checkpointed blocks as forward calls); a warm-up pass first, then passes until the time is
-    spent, the median of the second half returned."""
+    backward once per layer, with a forward alone again in each block 03 recomputes without
+    --keep-attention (bench.throughput's attention_calls, held to the bound's FLOPs); a warm-up
+    pass first, then passes until the time is spent, the median of the second half returned."""
+    import dataclasses
+
     from torch.utils.flop_counter import FlopCounterMode
 
     import model as llama
-    from bench import bound
+    from bench import bound, throughput
     from base import kernels
 
-    args = llama.get_model_args("tiny")
-    cfg = Config(model="tiny", seq_len=256, fsdp=True, checkpoint=True, checkpoint_layers=1)
-    gemms = bound.step_gemms(args, cfg, 256)
-    attention = step_time.step_flops(args, 256, 1, False, checkpoint=True,
-                                     tile_mlp=False, tile_loss=False,
-                                     checkpoint_layers=1)["attention"]
-    calls = attention / bound.attention_flops(args, 256)
-    assert calls == pytest.approx(args.n_layers + 1 / 3.5)  # one block's forward again
+    args = dataclasses.replace(llama.get_model_args("tiny"), n_layers=6)
     counted = {"forward": 0, "backward": 0}
 
     def forward(q, k, v):
@@ -820,10 +815,34 @@ def test_back_to_back_runs_each_pass_the_steps_kernels(monkeypatch):
 
     monkeypatch.setattr(kernels, "attention_forward_lse", forward)
     monkeypatch.setattr(kernels, "attention_backward_lse", backward)
-    with FlopCounterMode(display=False) as flops:
-        result = bound.back_to_back(gemms, args, 256, calls, "cpu", torch.float32, 0.2)
-    runs = 1 + result["back_to_back_passes"]  # the warm-up pass and the timed ones
-    assert result["back_to_back_passes"] >= 2
-    assert flops.get_total_flops() == runs * bound.gemm_flops(gemms)
-    assert counted == {"forward": runs * (args.n_layers + 1), "backward": runs * args.n_layers}
-    assert 0 < result["back_to_back_s"] < 0.2 and result["back_to_back_first_pass_s"] > 0
+    for keep_attention, again in ((False, 4), (True, 0)):
+        cfg = Config(model="tiny", seq_len=256, fsdp=True, checkpoint=True, checkpoint_layers=4,
+                     keep_attention=keep_attention)
+        gemms = bound.step_gemms(args, cfg, 256)
+        flops = step_time.step_flops(args, 256, 1, keep_attention, checkpoint=True,
+                                     tile_mlp=False, tile_loss=False, checkpoint_layers=4)
+        assert throughput.attention_calls(args, cfg, flops["attention"]) == (6, again)
+        with pytest.raises(SystemExit, match="the bound counts"):
+            throughput.attention_calls(args, cfg, flops["attention"] * 1.01)
+        counted.update(forward=0, backward=0)
+        with FlopCounterMode(display=False) as flop_counter:
+            result = bound.back_to_back(gemms, args, 256, 6, again, "cpu", torch.float32, 0.2)
+        runs = 1 + result["back_to_back_passes"]  # the warm-up pass and the timed ones
+        assert result["back_to_back_passes"] >= 2
+        assert flop_counter.get_total_flops() == runs * bound.gemm_flops(gemms)
+        assert counted == {"forward": runs * (6 + again), "backward": runs * 6}
+        assert 0 < result["back_to_back_s"] < 0.2 and result["back_to_back_first_pass_s"] > 0
+        assert result["gpu_clocks_back_to_back"] is None  # no GPU's clocks off a GPU
+
+
+@pytest.mark.parametrize("flags", [["--back-to-back-s", "20"],
+                                   ["--back-to-back-s", "20", "--bound-of", "a.json",
+                                    "--rates-from", "b.json"]])
+def test_back_to_back_needs_steps_to_run_on_this_gpu(flags, monkeypatch, capsys):
+    """--back-to-back-s runs --bound-of's steps' kernels here: without --bound-of, or with
+    --rates-from (no GPU), it is refused by name before anything runs."""
+    throughput = importlib.import_module("bench.throughput")
+    monkeypatch.setattr(sys, "argv", ["throughput.py", *flags])
+    with pytest.raises(SystemExit):
+        throughput.main()
+    assert "--back-to-back-s runs the kernels of --bound-of's steps" in capsys.readouterr().err
