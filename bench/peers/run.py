@@ -41,6 +41,7 @@ weights looks like at this length: agreement well inside it means the same weigh
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -56,7 +57,7 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import BEST, parse_choice, parse_spec, window
-from bench.report import (allocator_retries, profile, release, result_path, step_done,
+from bench.report import (GpuClocks, allocator_retries, profile, release, result_path, step_done,
                           write_result)
 from support.data import parse_tokens
 
@@ -382,26 +383,34 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
     """One row: --steps steps on the length's tokens (each step also emitted as it ends)."""
     tokens = window(stack.vocab_size, seq_len, opts.seed)
     times, peaks, reserved, retries, metrics = [], [], [], [], []
+    # the SM clock and power across the steps the median is taken over, as bench.step
+    # records them (a stack that puts less between its kernels may run them at a higher clock)
+    on_gpu = device.type == "cuda"
+    clocks = GpuClocks(torch.cuda.current_device()) if on_gpu else contextlib.nullcontext()
     try:
         stack.prepare(seq_len)
-        for _ in range(opts.steps):
-            step_done(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                retried = allocator_retries()
-            start = time.perf_counter()
-            metrics.append(stack.step(tokens))
-            step_done(device)
-            times.append(time.perf_counter() - start)
-            if device.type == "cuda":
-                peaks.append(torch.cuda.max_memory_allocated() / GiB)
-                reserved.append(round(torch.cuda.max_memory_reserved() / GiB, 3))
-                retries.append(allocator_retries() - retried)
-            print(f"  step {len(times) - 1}: {times[-1]:.2f} s, loss {metrics[-1]['loss']:.4f}"
-                  + (f", peak {peaks[-1]:.1f} GiB" if peaks else ""), flush=True)
-            emit({"step": {"seq_len": seq_len, "time_s": round(times[-1], 3),
-                           "peak_gib": round(peaks[-1], 3) if peaks else None,
-                           "loss": metrics[-1]["loss"]}})
+        with clocks:
+            for step in range(opts.steps):
+                if step == 1 and on_gpu:
+                    clocks.restart()
+                step_done(device)
+                if on_gpu:
+                    torch.cuda.reset_peak_memory_stats()
+                    retried = allocator_retries()
+                start = time.perf_counter()
+                metrics.append(stack.step(tokens))
+                step_done(device)
+                times.append(time.perf_counter() - start)
+                if on_gpu:
+                    peaks.append(torch.cuda.max_memory_allocated() / GiB)
+                    reserved.append(round(torch.cuda.max_memory_reserved() / GiB, 3))
+                    retries.append(allocator_retries() - retried)
+                print(f"  step {len(times) - 1}: {times[-1]:.2f} s, "
+                      f"loss {metrics[-1]['loss']:.4f}"
+                      + (f", peak {peaks[-1]:.1f} GiB" if peaks else ""), flush=True)
+                emit({"step": {"seq_len": seq_len, "time_s": round(times[-1], 3),
+                               "peak_gib": round(peaks[-1], 3) if peaks else None,
+                               "loss": metrics[-1]["loss"]}})
     except Exception as error:  # noqa: BLE001 - OOM and the rest, recorded as the status
         traceback.print_exc()
         return {"status": failure_status(error), "step_times_s": times,
@@ -417,6 +426,7 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
             "step_time_s": round(step_time, 3), "step_times_s": [round(t, 3) for t in times],
             "peak_gib": round(max(peaks), 3) if peaks else None,
             **({"reserved_gib": reserved, "alloc_retries": retries} if peaks else {}),
+            **({"gpu_clocks_during_steps": clocks.summary} if on_gpu else {}),
             "losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
             **{k: v for k, v in metrics[-1].items() if k not in ("loss", "grad_norm")},
             **profiled}
