@@ -942,6 +942,13 @@ class RunChoice:
     chosen: Candidate | None = None
     ranking: list = field(default_factory=list)
 
+    def expected(self) -> dict | None:
+        """What the run should measure, for its closing line to hold it to: the predicted step
+        (None without speed rates) and the planned peak, GiB; None where nothing was planned."""
+        if self.chosen is None:
+            return None
+        return {"step_s": self.chosen.seconds, "peak_gib": self.chosen.plan["peak"] / GiB}
+
 
 def plan_run(cfg: Config, machine: Machine | None) -> RunChoice:
     """What a run of `cfg` on `machine` (support/runtime.py's read_machine; None on the CPU,

@@ -52,12 +52,12 @@ def train(cfg: Config) -> Run:
     # 05's U, 03's --keep-attention and checkpointed blocks, 04's MLP tile) and checks host
     # memory, before anything is claimed (--overwrite deletes an earlier run's outputs, a
     # refused one not). The CPU plans nothing (--stack auto there: the planner says why not).
-    machine, plan_lines = read_machine(cfg), []  # the GPUs and host memory; None on the CPU
+    machine, plan_lines, expected = read_machine(cfg), [], None  # machine: None on the CPU
     if machine is not None or cfg.stack == config.AUTO:
         import plan  # only where a run plans
 
         choice = plan.plan_run(cfg, machine)
-        cfg, plan_lines = replace(cfg, **choice.settings), choice.lines
+        cfg, plan_lines, expected = replace(cfg, **choice.settings), choice.lines, choice.expected()
     rt = setup_runtime(cfg)
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
@@ -72,7 +72,7 @@ def train(cfg: Config) -> Run:
         model = build_model(cfg, rt)
         optimizer = make_optimizer(model, cfg)
         first_step = saved_state.load_state(cfg, rt, model, optimizer) if cfg.resume else 0
-        return train_loop(cfg, rt, model, optimizer, data, first_step, outputs)
+        return train_loop(cfg, rt, model, optimizer, data, first_step, outputs, expected)
 
 
 # The model: the techniques in their composition order, then FSDP; and its optimizer.
@@ -219,9 +219,11 @@ def clipped_step(model, optimizer, loss: torch.Tensor, max_norm: float) -> torch
 # The loop: steps and what they leave (support/saved_state.py: the log, saves, a stop, the export).
 
 def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, first_step: int,
-               outputs: saved_state.Outputs) -> Run:
+               outputs: saved_state.Outputs, expected: dict | None = None) -> Run:
+    """expected: the plan's predicted step and peak (plan.RunChoice.expected), which the
+    closing line holds the run to."""
     args, is_main = model.args, rt.rank == 0
-    header = progress.run_header(cfg, rt, args, first_step)
+    header = progress.run_header(cfg, rt, args, first_step, expected)
     if is_main:
         print(progress.opening_text(cfg, rt, header, data))
     outputs.log(header)
@@ -257,8 +259,8 @@ def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, firs
     outputs.finish(model, args)  # --export-hf, unless stopped: the run is not finished then
     if is_main:
         print(progress.summary_line(history, tokens_per_gpu, time.perf_counter() - run_start,
-                                    per, outputs.last_saved, saved_state.resume_command(sys.argv)),
-              flush=True)
+                                    per, outputs.last_saved, saved_state.resume_command(sys.argv),
+                                    expected), flush=True)
     return Run(history, model, optimizer)
 
 

@@ -38,12 +38,14 @@ def layout_lines(cfg, rt, n_heads: int) -> list:
     return lines
 
 
-def run_header(cfg, rt, args, first_step: int) -> dict:
-    """The log's first record: the Config, the ranks, torch, the kernel, the size, the start."""
+def run_header(cfg, rt, args, first_step: int, expected: dict | None = None) -> dict:
+    """The log's first record: the Config, the ranks, torch, the kernel, the size, the start,
+    and where the run was planned its predicted step and peak."""
     return {"config": asdict(cfg), "world_size": rt.world, "dp": rt.dp, "sp": rt.sp,
             "ring": rt.ring, "torch": torch.__version__,
             "attention_kernel": attention_kernel(cfg, rt, args),
-            "parameters": num_params(args), "first_step": first_step}
+            "parameters": num_params(args), "first_step": first_step,
+            **({"planned": expected} if expected else {})}
 
 
 def opening_text(cfg, rt, header: dict, data) -> str:
@@ -93,7 +95,11 @@ def step_record(step: int, metrics: dict, step_time: float, tokens_per_gpu: floa
             **({"documents": documents.count} if documents is not None else {}),
             "tokens_per_s_per_gpu": round(tokens_per_gpu / step_time, 1),
             "peak_gpu_mem_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 3)
-                                 if rt.device.type == "cuda" else None)}
+                                 if rt.device.type == "cuda" else None),
+            # the caching allocator's retries so far in this process (each gave its cache back
+            # and waited on the GPU: a step slower than planned)
+            **({"alloc_retries_so_far": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
+               if rt.device.type == "cuda" else {})}
 
 
 def step_text(record: dict, per: str) -> str:
@@ -148,9 +154,10 @@ def on_a_terminal(is_main: bool) -> bool:
 
 
 def summary_line(history: list, tokens_per_step: float, wall_s: float, per: str,
-                 last_saved: str | None, resume: str | None) -> str:
+                 last_saved: str | None, resume: str | None, expected: dict | None = None) -> str:
     """The run's closing line. history: this run's step records (train.py's log lines);
-    tokens_per_step: the tokens of one step per GPU (per rank on the CPU)."""
+    tokens_per_step: the tokens of one step per GPU (per rank on the CPU); expected: the
+    plan's predicted step and peak (plan.RunChoice.expected), a second line holds the run to."""
     if not history:
         return "done: no step to train" + (f"; saved state {last_saved}" if last_saved else "")
     n = len(history)
@@ -161,5 +168,28 @@ def summary_line(history: list, tokens_per_step: float, wall_s: float, per: str,
             f"{n * tokens_per_step / step_time:,.0f} tok/s/{per} (mean)"
             + (f", peak GPU memory {max(peaks):.2f} GiB" if peaks else ""))
     if last_saved:
-        return text + f"; saved state {last_saved}; continue (with a larger --steps): {resume}"
-    return text + "; no saved state (no --save-dir)"
+        text += f"; saved state {last_saved}; continue (with a larger --steps): {resume}"
+    else:
+        text += "; no saved state (no --save-dir)"
+    return text + (against_the_plan(history, expected) if expected and peaks else "")
+
+
+def against_the_plan(history: list, expected: dict) -> str:
+    """The run held to its plan: the median step after the first (the first compiles and
+    allocates) against the predicted, the peak against the planned, and the allocator's
+    retries after the first step, which slow a step and which the plan counted on not having."""
+    later = history[1:] or history
+    times = sorted(h["step_time_s"] for h in later)
+    peak = max(h["peak_gpu_mem_gib"] for h in history)
+    text = f"\nagainst the plan: median step {times[len(times) // 2]:.3f}s"
+    if len(history) == 1:
+        text += " (the first step: it also compiles and allocates)"
+    if expected["step_s"] is not None:
+        text += f" (predicted {expected['step_s']:.3f}s)"
+    text += f", peak {peak:.2f} GiB (planned {expected['peak_gib']:.2f})"
+    retries = later[-1].get("alloc_retries_so_far", 0) - history[0].get("alloc_retries_so_far", 0)
+    if retries:
+        text += (f"; the allocator gave its cache back and retried {retries} times after the "
+                 f"first step, each a wait on the GPU: a plan that leaves more memory free at "
+                 f"its peak avoids that (one more --checkpoint-layers, or --stack auto)")
+    return text
