@@ -191,5 +191,5 @@ def against_the_plan(history: list, expected: dict) -> str:
     if retries:
         text += (f"; the allocator gave its cache back and retried {retries} times after the "
                  f"first step, each a wait on the GPU: a plan that leaves more memory free at "
-                 f"its peak avoids that (one more --checkpoint-layers, or --stack auto)")
+                 f"its peak avoids that (for one, --checkpoint-layers one higher)")
     return text

@@ -505,8 +505,8 @@ def test_the_summary_holds_a_planned_run_to_its_plan():
     assert lines[1] == ("against the plan: median step 0.900s (predicted 0.880s), peak 70.03 GiB "
                         "(planned 70.02); the allocator gave its cache back and retried 2 times "
                         "after the first step, each a wait on the GPU: a plan that leaves more "
-                        "memory free at its peak avoids that (one more --checkpoint-layers, or "
-                        "--stack auto)")
+                        "memory free at its peak avoids that (for one, --checkpoint-layers one "
+                        "higher)")
     calm = [dict(h, alloc_retries_so_far=2) for h in history]
     no_rates = dict(expected, step_s=None)  # a GPU without speed rates: the peak alone
     assert progress.summary_line(calm, 16384, 12.0, "gpu", None, None, no_rates).endswith(
