@@ -20,7 +20,9 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        allocates the gradients itself (--offload-model-state)
     01                 the optimizer step on the GPU, or on the host (--offload-model-state:
                        CPU fused AdamW) with its copies (FSDP's own per-parameter cost fitted
-                       to nothing once the allocator's retries were counted: it is not a term)
+                       to nothing once the allocator's retries were counted: it is not a term);
+                       on several GPUs the all-gathers and reduce-scatters that a block's
+                       compute does not hide (short sequences split over many GPUs)
     08                 the part of that step run beside the next forward that still shows
 Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
 measured speeds, and a few constants fitted on measured steps (docs/calibration.md, "Step
@@ -73,8 +75,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=5.05e-12, elementwise_op_by_op_s=1.06e-11, stage_s=7.70e-8,
-        host_adamw_s=7.89e-10, alloc_retry_s=0.0831),
+        elementwise_s=5.05e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.19e-8,
+        host_adamw_s=7.93e-10, alloc_retry_s=0.0833),
 }
 # The H100 (SXM, 80 GB HBM3) has the H200's GH100 compute: 132 SMs, the same clocks and 700 W,
 # its kernels measured within a few percent of the H200's (GEMMs at Llama-3.2-3B's shapes 743-751
@@ -225,6 +227,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                                                       gradient_memory)
                                     * rates.alloc_retry_s)  # a step's (measured: one batch)
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates, layer_forward_s)
+    seconds["collectives (01)"] = micro * collective_seconds(cfg, args, world_size, b, rates,
+                                                             layer_forward_s)
     return seconds
 
 
@@ -362,6 +366,29 @@ def untied_seconds(args, n: int, head_chunk: int, ulysses: int, rates: GpuRates)
 
 
 # ---- 01_fsdp.py: the optimizer step, on the GPU or on the host -----------------------------
+
+def collective_seconds(cfg: Config, args, world_size: int, b: int, rates: GpuRates,
+                       layer_forward_s: float) -> float:
+    """One micro-batch's all-gathers and reduce-scatters of FSDP's units that the compute beside
+    them does not hide. A block's weights are gathered in the compute dtype (`b` bytes) before
+    its forward and again before its backward (the last block's stay gathered), and its fp32
+    gradients reduce-scattered after its backward; a rank receives or sends (P-1)/P of each.
+    FSDP2 gathers the next block while this one computes (its forward; a backward, about twice
+    that, beside the next gather and this block's scatter, which share the links); what is
+    longer than the compute beside it shows. The root (embeddings, final norm, lm_head): its
+    gather before the first block and its scatter after the last are waited for. The rate: the
+    all-to-all's, measured between 2 H200s (NVLink); no all-gather was timed on its own."""
+    if not cfg.fsdp or world_size == 1:
+        return 0.0
+    share = (world_size - 1) / world_size
+    block = byte_counts.block_params(args)
+    root = model.num_params(args) - args.n_layers * block
+    gather, scatter = (block * nbytes * share / rates.all_to_all for nbytes in (b, 4))
+    shown = (args.n_layers * max(0.0, gather - layer_forward_s)
+             + (args.n_layers - 1) * max(0.0, gather + scatter - 2 * layer_forward_s)
+             + max(0.0, scatter - 2 * layer_forward_s))  # the last block's: no gather
+    return shown + root * (b + 4) * share / rates.all_to_all
+
 
 def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
                       layer_forward_s: float = 0.0) -> float:
