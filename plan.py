@@ -66,6 +66,7 @@ WORST_UNDER_PREDICTION = (3.781 - 3.641) / 3.781
 PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DEFAULT_GPU = "NVIDIA H200"  # whose speed rates plan.py predicts with, when --gpu is not given
+SP1_HINT_GAIN = 0.03  # a run names --sp 1 where it is predicted this much faster per GPU
 DEFAULT_GPU_MEM = "80GiB"  # per GPU, when neither --gpu-mem nor a known --gpu is given
 GPU_MEMORY = {  # what torch.cuda.get_device_properties().total_memory reports (not the nominal)
     "NVIDIA H200": int(139.8 * 2**30),
@@ -972,8 +973,37 @@ def plan_run(cfg: Config, machine: Machine | None) -> RunChoice:
     settings = {name: getattr(chosen.cfg, name) for name in SETTINGS
                 if getattr(chosen.cfg, name) != getattr(cfg, name)}
     best = best_per_techniques(ranking)
-    lines = choice_lines(cfg, machine, chosen, best, settings)
-    return RunChoice(settings, lines + disagreement_lines(cfg, machine, chosen), chosen, best)
+    lines = (choice_lines(cfg, machine, chosen, best, settings)
+             + disagreement_lines(cfg, machine, chosen) + one_sequence_a_gpu_lines(cfg, machine,
+                                                                                   chosen))
+    return RunChoice(settings, lines, chosen, best)
+
+
+def one_sequence_a_gpu_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list:
+    """Where --sp was left open on several GPUs (one sequence over all of them) and the plan
+    with --sp 1 (each GPU its own sequence, as many a step as GPUs) is predicted at least
+    SP1_HINT_GAIN more tokens/s per GPU, a line that says so. The planner never takes it: --sp
+    sets how many sequences a step trains (the batch), which is the user's to give. A short
+    sequence split over many GPUs leaves each a small share of work beside the same all-gathers
+    of the weights and the exchanges (Llama-3-8B at 16K over 8 GPUs: 2K tokens a GPU)."""
+    if machine.gpus == 1 or cfg.sp is not None or chosen.seconds is None or not chosen.fits:
+        return []
+    if chosen.plan["dp"] == machine.gpus:  # already one sequence a GPU
+        return []
+    try:
+        alone, _ = choose(replace(cfg, sp=1), machine)
+    except ValueError:  # no plan of one sequence a GPU fits (or the flags forbid one)
+        return []
+    if not alone.fits or alone.seconds is None:
+        return []
+    ours, theirs = (tokens_per_s_per_gpu(c, machine) for c in (chosen, alone))
+    if theirs < ours * (1 + SP1_HINT_GAIN):
+        return []
+    return [f"  --sp 1 would train {alone.plan['dp'] * cfg.batch_size} sequences a step, each on "
+            f"its own GPU ({flags_text(alone.cfg)}): predicted {theirs:,.0f} tokens/s per GPU, "
+            f"{theirs / ours - 1:.0%} more than this layout's {ours:,.0f}. --sp sets how many "
+            f"sequences a step trains, so it is yours to give (python plan.py with --sp 1 "
+            f"ranks it)"]
 
 
 def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list:
@@ -1219,14 +1249,20 @@ def settings_flags(cfg: Config, names) -> list:
     return flags
 
 
+def tokens_per_s_per_gpu(candidate: Candidate, machine: Machine) -> float:
+    """A candidate's predicted throughput: the tokens of a step (every data-parallel group's
+    sequences, every micro-batch) per GPU and second. Needs its predicted step."""
+    cfg = candidate.cfg
+    tokens = cfg.batch_size * cfg.seq_len * candidate.plan["dp"] * cfg.grad_accum
+    return tokens / machine.gpus / candidate.seconds
+
+
 def candidate_text(candidate: Candidate, machine: Machine) -> str:
     """A candidate's predicted step (where the GPU has rates), peak and host bytes."""
-    plan, tokens = candidate.plan, candidate.cfg.batch_size * candidate.cfg.seq_len
-    speed = ""
+    plan, speed = candidate.plan, ""
     if candidate.seconds is not None:
-        per_gpu = tokens * plan["dp"] * candidate.cfg.grad_accum / machine.gpus
-        speed = (f"predicted {candidate.seconds:.2f} s a step ({per_gpu / candidate.seconds:,.0f}"
-                 f" tokens/s per GPU), ")
+        speed = (f"predicted {candidate.seconds:.2f} s a step "
+                 f"({tokens_per_s_per_gpu(candidate, machine):,.0f} tokens/s per GPU), ")
     return (f"{speed}peak {plan['peak'] / GiB:.1f} GiB of {machine.gpu_mem / GiB:.1f} (fits "
             f"with the {PLAN_MARGIN:.1%} margin: {'yes' if candidate.fits else 'NO'}), host "
             f"{plan['host'] / GiB:.1f} GiB per GPU")
@@ -1369,10 +1405,8 @@ def plan_auto_table(cfg: Config, machine: Machine) -> str:
             f"{'#':>3} {'step s':>8} {'tok/s/GPU':>10} {'peak GiB':>9} {'host GiB/GPU':>13}  flags"]
     for i, candidate in enumerate(fitting, 1):
         plan, seconds = candidate.plan, candidate.seconds
-        per_gpu = (candidate.cfg.batch_size * candidate.cfg.seq_len * plan["dp"]
-                   * candidate.cfg.grad_accum / machine.gpus)
-        rows.append(f"{i:>3} {'-' if seconds is None else f'{seconds:.2f}':>8} "
-                    f"{'-' if seconds is None else f'{per_gpu / seconds:,.0f}':>10} "
+        speed = "-" if seconds is None else f"{tokens_per_s_per_gpu(candidate, machine):,.0f}"
+        rows.append(f"{i:>3} {'-' if seconds is None else f'{seconds:.2f}':>8} {speed:>10} "
                     f"{plan['peak'] / GiB:>9.1f} {plan['host'] / GiB:>13.1f}  "
                     f"{flags_text(candidate.cfg)}")
     return "\n".join(rows + ["a GPU run takes #1 and says, in its first lines:"]

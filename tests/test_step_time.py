@@ -454,6 +454,48 @@ def test_plan_py_takes_the_named_gpu_s_memory(flags, gib):
     assert f"on 1 GPU of {gib} GiB" in table.splitlines()[1], table[:400]
 
 
+def test_fsdp_collectives_show_where_a_short_sequence_is_split_over_many_gpus():
+    """01's all-gathers and reduce-scatters: nothing on one GPU; the root's (embeddings, final
+    norm, lm_head: waited for) on several, each rank receiving or sending (P-1)/P; a block's
+    only where they outlast its compute: hidden at 16K over 8 GPUs (2K tokens a GPU, just),
+    shown at 4K over 8 (512)."""
+    args = llama.get_model_args("llama3-8b")
+    cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, ulysses=True, dtype="bfloat16")
+
+    def collectives(c, gpus):
+        return step_time.step_seconds(c, gpus, H200, "fa4", args)["collectives (01)"]
+
+    assert collectives(replace(cfg, ulysses=False), 1) == 0.0
+    root = ((llama.num_params(args) - args.n_layers * byte_counts.block_params(args))
+            * (2 + 4) / 2 / H200.all_to_all)
+    assert collectives(replace(cfg, seq_len=131072), 2) == pytest.approx(root)
+    root_of_8 = root * (7 / 8) / (1 / 2)
+    assert collectives(cfg, 8) == pytest.approx(root_of_8)
+    assert collectives(replace(cfg, seq_len=4096), 8) > 1.5 * root_of_8
+
+
+def test_a_run_names_one_sequence_a_gpu_where_it_is_faster():
+    """--sp left open on 8 GPUs: one 16K sequence over all of them (what the run takes: --sp
+    sets the batch, the user's to give) leaves each GPU 2K tokens beside the same gathers of
+    the weights; the run's lines name --sp 1 (8 sequences a step, one a GPU) where it is
+    predicted SP1_HINT_GAIN faster per GPU, and not where the layout is given or longer
+    sequences need the split."""
+    eight = Machine(gpus=8, gpu_mem=int(79.18 * 2**30), host_mem=2048 * 2**30,
+                    gpus_per_node=8, gpu_name="NVIDIA H100 80GB HBM3")
+    auto = Config(model="llama3-8b", seq_len=16384, stack="auto", dtype="bfloat16")
+    choice = planner.plan_run(auto, eight)
+    assert choice.chosen.plan["dp"] == 1  # one sequence over the 8 GPUs
+    named = [line for line in choice.lines if line.lstrip().startswith("--sp 1 would")]
+    assert len(named) == 1 and "8 sequences a step" in named[0], choice.lines
+    alone = planner.plan_run(replace(auto, sp=1), eight)
+    gain = (planner.tokens_per_s_per_gpu(alone.chosen, eight)
+            / planner.tokens_per_s_per_gpu(choice.chosen, eight))
+    assert gain > 1 + planner.SP1_HINT_GAIN and f"{gain - 1:.0%} more" in named[0]
+    assert not [line for line in alone.lines if "--sp 1 would" in line]  # given: no line
+    longer = planner.plan_run(replace(auto, seq_len=262144), eight)
+    assert not [line for line in longer.lines if "--sp 1 would" in line]
+
+
 def test_plan_py_answers_the_newcomers_question():
     """`python plan.py --model llama3-8b --gpus 8 --seq-len 3M`, no technique flag: the ranking
     a GPU run takes its choice from (it used to stop at "8 processes need --fsdp")."""
