@@ -66,7 +66,7 @@ WORST_UNDER_PREDICTION = (3.781 - 3.641) / 3.781
 PLAN_MARGIN = WORST_UNDER_PREDICTION / (1 - WORST_UNDER_PREDICTION)
 DEFAULT_HOST_MEM = "2TiB"  # per node, when --host-mem is not given
 DEFAULT_GPU = "NVIDIA H200"  # whose speed rates plan.py predicts with, when --gpu is not given
-SP1_HINT_GAIN = 0.03  # a run names --sp 1 where it is predicted this much faster per GPU
+SP1_HINT_GAIN = 0.03  # a run names one sequence a GPU where it is predicted this much faster
 DEFAULT_GPU_MEM = "80GiB"  # per GPU, when neither --gpu-mem nor a known --gpu is given
 GPU_MEMORY = {  # what torch.cuda.get_device_properties().total_memory reports (not the nominal)
     "NVIDIA H200": int(139.8 * 2**30),
@@ -942,13 +942,7 @@ class RunChoice:
     lines: list
     chosen: Candidate | None = None
     ranking: list = field(default_factory=list)
-
-    def expected(self) -> dict | None:
-        """What the run should measure, for its closing line to hold it to: the predicted step
-        (None without speed rates) and the planned peak, GiB; None where nothing was planned."""
-        if self.chosen is None:
-            return None
-        return {"step_s": self.chosen.seconds, "peak_gib": self.chosen.plan["peak"] / GiB}
+    expected: dict | None = None  # what the run's closing line holds it to (expected_of)
 
 
 def plan_run(cfg: Config, machine: Machine | None) -> RunChoice:
@@ -974,21 +968,36 @@ def plan_run(cfg: Config, machine: Machine | None) -> RunChoice:
                 if getattr(chosen.cfg, name) != getattr(cfg, name)}
     best = best_per_techniques(ranking)
     lines = (choice_lines(cfg, machine, chosen, best, settings)
-             + disagreement_lines(cfg, machine, chosen) + one_sequence_a_gpu_lines(cfg, machine,
-                                                                                   chosen))
-    return RunChoice(settings, lines, chosen, best)
+             + disagreement_lines(cfg, machine, chosen)
+             + one_sequence_a_gpu_lines(cfg, machine, chosen))
+    return RunChoice(settings, lines, chosen, best, expected_of(chosen, machine))
+
+
+def expected_of(chosen: Candidate, machine: Machine) -> dict:
+    """What the run should measure, for its closing line to hold it to: the predicted step
+    (None without speed rates), the planned peak (GiB), the allocator retries a step the plan
+    priced (step_time.predicted_retries), and what leaves more memory free where there are
+    more: a further checkpointed block, where some are not."""
+    cfg, args = chosen.cfg, model_args(chosen.cfg)
+    retries = step_time.predicted_retries(cfg, args, machine.gpus,
+                                          free_at_peak(chosen.plan["peak"], machine.gpu_mem))
+    checkpointed = config.checkpointed_layers(cfg, args.n_layers)
+    more_free = (f"--checkpoint-layers {checkpointed + 1}"
+                 if cfg.checkpoint and checkpointed < args.n_layers else None)
+    return {"step_s": chosen.seconds, "peak_gib": chosen.plan["peak"] / GiB,
+            "retries_per_step": retries, "more_free": more_free}
 
 
 def one_sequence_a_gpu_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list:
-    """Where --sp was left open on several GPUs (one sequence over all of them) and the plan
-    with --sp 1 (each GPU its own sequence, as many a step as GPUs) is predicted at least
-    SP1_HINT_GAIN more tokens/s per GPU, a line that says so. The planner never takes it: --sp
-    sets how many sequences a step trains (the batch), which is the user's to give. A short
-    sequence split over many GPUs leaves each a small share of work beside the same all-gathers
-    of the weights and the exchanges (Llama-3-8B at 16K over 8 GPUs: 2K tokens a GPU)."""
-    if machine.gpus == 1 or cfg.sp is not None or chosen.seconds is None or not chosen.fits:
-        return []
-    if chosen.plan["dp"] == machine.gpus:  # already one sequence a GPU
+    """Where --sp was left open on several GPUs (one sequence over all of them) and one
+    sequence a GPU (--sp 1: as many a step as GPUs) is predicted at least SP1_HINT_GAIN more
+    tokens/s per GPU, a line that says so. The planner never takes it: --sp sets how many
+    sequences a step trains (the batch), which is the user's to give. A short sequence split
+    over many GPUs leaves each a small share of work beside the same per-step costs (Llama-3-8B
+    at 16K over 8 GPUs: 2K tokens a GPU). Not on a resumed run (its saved state fixes the
+    layout), nor where the flags given (--ulysses, --ring) allow no plan of one sequence a GPU."""
+    if (machine.gpus == 1 or cfg.sp is not None or cfg.resume or chosen.seconds is None
+            or not chosen.fits or chosen.plan["dp"] == machine.gpus):
         return []
     try:
         alone, _ = choose(replace(cfg, sp=1), machine)
@@ -999,11 +1008,14 @@ def one_sequence_a_gpu_lines(cfg: Config, machine: Machine, chosen: Candidate) -
     ours, theirs = (tokens_per_s_per_gpu(c, machine) for c in (chosen, alone))
     if theirs < ours * (1 + SP1_HINT_GAIN):
         return []
-    return [f"  --sp 1 would train {alone.plan['dp'] * cfg.batch_size} sequences a step, each on "
-            f"its own GPU ({flags_text(alone.cfg)}): predicted {theirs:,.0f} tokens/s per GPU, "
-            f"{theirs / ours - 1:.0%} more than this layout's {ours:,.0f}. --sp sets how many "
-            f"sequences a step trains, so it is yours to give (python plan.py with --sp 1 "
-            f"ranks it)"]
+    # without a sequence-parallel technique every GPU has its own sequence: no --sp to give
+    flags = flags_text(alone.cfg) + (" --sp 1" if alone.cfg.ulysses or alone.cfg.untied else "")
+    sequences = alone.plan["dp"] * cfg.batch_size * cfg.grad_accum
+    return [f"  one sequence a GPU ({flags}) would train {sequences} sequences a step: "
+            f"predicted {theirs:,.0f} tokens/s per GPU, {theirs / ours - 1:.0%} more than this "
+            f"layout's "
+            f"{ours:,.0f}. How many sequences a step trains is yours to give, so the planner "
+            f"does not take it (python plan.py with these flags shows the plan)"]
 
 
 def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list:

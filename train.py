@@ -57,7 +57,7 @@ def train(cfg: Config) -> Run:
         import plan  # only where a run plans
 
         choice = plan.plan_run(cfg, machine)
-        cfg, plan_lines, expected = replace(cfg, **choice.settings), choice.lines, choice.expected()
+        cfg, plan_lines, expected = replace(cfg, **choice.settings), choice.lines, choice.expected
     rt = setup_runtime(cfg)
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
@@ -220,8 +220,8 @@ def clipped_step(model, optimizer, loss: torch.Tensor, max_norm: float) -> torch
 
 def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, first_step: int,
                outputs: saved_state.Outputs, expected: dict | None = None) -> Run:
-    """expected: the plan's predicted step and peak (plan.RunChoice.expected), which the
-    closing line holds the run to."""
+    """expected: the plan's predicted step, peak and allocator retries (plan.RunChoice's), which
+    the closing line holds the run to."""
     args, is_main = model.args, rt.rank == 0
     header = progress.run_header(cfg, rt, args, first_step, expected)
     if is_main:

@@ -75,8 +75,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=5.05e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.19e-8,
-        host_adamw_s=7.93e-10, alloc_retry_s=0.0833),
+        elementwise_s=5.05e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.08e-8,
+        host_adamw_s=7.94e-10, alloc_retry_s=0.0834),
 }
 # The H100 (SXM, 80 GB HBM3) has the H200's GH100 compute: 132 SMs, the same clocks and 700 W,
 # its kernels measured within a few percent of the H200's (GEMMs at Llama-3.2-3B's shapes 743-751
@@ -373,21 +373,24 @@ def collective_seconds(cfg: Config, args, world_size: int, b: int, rates: GpuRat
     them does not hide. A block's weights are gathered in the compute dtype (`b` bytes) before
     its forward and again before its backward (the last block's stay gathered), and its fp32
     gradients reduce-scattered after its backward; a rank receives or sends (P-1)/P of each.
-    FSDP2 gathers the next block while this one computes (its forward; a backward, about twice
-    that, beside the next gather and this block's scatter, which share the links); what is
-    longer than the compute beside it shows. The root (embeddings, final norm, lm_head): its
-    gather before the first block and its scatter after the last are waited for. The rate: the
-    all-to-all's, measured between 2 H200s (NVLink); no all-gather was timed on its own."""
+    FSDP2 gathers the next block while this one computes (its forward; a backward, taken as
+    twice that, beside the next gather and the scatter of the block above, which share the
+    links); what is longer than the compute beside it shows. Waited for: the root's gather
+    (embeddings, final norm, lm_head) and block 0's before the first forward, block 0's scatter
+    and the root's after the last backward. The rate: the all-to-all's, measured between 2
+    H200s (NVLink); no all-gather was timed on its own. Not counted: with the model state on the
+    host, the copies of each shard to the GPU before its gather and back after its scatter (the
+    host AdamW's fitted constant took them where they showed)."""
     if not cfg.fsdp or world_size == 1:
         return 0.0
     share = (world_size - 1) / world_size
     block = byte_counts.block_params(args)
     root = model.num_params(args) - args.n_layers * block
     gather, scatter = (block * nbytes * share / rates.all_to_all for nbytes in (b, 4))
-    shown = (args.n_layers * max(0.0, gather - layer_forward_s)
-             + (args.n_layers - 1) * max(0.0, gather + scatter - 2 * layer_forward_s)
-             + max(0.0, scatter - 2 * layer_forward_s))  # the last block's: no gather
-    return shown + root * (b + 4) * share / rates.all_to_all
+    later = args.n_layers - 1  # the blocks after block 0
+    shown = (later * max(0.0, gather - layer_forward_s)
+             + later * max(0.0, gather + scatter - 2 * layer_forward_s))
+    return shown + gather + scatter + root * (b + 4) * share / rates.all_to_all
 
 
 def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,

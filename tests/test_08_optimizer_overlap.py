@@ -222,8 +222,7 @@ def test_auto_weighs_08_where_adamw_runs_on_the_gpu():
     auto = replace(PLANNED, stack="auto", checkpoint=False, tile_loss=False, attn_kernel="fa4")
     choice = planner.plan_run(auto, one_h200)
     assert choice.settings["overlap_optimizer"] is True
-    assert choice.expected() == {"step_s": choice.chosen.seconds,  # the run's closing line's
-                                 "peak_gib": choice.chosen.plan["peak"] / 2**30}
+    assert choice.expected["step_s"] == choice.chosen.seconds  # what the run is held to
     assert "--overlap-optimizer" in choice.lines[0]
     at_once = planner.plan_run(replace(auto, overlap_optimizer=False), one_h200)
     assert at_once.chosen.cfg.overlap_optimizer is False

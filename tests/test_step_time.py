@@ -468,10 +468,16 @@ def test_fsdp_collectives_show_where_a_short_sequence_is_split_over_many_gpus():
     assert collectives(replace(cfg, ulysses=False), 1) == 0.0
     root = ((llama.num_params(args) - args.n_layers * byte_counts.block_params(args))
             * (2 + 4) / 2 / H200.all_to_all)
-    assert collectives(replace(cfg, seq_len=131072), 2) == pytest.approx(root)
-    root_of_8 = root * (7 / 8) / (1 / 2)
-    assert collectives(cfg, 8) == pytest.approx(root_of_8)
-    assert collectives(replace(cfg, seq_len=4096), 8) > 1.5 * root_of_8
+    block = byte_counts.block_params(args) * (2 + 4) / 2 / H200.all_to_all  # gather, scatter
+    waited = root + block  # the root's, and block 0's before the first forward and after
+    assert collectives(replace(cfg, seq_len=131072), 2) == pytest.approx(waited)
+    waited_of_8 = waited * (7 / 8) / (1 / 2)
+    assert collectives(cfg, 8) == pytest.approx(waited_of_8)  # each later block's: hidden, just
+    assert collectives(replace(cfg, seq_len=4096), 8) > 1.5 * waited_of_8  # not hidden at 512
+    fp32 = replace(cfg, seq_len=131072, dtype="float32")  # weights gathered in fp32: 4 bytes
+    assert collectives(fp32, 2) == pytest.approx(waited * (4 + 4) / (2 + 4))
+    accumulated = replace(cfg, seq_len=131072, grad_accum=2)  # every micro-batch gathers again
+    assert collectives(accumulated, 2) == pytest.approx(2 * waited)
 
 
 def test_a_run_names_one_sequence_a_gpu_where_it_is_faster():
@@ -485,15 +491,22 @@ def test_a_run_names_one_sequence_a_gpu_where_it_is_faster():
     auto = Config(model="llama3-8b", seq_len=16384, stack="auto", dtype="bfloat16")
     choice = planner.plan_run(auto, eight)
     assert choice.chosen.plan["dp"] == 1  # one sequence over the 8 GPUs
-    named = [line for line in choice.lines if line.lstrip().startswith("--sp 1 would")]
-    assert len(named) == 1 and "8 sequences a step" in named[0], choice.lines
+    def named(choice):
+        return [line for line in choice.lines if "one sequence a GPU (" in line]
+
+    assert len(named(choice)) == 1 and "8 sequences a step" in named(choice)[0], choice.lines
     alone = planner.plan_run(replace(auto, sp=1), eight)
+    flags = planner.flags_text(alone.chosen.cfg)
+    assert f"one sequence a GPU ({flags}) would" in named(choice)[0]  # flags that run as given
+    assert not (alone.chosen.cfg.ulysses or alone.chosen.cfg.untied)  # so no --sp 1 among them
     gain = (planner.tokens_per_s_per_gpu(alone.chosen, eight)
             / planner.tokens_per_s_per_gpu(choice.chosen, eight))
-    assert gain > 1 + planner.SP1_HINT_GAIN and f"{gain - 1:.0%} more" in named[0]
-    assert not [line for line in alone.lines if "--sp 1 would" in line]  # given: no line
-    longer = planner.plan_run(replace(auto, seq_len=262144), eight)
-    assert not [line for line in longer.lines if "--sp 1 would" in line]
+    assert gain > 1 + planner.SP1_HINT_GAIN and f"{gain - 1:.0%} more" in named(choice)[0]
+    accumulated = planner.plan_run(replace(auto, grad_accum=2), eight)
+    assert "16 sequences a step" in named(accumulated)[0]  # 8 GPUs x 2 micro-batches
+    assert not named(planner.plan_run(replace(auto, resume="saves"), eight))  # its layout saved
+    assert not named(planner.plan_run(replace(auto, sp=8), eight))  # --sp given: the user's
+    assert not named(planner.plan_run(replace(auto, seq_len=262144), eight))  # the split wins
 
 
 def test_plan_py_answers_the_newcomers_question():

@@ -492,29 +492,38 @@ def test_the_summary_closes_the_run_and_no_bar_reaches_a_pipe(tmp_path):
 def test_the_summary_holds_a_planned_run_to_its_plan():
     """On a GPU the plan's prediction closes the run: the median step after the first against
     the predicted, the peak against the planned, and the allocator's retries after the first
-    step (each a flush of its cache and a wait: the step slower than planned), with what avoids
-    them; without a plan (the CPU) no such line."""
+    step where more than the plan priced (each a flush of its cache and a wait), with what
+    leaves more memory free; without a plan, or without a GPU's peaks, no such line."""
     def record(step, seconds, retries):
         return {"step": step, "loss": 5.0 - step, "step_time_s": seconds,
                 "peak_gpu_mem_gib": 70.0 + step / 100, "alloc_retries_so_far": retries}
 
-    history = [record(0, 9.0, 2), record(1, 0.9, 2), record(2, 0.8, 3), record(3, 1.0, 4)]
-    expected = {"step_s": 0.88, "peak_gib": 70.02}
+    history = [record(0, 9.0, 2), record(1, 0.9, 2), record(2, 0.8, 3), record(3, 1.1, 5)]
+    expected = {"step_s": 0.88, "peak_gib": 70.02, "retries_per_step": 0,
+                "more_free": "--checkpoint-layers 20"}
     lines = progress.summary_line(history, 16384, 12.0, "gpu", None, None, expected).split("\n")
     assert lines[0].startswith("done: 4 steps (0-3)") and len(lines) == 2
     assert lines[1] == ("against the plan: median step 0.900s (predicted 0.880s), peak 70.03 GiB "
-                        "(planned 70.02); the allocator gave its cache back and retried 2 times "
-                        "after the first step, each a wait on the GPU: a plan that leaves more "
-                        "memory free at its peak avoids that (for one, --checkpoint-layers one "
-                        "higher)")
-    calm = [dict(h, alloc_retries_so_far=2) for h in history]
-    no_rates = dict(expected, step_s=None)  # a GPU without speed rates: the peak alone
-    assert progress.summary_line(calm, 16384, 12.0, "gpu", None, None, no_rates).endswith(
+                        "(planned 70.02); the allocator gave its cache back and retried 3 times "
+                        "after the first step (0 priced by the plan), each a wait on the GPU: a "
+                        "plan that leaves more memory free at its peak avoids that "
+                        "(--checkpoint-layers 20, for one)")
+    even = history[:3]  # two steps after the first: the median of an even count
+    assert "median step 0.850s" in progress.summary_line(even, 1, 1.0, "gpu", None, None,
+                                                         expected)
+    priced = dict(expected, retries_per_step=1)  # the plan priced one a step: 3 after 3 steps
+    no_rates = dict(priced, step_s=None, more_free=None)  # no speed rates: the peak alone
+    assert progress.summary_line(history, 16384, 12.0, "gpu", None, None, no_rates).endswith(
         "\nagainst the plan: median step 0.900s, peak 70.03 GiB (planned 70.02)")
+    more = [dict(h, alloc_retries_so_far=2 + 2 * h["step"]) for h in history]  # 6 > 3 priced
+    assert progress.summary_line(more, 1, 1.0, "gpu", None, None, no_rates).endswith(
+        "retried 6 times after the first step (3 priced by the plan), each a wait on the GPU: "
+        "a plan that leaves more memory free at its peak avoids that")
     one = progress.summary_line(history[:1], 16384, 12.0, "gpu", None, None, expected)
     assert "median step 9.000s (the first step: it also compiles and allocates)" in one
     cpu = [dict(h, peak_gpu_mem_gib=None) for h in history]
-    assert "\n" not in progress.summary_line(cpu, 16384, 12.0, "rank", None, None, None)
+    for plan in (None, expected):  # no GPU's peaks: no line, planned or not
+        assert "\n" not in progress.summary_line(cpu, 16384, 12.0, "rank", None, None, plan)
 
 
 def test_the_layer_bar_counts_each_blocks_forward_and_backward(monkeypatch):
