@@ -1013,9 +1013,8 @@ def one_sequence_a_gpu_lines(cfg: Config, machine: Machine, chosen: Candidate) -
     sequences = alone.plan["dp"] * cfg.batch_size * cfg.grad_accum
     return [f"  one sequence a GPU ({flags}) would train {sequences} sequences a step: "
             f"predicted {theirs:,.0f} tokens/s per GPU, {theirs / ours - 1:.0%} more than this "
-            f"layout's "
-            f"{ours:,.0f}. How many sequences a step trains is yours to give, so the planner "
-            f"does not take it (python plan.py with these flags shows the plan)"]
+            f"layout's {ours:,.0f}. How many sequences a step trains is yours to give, so the "
+            f"planner does not take it (python plan.py with these flags shows the plan)"]
 
 
 def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list:

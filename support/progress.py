@@ -157,8 +157,8 @@ def on_a_terminal(is_main: bool) -> bool:
 def summary_line(history: list, tokens_per_step: float, wall_s: float, per: str,
                  last_saved: str | None, resume: str | None, expected: dict | None = None) -> str:
     """The run's closing line. history: this run's step records (train.py's log lines);
-    tokens_per_step: the tokens of one step per GPU (per rank on the CPU); expected: the
-    plan's predicted step and peak (plan.RunChoice.expected), a second line holds the run to."""
+    tokens_per_step: the tokens of one step per GPU (per rank on the CPU); expected: what the
+    plan predicted (plan.RunChoice.expected), which a second line holds the run to."""
     if not history:
         return "done: no step to train" + (f"; saved state {last_saved}" if last_saved else "")
     n = len(history)
