@@ -43,7 +43,6 @@ on an H100 or H200) lowers its clock. What a step reaches of the bound is then s
 its kernels lose to the sustained clock and what is outside them.
 """
 
-import contextlib
 import itertools
 import math
 import statistics
@@ -313,26 +312,24 @@ def back_to_back(gemms: list, args, seq_len: int, attention_calls: int, recomput
             out, lse = kernels.attention_forward_lse(q, k, v)
             kernels.attention_backward_lse(grad, q, k, v, out, lse)
 
-    on_gpu = torch.device(device).type == "cuda"
-    clocks = GpuClocks(torch.cuda.current_device()) if on_gpu else contextlib.nullcontext()
+    device = torch.device(device)
     with torch.no_grad():  # the warm-up: compiles, cuBLAS's handles, the allocator's blocks
         one_pass()
-    synchronize(torch.device(device))
+    synchronize(device)
     passes, started, steady_from = [], time.perf_counter(), None
-    with torch.no_grad(), clocks:
+    with torch.no_grad(), GpuClocks.of(device) as clocks:
         while not passes or time.perf_counter() - started < seconds:
             if steady_from is None and time.perf_counter() - started >= seconds / 2:
-                if on_gpu:
-                    clocks.restart()  # the summary: the second half's samples
+                clocks.restart()  # the summary: the second half's samples
                 steady_from = len(passes)
             begun = time.perf_counter()
             one_pass()
-            synchronize(torch.device(device))
+            synchronize(device)
             passes.append(time.perf_counter() - begun)
     steady = passes[steady_from:] if steady_from is not None else passes[-1:]
     sets = q = k = v = grad = None
-    release(torch.device(device))
+    release(device)
     return {"back_to_back_s": statistics.median(steady),
             "back_to_back_first_pass_s": passes[0], "back_to_back_passes": len(passes),
             "back_to_back_seconds": round(time.perf_counter() - started, 1),
-            "gpu_clocks_back_to_back": clocks.summary if on_gpu else None}
+            "gpu_clocks_back_to_back": clocks.summary}

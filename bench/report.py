@@ -214,15 +214,26 @@ class GpuClocks:
 
     FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
 
-    def __init__(self, device_index: int = 0):
+    def __init__(self, device_index: int | None = 0):
+        """device_index: CUDA's number of the GPU; None, not a GPU: nothing sampled, no summary
+        (so a run on the CPU takes the same path)."""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")  # CUDA's numbering
-        if device_index < len(visible) and visible[device_index].strip().isdigit():
+        if (device_index is not None and device_index < len(visible)
+                and visible[device_index].strip().isdigit()):
             device_index = int(visible[device_index])  # as nvidia-smi numbers them
         self.device_index, self.process, self.summary = device_index, None, None
+
+    @classmethod
+    def of(cls, device) -> "GpuClocks":
+        """The clocks of `device` (a torch.device or its name): its GPU's, or none off a GPU."""
+        device = torch.device(device)
+        return cls(torch.cuda.current_device() if device.type == "cuda" else None)
 
     def __enter__(self):
         self.samples = tempfile.TemporaryFile(mode="w+")  # (a pipe could fill in a long step)
         self.kept_from = 0  # the file's offset where the summarized samples begin
+        if self.device_index is None:
+            return self
         try:
             self.process = subprocess.Popen(
                 ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}", "-i",

@@ -123,7 +123,7 @@ def main():
                                                                 getattr(torch, cfg.dtype))}
     try:
         # the SM clock and power across the steps (a step's GEMMs beside the same timed alone)
-        with GpuClocks(torch.cuda.current_device()) as clocks:
+        with GpuClocks.of(rt.device) as clocks:
             for step in range(opts.steps):
                 if step == 1:  # the steps the median is taken over
                     clocks.restart()

@@ -448,7 +448,7 @@ def bound_now(paths: list, result: dict, rt, dtype, repeats: int,
     args = get_model_args(result["model"])
     # the SM clock and power while the kernels are timed alone (bench.step records them in a
     # step): a step's GEMMs ran 10% slower than these timings
-    with GpuClocks(torch.cuda.current_device()) as clocks:
+    with GpuClocks.of(rt.device) as clocks:
         for seq_len, kernel in sorted({(s["cfg"].seq_len, s["kernel"]) for s in steps}):
             kernels.use_kernel(kernel)
             result["kernel_rates"][f"{seq_len}@{kernel}"] = {

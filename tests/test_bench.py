@@ -772,6 +772,10 @@ def test_gpu_clocks_restart_leaves_out_what_came_before(tmp_path, monkeypatch):
     with GpuClocks() as clocks:  # without restart(): everything
         written_past(clocks, 3 * idle + len("1755, 690.0, 64\n"))
     assert clocks.summary["sm_mhz_min"] == 345.0
+    with GpuClocks.of("cpu") as clocks:  # not a GPU: nvidia-smi not asked, whatever GPU it has
+        clocks.restart()
+        time.sleep(0.2)
+    assert clocks.process is None and clocks.summary is None
 
 
 def test_bound_of_prints_the_clocks_beside_the_steps():

@@ -41,7 +41,6 @@ weights looks like at this length: agreement well inside it means the same weigh
 """
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -386,12 +385,12 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
     # the SM clock and power across the steps the median is taken over, as bench.step
     # records them (a stack that puts less between its kernels may run them at a higher clock)
     on_gpu = device.type == "cuda"
-    clocks = GpuClocks(torch.cuda.current_device()) if on_gpu else contextlib.nullcontext()
+    clocks = GpuClocks.of(device)
     try:
         stack.prepare(seq_len)
         with clocks:
             for step in range(opts.steps):
-                if step == 1 and on_gpu:
+                if step == 1:
                     clocks.restart()
                 step_done(device)
                 if on_gpu:
