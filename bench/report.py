@@ -127,13 +127,6 @@ def within_budget(started: float, budget_s: float, device) -> bool:
     return bool(flag.item())
 
 
-def allocator_retries() -> int:
-    """The caching allocator's retries so far in this process (num_alloc_retries: a cudaMalloc
-    that failed, the cached blocks given back, tried again; each synchronizes the GPU): a step
-    near the GPU's capacity pays for these (support/step_time.py's allocator term)."""
-    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
-
-
 def cached_by_stream() -> dict:
     """GiB the caching allocator holds reserved but unallocated, per CUDA stream ("default" and
     the others by handle): a block freed on one stream is cached for that stream alone, so what

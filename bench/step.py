@@ -41,9 +41,10 @@ from support.lessons import checkpointing
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
-from bench.report import (GpuClocks, allocator_retries, cached_by_stream, claim_result,
+from bench.report import (GpuClocks, cached_by_stream, claim_result,
                           end_distributed, profile, refuse_without_gpu, step_done, write_result)
 from support.data import TokenData
+from support.progress import allocator_retries
 
 train = importlib.import_module("train")
 GiB = 2**30

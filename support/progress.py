@@ -97,10 +97,14 @@ def step_record(step: int, metrics: dict, step_time: float, tokens_per_gpu: floa
             "tokens_per_s_per_gpu": round(tokens_per_gpu / step_time, 1),
             "peak_gpu_mem_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 3)
                                  if rt.device.type == "cuda" else None),
-            # the caching allocator's retries so far in this process (each gave its cache back
-            # and waited on the GPU: a step slower than planned)
-            **({"alloc_retries_so_far": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
-               if rt.device.type == "cuda" else {})}
+            **({"alloc_retries_so_far": allocator_retries()} if rt.device.type == "cuda" else {})}
+
+
+def allocator_retries() -> int:
+    """The caching allocator's retries so far in this process (num_alloc_retries: a cudaMalloc
+    that failed, the cached blocks given back, tried again; each synchronizes the GPU): a step
+    near the GPU's capacity pays for these (support/step_time.py's allocator term)."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
 
 def step_text(record: dict, per: str) -> str:

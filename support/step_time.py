@@ -234,7 +234,7 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
 
 def predicted_retries(cfg: Config, args, world_size: int, free_at_peak: int | None,
                       gradient_memory: str | None = None) -> int:
-    """Retries of the caching allocator per step (bench.report.allocator_retries counts the
+    """Retries of the caching allocator per step (support.progress.allocator_retries counts the
     measured ones), where a plan leaves less free at its peak than `allocator_headroom`.
 
     FSDP2's own allocation (with --offload-model-state, and in the rows measured before

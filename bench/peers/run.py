@@ -9,15 +9,15 @@ says what each stack is and how to install DeepSpeed and Liger-Kernel).
 A row: tokens/s = S / the median step time after the first (the first compiles and warms up;
 with --steps 1 its own time), peak GiB = the largest torch.cuda.max_memory_allocated of the
 row's steps (reset before each), with each step's peak reserved memory and allocator retries
-(bench.report.allocator_retries), or OOM / error with the first line of the message. Each stack's
-process runs the lengths in the order given (the model built once where the stack allows) and
-stops at its first failure: the longer lengths are marked skipped. The JSON (--out) is written
-again after every row; --profile adds to each row a profile of one more step (device time per
-kind of kernel, the GPU's idle time). --budget-s: a stack may use what is left of it when it
-starts, less --reserve-s for each stack after it (the stacks go in the order given: put first
-what matters most); a row whose estimated time (the last row's step time, scaled by
-(S / S_last)^1.6, x --steps) does not fit the stack's share is skipped, and a process still
-running at the end of its share is stopped.
+(support.progress.allocator_retries) and the SM clock and power across the timed steps, or OOM
+/ error with the first line of the message. Each stack's process runs the lengths in the order
+given (the model built once where the stack allows) and stops at its first failure: the longer
+lengths are marked skipped. The JSON (--out) is written again after every row; --profile adds
+to each row a profile of one more step (device time per kind of kernel, the GPU's idle time).
+--budget-s: a stack may use what is left of it when it starts, less --reserve-s for each stack
+after it (the stacks go in the order given: put first what matters most); a row whose estimated
+time (the last row's step time, scaled by (S / S_last)^1.6, x --steps) does not fit the stack's
+share is skipped, and a process still running at the end of its share is stopped.
 
 Each stack at its best (the default --stacks, common.BEST): a stack given as a choice 'A|B'
 (hf+nockpt|hf: transformers without, then with gradient checkpointing; alst|alst+offload: ALST
@@ -56,9 +56,10 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import BEST, parse_choice, parse_spec, window
-from bench.report import (GpuClocks, allocator_retries, profile, release, result_path, step_done,
+from bench.report import (GpuClocks, profile, release, result_path, step_done,
                           write_result)
 from support.data import parse_tokens
+from support.progress import allocator_retries
 
 GiB = 2**30
 GROWTH = 1.6  # a step's time grows about as S^1.6 between 64K and 256K (attention dominates)
