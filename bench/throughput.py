@@ -389,13 +389,11 @@ def as_run(step: dict) -> tuple:
     return args, tokens, recompute_logits, bound.step_gemms(args, cfg, tokens, 1, recompute_logits)
 
 
-def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype,
-                back_to_back_s: float = 0) -> list[dict]:
+def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype) -> list[dict]:
     """Table entries: each full-depth step against the bound of its own configuration (its
     GEMMs as bench/bound.py counts them for its Config and tiled loss, timed at their shapes:
     `gemm_times`, which times missing shapes on a GPU; the attention kernel's rate at its
-    length: `rates`, by "LENGTH@KERNEL"). back_to_back_s > 0 (a GPU): also the same kernels
-    run back to back for that many seconds (bench/bound.py's back_to_back)."""
+    length: `rates`, by "LENGTH@KERNEL")."""
     table = []
     for step in steps:
         cfg, (args, tokens, recompute_logits, gemms) = step["cfg"], as_run(step)
@@ -413,14 +411,22 @@ def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype,
                  **bound.kernel_bound(flops["attention"], rates[f"{cfg.seq_len}@{step['kernel']}"],
                                       matmul_s, flops["linear"])}
         entry["step_over_bound"] = entry["step_time_s"] / entry["kernel_bound_s"]
-        if back_to_back_s:
-            kernels.use_kernel(step["kernel"])
-            entry.update(bound.back_to_back(gemms, args, cfg.seq_len,
-                                            *attention_calls(args, cfg, flops["attention"]),
-                                            device, dtype, back_to_back_s))
-            entry["step_over_back_to_back"] = entry["step_time_s"] / entry["back_to_back_s"]
         table.append(entry)
     return table
+
+
+def add_back_to_back(steps: list[dict], table: list[dict], device, dtype, seconds: float):
+    """To each of bound_steps' entries, its step's kernels run back to back for `seconds`
+    (bench/bound.py's back_to_back: the GEMMs the bound counts, the attention calls whose FLOPs
+    its attention term holds), and the step's time over a pass."""
+    for step, entry in zip(steps, table):
+        cfg, (args, _, _, gemms) = step["cfg"], as_run(step)
+        flops = entry["attention_bound_s"] * entry["attention_flops_per_s"]
+        kernels.use_kernel(step["kernel"])
+        entry.update(bound.back_to_back(gemms, args, cfg.seq_len,
+                                        *attention_calls(args, cfg, flops), device, dtype,
+                                        seconds))
+        entry["step_over_back_to_back"] = entry["step_time_s"] / entry["back_to_back_s"]
 
 
 def attention_calls(args, cfg: Config, flops: float) -> tuple[int, int]:
@@ -458,8 +464,7 @@ def bound_now(paths: list, result: dict, rt, dtype, repeats: int,
                             dtype)
     result["gpu_clocks_during_bound"] = clocks.summary
     if back_to_back_s:  # after the bound's clocks: these draw the card's sustained power
-        table = bound_steps(steps, result["kernel_rates"], result["gemm_times_ms"], rt.device,
-                            dtype, back_to_back_s)
+        add_back_to_back(steps, table, rt.device, dtype, back_to_back_s)
     return table
 
 

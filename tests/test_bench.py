@@ -850,3 +850,23 @@ def test_back_to_back_needs_steps_to_run_on_this_gpu(flags, monkeypatch, capsys)
     with pytest.raises(SystemExit):
         throughput.main()
     assert "--back-to-back-s runs the kernels of --bound-of's steps" in capsys.readouterr().err
+
+
+def test_bound_of_adds_each_steps_kernels_back_to_back_to_its_entry():
+    """--bound-of --back-to-back-s: after the bound (its clocks apart), each entry gets its own
+    step's kernels back to back, their attention calls read from the entry's attention term
+    (a step whose counts disagree with it stops the run), and the step over a pass."""
+    throughput = importlib.import_module("bench.throughput")
+    cfg = Config(model="tiny", seq_len=256, fsdp=True, checkpoint=True, checkpoint_layers=1)
+    step = {"cfg": cfg, "loss_tiles": throughput.LOSS_TILES, "kernel": "math",
+            "step_time_s": 1.0, "what": "a step"}
+    rates = {"256@math": {"attention_flops_per_s": 1e11, "attention_rate_seq_len": 256}}
+    table = throughput.bound_steps([step], rates, {}, "cpu", torch.float32)
+    throughput.add_back_to_back([step], table, "cpu", torch.float32, 0.1)
+    entry = table[0]
+    assert entry["back_to_back_passes"] >= 1 and entry["gpu_clocks_back_to_back"] is None
+    assert entry["step_over_back_to_back"] == pytest.approx(1.0 / entry["back_to_back_s"])
+    wrong = throughput.bound_steps([step], rates, {}, "cpu", torch.float32)
+    wrong[0]["attention_bound_s"] *= 1.01
+    with pytest.raises(SystemExit, match="the bound counts"):
+        throughput.add_back_to_back([step], wrong, "cpu", torch.float32, 0.1)
