@@ -757,20 +757,22 @@ def rebound_rows(paths: list, result: dict, base: Config, rt, measure, in_budget
                                                    {**result, "world_size": rt.world}))
 
 
+def clock_text(clocks: dict) -> str:
+    """A GpuClocks summary's median SM clock and power."""
+    return f"{clocks['sm_mhz_median']:,.0f} MHz at {clocks['power_w_median']:,.0f} W"
+
+
 def clock_lines(paths: list, during_bound: dict | None) -> list:
     """The SM clock (median, MHz) and power (median, W) while the bound's kernels were timed
     beside those of each step file that recorded them (bench.step's gpu_clocks_during_steps):
     a sustained step can run at a lower clock than short timed kernels (the power cap)."""
-    def text(c):
-        return f"{c['sm_mhz_median']:,.0f} MHz at {c['power_w_median']:,.0f} W"
-
     if not during_bound:
         return []
-    lines = [f"SM clock, median: the bound's kernels alone {text(during_bound)}"]
+    lines = [f"SM clock, median: the bound's kernels alone {clock_text(during_bound)}"]
     for path in paths:
         steps = json.loads(Path(path).read_text()).get("gpu_clocks_during_steps")
         if steps:
-            lines.append(f"  {Path(path).name}'s steps {text(steps)}")
+            lines.append(f"  {Path(path).name}'s steps {clock_text(steps)}")
     return lines
 
 
@@ -792,8 +794,7 @@ def print_table(table: list) -> None:
             print(f"{'':>8} {'':>12} the same kernels back to back for "
                   f"{e['back_to_back_seconds']:.0f} s: {e['back_to_back_s']:.3f} s a pass "
                   f"(the first {e['back_to_back_first_pass_s']:.3f})"
-                  + (f", {clocks['sm_mhz_median']:,.0f} MHz at {clocks['power_w_median']:,.0f} W"
-                     if clocks else "")
+                  + (f", {clock_text(clocks)}" if clocks else "")
                   + f"; step / back to back {e['step_over_back_to_back']:.3f}")
     print("(attn, matmul: the bound's rates in TFLOP/s: the attention kernel at its best at that "
           "length, the step's GEMMs at their shapes; bench/bound.py)")
