@@ -274,7 +274,7 @@ def allocator_headroom(cfg: Config, args, world_size: int,
                        gradient_memory: str | None = None) -> int | None:
     """The bytes a plan must leave free at its peak for the allocator never to retry: what
     FSDP2's reduce-scatter stream keeps cached where it allocates (predicted_retries), else
-    FRAGMENTATION_HEADROOM; None without FSDP."""
+    FRAGMENTATION_BLOCKS of bf16 weights; None without FSDP."""
     if not cfg.fsdp:
         return None
     if not streams_cache(cfg, gradient_memory):

@@ -26,6 +26,7 @@ import model as llama
 from support.config import Config, resolve_techniques
 from support.runtime import Runtime, setup_runtime
 from support import build
+from support.lessons import tiling, untied_sp
 
 train = importlib.import_module("train")
 
@@ -101,6 +102,28 @@ def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=Non
     loss = train.forward_backward(model, tokens[mine], rt, labels[mine])
     grads = {n: full(p.grad) for n, p in model.named_parameters()}
     return loss, grads
+
+
+def techniques_applied(model) -> dict:
+    """The seam-level techniques the built model really runs, each with its setting: "untied"
+    (05's attend seam), "tile_mlp", "tile_loss", "tile_norm" (04's tiles: their tile tokens,
+    None for the shape-derived default). A build that left one off computes the same numbers,
+    so the equivalence tests check this beside them."""
+    block = model.layers[0]
+    seams = {"untied": block.self_attn.attend, "tile_mlp": block.mlp.forward,
+             "tile_loss": model.loss_sum, "tile_norm": block.input_layernorm.forward}
+    functions = {"untied": untied_sp.untied_attend, "tile_mlp": tiling.tiled_mlp_forward,
+                 "tile_loss": tiling.tiled_loss_sum, "tile_norm": tiling.tiled_norm_forward}
+    return {name: getattr(seam, "keywords", {}).get("tile_tokens")
+            for name, seam in seams.items() if getattr(seam, "func", None) is functions[name]}
+
+
+def techniques_of(cfg) -> dict:
+    """What techniques_applied should find for `cfg` (resolved: --stack turns the tiles on)."""
+    tiles = {"tile_mlp": cfg.mlp_tile_tokens, "tile_loss": cfg.loss_tile_tokens,
+             "tile_norm": cfg.mlp_tile_tokens}
+    return {name: tiles.get(name) for name in ("untied", "tile_mlp", "tile_loss", "tile_norm")
+            if getattr(cfg, name)}
 
 
 def assert_matches(loss, grads, ref_loss, ref_grads, rtol=1e-5, atol=1e-6, what="",

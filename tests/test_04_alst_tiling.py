@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from ranks import run_ranks
 from reference import (assert_matches, assert_within_bf16_error, make_batch,
-                       reference_loss_and_grads, train_loss_and_grads)
+                       reference_loss_and_grads, techniques_applied, techniques_of,
+                       train_loss_and_grads)
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -514,6 +515,9 @@ def _model_matches_unsharded():
         cfg = tiling_config(offload, tile_mlp=tile_mlp, tile_loss=tile_loss, tile_norm=tile_norm,
                             mlp_tile_tokens=mlp_tile, loss_tile_tokens=loss_tile)
         rt = rt or setup_runtime(resolve_techniques(cfg))
+        # an untiled model computes the same numbers: the build must run the tiles it was given
+        applied = techniques_applied(train.build_model(resolve_techniques(cfg), rt))
+        assert applied == techniques_of(cfg), applied
         loss, grads = train_loss_and_grads(cfg, tokens, labels, rt)
         assert_matches(loss, grads, ref_loss, ref_grads,
                        what=f"P={dist.get_world_size()} mlp={tile_mlp}/{mlp_tile} "

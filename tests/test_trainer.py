@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import run_ranks
-from reference import assert_within_bf16_error, full, parameter_updates, relative_error
+from reference import (assert_within_bf16_error, full, parameter_updates, relative_error,
+                       techniques_applied, techniques_of)
 from test_01_fsdp import _train_recording_grads  # steps, and the gradients the optimizer saw
 from test_train import error_of  # the one helper: run train.main, return its error text
 
 import plan as planner
 from support import config, errors, progress, saved_state
-from support.lessons import tiling, untied_sp
 from support.runtime import Runtime, setup_runtime
 from support.config import Config, resolve_techniques
 
@@ -251,7 +251,7 @@ def _flags_train_like_one_process(cases):
             error = relative_error(full(param), ref)
             assert error < PARAMETERS_RTOL, (flags, name, error)
         applied = techniques_applied(model)
-        assert applied == {f for f in ("untied", "tile_norm") if getattr(cfg, f)}, (flags, applied)
+        assert applied == techniques_of(resolve_techniques(cfg)), (flags, applied)
         for key in set(shared) - set(training):  # the sharded model has the rotary settings
             assert getattr(model.args, key) == flags[key], (flags, key)
         if "grad_clip" in training:
@@ -262,17 +262,6 @@ def _flags_train_like_one_process(cases):
             moved = max(relative_error(a, b)
                         for a, b in zip(ref_model.parameters(), plain.parameters()))
             assert moved > 5 * PARAMETERS_RTOL, (flags, moved)  # lr x decay x 3 steps: 9e-4
-
-
-def techniques_applied(model) -> set:
-    """Which of 05 (its attend seam) and 04's norm tiles the built model really runs."""
-    block = model.layers[0]
-    applied = set()
-    if getattr(block.self_attn.attend, "func", None) is untied_sp.untied_attend:
-        applied.add("untied")
-    if getattr(block.input_layernorm.forward, "func", None) is tiling.tiled_norm_forward:
-        applied.add("tile_norm")
-    return applied
 
 
 def check_the_clip_acts(clip: float, metrics, grads):
