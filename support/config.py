@@ -444,6 +444,13 @@ def check_offloaded_activations(cfg: Config, n_layers: int, planned: bool) -> No
         raise ValueError(f"--offload-activations must be at least 0, got {offloaded}")
     if not offloaded:
         return
+    most = (n_layers - bool(cfg.checkpoint)) // 2  # 03 checkpoints at least one block
+    if offloaded > most:
+        raise ValueError(f"--offload-activations {offloaded}: each offloaded block needs a kept "
+                         f"block above it" + (" and 03 checkpoints at least one below"
+                                               if cfg.checkpoint else "")
+                         + f", so the model's {n_layers} layers allow at most {most} "
+                         f"(a deeper --model allows more)")
     checkpointed = cfg.checkpoint_layers if cfg.checkpoint else 0
     if checkpointed is None and not planned:
         raise ValueError(f"--offload-activations {offloaded} needs blocks that 03 leaves "

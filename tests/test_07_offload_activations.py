@@ -236,8 +236,10 @@ def test_parameter_names_unchanged_and_applied_once():
     (dict(offload_activations=-1), "at least 0"),
     (dict(offload_activations=L // 2 + 1), "needs a kept block above it"),
     (dict(checkpoint=True, offload_activations=1), "add --checkpoint-layers K"),
-    (dict(checkpoint=True, checkpoint_layers=1, offload_activations=2),
-     "4 blocks above --checkpoint-layers 1"),
+    (dict(checkpoint=True, offload_activations=L // 2),  # 03 keeps one block below them
+     f"the model's {L} layers allow at most {L // 2 - 1} "),
+    (dict(checkpoint=True, checkpoint_layers=L - 1, offload_activations=1),
+     f"2 blocks above --checkpoint-layers {L - 1}"),
 ])
 def test_bad_offload_flags_are_refused_before_anything_runs(flags, error):
     with pytest.raises(ValueError, match=error):
