@@ -835,7 +835,7 @@ def test_back_to_back_runs_each_pass_the_steps_kernels(monkeypatch):
         assert result["back_to_back_passes"] >= 2
         assert flop_counter.get_total_flops() == runs * bound.gemm_flops(gemms)
         assert counted == {"forward": runs * (6 + again), "backward": runs * 6}
-        assert 0 < result["back_to_back_s"] < 0.2 and result["back_to_back_first_pass_s"] > 0
+        assert 0 < result["back_to_back_s"] and result["back_to_back_first_pass_s"] > 0
         assert result["gpu_clocks_back_to_back"] is None  # no GPU's clocks off a GPU
 
 
