@@ -24,7 +24,7 @@ RMSNorm outputs (8 KiB per token) is kept only by the layers that read it, and t
 input, which the norm keeps anyway, gives it back in one pass over memory. So a kept block
 releases them once read and computes them again when backward reaches their readers: 16 of the
 136 KiB per token above (Megatron's selective recompute of the norms); at 16K tokens on
-Llama-3-8B 256 MiB per block, which lets about 5 more of its 32 skip the recompute on one H200.
+Llama-3-8B 256 MiB per block.
 
 The copies run on a side CUDA stream, beside the compute. In forward it copies each block input
 out while the compute stream runs the next block; in backward, when block i's input is unpacked,
@@ -87,53 +87,6 @@ def block_contexts(layer: int, offloader):
     which block runs and which of its two runs this is (base/checkpointed.py)."""
     return (checkpointed.running(layer, False, offloader),
             checkpointed.running(layer, True, offloader))
-
-
-# The blocks that keep their activations: their norms' outputs are computed again instead.
-
-def recompute_norms(block) -> None:
-    """Each RMSNorm output of `block` is released once its reader (the attention, the MLP) has
-    run, and computed again, into the same memory, when backward reaches that reader. (Code
-    that reads it in between, a hook of your own, finds no memory behind it.)"""
-    block.norm_recompute_hooks = []  # (07 removes them where a block's outputs go to the host)
-    for norm, reader in ((block.input_layernorm, block.self_attn),
-                         (block.post_attention_layernorm, block.mlp)):
-        latest = {}  # the norm's input and output, from its forward until its reader's
-        block.norm_recompute_hooks += [
-            norm.register_forward_hook(partial(remember_norm, latest)),
-            reader.register_forward_hook(partial(release_norm_output, norm, latest))]
-
-
-def remember_norm(latest: dict, norm, inputs, output) -> None:
-    if output.requires_grad:  # a backward will come (not under torch.no_grad)
-        latest["input"], latest["output"] = inputs[0], output
-
-
-def release_norm_output(norm, latest: dict, reader, inputs, output) -> None:
-    """After the reader's forward: free the norm output it read (every view the reader saved
-    shares that memory), and hook the reader's output, whose gradient backward computes just
-    before the reader's own backward, to compute it again."""
-    x, y = latest.pop("input", None), latest.pop("output", None)
-    if y is None or inputs[0] is not y or not output.requires_grad:
-        return
-    nbytes = y.untyped_storage().nbytes()
-    y.untyped_storage().resize_(0)
-    # The hook lives as long as the step's graph: it lets go of x and y once it has run, so
-    # that y goes when its reader's backward is done with it.
-    held = [x, y]
-
-    def compute_again(grad_output):
-        if not held:  # a second backward through the same graph: y is there already
-            return
-        x, y = held
-        held.clear()
-        y.untyped_storage().resize_(nbytes)
-        # the same kernel on the same input: bit for bit what forward computed; writing it
-        # back is no in-place change autograd must refuse, so y's version stays
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(y):
-            y.copy_(norm(x))
-
-    output.register_hook(compute_again)
 
 
 # Offloading: pack (copy to the host), unpack (and prefetch the previous block's back).
@@ -305,6 +258,53 @@ def apply_checkpointing(model, offload: bool = False, layers: int | None = None,
         block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
     for block in model.layers[layers:]:
         recompute_norms(block)
+
+
+# The blocks that keep their activations: their norms' outputs are computed again instead.
+
+def recompute_norms(block) -> None:
+    """Each RMSNorm output of `block` is released once its reader (the attention, the MLP) has
+    run, and computed again, into the same memory, when backward reaches that reader. (Code
+    that reads it in between, a hook of your own, finds no memory behind it.)"""
+    block.norm_recompute_hooks = []  # (07 removes them where a block's outputs go to the host)
+    for norm, reader in ((block.input_layernorm, block.self_attn),
+                         (block.post_attention_layernorm, block.mlp)):
+        latest = {}  # the norm's input and output, from its forward until its reader's
+        block.norm_recompute_hooks += [
+            norm.register_forward_hook(partial(remember_norm, latest)),
+            reader.register_forward_hook(partial(release_norm_output, norm, latest))]
+
+
+def remember_norm(latest: dict, norm, inputs, output) -> None:
+    if output.requires_grad:  # a backward will come (not under torch.no_grad)
+        latest["input"], latest["output"] = inputs[0], output
+
+
+def release_norm_output(norm, latest: dict, reader, inputs, output) -> None:
+    """After the reader's forward: free the norm output it read (every view the reader saved
+    shares that memory), and hook the reader's output, whose gradient backward computes just
+    before the reader's own backward, to compute it again."""
+    x, y = latest.pop("input", None), latest.pop("output", None)
+    if y is None or inputs[0] is not y or not output.requires_grad:
+        return
+    nbytes = y.untyped_storage().nbytes()
+    y.untyped_storage().resize_(0)
+    # The hook lives as long as the step's graph: it lets go of x and y once it has run, so
+    # that y goes when its reader's backward is done with it.
+    held = [x, y]
+
+    def compute_again(grad_output):
+        if not held:  # a second backward through the same graph: y is there already
+            return
+        x, y = held
+        held.clear()
+        y.untyped_storage().resize_(nbytes)
+        # the same kernel on the same input: bit for bit what forward computed; writing it
+        # back is no in-place change autograd must refuse, so y's version stays
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(y):
+            y.copy_(norm(x))
+
+    output.register_hook(compute_again)
 
 
 # ---- below: checks, the step record, demo --------------------------------------------------------

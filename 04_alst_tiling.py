@@ -16,18 +16,18 @@ The idea. All three are independent per token: cut the local sequence into tiles
 tile at a time. Forward keeps only the input. Backward recomputes one tile's intermediates, runs
 the chain rule by hand, writes that tile's input gradient, and adds each weight's gradient into
 an fp32 sum with one matmul: on CUDA in bf16 cuBLAS accumulates straight into the fp32 sum, so
-no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py: 7-16% over the bare
-matmul, 380-770x less error). The sums are returned once: FSDP2 reduce-scatters each weight
-once. The loss, the forward's last op, needs no recompute: each tile's backward runs right
-after its forward, for a loss gradient of 1, and backward scales the input gradient and the
-sums by the gradient that arrives (as ALST's TiledFusedLogitsLoss does). A 4,096-token MLP
-tile holds 0.66 GiB, a 2,092-token loss tile 1 GiB of fp32 logits and as much for their
-softmax (on CUDA base/fused.py's cross-entropy reads the tile's bf16 logits and writes their
-bf16 gradient: half of that). The price is one more forward of the MLP's gate and up per step;
-under 03's checkpointing the tiled MLP skips its output in the block's recompute (nothing there
-reads it), so gate and up still run forward twice. Every rank cuts the same number of tiles
-(sizes follow shapes only): where tiles call collectives, a rank with fewer tiles deadlocks the
-others.
+no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py times both ways and
+their errors). The sums are returned once: FSDP2 reduce-scatters each weight once. The loss,
+the forward's last op, needs no recompute: each tile's backward runs right after its forward,
+for a loss gradient of 1, and backward scales the input gradient and the sums by the gradient
+that arrives (as ALST's TiledFusedLogitsLoss does). A 4,096-token MLP tile holds 0.55 GiB (five
+tile x ffn tensors with base/fused.py's kernels; six op by op), a 2,092-token loss tile 1 GiB of
+fp32 logits and as much for their softmax (on CUDA base/fused.py's cross-entropy reads the
+tile's bf16 logits and writes their bf16 gradient: half of that). The price is one more forward
+of the MLP's gate and up per step; under 03's checkpointing the tiled MLP skips its output in
+the block's recompute (nothing there reads it), so gate and up still run forward twice. Every
+rank cuts the same number of tiles (sizes follow shapes only): where tiles call collectives, a
+rank with fewer tiles deadlocks the others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 
@@ -109,8 +109,8 @@ class TiledLoss(torch.autograd.Function):
         weights = (norm_weight, lm_head_weight)
         grad_h, grad_sums, loss = torch.empty_like(h), fp32_zeros_like(weights), 0
         for tile in token_tiles(len(h), tile_tokens):
-            tile_loss, grad_h[tile] = loss_and_backward(h[tile], labels[tile], *weights,
-                                                        grad_sums, eps)
+            tile_loss, grad_h[tile] = tile_loss_and_backward(h[tile], labels[tile], *weights,
+                                                             grad_sums, eps)
             loss = loss + tile_loss
         ctx.save_for_backward(grad_h, *grad_sums)
         ctx.weight_dtypes = [w.dtype for w in weights]
@@ -135,7 +135,7 @@ def norm_lm_head_loss(h, labels, norm_weight, lm_head_weight, *, eps: float):
                                    labels)
 
 
-def loss_and_backward(h, labels, norm_weight, lm_head_weight, grad_sums, eps: float):
+def tile_loss_and_backward(h, labels, norm_weight, lm_head_weight, grad_sums, eps: float):
     """One tile of norm_lm_head_loss and its backward for a loss gradient of 1 (grad_sums:
     norm, lm_head). Returns (the tile's loss, h's gradient)."""
     normed = rms_norm(h, norm_weight, eps)
@@ -206,9 +206,8 @@ def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: b
     return out
 
 
-# torch 2.8 gave CUDA matmuls an fp32 output for bf16/fp16 inputs, with the added matrix in the
-# inputs' dtype; pytorch#167931 (late 2025) let it be the fp32 output itself, as 2.11 (measured)
-# and 2.14 do. The CPU has no such kernel.
+# From torch 2.11 a CUDA matmul of bf16 inputs adds into an fp32 output itself (pytorch#167931;
+# 2.8 to 2.10 wanted the added matrix in the inputs' dtype). The CPU has no such kernel.
 CUDA_FP32_ACCUMULATE = TorchVersion(torch.__version__) >= "2.11"
 
 

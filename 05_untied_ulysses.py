@@ -42,40 +42,6 @@ from model import rms_norm
 ulysses = importlib.import_module("02_ulysses")
 
 
-def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
-    """(query-head slice, KV-head slice) of each of the H/U stages, within each rank's block.
-
-    Stage t gives rank r its query heads r*H/P + t*U/P + [0, U/P) (Ulysses order). They use KV
-    heads (r*H/P + t*U/P + i) // G, G = H/Hkv query heads per KV head; stages that use the same
-    ones form a KV group and get the same KV slice, so K/V are exchanged once for all of them.
-    """
-    heads_per_rank_per_stage = head_chunk // sp
-    group_size = n_heads // n_kv_heads  # G
-    kv_heads_per_rank_per_stage = (max(1, heads_per_rank_per_stage // group_size)
-                                   if n_kv_heads >= sp else 1)
-    plan = []
-    for stage in range(n_heads // head_chunk):
-        first = stage * heads_per_rank_per_stage
-        # Rank blocks start at a KV-group boundary, so the offset within the block decides.
-        # With KV heads < P all of a rank's query heads use its one (replicated) KV head.
-        kv_first = first // group_size if n_kv_heads >= sp else 0
-        plan.append((slice(first, first + heads_per_rank_per_stage),
-                     slice(kv_first, kv_first + kv_heads_per_rank_per_stage)))
-    return plan
-
-
-def kv_groups(plan) -> list:
-    """[(KV-head slice, [query-head slice of each stage])]: consecutive stages that use the same
-    K/V heads, so K/V are projected and exchanged once for all of them."""
-    groups = []
-    for heads, kv_heads in plan:
-        if groups and groups[-1][0] == kv_heads:
-            groups[-1][1].append(heads)
-        else:
-            groups.append((kv_heads, [heads]))
-    return groups
-
-
 @dataclass(frozen=True)
 class StageLayout:
     """What the staged sub-layer needs besides tensors: the ranks and how heads are staged."""
@@ -247,7 +213,41 @@ def projection_backward(x, rows, head_dim, norm_weight, eps, rope, grad_heads, g
     return grad_y.t() @ x.reshape(-1, dim)
 
 
-# Index helpers: which rows of the projection weights one stage uses, and back.
+# Index helpers: how heads are staged, which rows of the projection weights one stage uses.
+
+def stage_plan(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int):
+    """(query-head slice, KV-head slice) of each of the H/U stages, within each rank's block.
+
+    Stage t gives rank r its query heads r*H/P + t*U/P + [0, U/P) (Ulysses order). They use KV
+    heads (r*H/P + t*U/P + i) // G, G = H/Hkv query heads per KV head; stages that use the same
+    ones form a KV group and get the same KV slice, so K/V are exchanged once for all of them.
+    """
+    heads_per_rank_per_stage = head_chunk // sp
+    group_size = n_heads // n_kv_heads  # G
+    kv_heads_per_rank_per_stage = (max(1, heads_per_rank_per_stage // group_size)
+                                   if n_kv_heads >= sp else 1)
+    plan = []
+    for stage in range(n_heads // head_chunk):
+        first = stage * heads_per_rank_per_stage
+        # Rank blocks start at a KV-group boundary, so the offset within the block decides.
+        # With KV heads < P all of a rank's query heads use its one (replicated) KV head.
+        kv_first = first // group_size if n_kv_heads >= sp else 0
+        plan.append((slice(first, first + heads_per_rank_per_stage),
+                     slice(kv_first, kv_first + kv_heads_per_rank_per_stage)))
+    return plan
+
+
+def kv_groups(plan) -> list:
+    """[(KV-head slice, [query-head slice of each stage])]: consecutive stages that use the same
+    K/V heads, so K/V are projected and exchanged once for all of them."""
+    groups = []
+    for heads, kv_heads in plan:
+        if groups and groups[-1][0] == kv_heads:
+            groups[-1][1].append(heads)
+        else:
+            groups.append((kv_heads, [heads]))
+    return groups
+
 
 def rank_blocks(weight: torch.Tensor, n_heads: int, sp: int, head_dim: int) -> torch.Tensor:
     """Projection rows (n_heads * D, dim) as (P, heads per rank, D, dim): block r holds the

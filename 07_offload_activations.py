@@ -2,21 +2,21 @@
 
 The memory problem. Llama-3-8B on one H200 (139.8 GiB): the model state, fp32 weights and
 Adam's two moments, takes 89.7 GiB before any activation. A block keeps about 92 KiB per token
-for its backward (03's recompute_norms already gives back the norms' outputs): 1.4 GiB at 16K
-tokens, 2.9 GiB at 32K, so 32 blocks want 46 GiB and 92 GiB. 03 makes them fit by checkpointing
-the first k blocks (5 of 32 at 16K, 20 at 32K), and each runs its forward twice: at 32K about
-0.4 s of a 4.6 s step is recompute.
+for its backward: 03's 136, less one 14,336-wide MLP intermediate (28: base/fused.py's MLP keeps
+gate and up only) and the norms' outputs (16: 03's recompute_norms gives them back). That is 1.4
+GiB at 16K tokens, 2.9 GiB at 32K, so 32 blocks want 46 GiB and 92 GiB. 03 makes them fit by
+checkpointing the first k blocks, and each of those runs its forward twice.
 
 The idea. The GPU has copy engines that run beside its compute. A block can keep everything it
 saved, not on the GPU but in pinned host memory: each saved tensor is copied out on a side
 stream while the next blocks compute, and in backward a block's tensors come back during the
 backward of the block above it. Nothing is computed twice. The copies cost time only where they
-cannot hide: at 55 GB/s each way (the H200 machine's pinned copies), a 16K block's 1.5 GiB (its
-norms' outputs go too) takes ~29 ms each way, against a block's ~19 ms forward and ~38 ms
-backward. So the offloaded blocks alternate with kept ones: a block's copy out has the end of
-its own forward and the next two blocks' (the top block: the one above it) before its memory
-is needed again, and its copy back runs during the backward of the kept block above it. Half of
-the L - K blocks above 03's can go this way: at 16K, 8 leave 1 of 32 blocks checkpointed, 12 none.
+cannot hide: at 55 GB/s each way (pinned copies on an H200 machine), a 16K block's 1.7 GiB (108
+KiB a token: its norms' outputs go too) takes ~33 ms each way, about two blocks' forward and one
+block's backward. So the offloaded blocks alternate with kept ones: a block's copy out has the
+end of its own forward and the next two blocks' (the top block: the one above it) before its
+memory is needed again, and its copy back runs during the backward of the kept block above it.
+Half of the L - K blocks above 03's can go this way (plan.py finds how many fit).
 
     --offload-activations N   blocks K, K + 2, ..., K + 2(N - 1), K = 03's checkpointed blocks
 
@@ -93,7 +93,7 @@ class SavedBytes:
     layer: int
     nbytes: int
     device: torch.device
-    step: int                              # the offloader's forward that saved it
+    forward_count: int                     # the offloader's forward that saved it
     key: object = None                     # its host buffer's key in the pool: (layer, index)
     host: HostBuffer | None = None         # its bytes in host memory while they wait
     on_device: torch.Tensor | None = None  # its bytes (uint8) back on the device
@@ -132,7 +132,7 @@ class ActivationOffloader:
         self.stays = set()   # the running block's: addresses of storages that stay
         self.leaving = {}    # layer -> (its copies out done: event, its sources) until released
         self.arrived = {}    # layer -> (its copies back done: event, their memory) until read
-        self.step = 0        # forwards through the lowest offloaded block so far
+        self.forward_count = 0  # forwards through the lowest offloaded block so far
         self.stream = None   # the side CUDA stream for every copy, made on first use
         self.stats = new_step_record()
 
@@ -162,7 +162,7 @@ class ActivationOffloader:
         """The lowest offloaded block runs: a step whose backward never ran gives its buffers
         back."""
         self.stats = new_step_record()
-        self.step += 1
+        self.forward_count += 1
         for layer in list(self.leaving):
             self.release(layer)
         for layer in list(self.arrived):  # brought back, never read (autograd.grad of a part)
@@ -194,7 +194,7 @@ class ActivationOffloader:
         """Start the copy of `source` (uint8) to a host buffer."""
         key = (layer, len(self.packing))  # the same key for the same tensor every step
         device = source.device
-        saved = SavedBytes(layer, source.numel(), device, self.step, key)
+        saved = SavedBytes(layer, source.numel(), device, self.forward_count, key)
         saved.host = self.host_buffers.take(key, source)
         self.waiting.setdefault(layer, []).append(saved)
         record(self.stats, "offload", saved)
@@ -246,7 +246,7 @@ class ActivationOffloader:
         if isinstance(view, torch.Tensor):
             return view
         saved = view.saved
-        if saved.step != self.step:
+        if saved.forward_count != self.forward_count:
             raise RuntimeError("07 holds one forward's tensors at a time: another forward ran "
                                "through the offloaded blocks before this backward")
         if saved.on_device is None:  # nobody prefetched it: now, and wait

@@ -2,8 +2,8 @@
 
 The problem in bytes. AdamW does little arithmetic per byte. Fused, it reads each fp32 weight,
 its gradient and Adam's two moments, and writes back the weight, the moments and (with the
-clip) the gradient: 32 bytes per parameter. Llama-3-8B on one H200: 257 GB a step, ~67 ms
-measured (docs/results.md), in which the tensor cores have nothing to do: 3.5% of a 16K step.
+clip) the gradient: 32 bytes per parameter. Llama-3-8B: 257 GB a step, at least 54 ms at an
+H200's 4.8 TB/s, in which the tensor cores have nothing to do (docs/results.md measures it).
 The forward that follows is the opposite, compute-bound at these lengths.
 
 The idea. A block's new weights are first needed when its next forward gathers them (FSDP's

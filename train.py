@@ -39,6 +39,21 @@ from support.lessons import (activation_offload, checkpointing, optimizer_overla
 from support.runtime import Runtime, read_machine, setup_runtime
 
 
+# The command line: training's flags, or --plan's.
+
+def parse_args(argv=None) -> Config:
+    parser = config.flags_parser(
+        config.FLAG_GROUPS, description="Train a Llama on long sequences with 01..08.",
+        epilog="the memory a run needs, without a GPU: python train.py --plan <these flags>, "
+               "or python plan.py --help")
+    with errors.quiet_unless_first_rank():  # argparse's own errors and --help: once (torchrun)
+        flags, unknown = parser.parse_known_args(argv)
+        if unknown:  # the planner's --gpus, say
+            parser.error(f"unrecognized arguments: {' '.join(unknown)} (the memory planner's flags "
+                         f"go with --plan: python train.py --plan ..., or python plan.py --help)")
+    return config.config_from_flags(flags, auto_on_gpu=True)
+
+
 @dataclass
 class Run:
     history: list
@@ -262,21 +277,6 @@ def train_loop(cfg: Config, rt: Runtime, model, optimizer, data: TokenData, firs
                                     per, outputs.last_saved, saved_state.resume_command(sys.argv),
                                     expected), flush=True)
     return Run(history, model, optimizer)
-
-
-# The command line: training's flags, or --plan's.
-
-def parse_args(argv=None) -> Config:
-    parser = config.flags_parser(
-        config.FLAG_GROUPS, description="Train a Llama on long sequences with 01..06.",
-        epilog="the memory a run needs, without a GPU: python train.py --plan <these flags>, "
-               "or python plan.py --help")
-    with errors.quiet_unless_first_rank():  # argparse's own errors and --help: once (torchrun)
-        flags, unknown = parser.parse_known_args(argv)
-        if unknown:  # the planner's --gpus, say
-            parser.error(f"unrecognized arguments: {' '.join(unknown)} (the memory planner's flags "
-                         f"go with --plan: python train.py --plan ..., or python plan.py --help)")
-    return config.config_from_flags(flags, auto_on_gpu=True)
 
 
 def main(argv=None):

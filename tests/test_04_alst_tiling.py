@@ -111,8 +111,8 @@ def test_loss_backward_by_hand_equals_autograd(ignored):
     loss = tiling.norm_lm_head_loss(leaves[0], labels, *leaves[1:], eps=eps)
     want_h, *want_weights = _autograd_grads(loss, leaves, torch.tensor(1.0))
     sums, starts = _with_start(weights)
-    got_loss, got_h = tiling.loss_and_backward(h, labels, *(w.detach() for w in weights), sums,
-                                               eps)
+    got_loss, got_h = tiling.tile_loss_and_backward(h, labels,
+                                                    *(w.detach() for w in weights), sums, eps)
     torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-6)
     for got, start, want in zip(sums, starts, want_weights):
