@@ -139,7 +139,8 @@ class BlockInputOffloader:
     def hold(self, layer: int, t: torch.Tensor, key) -> HeldTensor:
         """t, kept by block `layer` for its backward: on the device for the last checkpointed
         block (backward reaches it first, so copying out would only make backward wait), else
-        copied to a host buffer of the pool's `key`."""
+        copied to a host buffer of the pool's `key` (the layer here; support/keep_attention.py's
+        offloader, a subclass, holds an attention output and its log-sum-exp per layer too)."""
         held = HeldTensor(layer, t.numel() * t.element_size(), t.device)
         if layer == self.n_layers - 1:
             held.on_device, held.kept = t, True

@@ -133,7 +133,7 @@ def _rotate_back(x, cos, sin):
     return _rotate(x, cos, -sin)
 
 
-IGNORE_INDEX = -100  # model.IGNORE_INDEX: a label that counts for nothing
+IGNORE_INDEX = -100  # model.IGNORE_INDEX (base/ imports nothing above it): a label counting 0
 
 
 def at_least_fp32(t):
