@@ -45,8 +45,8 @@ import torch
 import model
 from base import kernels
 from support import byte_counts, config, step_time
-from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, Config, model_args, model_name,
-                            resolve_techniques, techniques_text)
+from support.config import (MAX_STACK, MAX_TOKENS, TECHNIQUES, UNTIED_LEVEL, Config, model_args,
+                            model_name, resolve_techniques, techniques_text)
 from support.lessons import tiling, untied_sp
 from support.runtime import Machine, check_layout
 
@@ -625,8 +625,9 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     if cfg.checkpoint_layers is not None:  # the fewest checkpointed blocks that fit
         k = fewest_checkpointed_layers_that_fit(cfg, world_size, gpu_mem)
         changes.append((f"--checkpoint-layers {k}", replace(cfg, checkpoint_layers=k), world_size))
-    changes += [(f"--stack {level}", replace(cfg, stack=level), world_size)
-                for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
+    changes += [(f"--stack {level}",  # (from 05's level its Untied Ulysses takes 02's place)
+                 replace(cfg, stack=level, ulysses=cfg.ulysses and level < UNTIED_LEVEL),
+                 world_size) for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
     if cfg.fsdp and not cfg.offload_model_state and not cfg.overlap_optimizer:
         changes.append(("--offload-model-state", replace(cfg, offload_model_state=True),
                         world_size))

@@ -23,6 +23,8 @@ from support.data import parse_tokens
 TECHNIQUES = [("fsdp", 1), ("ulysses", 2), ("checkpoint", 3), ("offload", 3), ("tile_mlp", 4),
               ("tile_loss", 4), ("untied", 5)]
 MAX_STACK = 5
+UNTIED_LEVEL = dict(TECHNIQUES)["untied"]  # from here 05 takes 02's seam
+MAX_STEPS = 2**31  # (tqdm and the schedule's arithmetic want a C long; nobody trains longer)
 AUTO = "auto"  # --stack auto: the planner picks the techniques (plan.plan_run)
 MAX_TOKENS = 2**31  # per data-parallel rank and micro-batch
 # The flags that choose techniques or their settings: a GPU run given none of them takes
@@ -333,7 +335,7 @@ def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False) -> C
         raise ValueError(f"--steps must be at least 1, got {flags.steps}")
     cfg = Config(**{k: v for k, v in vars(flags).items() if k in Config.__dataclass_fields__
                     and k not in ("seq_len", "dtype", "model")})
-    cfg.model = flags.model or DEFAULTS.model
+    cfg.model = DEFAULTS.model if flags.model is None else flags.model
     cfg.seq_len = parse_tokens(flags.seq_len)
     cfg.dtype = flags.dtype or ("bfloat16" if cfg.device == "cuda" else "float32")
     if auto_on_gpu and cfg.device == "cuda" and not techniques_given(cfg):
@@ -350,16 +352,20 @@ def resolve_techniques(cfg: Config) -> Config:
     combinations that cannot work. Under --stack auto a setting given without its technique
     (--head-chunk without --untied, say) asks the planner for that technique instead."""
     auto = cfg.stack == AUTO
+    if cfg.ulysses and cfg.untied:
+        raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.stack is not None and not auto:
         if not 0 <= cfg.stack <= MAX_STACK:
             raise ValueError(f"--stack must be between 0 and {MAX_STACK}, got {cfg.stack}")
+        if cfg.ulysses and cfg.stack >= UNTIED_LEVEL:
+            raise ValueError(f"--stack {cfg.stack} runs 05's Untied Ulysses in 02's place, and "
+                             f"--ulysses asks for 02: drop --ulysses, or give --stack "
+                             f"{UNTIED_LEVEL - 1} (the same techniques with 02's Ulysses)")
         for flag, level in TECHNIQUES:
             if level <= cfg.stack:
                 setattr(cfg, flag, True)
         if cfg.untied:
             cfg.ulysses = False  # 05 replaces 02 at the same seam
-    if cfg.ulysses and cfg.untied:
-        raise ValueError("--ulysses and --untied are alternatives for the same seam; pick one")
     if cfg.offload:
         cfg.checkpoint = True  # offload moves the checkpoints, so it implies checkpointing
     if cfg.checkpoint_layers is not None and not cfg.checkpoint and not auto:
@@ -375,6 +381,12 @@ def resolve_techniques(cfg: Config) -> Config:
         cfg.documents = True
     if cfg.head_chunk is not None and not cfg.untied and not auto:
         raise ValueError("--head-chunk is a setting of --untied (05)")
+    if cfg.mlp_tile_tokens is not None and not (cfg.tile_mlp or cfg.tile_norm or auto):
+        raise ValueError("--mlp-tile-tokens is a setting of --tile-mlp (and --tile-norm) (04): "
+                         "add one, or --stack 4 or higher")
+    if cfg.loss_tile_tokens is not None and not (cfg.tile_loss or auto):
+        raise ValueError("--loss-tile-tokens is a setting of --tile-loss (04): add it, or "
+                         "--stack 4 or higher")
     if cfg.offload_model_state and not cfg.fsdp and not auto:
         raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
                          "--stack 1 or higher")
@@ -399,6 +411,20 @@ def resolve_techniques(cfg: Config) -> Config:
     if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size > MAX_TOKENS:
         raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} is more than "
                          f"{MAX_TOKENS:,} tokens (2^31: positions are 32-bit in the kernels)")
+    if cfg.seq_len is not None and cfg.seq_len * cfg.batch_size * cfg.grad_accum > MAX_TOKENS:
+        raise ValueError(f"--seq-len {cfg.seq_len} x --batch-size {cfg.batch_size} x --grad-accum "
+                         f"{cfg.grad_accum} is more than {MAX_TOKENS:,} tokens a step (2^31: a "
+                         f"step's micro-batches are read as one window)")
+    if cfg.steps > MAX_STEPS:
+        raise ValueError(f"--steps must be at most {MAX_STEPS:,}, got {cfg.steps}")
+    if not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"--seed must be a whole number from 0 to 2^63 - 1, got {cfg.seed}")
+    if cfg.rope_theta is not None and not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ValueError(f"--rope-theta must be a finite number > 0 (the rotary base), got "
+                         f"{cfg.rope_theta}")
+    if cfg.rope_original_context is not None and cfg.rope_original_context < 1:
+        raise ValueError(f"--rope-original-context must be at least 1 token, got "
+                         f"{cfg.rope_original_context}")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, "
                          f"got {cfg.lr_schedule!r}")
@@ -432,6 +458,8 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--save-every must be >= 0")
     if cfg.export_hf:
         pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
+    if cfg.init_from:  # a damaged download: said now, not after --overwrite cleared the outputs
+        pretrained.check_weight_files(cfg.init_from)
     return cfg
 
 

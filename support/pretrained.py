@@ -57,7 +57,10 @@ def read_hf_config(path: str) -> dict:
     if not os.path.isfile(config_path):
         raise ValueError(f"{path!r} is not a Hugging Face model folder: no config.json")
     with open(config_path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as caught:
+            raise ValueError(f"{config_path!r} is not valid JSON: {caught}") from None
 
 
 def model_args_from_hf(path_or_config) -> ModelArgs:
@@ -219,8 +222,6 @@ def checkpoint_files(path: str) -> dict[str, str]:
     """Tensor name -> safetensors file path, from model.safetensors.index.json if there is one,
     else from the single model.safetensors (or the only *.safetensors). Raises ValueError for a
     folder without weights or an index naming a file that is not there."""
-    from safetensors import safe_open
-
     read_hf_config(path)  # a clear error for a folder that is not a model
     index_path = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index_path):
@@ -239,8 +240,36 @@ def checkpoint_files(path: str) -> dict[str, str]:
     if len(files) != 1:
         raise ValueError(f"{path!r}: no {INDEX_NAME} and "
                          + ("no *.safetensors file" if not files else f"several files {files}"))
-    with safe_open(os.path.join(path, files[0]), framework="pt") as f:
-        return dict.fromkeys(f.keys(), os.path.join(path, files[0]))
+    file = os.path.join(path, files[0])
+    return dict.fromkeys(safetensors_header(file), file)
+
+
+def safetensors_header(file: str) -> dict:
+    """A safetensors file's header, tensor name -> {dtype, shape, data_offsets}, read without its
+    data; a ValueError naming the file where the header is damaged or the file is shorter than
+    the header says (an interrupted download)."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 8 + length <= size else None
+    except (OSError, ValueError) as caught:  # (JSON and UTF-8 errors are ValueErrors)
+        raise ValueError(f"{file!r} is not a readable safetensors file: {caught}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file!r} is not a readable safetensors file: its header is cut off "
+                         f"or damaged ({size:,} bytes)")
+    header.pop("__metadata__", None)
+    needed = 8 + length + max((t["data_offsets"][1] for t in header.values()), default=0)
+    if size < needed:
+        raise ValueError(f"{file!r} is cut short: its header promises {needed:,} bytes, the file "
+                         f"has {size:,} (an interrupted download?)")
+    return header
+
+
+def check_weight_files(path: str) -> None:
+    """Every weights file of the Hugging Face folder `path` whole, by its header (no data read)."""
+    for file in sorted(set(checkpoint_files(path).values())):
+        safetensors_header(file)
 
 
 def checkpoint_shapes(path: str) -> dict[str, tuple]:

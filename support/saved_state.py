@@ -323,6 +323,20 @@ def check_outputs(cfg) -> None:
                                  f"be an input")
     if cfg.log and cfg.save_dir and same_path(cfg.log, cfg.save_dir):
         raise ValueError(f"--log-file and --save-dir are both {cfg.log!r}; name a file for the log")
+    if cfg.export_hf:  # the export replaces its folder whole, at the end of the run
+        for flag, path in (("--log-file", cfg.log), ("--save-dir", cfg.save_dir), *inputs.items()):
+            if path and is_inside(path, cfg.export_hf):
+                raise ValueError(f"{flag} {path!r} is inside the --export-hf folder "
+                                 f"{cfg.export_hf!r}, which the export replaces: choose "
+                                 f"another folder for one of them")
+    if cfg.save_dir:
+        for folder in [cfg.save_dir, *parents_of(cfg.save_dir)]:
+            if os.path.isfile(os.path.join(folder, "meta.json")):
+                raise ValueError(f"--save-dir {cfg.save_dir!r} is inside the saved state "
+                                 f"{folder!r}: name the folder that holds the step_* folders")
+        if cfg.resume and not complete_saves(cfg.save_dir):
+            raise ValueError(f"--resume: no complete checkpoint in {cfg.save_dir!r} (a folder "
+                             f"of step_* folders, each with a meta.json)")
     if cfg.log:
         if os.path.isdir(cfg.log):
             raise ValueError(f"--log-file {cfg.log!r} is a directory; name a file")
@@ -350,6 +364,21 @@ def same_path(a: str, b: str) -> bool:
     if os.path.exists(a) and os.path.exists(b):
         return os.path.samefile(a, b)
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def is_inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or lies anywhere below it (links resolved)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def parents_of(path: str) -> list[str]:
+    """The folders above `path`, nearest first."""
+    path, found = os.path.abspath(path), []
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        found.append(path)
+    return found
 
 
 def parent_of(path: str) -> str:

@@ -707,3 +707,32 @@ def test_an_export_that_fails_at_the_end_is_a_clear_error_not_a_traceback(tmp_pa
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "error: export to" in done.stderr and "No space left" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["header cut", "data cut", "config.json"])
+def test_damaged_weights_are_refused_before_overwrite_clears_the_outputs(tmp_path, damage,
+                                                                        capsys):
+    """An --init-from folder whose safetensors file is cut short (an interrupted download) or
+    whose config.json is not JSON: a clear error naming the file before --overwrite deletes the
+    earlier run's saves and log; the same folder whole trains."""
+    import train
+
+    folder = tmp_path / "hf"
+    make_hf_model(folder)
+    saves, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    outputs = ["--save-dir", str(saves), "--log-file", str(log), "--seq-len", "32"]
+    train.main(["--init-from", str(folder), "--steps", "1", *outputs])
+    kept = {p: p.stat().st_mtime_ns for p in [log, *saves.rglob("*")]}
+    weights = next(folder.glob("*.safetensors"))
+    data = weights.read_bytes()
+    if damage == "config.json":
+        (folder / "config.json").write_text("{architectures: oops")
+    else:
+        weights.write_bytes(data[:1000] if damage == "header cut" else data[:-100])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(["--init-from", str(folder), "--steps", "1", "--overwrite", *outputs])
+    err = capsys.readouterr().err
+    named = "config.json" if damage == "config.json" else weights.name
+    assert named in err and ("cut short" in err or "not" in err) and "Traceback" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in [log, *saves.rglob("*")]} == kept

@@ -439,6 +439,34 @@ def test_bad_output_paths_fail_before_training(tmp_path, setup, flag, needle, ca
     assert needle in err and "step    0" not in out, err
 
 
+def test_outputs_that_would_replace_each_other_are_refused_before_anything_is_written(
+        tmp_path, capsys):
+    """An --export-hf folder holding the run's saves or log (the export replaces it whole), a
+    --save-dir inside an earlier saved state, --resume where there is no saved state: refused
+    before training, and an earlier run's saves and log stay as they were."""
+    saves, log = tmp_path / "ck", tmp_path / "log.jsonl"
+    train.main(["--seq-len", "32", "--steps", "2", "--save-dir", str(saves), "--log-file",
+                str(log)])
+    kept = {p: p.stat().st_mtime_ns for p in [log, *saves.rglob("*")]}
+    capsys.readouterr()
+    step = saves / "step_00000002"
+    for flags, needle in [
+            (["--save-dir", str(saves), "--export-hf", str(tmp_path), "--overwrite-export",
+              "--resume"], f"--save-dir {str(saves)!r} is inside the --export-hf folder"),
+            (["--log-file", str(tmp_path / "new" / "log.jsonl"), "--export-hf",
+              str(tmp_path / "new")], "is inside the --export-hf folder"),
+            (["--save-dir", str(step)], f"--save-dir {str(step)!r} is inside the saved state"),
+            (["--save-dir", str(step), "--resume"], "is inside the saved state"),
+            (["--save-dir", str(tmp_path / "none"), "--resume"],
+             "--resume: no complete checkpoint in")]:
+        with pytest.raises(SystemExit):
+            train.main(["--seq-len", "32", "--steps", "3", *flags])
+        out, err = capsys.readouterr()
+        assert needle in err and "step    0" not in out, (flags, err)
+    assert {p: p.stat().st_mtime_ns for p in [log, *saves.rglob("*")]} == kept
+    assert not (step / ".lock").exists() and not (tmp_path / "none").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # What resuming does with changed flags (item 4)
 # ---------------------------------------------------------------------------------------------

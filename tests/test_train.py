@@ -92,6 +92,19 @@ def error_of(argv, capsys) -> str:
     (["--checkpoint", "--checkpoint-layers", "0"], "--checkpoint-layers must be at least 1"),
     (["--offload", "--checkpoint-layers", "3"],
      "--checkpoint-layers 3 is more than the model's 2 layers"),
+    # once silently resolved to something else (the sweep of session 25)
+    (["--stack", "5", "--ulysses"], "--stack 5 runs 05's Untied Ulysses in 02's place"),
+    (["--stack", "2", "--ulysses", "--untied"], "alternatives for the same seam"),
+    (["--mlp-tile-tokens", "16"], "--mlp-tile-tokens is a setting of --tile-mlp"),
+    (["--loss-tile-tokens", "16"], "--loss-tile-tokens is a setting of --tile-loss"),
+    (["--model", ""], "unknown model preset ''"),
+    (["--rope-theta", "0"], "--rope-theta must be a finite number > 0"),
+    (["--rope-scaling", "yarn", "--rope-factor", "2", "--rope-original-context", "-5"],
+     "--rope-original-context must be at least 1 token, got -5"),
+    (["--seed", "-1"], "--seed must be a whole number from 0 to 2^63 - 1, got -1"),
+    (["--steps", str(10**23)], "--steps must be at most 2,147,483,648"),  # tqdm's C long
+    (["--seq-len", "64", "--grad-accum", str(10**11)], "x --grad-accum 100000000000 is more "
+     "than 2,147,483,648 tokens a step"),  # (it built the step's window: a hang)
 ])
 def test_bad_flags_give_clear_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
