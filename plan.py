@@ -99,6 +99,8 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot read a memory size from {text!r} (try 80GiB, 2TiB or 512GB)")
     if not 0 < number < float("inf"):
         raise ValueError(f"a memory size must be positive and finite, got {text!r}")
+    if number * units[unit] < 1:
+        raise ValueError(f"a memory size must be at least one byte, got {text!r}")
     return int(number * units[unit])
 
 
@@ -712,6 +714,9 @@ def plan_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
         lines.append(f"a GPU run of these flags: {flags_text(chosen.cfg)}, "
                      f"{candidate_text(chosen, machine)}")
         lines += disagreement_lines(asked, machine, chosen)
+    elif chosen.fits:
+        lines.append(f"no step time predicted: no speed rates for {gpu_name!r} (--gpu; "
+                     f"support/step_time.py has {', '.join(step_time.GPU_RATES)})")
     if not (gpu_fits and host_fits):
         lines.append("to fit: "
                      + what_would_fit(asked, world_size, gpu_mem, host_mem, gpus_per_node))
@@ -1482,6 +1487,9 @@ def plan_main(argv) -> str:
                               f"{', '.join(step_time.GPU_RATES)})")
     parser.set_defaults(dtype="bfloat16", seq_len="max")
     opts = parser.parse_args(argv)
+    if opts.gpu is not None and not opts.gpu.strip():
+        raise ValueError(f"--gpu needs a GPU's name or a part of it (rates for: "
+                         f"{', '.join(step_time.GPU_RATES)})")
     gpu_given, opts.gpu = opts.gpu is not None, gpu_kind(opts.gpu or DEFAULT_GPU)
     longest = opts.seq_len.strip().lower() == "max"
     if longest and opts.stack == config.AUTO:
@@ -1498,10 +1506,23 @@ def plan_main(argv) -> str:
                else parse_bytes(DEFAULT_GPU_MEM))
     if opts.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {opts.gpus_per_node}")
+    if opts.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {opts.gpus}")
+    if opts.scaling == []:
+        opts.scaling = [8, 16, 32, 64]
+    for gpus in ([opts.gpus] if opts.scaling is None else opts.scaling):
+        if gpus > opts.gpus_per_node and gpus % opts.gpus_per_node:
+            raise ValueError(f"{gpus} GPUs are not whole nodes of {opts.gpus_per_node} "
+                             f"(--gpus-per-node): the host memory is planned per node")
+    if opts.eval and cfg.stack == config.AUTO:
+        raise ValueError("--eval plans eval.py's forward for the techniques given; --stack auto "
+                         "ranks training's: give the techniques (--stack 0-5)")
     if opts.scaling is not None:
         if not longest:
             raise ValueError("--scaling compares the longest lengths: add --seq-len max")
-        answer = plan_scaling_table(cfg, opts.scaling or [8, 16, 32, 64], gpu_mem, host_mem,
+        if any(gpus < 1 for gpus in opts.scaling):
+            raise ValueError(f"--scaling takes GPU counts of at least 1, got {opts.scaling}")
+        answer = plan_scaling_table(cfg, opts.scaling, gpu_mem, host_mem,
                                     opts.gpus_per_node)
         sharing = opts.gpus_per_node
     else:

@@ -828,6 +828,30 @@ def test_command_line_refuses_like_training():
     assert trained.returncode != 0 and "--plan" in trained.stderr
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpu-mem", "0.4B"], "a memory size must be at least one byte, got '0.4B'"),
+    (["--gpu", ""], "--gpu needs a GPU's name or a part of it"),
+    (["--gpus", "0"], "--gpus must be at least 1, got 0"),
+    (["--scaling", "0", "8"], "--scaling takes GPU counts of at least 1, got [0, 8]"),
+    (["--gpus", "16", "--gpus-per-node", "3"], "16 GPUs are not whole nodes of 3"),
+    (["--scaling", "--gpus-per-node", "3"], "8 GPUs are not whole nodes of 3"),
+    (["--stack", "auto", "--eval", "--seq-len", "16K"], "--eval plans eval.py's forward"),
+])
+def test_bad_planner_flags_are_refused_in_words(argv, needle):
+    """Once planned for 0 bytes, for an H200 (--gpu ''), with "impossible" rows, or per
+    node of a layout that has no whole nodes."""
+    with pytest.raises(ValueError) as refused:
+        planner.plan_main(["--model", "llama3-8b", *argv])
+    assert needle in str(refused.value)
+
+
+def test_a_gpu_without_rates_says_no_step_time_is_predicted():
+    answer = planner.plan_main(["--model", "llama3-8b", "--seq-len", "64K", "--stack", "5",
+                                "--gpu", "nope"])
+    assert "no step time predicted: no speed rates for 'nope'" in answer
+    assert "predicted" not in answer.replace("no step time predicted", "")
+
+
 def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
     """06 in the planner: a ring rank's S/R tokens through 02's / 05's formulas with the ring's
     buffers (K/V and dK/dV in flight, fp32 accumulators) in place of one kernel's workspace;
