@@ -64,6 +64,7 @@ with their 256 GiB of host memory, which the offload fills first: --host-mem 256
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -285,25 +286,63 @@ def passkey_tokens(length: int, depth: float, key, filler, marker, prefix=()):
     return ids, labels, len(prefix) + start + len(marker)
 
 
-def passkey_vocabulary(opts, vocab_size: int) -> dict:
+def passkey_ids(opts) -> dict:
     """filler, marker, alphabet (ids a key is drawn from) and prefix: from the flags, or from a
-    Hugging Face tokenizer (--tokenizer)."""
+    Hugging Face tokenizer (--tokenizer). Read when the flags are (parse_eval_args): a flag
+    that does not parse, or a tokenizer that does not load, is named before any work."""
     if opts.tokenizer:
-        from transformers import AutoTokenizer
+        return tokenizer_ids(opts.tokenizer)
+    low, colon, high = opts.alphabet.partition(":")
+    try:
+        low, high = int(low), int(high)
+    except ValueError:
+        colon = ""
+    if not colon or not 0 <= low < high:
+        raise ValueError(f"--alphabet takes key ids LOW:HIGH with 0 <= LOW < HIGH (the ids LOW "
+                         f"to HIGH - 1, e.g. 16:26), got {opts.alphabet!r}")
+    return {"filler": id_list("--filler-ids", opts.filler_ids),
+            "marker": id_list("--marker-ids", opts.marker_ids),
+            "alphabet": list(range(low, high)), "prefix": []}
 
-        tok = AutoTokenizer.from_pretrained(opts.tokenizer)
-        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-        digits = [encode(str(d)) for d in range(10)]
-        if any(len(d) != 1 for d in digits):
-            raise ValueError("--tokenizer: the digits 0-9 must be one token each")
-        vocabulary = {"filler": encode(FILLER_TEXT), "marker": encode(" The pass key is"),
-                      "alphabet": [d[0] for d in digits],
-                      "prefix": [] if tok.bos_token_id is None else [tok.bos_token_id]}
-    else:
-        low, high = (int(x) for x in opts.alphabet.split(":"))
-        vocabulary = {"filler": [int(x) for x in opts.filler_ids.split(",")],
-                      "marker": [int(x) for x in opts.marker_ids.split(",")],
-                      "alphabet": list(range(low, high)), "prefix": []}
+
+def id_list(flag: str, text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        ids = [-1]
+    if min(ids) < 0:
+        raise ValueError(f"{flag} takes token ids >= 0 separated by commas (e.g. 4,5,6), "
+                         f"got {text!r}")
+    return ids
+
+
+def tokenizer_ids(folder: str) -> dict:
+    """passkey_ids of a Hugging Face tokenizer folder: the ids of FILLER_TEXT, of the marker
+    " The pass key is" and of the digits 0-9 (one token each), its BOS first."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--tokenizer {folder}: " + ("a file" if Path(folder).exists() else
+                         "no such folder") + " (it takes a Hugging Face tokenizer folder)")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # OSError, ValueError, the tokenizers library's own errors
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"--tokenizer {folder}: not a tokenizer transformers can load "
+                         f"({reason})") from None
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    digits = [encode(str(d)) for d in range(10)]
+    if any(len(d) != 1 for d in digits):
+        raise ValueError("--tokenizer: the digits 0-9 must be one token each")
+    return {"filler": encode(FILLER_TEXT), "marker": encode(" The pass key is"),
+            "alphabet": [d[0] for d in digits],
+            "prefix": [] if tok.bos_token_id is None else [tok.bos_token_id]}
+
+
+def passkey_vocabulary(opts, vocab_size: int) -> dict:
+    """opts' passkey ids (passkey_ids, read with the flags), which must lie in the model's
+    vocabulary."""
+    vocabulary = opts.vocabulary
     used = [i for ids in vocabulary.values() for i in ids]
     if max(used) >= vocab_size or min(used) < 0:
         source = (f"--tokenizer {opts.tokenizer}" if opts.tokenizer
@@ -441,6 +480,13 @@ FLAG_GROUPS = (config.add_model_flags, config.add_rotary_flags, config.add_step_
                config.add_process_flags, config.add_data_flags, config.add_document_flags,
                config.add_technique_flags)  # shared with train.py; and --save-dir, read
 
+# Each task's own flags and their defaults: given with the other task, they are refused (they
+# would be ignored). They default to None in the parser, so that a flag given is told apart.
+TASK_FLAGS = {"loss": {"windows": 4, "first_window": 0, "bucket_start": "1K"},
+              "passkey": {"lengths": None, "depths": "0,0.25,0.5,0.75,1", "trials": 4,
+                          "key_len": 4, "alphabet": "16:26", "filler_ids": "4,5,6,7,8,9,10,11",
+                          "marker_ids": "1,2,3", "tokenizer": None}}
+
 
 def parse_eval_args(argv):
     """(eval options, Config): eval's own flags, and those it shares with train.py."""
@@ -451,28 +497,20 @@ def parse_eval_args(argv):
                "lengths: python plan.py --eval")
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--task", choices=["loss", "passkey"], default="loss")
-    evaluation.add_argument("--windows", type=int, default=4,
-                            help="loss: windows of --seq-len + 1 tokens")
-    evaluation.add_argument("--first-window", type=int, default=0,
-                            help="loss: skip the windows before it")
-    evaluation.add_argument("--bucket-start", default="1K", help="loss: the first bucket edge")
-    evaluation.add_argument("--lengths", default=None,
-                            help="passkey: e.g. 4K,128K,1M (default --seq-len)")
-    evaluation.add_argument("--depths", default="0,0.25,0.5,0.75,1",
-                            help="passkey: fractions of the context")
-    evaluation.add_argument("--trials", type=int, default=4,
-                            help="passkey: keys per length x depth")
-    evaluation.add_argument("--key-len", type=int, default=4, help="passkey: key tokens")
-    evaluation.add_argument("--alphabet", default="16:26",
-                            help="passkey: key ids LOW:HIGH (no tokenizer)")
-    evaluation.add_argument("--filler-ids", default="4,5,6,7,8,9,10,11",
-                            help="passkey: repeated filler ids")
-    evaluation.add_argument("--marker-ids", default="1,2,3",
-                            help="passkey: ids before the key (twice)")
-    evaluation.add_argument("--tokenizer", default=None,
-                            help="passkey: a Hugging Face tokenizer directory")
+    evaluation.add_argument("--windows", type=int, help="loss: windows of --seq-len + 1 tokens")
+    evaluation.add_argument("--first-window", type=int, help="loss: skip the windows before it")
+    evaluation.add_argument("--bucket-start", help="loss: the first bucket edge (default 1K)")
+    evaluation.add_argument("--lengths", help="passkey: e.g. 4K,128K,1M (default --seq-len)")
+    evaluation.add_argument("--depths", help="passkey: fractions of the context")
+    evaluation.add_argument("--trials", type=int, help="passkey: keys per length x depth")
+    evaluation.add_argument("--key-len", type=int, help="passkey: key tokens")
+    evaluation.add_argument("--alphabet", help="passkey: key ids LOW:HIGH (no tokenizer)")
+    evaluation.add_argument("--filler-ids", help="passkey: repeated filler ids")
+    evaluation.add_argument("--marker-ids", help="passkey: ids before the key (twice)")
+    evaluation.add_argument("--tokenizer", help="passkey: a Hugging Face tokenizer directory")
     evaluation.add_argument("--label", default=None, help="the run's name on charts")
-    evaluation.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
+    evaluation.add_argument("--out", default=None,
+                            help="JSON file path (the PNG goes next to it, ending in .png)")
     evaluation.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                             help="no run: draw these loss results on one chart (--out: the PNG)")
     evaluation.add_argument("--overwrite-out", action="store_true",
@@ -481,25 +519,101 @@ def parse_eval_args(argv):
         add_flags(parser)
     config.add_saved_state_flags(parser, writes=False)
     opts = parser.parse_args(argv)
-    out = Path(opts.out or (Path(opts.compare[0]).with_name("compare.png") if opts.compare
-                            else f"eval_{opts.task}.json"))
-    for path in {out, out.with_suffix(".png")}:  # an earlier result: never replaced unasked
-        if path.exists() and not opts.overwrite_out:
-            raise ValueError(f"{path} exists: choose another --out, or --overwrite-out")
+    opts.out, opts.chart = output_paths(opts)
     if opts.compare:
         return opts, None
+    check_task_flags(opts)
     cfg = eval_config(config.config_from_flags(opts))
     if opts.task == "passkey" and cfg.documents:
         raise ValueError("--documents / --doc-sep apply to --task loss: a passkey sequence is one "
                          "document")
     if opts.task == "passkey":
-        opts.lengths = [parse_tokens(n) for n in (opts.lengths or str(cfg.seq_len)).split(",")]
-        opts.depths = [float(d) for d in opts.depths.split(",")]
+        try:
+            opts.lengths = [parse_tokens(n) for n in (opts.lengths or str(cfg.seq_len)).split(",")]
+        except ValueError as error:
+            raise ValueError(f"--lengths: {error}") from None
+        opts.depths = depth_list(opts.depths)
         cfg.seq_len = max(opts.lengths)
+        opts.vocabulary = passkey_ids(opts)
     if min(opts.windows, opts.trials, opts.key_len) < 1 or opts.first_window < 0:
         raise ValueError("--windows, --trials and --key-len must be >= 1, --first-window >= 0")
     opts.bucket_start = parse_tokens(opts.bucket_start)
     return opts, cfg
+
+
+def output_paths(opts) -> tuple[Path, Path]:
+    """(the result's JSON, its chart), or (the chart, the chart) with --compare. --out is a file
+    path; a run's chart is that path ending in .png. Refused before any work: an empty --out, a
+    folder, a path whose folder cannot be made, an --out whose chart would replace it, and an
+    earlier result (unless --overwrite-out) or a --compare input, never replaced."""
+    if opts.out is not None and not opts.out.strip():
+        raise ValueError("--out is empty: give the result's file path (e.g. eval.json)")
+    default = (Path(opts.compare[0]).with_name("compare.png") if opts.compare
+               else Path(f"eval_{opts.task}.json"))
+    out = Path(opts.out) if opts.out else default
+    if opts.out and (opts.out.endswith(("/", os.sep)) or out.is_dir()):
+        raise ValueError(f"--out {opts.out} is a folder: --out is the result's file path, e.g. "
+                         f"{out / default.name}")
+    chart = out if opts.compare else out.with_suffix(".png")
+    if not opts.compare and out.suffix.lower() == ".png":
+        raise ValueError(f"--out {out} is the JSON result's path, and its chart is that path "
+                         f"ending in .png: give a .json path, e.g. {out.with_suffix('.json')}")
+    folder = saved_state.nearest_existing(str(out.parent))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {out} cannot be written: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {out} cannot be written: {folder} is not writable")
+    for path in dict.fromkeys([out, chart]):
+        if opts.compare and any(path.exists() and path.samefile(p) for p in opts.compare
+                                if Path(p).exists()):
+            raise ValueError(f"--out {path} is one of the --compare results: choose another")
+        if path.is_dir():
+            raise ValueError(f"{path} is a folder: choose another --out")
+        if path.exists() and not opts.overwrite_out:  # an earlier result: never replaced unasked
+            raise ValueError(f"{path} exists: choose another --out, or --overwrite-out")
+    return out, chart
+
+
+def check_task_flags(opts) -> None:
+    """Fill in the defaults of --task's own flags; refuse those of the other task (and a
+    token file for passkey, the ids flags with --tokenizer): each would be silently ignored."""
+    other = "passkey" if opts.task == "loss" else "loss"
+    given = [name for name in TASK_FLAGS[other] if getattr(opts, name) is not None]
+    if opts.task == "passkey":
+        given += [name for name in ("data", "data_dtype")
+                  if getattr(opts, name) != getattr(config.DEFAULTS, name)]
+    if given:
+        why = ("a passkey sequence is made of filler, marker and key ids, not read from --data"
+               if opts.task == "passkey" else "--task loss reads windows of --data")
+        raise ValueError(f"{', '.join(flag_name(n) for n in given)} "
+                         f"appl{'ies' if len(given) == 1 else 'y'} to --task {other}, not to "
+                         f"--task {opts.task}: {why}")
+    if opts.task == "passkey" and opts.tokenizer:
+        given = [name for name in ("alphabet", "filler_ids", "marker_ids")
+                 if getattr(opts, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(flag_name(n) for n in given)} and --tokenizer: the "
+                             f"tokenizer gives the passkey ids (its digits, filler text and "
+                             f"marker); give one or the other")
+    for task in TASK_FLAGS.values():
+        for name, default in task.items():
+            if getattr(opts, name) is None:
+                setattr(opts, name, default)
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def depth_list(text: str) -> list[float]:
+    try:
+        depths = [float(d) for d in text.split(",")]
+    except ValueError:
+        depths = [-1.0]
+    if not all(0 <= d <= 1 for d in depths):  # nan too
+        raise ValueError(f"--depths takes fractions of the context from 0 to 1 separated by "
+                         f"commas (e.g. 0,0.5,1), got {text!r}")
+    return depths
 
 
 def run(opts, cfg) -> dict:
@@ -523,12 +637,11 @@ def run(opts, cfg) -> dict:
                   peak_gpu_mem_gib=(round(torch.cuda.max_memory_allocated() / 2**30, 3)
                                     if rt.device.type == "cuda" else None))
     if rt.rank == 0:
-        out = Path(opts.out or f"eval_{opts.task}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(json.dumps(result, indent=1) + "\n")
         (plot_passkey if opts.task == "passkey" else plot_losses)(
-            *([result] if opts.task == "passkey" else [[result]]), out.with_suffix(".png"))
-        print(summary(result) + f"\nwrote {out} and {out.with_suffix('.png')}")
+            *([result] if opts.task == "passkey" else [[result]]), opts.chart)
+        print(summary(result) + f"\nwrote {opts.out} and {opts.chart}")
     return result
 
 
@@ -577,9 +690,9 @@ def evaluate(argv):
         if len(edges) > 1:  # drawn anyway, but the points are not the same positions
             print("note: these results have different position buckets (--bucket-start or "
                   "--seq-len differ): compare the lines with care")
-        out = Path(opts.out or Path(opts.compare[0]).with_name("compare.png"))
-        plot_losses(results, out)
-        print(f"wrote {out}")
+        opts.chart.parent.mkdir(parents=True, exist_ok=True)
+        plot_losses(results, opts.chart)
+        print(f"wrote {opts.chart}")
         return
     run(opts, cfg)
 

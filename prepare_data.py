@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support.data import boundary_path, sidecar_path
+from support.saved_state import nearest_existing
 
 # End-of-text tokens of common tokenizers, tried in this order when no separator is given.
 KNOWN_SEPARATORS = ["<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>"]
@@ -39,7 +40,12 @@ def load_tokenizer(path: str):
     if not os.path.isfile(file):
         raise ValueError(f"no tokenizer.json at {path!r} "
                          "(give a local model directory or the file)")
-    return Tokenizer.from_file(file)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as error:  # the tokenizers library raises plain Exceptions
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"--tokenizer {file!r} is not a tokenizer.json the tokenizers library "
+                         f"reads ({reason})") from None
 
 
 def choose_separator(tokenizer, token: str | None, token_id: int | None) -> int:
@@ -95,10 +101,48 @@ def _documents_of(path: str, text_key: str, txt_lines: bool):
                 yield f.read()
 
 
+def check_outputs(outputs, inputs, tokenizer_path: str, overwrite: bool) -> None:
+    """Refuse, before tokenizing, outputs that cannot be written as files or that would destroy
+    something: an --input, a file of the tokenizer, an earlier output (unless overwrite)."""
+    output = outputs[0]
+    if not output.strip():
+        raise ValueError("--output is empty: give the token file's path (e.g. data/train.bin)")
+    if output.endswith(("/", os.sep)) or os.path.isdir(output):
+        raise ValueError(f"--output {output!r} is a folder: --output is the token file's path, "
+                         f"e.g. {os.path.join(output, 'train.bin')!r}")
+    folder = nearest_existing(os.path.dirname(os.path.abspath(output)))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {output!r} cannot be written: {folder!r} is a file, not a "
+                         f"folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--output {output!r} cannot be written: {folder!r} is not writable")
+    tokenizer_files = ([os.path.join(tokenizer_path, f) for f in os.listdir(tokenizer_path)]
+                       if os.path.isdir(tokenizer_path) else [tokenizer_path])
+    kept = {file_id(p): "one of the --input files" for p in inputs}
+    kept.update({file_id(p): f"a file of the --tokenizer {tokenizer_path!r}"
+                 for p in tokenizer_files if os.path.isfile(p)})
+    for path in outputs:
+        if os.path.isdir(path):
+            raise ValueError(f"--output would write {path!r}, which is a folder: choose another "
+                             f"--output")
+        if os.path.exists(path) and file_id(path) in kept:
+            raise ValueError(f"--output would write {path!r}, which is {kept[file_id(path)]}")
+        if os.path.exists(path) and not overwrite:
+            raise ValueError(f"{path!r} exists (an earlier run's output?): choose another "
+                             f"--output, or --overwrite to replace it")
+
+
+def file_id(path: str) -> tuple[int, int]:
+    """The file itself (links and other names of it alike)."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino
+
+
 def prepare(tokenizer_path, inputs, output, separator=None, separator_id=None, text_key="text",
             txt_lines=False, batch_size=256, progress=True, overwrite=False) -> dict:
     """Write the token file, its boundary index and its sidecar; return the summary. Refuses,
-    before reading anything, to write over an input or (unless overwrite) an earlier output."""
+    before reading any document, to write over an input, the tokenizer or (unless overwrite) an
+    earlier output (check_outputs)."""
     for path in inputs:
         if not os.path.exists(path):
             raise ValueError(f"--input {path!r} does not exist")
@@ -108,13 +152,7 @@ def prepare(tokenizer_path, inputs, output, separator=None, separator_id=None, t
     tokenizer = load_tokenizer(tokenizer_path)
     sep = choose_separator(tokenizer, separator, separator_id)
     outputs = [output, boundary_path(output), sidecar_path(output)]
-    inputs_real = {os.path.realpath(p) for p in inputs}
-    for path in outputs:
-        if os.path.realpath(path) in inputs_real:
-            raise ValueError(f"--output would write {path!r}, which is one of the --input files")
-        if os.path.exists(path) and not overwrite:
-            raise ValueError(f"{path!r} exists (an earlier run's output?): choose another "
-                             f"--output, or --overwrite to replace it")
+    check_outputs(outputs, inputs, tokenizer_path, overwrite)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab_size <= 2**16 else "uint32"
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")

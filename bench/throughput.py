@@ -64,6 +64,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import re
 import statistics
 import time
@@ -80,10 +81,12 @@ from model import get_model_args
 import plan as planner
 from bench import bound, ring
 from bench.report import (GpuClocks, claim_result, default_out_dir, end_distributed,
-                          refuse_without_gpu, release, synchronize, within_budget, write_result)
+                          refuse_without_gpu, release, result_path, synchronize, within_budget,
+                          write_result)
 from bench.step import with_layers
 from support.data import parse_tokens
-from support.runtime import read_machine, setup_runtime
+from support.errors import exit_on_error, quiet_unless_first_rank
+from support.runtime import check_layout, read_machine, setup_runtime
 from support.config import Config, checkpointed_layers, resolve_techniques, techniques_text
 
 train = importlib.import_module("train")
@@ -544,7 +547,13 @@ def plot(tables: list[list[dict]], path: Path, title: str) -> None:
     print(f"wrote {path}")
 
 
-def main():
+def main(argv=None):
+    """The command line: its flags checked (parse_args), then the run; a failure we explain ends
+    with `error: ...` and exit code 1 (support/errors.py), as train.py's."""
+    exit_on_error(lambda: bench(parse_args(argv)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--device", choices=["cuda", "cpu"],
@@ -584,12 +593,142 @@ def main():
     parser.add_argument("--recount", default=None, metavar="JSON",
                         help="no GPU, no run: this result's table against its own measured "
                              "rates, its GEMMs counted as bench/bound.py counts them now")
-    opts = parser.parse_args()
+    with quiet_unless_first_rank():  # argparse's errors and --help: once (torchrun)
+        opts = parser.parse_args(argv)
+        check_flags(parser, opts)
+    return opts
+
+
+# The flags, refused by name before anything is measured or written (argparse's error: one line
+# after the usage, exit code 2).
+
+METHOD_NAMES = ("none", "ring", "ulysses", "untied")
+METHOD_FORM = ("none, ring, ulysses, untied or untied:U, each optionally +host-state, "
+               "+keep-attention, +ring:R and @KERNEL (ulysses+ring:2@fa4)")
+RESULT_KEYS = {  # what each flag reads from its JSON files
+    "--plot": ("a bench.throughput result", ("model", "gpu", "gpu_count", "world_size", "table")),
+    "--recount": ("a bench.throughput result",
+                  ("model", "dtype", "world_size", "rows", "kernel_rates")),
+    "--rows-from": ("a bench.throughput result", ("model", "world_size", "rows")),
+    "--rates-from": ("a bench.throughput result",
+                     ("model", "dtype", "kernel_rates", "gemm_times_ms")),
+    "--bound-of": ("a bench.step or bench/peers result", ()),
+}
+
+
+def result_name(opts, world: int) -> str:
+    """The result's file name (without .json): --name, else the model, GPUs and device."""
+    return opts.name or (f"throughput_{opts.model}_{world}gpu"
+                         + ("" if opts.device == "cuda" else "_cpu"))
+
+
+def method_error(method: str) -> str | None:
+    """What is wrong with a --methods entry's form (what parse_method reads), or None."""
+    bare = method
+    for suffix in SUFFIXES:
+        bare = bare.replace(suffix, "")
+    bare, at, kernel = RING.sub("", bare).partition("@")
+    name, colon, chunk = bare.partition(":")
+    if name not in METHOD_NAMES:
+        return f"unknown method {name!r}: expected {METHOD_FORM}"
+    if colon and (name != "untied" or not chunk.isdigit() or int(chunk) < 1):
+        return f"only untied takes a head chunk, a whole number >= 1 (untied:2), got {bare!r}"
+    if at and kernel not in kernels.KERNELS:
+        return f"the attention kernel must be one of {', '.join(kernels.KERNELS)}, got {kernel!r}"
+    return None
+
+
+def check_flags(parser, opts) -> None:
+    """Every value refused by name (parser.error) before anything runs: counts, token counts,
+    methods (their form, and each row's layout on WORLD_SIZE processes, as setup_runtime checks
+    it), the JSON files read, and where the result goes (never over an earlier run's)."""
     if opts.rates_from and not opts.bound_of:
         parser.error("--rates-from is read by --bound-of: give the steps to bound")
     if opts.back_to_back_s and (not opts.bound_of or opts.rates_from):
         parser.error("--back-to-back-s runs the kernels of --bound-of's steps on this GPU: give "
                      "--bound-of FILES, without --rates-from")
+    for flag, value in (("--steps", opts.steps), ("--rate-repeats", opts.rate_repeats)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
+        parser.error(f"--budget-s must be a finite number of seconds > 0, got {opts.budget_s}")
+    if not (math.isfinite(opts.back_to_back_s) and opts.back_to_back_s >= 0):
+        parser.error(f"--back-to-back-s must be a finite number of seconds >= 0, "
+                     f"got {opts.back_to_back_s}")
+    validate = [entry.rpartition(":") for entry in opts.validate]
+    for entry, (method, colon, _) in zip(opts.validate, validate):
+        if not (colon and method):
+            parser.error(f"--validate {entry}: expected METHOD:LENGTH (ulysses:128K, "
+                         f"untied:2:512K)")
+    lengths = [("--seq-lens", text, text) for text in opts.seq_lens]
+    lengths += [("--validate", entry, text) for entry, (_, _, text) in zip(opts.validate, validate)]
+    lengths += [("--no-cp-up-to", opts.no_cp_up_to, opts.no_cp_up_to),
+                ("--single-step-above", opts.single_step_above, opts.single_step_above)]
+    for flag, given, text in lengths:
+        try:
+            parse_tokens(text)
+        except ValueError as error:
+            parser.error(f"{flag} {given}: {error}")
+    for flag, given, method in ([("--methods", m, m) for m in opts.methods]
+                                + [("--validate", entry, m)
+                                   for entry, (m, _, _) in zip(opts.validate, validate)]):
+        if method_error(method):
+            parser.error(f"{flag} {given}: {method_error(method)}")
+    try:
+        args = get_model_args(opts.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
+    if opts.name is not None and (opts.name in ("", ".", "..") or "/" in opts.name
+                                  or Path(opts.name).name != opts.name):
+        parser.error(f"--name must be a file name, no folder (the result goes in --out), "
+                     f"got {opts.name!r}")
+    for flag, (what, keys) in RESULT_KEYS.items():
+        given = getattr(opts, flag[2:].replace("-", "_"))
+        for path in [given] if isinstance(given, str) else given or []:
+            try:
+                saved = json.loads(Path(path).read_text())
+            except OSError as error:
+                parser.error(f"{flag} {path}: cannot read it ({error.strerror})")
+            except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+                parser.error(f"{flag} {path}: not a JSON file ({error})")
+            missing = [k for k in keys if k not in saved] if isinstance(saved, dict) else keys
+            if not isinstance(saved, dict) or missing:
+                parser.error(f"{flag} {path}: not {what}"
+                             + (f" (it has no {', '.join(missing)})" if missing else ""))
+    if opts.plot or opts.recount or (opts.bound_of and opts.rates_from):
+        return  # these read files and write no result
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not (opts.bound_of or opts.rows_from):  # else the rows are the files'
+        check_rows(parser, opts, args, world)
+    out_dir = Path(opts.out or default_out_dir())
+    if out_dir.exists() and not out_dir.is_dir():
+        parser.error(f"--out {out_dir} is a file: --out names the folder the result goes in")
+    try:
+        result_path(result_name(opts, world), str(out_dir))
+    except FileExistsError as error:
+        parser.error(str(error))
+
+
+def check_rows(parser, opts, args, world: int) -> None:
+    """Each row run_rows will run: its method at its length on `world` processes, refused here
+    as setup_runtime would refuse it later (resolve_techniques and check_layout)."""
+    base = alst_config(opts.model, opts.device, "float32")
+    no_cp_up_to = parse_tokens(opts.no_cp_up_to)
+    rows = [("--methods", m, parse_tokens(s)) for s in opts.seq_lens for m in opts.methods
+            if not (parse_method(m)[0] == "none" and parse_tokens(s) > no_cp_up_to)]
+    rows += [("--validate", m, parse_tokens(s))
+             for m, _, s in (v.rpartition(":") for v in opts.validate)]
+    for flag, method, seq_len in rows:
+        if parse_method(method)[0] == "ring" and opts.device == "cpu":
+            continue  # not run: the ring peer is CUDA only
+        try:
+            check_layout(method_config(base, method, opts.model, seq_len), world, args)
+        except ValueError as error:
+            parser.error(f"{flag} {method} at {seq_len:,} tokens on {world} process"
+                         f"{'es' * (world > 1)}: {error}")
+
+
+def bench(opts) -> None:
     if opts.recount:
         print_table(recount(opts.recount))
         return
@@ -628,8 +767,7 @@ def main():
               "attention_kernel": kernels.attention_kernel_name(rt.device, dtype, args.head_dim),
               "bound_note": bound.__doc__.split("\n\n")[0],
               "rows": [], "kernel_rates": {}, "matmul": {}, "gemm_times_ms": {}, "table": []}
-    name = opts.name or (f"throughput_{opts.model}_{rt.world}gpu"
-                         + ("" if opts.device == "cuda" else "_cpu"))
+    name = result_name(opts, rt.world)
     out_dir = Path(opts.out or default_out_dir())
     claim_result(name, out_dir)  # never over an earlier run's result
 

@@ -340,7 +340,17 @@ def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False) -> C
     cfg.dtype = flags.dtype or ("bfloat16" if cfg.device == "cuda" else "float32")
     if auto_on_gpu and cfg.device == "cuda" and not techniques_given(cfg):
         cfg.stack = AUTO
-    return resolve_techniques(cfg)
+    cfg = resolve_techniques(cfg)
+    # A command's tile size without its tiles would be taken silently (code that builds a
+    # Config may leave one set for levels without 04: it is not read there).
+    if cfg.stack != AUTO and cfg.mlp_tile_tokens is not None and not (cfg.tile_mlp
+                                                                       or cfg.tile_norm):
+        raise ValueError("--mlp-tile-tokens is a setting of --tile-mlp (and --tile-norm) (04): "
+                         "add one, or --stack 4 or higher")
+    if cfg.stack != AUTO and cfg.loss_tile_tokens is not None and not cfg.tile_loss:
+        raise ValueError("--loss-tile-tokens is a setting of --tile-loss (04): add it, or "
+                         "--stack 4 or higher")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,12 +391,6 @@ def resolve_techniques(cfg: Config) -> Config:
         cfg.documents = True
     if cfg.head_chunk is not None and not cfg.untied and not auto:
         raise ValueError("--head-chunk is a setting of --untied (05)")
-    if cfg.mlp_tile_tokens is not None and not (cfg.tile_mlp or cfg.tile_norm or auto):
-        raise ValueError("--mlp-tile-tokens is a setting of --tile-mlp (and --tile-norm) (04): "
-                         "add one, or --stack 4 or higher")
-    if cfg.loss_tile_tokens is not None and not (cfg.tile_loss or auto):
-        raise ValueError("--loss-tile-tokens is a setting of --tile-loss (04): add it, or "
-                         "--stack 4 or higher")
     if cfg.offload_model_state and not cfg.fsdp and not auto:
         raise ValueError("--offload-model-state is a setting of --fsdp (01): add --fsdp or "
                          "--stack 1 or higher")

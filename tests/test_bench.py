@@ -83,6 +83,74 @@ def test_throughput_plot_needs_no_gpu(tmp_path):
     assert saved.with_suffix(".png").stat().st_size > 0
 
 
+THROUGHPUT = ["--device", "cpu", "--model", "tiny", "--seq-lens", "256", "--methods", "ulysses"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--seq-lens", "0"], "--seq-lens 0: the token count must be positive"),
+    (["--seq-lens", "abc"], "--seq-lens abc: cannot read a token count"),
+    (["--validate", "bogus"], "--validate bogus: expected METHOD:LENGTH"),
+    (["--validate", "ulysses:x"], "--validate ulysses:x: cannot read a token count"),
+    (["--no-cp-up-to", "x"], "--no-cp-up-to x: cannot read a token count"),
+    (["--single-step-above", "x"], "--single-step-above x: cannot read a token count"),
+    (["--methods", "untied:3"], "the head chunk U (3) to divide the query heads (8)"),
+    (["--methods", "untied:0"], "only untied takes a head chunk, a whole number >= 1"),
+    (["--methods", "ulysses:2"], "only untied takes a head chunk"),
+    (["--methods", "ulysses@nope"], "the attention kernel must be one of auto, fa4"),
+    (["--methods", "bogus"], "--methods bogus: unknown method 'bogus'"),
+    (["--methods", "none+bogus"], "unknown method 'none+bogus'"),
+    (["--methods", "none+ring:2"], "--ring is a setting of --ulysses or --untied"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--steps", "-1"], "--steps must be at least 1, got -1"),
+    (["--budget-s", "-5"], "--budget-s must be a finite number of seconds > 0"),
+    (["--model", "nope"], "--model: unknown model preset 'nope'"),
+    (["--name", "../../x"], "--name must be a file name, no folder"),
+    (["--out", "EARLIER"], "is a file: --out names the folder"),
+    (["--plot", "MISSING"], "missing.json: cannot read it (No such file or directory)"),
+    (["--plot", "NOT_JSON"], "not_json.json: not a JSON file"),
+    (["--recount", "WRONG"], "wrong.json: not a bench.throughput result (it has no model"),
+    (["--rows-from", "WRONG"], "wrong.json: not a bench.throughput result"),
+    (["--bound-of", "A_LIST"], "a_list.json: not a bench.step or bench/peers result"),
+    ([], "holds an earlier run's result; give this run another --name (or --out)"),
+])
+def test_throughput_refuses_bad_flags_before_it_runs(flags, needle, tmp_path, monkeypatch,
+                                                     capsys):
+    """Every value bench.throughput reads is refused by name (argparse's error, exit code 2),
+    before a process group, a model or a result file: a length or method it cannot read or run
+    here, a count of steps, a result name with folders, a JSON file that is missing or not the
+    kind the flag reads, and a result file an earlier run wrote (kept as it is)."""
+    throughput = importlib.import_module("bench.throughput")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    earlier = tmp_path / "throughput_tiny_1gpu_cpu.json"  # this command's result's name
+    earlier.write_text('{"rows": ["an earlier run"]}')
+    files = {"EARLIER": earlier, "MISSING": tmp_path / "missing.json",
+             "NOT_JSON": tmp_path / "not_json.json", "WRONG": tmp_path / "wrong.json",
+             "A_LIST": tmp_path / "a_list.json"}
+    files["NOT_JSON"].write_text("rows: 1\n")
+    files["WRONG"].write_text('{"what": "peers"}')
+    files["A_LIST"].write_text("[1, 2]")
+    flags = [str(files.get(f, f)) for f in flags]
+    with pytest.raises(SystemExit) as stop:
+        throughput.main([*THROUGHPUT, "--out", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and needle in err.splitlines()[-1], err
+    assert earlier.read_text() == '{"rows": ["an earlier run"]}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["throughput_tiny_1gpu_cpu.json", "not_json.json", "wrong.json", "a_list.json"])
+
+
+def test_throughput_says_an_earlier_result_exists_without_a_traceback(tmp_path):
+    """The command line itself: the one-line refusal on stderr, no traceback, the file kept."""
+    earlier = tmp_path / "mine.json"
+    earlier.write_text("{}")
+    done = subprocess.run([sys.executable, "-m", "bench.throughput", *THROUGHPUT, "--name",
+                           "mine", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"error: {earlier} holds an earlier run's result" in done.stderr
+    assert earlier.read_text() == "{}"
+
+
 def _frame(path: str, function: str) -> dict:
     return {"filename": str(ROOT / path), "line": 1, "name": function}
 

@@ -395,6 +395,68 @@ def test_command_line_errors(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+def truncated_hf_folder(folder: Path) -> None:
+    """A Hugging Face folder of the tiny model whose weights file is cut short (a download that
+    stopped): its config.json is whole."""
+    from support import pretrained
+
+    args = llama.get_model_args("tiny")
+    pretrained.export_hf(llama.Transformer(args), args, str(folder))
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+PASSKEY = ["--task", "passkey"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{d}/old.png", "--overwrite-out"], "give a .json path"),  # the chart is the JSON
+    (["--out", ""], "--out is empty"),
+    (["--out", "{d}/", "--overwrite-out"], "is a folder"),
+    (["--out", "{d}/old", "--overwrite-out"], "is a folder"),
+    (["--out", "{d}/a.jsonl/x.json"], "a.jsonl is a file, not a folder"),
+    (["--compare", "{d}/old.json", "--out", "{d}/old.json", "--overwrite-out"],
+     "one of the --compare results"),
+    (PASSKEY + ["--alphabet", "26:16"], "--alphabet takes key ids LOW:HIGH with 0 <= LOW < HIGH"),
+    (PASSKEY + ["--alphabet", "5"], "--alphabet takes key ids LOW:HIGH"),
+    (PASSKEY + ["--depths", "x"], "--depths takes fractions of the context from 0 to 1"),
+    (PASSKEY + ["--depths", "0,1.5"], "--depths takes fractions"),
+    (PASSKEY + ["--filler-ids", "a,b"], "--filler-ids takes token ids >= 0"),
+    (PASSKEY + ["--marker-ids", ""], "--marker-ids takes token ids"),
+    (PASSKEY + ["--lengths", "1Q"], "--lengths: cannot read a token count"),
+    (PASSKEY + ["--tokenizer", "{d}/nope"], "--tokenizer {d}/nope: no such folder"),
+    (PASSKEY + ["--tokenizer", "{d}/a.jsonl"], "a file (it takes a Hugging Face tokenizer"),
+    (PASSKEY + ["--tokenizer", "{d}/old"], "not a tokenizer transformers can load"),
+    (PASSKEY + ["--data", "{d}/a.jsonl"], "--data applies to --task loss"),
+    (PASSKEY + ["--first-window", "2"], "--first-window applies to --task loss"),
+    (["--depths", "0,1"], "--depths applies to --task passkey"),
+    (["--init-from", "{d}/hf"], "model-00001-of-00001.safetensors"),
+], ids=["out_png", "out_empty", "out_slash", "out_folder", "out_under_a_file", "compare_input",
+        "alphabet_reversed", "alphabet_one_number", "depths_text", "depths_above_1",
+        "filler_text", "marker_empty", "lengths", "tokenizer_missing", "tokenizer_a_file",
+        "tokenizer_not_one", "passkey_data", "passkey_first_window", "loss_depths",
+        "init_from_truncated"])
+def test_bad_eval_input_is_one_line_before_work_and_keeps_files(tmp_path, capsys, argv, message):
+    """Each is refused as the flags are read (no model built, nothing written): `error: ...`
+    naming the flag and what it takes, exit code 1, and an earlier result untouched."""
+    (tmp_path / "old.json").write_text('{"task": "loss"}')
+    (tmp_path / "old.png").write_bytes(b"an earlier chart")
+    (tmp_path / "a.jsonl").write_text('{"text": "a document"}\n')
+    (tmp_path / "old").mkdir()
+    if "{d}/hf" in argv:
+        truncated_hf_folder(tmp_path / "hf")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "new.json")]
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main(["--seq-len", "32"] + argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message.replace("{d}", str(tmp_path)) in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 def test_planner_forward_only_needs_less_and_reaches_further():
     for stack in range(1, 6):
         cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**20, stack=stack,

@@ -297,10 +297,11 @@ def _packed_equals_documents(cases, path, lengths, batch_size=2, device="cpu", d
         stack, sp, ring, more = _case(*case)
         rows = more.get("batch_size", batch_size)
         # attn_kernel: the one this process was given (with_kernel), as setup_runtime sets it again
+        tiles = dict(mlp_tile_tokens=8, loss_tile_tokens=8) if stack >= 4 else {}  # (04's)
         cfg = Config(**{**dict(
             model=model_name, stack=stack, sp=sp, ring=ring, seq_len=SEQ_LEN, batch_size=rows,
-            data=path, doc_sep=SEP, mlp_tile_tokens=8, loss_tile_tokens=8, device=device,
-            dtype=dtype, attn_kernel=kernels._requested["kernel"]), **more})
+            data=path, doc_sep=SEP, device=device, dtype=dtype,
+            attn_kernel=kernels._requested["kernel"], **tiles), **more})
         cfg = resolve_techniques(cfg)
         rt = setup_runtime(cfg)
         model = train.build_model(cfg, rt)
@@ -691,3 +692,35 @@ def test_prepare_data_bad_input_leaves_nothing_and_keeps_an_earlier_output(tmp_p
         prepare_data.main(["--tokenizer", tokenizer, "--input", str(good), str(path),
                            "--output", str(out), "--overwrite"])
     assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--output", "{tok}/tokenizer.json", "--overwrite"], "a file of the --tokenizer"),
+    (["--output", "{tok}/tokenizer", "--overwrite"], "tokenizer.json', which is a file of the"),
+    (["--output", "{d}/a.jsonl", "--overwrite"], "one of the --input files"),
+    (["--output", ""], "--output is empty"),
+    (["--output", "{d}/old", "--overwrite"], "is a folder"),
+    (["--output", "{d}/new/"], "is a folder"),
+    (["--output", "{d}/a.jsonl/x.bin"], "a.jsonl' is a file, not a folder"),
+    (["--tokenizer", "{d}/a.jsonl", "--output", "{d}/x.bin"],
+     "a.jsonl' is not a tokenizer.json the tokenizers library reads"),
+], ids=["tokenizer_file", "tokenizer_folder_sidecar", "input", "empty", "folder",
+        "trailing_slash", "under_a_file", "not_a_tokenizer"])
+def test_prepare_data_refuses_an_output_before_tokenizing(tmp_path, capsys, monkeypatch, argv,
+                                                           message):
+    """An output that would destroy an input or the tokenizer (even with --overwrite), or that
+    cannot be a file, and a tokenizer that is not one: `error: ...`, one line, before any
+    document is read, every file as it was."""
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer = _local_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"text": "the cat sat"}\n')
+    (tmp_path / "old").mkdir()
+    monkeypatch.setattr(prepare_data, "read_documents", lambda *args: pytest.fail("tokenized"))
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    argv = [a.replace("{tok}", tokenizer).replace("{d}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as stopped:
+        prepare_data.main(["--tokenizer", tokenizer, "--input", str(tmp_path / "a.jsonl")] + argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err and "Errno" not in err, err
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before

@@ -51,14 +51,19 @@ def test_a_choice_falls_back_only_where_it_runs_out_of_memory(monkeypatch, tmp_p
 
     def run_child(opts, spec, seq_lens, steps, share_s, result, init_from=None):
         calls.append((spec, list(seq_lens)))
-        return [{"stack": spec, "seq_len": s, "status": canned[spec][s],
+        rows = [{"stack": spec, "seq_len": s, "status": canned[spec][s],
                  **({"tokens_per_s": 1000.0 / s, "step_time_s": 1.0, "peak_gib": 1.0}
                     if canned[spec][s] == "ok" else {})} for s in seq_lens]
+        result["rows"] += rows  # as run.run_child records them
+        return rows
 
     monkeypatch.setattr(run, "run_child", run_child)
-    result = run.main(["--stacks", "ours:5", "hf+nockpt|hf", "alst|alst+offload", "--model",
-                       "tiny", "--seq-lens", "256", "512", "1024", "--device", "cpu",
-                       "--out", str(tmp_path / "peers.json")])
+    with pytest.raises(SystemExit) as stop:  # alst's error: the runner's exit code says so
+        run.main(["--stacks", "ours:5", "hf+nockpt|hf", "alst|alst+offload", "--model",
+                  "tiny", "--seq-lens", "256", "512", "1024", "--device", "cpu",
+                  "--out", str(tmp_path / "peers.json")])
+    assert stop.value.code == 1
+    result = json.loads((tmp_path / "peers.json").read_text())  # written before the exit
     assert calls == [("ours:5", [256, 512, 1024]), ("hf+nockpt", [256, 512, 1024]),
                      ("hf", [512, 1024]), ("alst", [256, 512, 1024])]
     best = {(r["stack"], r["seq_len"]): r for r in result["best"]}
@@ -77,14 +82,64 @@ def test_a_choice_falls_back_only_where_it_runs_out_of_memory(monkeypatch, tmp_p
         ("alst|alst+offload", 256, "alst")}
 
 
-def test_ours_auto_is_train_pys_own_choice(tmp_path):
-    """ours:auto hands `--stack auto` to train.py's parser as a string: on a GPU its rows run
-    train.py's choice (plan.plan_run); on the CPU, which plans nothing, the row says so."""
-    out = tmp_path / "auto.json"
-    run.main(["--stacks", "ours:auto", "--model", "tiny", "--seq-lens", "256", "--steps", "1",
-              "--device", "cpu", "--out", str(out)])
-    row = json.loads(out.read_text())["rows"][0]
-    assert "--stack auto plans for GPUs" in row["status"], row
+PEERS = ["--model", "tiny", "--seq-lens", "256", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--stacks", "ours:1", "--model", "nope"], "--model: unknown model preset 'nope'"),
+    (["--stacks", "ours:9"], "ours takes a --stack level 0-5 or auto, got 9"),
+    (["--stacks", "hf|ours:6"], "a choice is among configurations of one stack"),
+    (["--stacks", "ours:auto"], "--stack auto plans for GPUs; on --device cpu give a level"),
+    (["--stacks", "ours:1", "--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+    (["--stacks", "ours:1", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--stacks", "ours:1", "--seq-lens", "0"], "--seq-lens: the token count must be positive"),
+    (["--stacks", "ours:1", "--check-loss", "abc"], "cannot read a token count from 'abc'"),
+    (["--stacks", "ours:1", "--budget-s", "0"], "--budget-s must be a finite number of seconds"),
+    (["--stacks", "ours:1", "--check-dir", "weights"], "add --check-loss"),
+    (["--stacks", "ours:1", "--check-loss", "64", "--check-dir", "FULL"], "is not empty"),
+    (["--stacks", "ours:1", "--check-loss", "64", "--check-dir", "FULL/kept.txt"],
+     "a file of that name exists"),
+])
+def test_bad_flags_are_refused_before_any_stack_runs(flags, needle, tmp_path, capsys):
+    """What every stack's process would fail on (a traceback each, the runner's exit code 0) or
+    take silently is refused by the runner, naming it, before anything runs; a --check-dir that
+    holds anything is never replaced by the check's export."""
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "kept.txt").write_text("an earlier run's")
+    flags = [str(full) + f[4:] if f.startswith("FULL") else f for f in flags]
+    with pytest.raises(SystemExit) as stop:
+        run.main([*PEERS, *flags, "--out", str(tmp_path / "peers.json")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and needle in err.splitlines()[-1], err
+    assert "Traceback" not in err and not (tmp_path / "peers.json").exists()
+    assert (full / "kept.txt").read_text() == "an earlier run's"
+
+
+@pytest.mark.parametrize("status,code", [("error: RuntimeError: a bug", 1),
+                                         ("not run: process ended (exit code 1): x", 1),
+                                         ("OOM: CUDA out of memory", 0),
+                                         ("not run: stopped at the end of its budget share", 0)])
+def test_the_runner_exits_non_zero_when_a_stack_fails_with_an_error(status, code, monkeypatch,
+                                                                    tmp_path, capsys):
+    """A row that ended in an error (or a process that ended without its row) makes the runner
+    exit with code 1, naming it, after the JSON and the table; running out of memory or out of
+    budget is a row like any other."""
+    def run_child(opts, spec, seq_lens, steps, share_s, result, init_from=None):
+        rows = [{"stack": spec, "seq_len": s, "status": status} for s in seq_lens]
+        result["rows"] += rows
+        return rows
+
+    monkeypatch.setattr(run, "run_child", run_child)
+    out = tmp_path / "peers.json"
+    try:
+        run.main([*PEERS, "--stacks", "hf", "--out", str(out)])
+        exit_code = 0
+    except SystemExit as stop:
+        exit_code = stop.code
+    err = capsys.readouterr().err
+    assert exit_code == code and json.loads(out.read_text())["rows"][0]["status"] == status
+    assert ("error: 1 row ended in an error" in err) == bool(code), err
 
 
 def test_rows_and_ratios_on_cpu(tmp_path):

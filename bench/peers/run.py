@@ -12,7 +12,9 @@ row's steps (reset before each), with each step's peak reserved memory and alloc
 (support.progress.allocator_retries) and the SM clock and power across the timed steps, or OOM
 / error with the first line of the message. Each stack's process runs the lengths in the order
 given (the model built once where the stack allows) and stops at its first failure: the longer
-lengths are marked skipped. The JSON (--out) is written again after every row; --profile adds
+lengths are marked skipped. Running out of memory is a row like any other; a row that ended in
+an error (or a stack's process that ended before reporting it) makes the runner exit with code 1,
+after the JSON and the table. The JSON (--out) is written again after every row; --profile adds
 to each row a profile of one more step (device time per kind of kernel, the GPU's idle time).
 --budget-s: a stack may use what is left of it when it starts, less --reserve-s for each stack
 after it (the stacks go in the order given: put first what matters most); a row whose estimated
@@ -42,6 +44,7 @@ weights looks like at this length: agreement well inside it means the same weigh
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -58,7 +61,10 @@ import torch
 from bench.peers.common import BEST, parse_choice, parse_spec, window
 from bench.report import (GpuClocks, profile, release, result_path, step_done,
                           write_result)
+from model import get_model_args
+from support.config import AUTO, MAX_STACK, Config, default_lr
 from support.data import parse_tokens
+from support.pretrained import check_export_dir
 from support.progress import allocator_retries
 
 GiB = 2**30
@@ -94,7 +100,21 @@ def main(argv=None):
         result["shortest_failure"] = shortest_failure(result["best"], opts.stacks)
     write(opts.out, result)
     print_table(result)
+    failed = failures(result["rows"])
+    if failed:  # out of memory is a row like any other; an error is not
+        row = failed[0]
+        print(f"error: {len(failed)} row{'s' * (len(failed) > 1)} ended in an error, not out of "
+              f"memory (the first: {row['stack']} at {row['seq_len']:,} tokens: "
+              f"{row['status'][:200]}); every row is in {opts.out}", file=sys.stderr, flush=True)
+        sys.exit(1)
     return result
+
+
+def failures(rows: list) -> list:
+    """The rows whose stack failed for another reason than memory or the budget: an error in
+    its process (status "error: ..."), or a process that ended before it reported the row."""
+    return [row for row in rows
+            if row.get("status", "").startswith(("error", "not run: process ended"))]
 
 
 BEST_NOTE = ("a choice's alternatives are tried fastest first at each length; the first that "
@@ -149,7 +169,7 @@ def parse_args(argv=None):
                              "hf[@fp32][+nockpt], or a choice A|B tried fastest first "
                              "(default: each stack at its best)")
     parser.add_argument("--model", default="llama3.2-3b", help="a preset of model.py")
-    parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=parse_tokens)
+    parser.add_argument("--seq-lens", nargs="+", default=["64K", "128K"], type=token_count)
     parser.add_argument("--steps", type=int, default=3, help="steps per row (the first warms up)")
     parser.add_argument("--budget-s", type=float, default=540.0)
     parser.add_argument("--reserve-s", type=float, default=60.0,
@@ -157,14 +177,16 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=None,
                         help="every stack's learning rate (default: train.py's for the model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--check-loss", type=parse_tokens, default=None, metavar="LEN",
+    parser.add_argument("--check-loss", type=token_count, default=None, metavar="LEN",
                         help="instead of timing: the stacks' first losses from the same weights")
     parser.add_argument("--check-dir", default=None,
-                        help="where --check-loss writes the shared weights (default: a temp dir)")
+                        help="where --check-loss writes the shared weights: a new or empty "
+                             "folder (default: a temp dir)")
     parser.add_argument("--profile", action="store_true",
                         help="one more step per row under torch.profiler: device time per kind "
                              "of kernel and the GPU's idle time (bench.report.profile)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="the JSON file (default: $OUT/peers.json)")
     # The child's own arguments (run by the parent, one process per stack):
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -173,13 +195,9 @@ def parse_args(argv=None):
     parser.add_argument("--init-from", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.steps < 1:
-        parser.error("--steps must be at least 1")
+        parser.error(f"--steps must be at least 1, got {opts.steps}")
     if opts.child is None:
-        for text in opts.stacks:
-            try:
-                parse_choice(text)
-            except ValueError as error:
-                parser.error(str(error))
+        check_flags(parser, opts)
         if opts.out is None:
             opts.out = str(Path(os.environ.get("OUT", ".")) / "peers.json")
         if not opts.out.endswith(".json"):
@@ -189,10 +207,59 @@ def parse_args(argv=None):
         except FileExistsError as error:
             parser.error(str(error))
         if opts.lr is None:  # train.py's for the model, passed to every stack
-            from support.config import Config, default_lr
-
             opts.lr = default_lr(Config(model=opts.model))
     return opts
+
+
+def token_count(text: str) -> int:
+    """--seq-lens' and --check-loss's type: parse_tokens, its refusal as argparse's message."""
+    try:
+        return parse_tokens(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def check_flags(parser, opts) -> None:
+    """The parent's flags, refused by name (parser.error) before any stack's process starts:
+    each would otherwise fail in every child (a traceback per stack) or be taken silently."""
+    for text in opts.stacks:
+        try:
+            specs = parse_choice(text)
+        except ValueError as error:
+            parser.error(str(error))
+        for spec in specs:
+            if spec.name == "ours" and spec.level != AUTO and not 0 <= spec.level <= MAX_STACK:
+                parser.error(f"stack {spec.text!r}: ours takes a --stack level 0-{MAX_STACK} or "
+                             f"auto, got {spec.level}")
+            if spec.name == "ours" and spec.level == AUTO and opts.device == "cpu":
+                parser.error(f"stack {spec.text!r}: --stack auto plans for GPUs; on --device cpu "
+                             f"give a level (ours:0 to ours:{MAX_STACK})")
+    try:
+        get_model_args(opts.model)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available here")
+    if opts.lr is not None and not (math.isfinite(opts.lr) and opts.lr >= 0):
+        parser.error(f"--lr must be a finite number >= 0, got {opts.lr}")
+    if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
+        parser.error(f"--budget-s must be a finite number of seconds > 0, got {opts.budget_s}")
+    if not (math.isfinite(opts.reserve_s) and opts.reserve_s >= 0):
+        parser.error(f"--reserve-s must be a finite number of seconds >= 0, got {opts.reserve_s}")
+    if opts.check_dir is not None:
+        check_dir = opts.check_dir
+        if opts.check_loss is None:
+            parser.error("--check-dir is where --check-loss writes its weights: add --check-loss")
+        if os.path.exists(check_dir) and not os.path.isdir(check_dir):
+            parser.error(f"--check-dir {check_dir}: a file of that name exists; name a new or "
+                         f"empty folder")
+        if os.path.isdir(check_dir) and os.listdir(check_dir):
+            parser.error(f"--check-dir {check_dir} is not empty: --check-loss would replace "
+                         f"what it holds with its weights; name a new or empty folder")
+        try:  # its parent must take the export's files
+            check_export_dir(check_dir)
+        except ValueError as error:
+            parser.error(f"--check-dir {check_dir}: {error}")
 
 
 def child_argv(opts, spec: str, seq_lens, steps: int, rows_file: str, deadline_s: float,
@@ -352,7 +419,10 @@ def run_stack(opts) -> None:
     try:
         stack = make_stack(spec, opts, device)
     except Exception as error:  # noqa: BLE001 - recorded as the rows' status
-        traceback.print_exc()
+        if isinstance(error, ValueError):  # a configuration the stack refuses: its message
+            print(f"error: {error}", flush=True)
+        else:
+            traceback.print_exc()
         status = failure_status(error)
         for seq_len in opts.seq_lens:
             emit({"row": {"stack": spec.text, "seq_len": seq_len, "status": status}})
@@ -517,8 +587,7 @@ def export_main(opts) -> None:
             model = build.build_model(args, device, seed=seed,
                                       exact_init=num_params(args) < 2e8)
             if seed == opts.seed:
-                pretrained.export_hf(model, args, opts.init_from, overwrite=True,
-                                     dtype=torch.bfloat16)
+                pretrained.export_hf(model, args, opts.init_from, dtype=torch.bfloat16)
             with torch.no_grad():
                 for param in model.parameters():
                     param.copy_(param.to(torch.bfloat16).float())
