@@ -204,8 +204,9 @@ def local_part(start: int, end: int, chunk_index: int, slot: int, chunk: int) ->
 
 
 def piece_kernel(queries: slice, keys: slice) -> str | None:
-    """One query or one key: the math kernel (exact and cheap there; cuDNN refuses length 1)."""
-    return "math" if min(queries.stop - queries.start, keys.stop - keys.start) == 1 else None
+    """The kernel for a block pair of `queries` and `keys` (None: the process's own)."""
+    return kernels.kernel_for_length(min(queries.stop - queries.start,
+                                         keys.stop - keys.start), None)
 
 
 # Autograd, and the model's seam: `ring_attention` has kernels.causal_attention's call signature.

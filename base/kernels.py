@@ -310,10 +310,11 @@ def _backward(kernel, grad_out, q, k, v, out, lse, causal: bool = True):
     return tuple(t.transpose(1, 2) for t in grads[:3])
 
 
-def _per_document(kernel: str | None, start: int, end: int) -> str | None:
-    """The kernel for one document of the loops below: a 1-token document goes to the math
-    kernel (exact, and cheap at one token), as cuDNN refuses key/value length 1."""
-    return "math" if end - start == 1 else kernel
+def kernel_for_length(tokens: int, kernel: str | None) -> str | None:
+    """The kernel for attention over `tokens` queries or keys (one document of the loops below,
+    one block pair of 06's ring): a single one goes to the math kernel (exact, and cheap at one
+    token), as cuDNN refuses key/value length 1."""
+    return "math" if tokens == 1 else kernel
 
 
 def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None,
@@ -336,7 +337,7 @@ def attention_forward_lse(q, k, v, kernel: str | None = None, cu_seqlens=None,
             outs, lses = [[] for _ in range(batch)], [[] for _ in range(batch)]
             for row, start, end in spans:
                 part = (slice(row, row + 1), slice(start, end))
-                alone = _per_document(kernel, start, end)
+                alone = kernel_for_length(end - start, kernel)
                 out, lse = attention_forward_lse(q[part], k[part], v[part], alone)
                 outs[row].append(out)
                 lses[row].append(lse)
@@ -368,7 +369,7 @@ def attention_backward_lse(grad_out, q, k, v, out, lse, kernel: str | None = Non
             for row, start, end in spans:
                 part = (slice(row, row + 1), slice(start, end))
                 lse_part = lse[row:row + 1, :, start:end]
-                alone = _per_document(kernel, start, end)
+                alone = kernel_for_length(end - start, kernel)
                 if alone == "math":
                     lse_part = lse_part.flatten(2)  # the math kernel's (1, H, s)
                 for collected, grad in zip(grads, attention_backward_lse(
