@@ -163,7 +163,11 @@ def relative_error(got, want) -> float:
 # significant bits). Measured on an H200 (docs/gpu_tests.json, the MQA dV probe): the sharded
 # dV's error 1.00-1.15x the unsharded run's over 20 draws. A broken step is off by far more: a
 # skipped optimizer step leaves the update 100% wrong, a dropped rank's gradient ~50%, a wrong
-# exchange ~100%.
+# exchange ~100%. The unsharded run shares every part of the step but the technique under test
+# (the model, base/fused.py's forms, the attention kernel, FSDP's mixed precision): a fault in a
+# shared part moves both runs and this rule cannot see it, so each shared part is held to the
+# plain computation by its own test (tests/test_fused.py: the fused forms against model.py's in
+# bf16; the kernels against SDPA: plain_attention_results).
 BF16_ERROR_FACTOR = 2.0
 BF16_ROUNDING = 2.0**-8
 
