@@ -347,6 +347,9 @@ def _offload_steps_equal_resident(steps):
     (model, optimizer, metrics, grads), (ref_model, ref_optimizer, ref_metrics, ref_grads) = (
         runs[True], runs[False])
     assert optimizer.defaults.get("fused") and ref_optimizer.defaults.get("fused")
+    # the flag acts (an equal run could have kept the state where it was): every FSDP group of
+    # the offloaded run carries the host policy, none of the resident one's
+    assert offload_policies(model) == {True} and offload_policies(ref_model) == {False}
     tight = dict(rtol=1e-6, atol=1e-7)
     for step in range(steps):
         for key in ("loss", "grad_norm"):
@@ -366,6 +369,14 @@ def _offload_steps_equal_resident(steps):
         state, ref_state = optimizer.state[param], ref_optimizer.state[ref]
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(full(state[key]), full(ref_state[key]), **tight)
+
+
+def offload_policies(model) -> set:
+    """Whether each FSDP group of `model` keeps its shards on the host (CPUOffloadPolicy)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    return {isinstance(m._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+            for m in model.modules() if isinstance(m, FSDPModule)}
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2,

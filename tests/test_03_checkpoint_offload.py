@@ -78,12 +78,25 @@ def _equal_with_and_without_checkpoint_and_offload():
         assert_matches(loss, grads, ref_loss, ref_grads, what=what)
         results[what] = (loss, grads)
     # --checkpoint-layers k < L: checkpointed alone, and offloaded with --keep-attention.
+    forward_lse, calls = kernels.attention_forward_lse, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward_lse(*args, **kwargs)
+
     for k, offloading in [(k, offloading) for k in range(1, L) for offloading in (False, True)]:
         cfg = Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=True,
                      offload=offloading, keep_attention=offloading, checkpoint_layers=k,
                      seq_len=SEQ, batch_size=ROWS)
         model, rt, _ = build_as_train(cfg)
-        loss = train.forward_backward(model, tokens, rt, labels)
+        calls.clear()
+        kernels.attention_forward_lse = counted
+        try:
+            loss = train.forward_backward(model, tokens, rt, labels)
+        finally:
+            kernels.attention_forward_lse = forward_lse
+        if offloading:  # kept: the k blocks' kernel ran in their forward, not in the recompute
+            assert len(calls) == k, (k, len(calls))
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         what = f"checkpoint_layers={k} offload={offloading} keep_attention={offloading} sp={sp}"
         assert_matches(loss, grads, ref_loss, ref_grads, what=what)
