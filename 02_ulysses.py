@@ -3,7 +3,8 @@
 The memory problem. After FSDP (01) the model state is 15 GiB per GPU, but every GPU still runs
 the whole 3M-token sequence. One attention layer alone holds Q and its output (3 x 2^20 tokens x
 32 heads x 128 x 2 bytes = 24 GiB each) plus K and V (6 GiB each), and backward keeps such
-tensors for every layer: the paper's chart needs 7680 GiB of attention activations per GPU.
+tensors for every layer: the Untied Ulysses paper's chart (arXiv 2602.21196) needs 7680 GiB of
+attention activations per GPU.
 
 The idea. Shard the sequence: rank r of P holds tokens [r*S/P, (r+1)*S/P) through embeddings,
 norms, MLPs and the loss, which are all per token. Attention is the one place tokens meet. There,
