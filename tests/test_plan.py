@@ -210,10 +210,10 @@ class KernelTensors(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _attention_bytes_match_the_code():
     """One attention layer (fp32, CPU) per method, with 2 KV heads and with 1 (replicated over
-    the ranks): the bytes it keeps for backward (02's measure_stage_memory: saved tensors and
-    the output, less the layer's input, rotary tables and projection weights, which are not its
-    own) equal saved_only=True; and each backward kernel call receives and returns the bytes
-    the peak formula names for it (before the GPU kernel's own workspace)."""
+    the ranks): the bytes it keeps for backward (support/demos.py's measure_stage_memory: saved
+    tensors and the output, less the layer's input, rotary tables and projection weights, which
+    are not its own) equal saved_only=True; and each backward kernel call receives and returns
+    the bytes the peak formula names for it (before the GPU kernel's own workspace)."""
     for n_kv_heads in (2, 1):
         _attention_layer_bytes(llama.ModelArgs(dim=256, n_layers=1, n_heads=8,
                                                n_kv_heads=n_kv_heads, head_dim=32, ffn_dim=512,
