@@ -139,7 +139,7 @@ def make_optimizer(model, cfg: Config):
     if cfg.offload_model_state:
         use_this_ranks_cores()  # the host steps it
     settings = {"lr": learning_rate(cfg, 0), "weight_decay": cfg.weight_decay,
-                "betas": (0.9, 0.95)}
+                "betas": config.ADAMW_BETAS}
     if cfg.overlap_optimizer:  # 08: each block's update behind its next forward
         return optimizer_overlap.apply_optimizer_overlap(model, **settings)
     return torch.optim.AdamW(model.parameters(), fused=True, **settings)

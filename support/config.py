@@ -27,6 +27,7 @@ UNTIED_LEVEL = dict(TECHNIQUES)["untied"]  # from here 05 takes 02's seam
 MAX_STEPS = 2**31  # (tqdm and the schedule's arithmetic want a C long; nobody trains longer)
 AUTO = "auto"  # --stack auto: the planner picks the techniques (plan.plan_run)
 MAX_TOKENS = 2**31  # per data-parallel rank and micro-batch
+ADAMW_BETAS = (0.9, 0.95)  # the recipe's AdamW (train.make_optimizer; bench/peers steps with it)
 # The flags that choose techniques or their settings: a GPU run given none of them takes
 # --stack auto; under auto each one given is kept (a constraint on what the planner ranks).
 TECHNIQUE_FIELDS = ("stack", *(flag for flag, _ in TECHNIQUES), "tile_norm", "offload_model_state",

@@ -5,12 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
-# Every stack steps with these AdamW settings (train.py's), so that the loss check's second step
-# compares the same update; the recipe's own (ArcticTraining: betas 0.9/0.999, weight decay 0.1)
-# change no step time.
-BETAS = (0.9, 0.95)
-WEIGHT_DECAY = 0.0
-GRAD_CLIP = 1.0
+from support.config import ADAMW_BETAS, DEFAULTS
+
+# Every stack steps with these AdamW settings (train.py's defaults), so that the loss check's
+# second step compares the same update; ALST's recipe's own (ArcticTraining: betas 0.9/0.999,
+# weight decay 0.1) change no step time.
+BETAS = ADAMW_BETAS
+WEIGHT_DECAY = DEFAULTS.weight_decay
+GRAD_CLIP = DEFAULTS.grad_clip
 
 SPEC = re.compile(r"^(?P<name>ours|alst|hf)(:(?P<level>\d+|auto))?(@(?P<variant>[\w.-]+))?"
                   r"(?P<offload>\+offload)?(?P<overlap>\+(no)?overlap)?(?P<nockpt>\+nockpt)?$")
