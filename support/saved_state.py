@@ -330,8 +330,9 @@ def check_outputs(cfg) -> None:
                                  f"{cfg.export_hf!r}, which the export replaces: choose "
                                  f"another folder for one of them")
     if cfg.save_dir:
-        for folder in [cfg.save_dir, *parents_of(cfg.save_dir)]:
-            if os.path.isfile(os.path.join(folder, "meta.json")):
+        for folder in [cfg.save_dir, *parents_of(cfg.save_dir)]:  # a save: step_N/meta.json
+            if (os.path.basename(folder).startswith("step_")
+                    and os.path.isfile(os.path.join(folder, "meta.json"))):
                 raise ValueError(f"--save-dir {cfg.save_dir!r} is inside the saved state "
                                  f"{folder!r}: name the folder that holds the step_* folders")
         if cfg.resume and not complete_saves(cfg.save_dir):
