@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from bench.report import GpuClocks, event_times_ms, release, synchronize
+from bench.report import GpuClocks, event_times_ms, release, synchronize, upper_median
 from base import kernels
 from support.config import checkpointed_layers
 from support.lessons import tiling, untied_sp as untied
@@ -100,9 +100,6 @@ def attention_rate(args, seq_len: int, device, dtype, repeats: int = 3) -> dict:
         q.grad = k.grad = v.grad = None
         kernels.causal_attention(q, k, v).backward(grad)
 
-    def median(times):
-        return sorted(times)[len(times) // 2]
-
     through_step = event_times_ms(step_call, warmup=1, repeats=repeats, inputs=sets,
                                   device=device)
     sets = [(q.detach(), k.detach(), v.detach(), grad) for q, k, v, grad in sets]
@@ -115,8 +112,8 @@ def attention_rate(args, seq_len: int, device, dtype, repeats: int = 3) -> dict:
                               inputs=sets, device=device)
     sets = None  # frees them before the rows that follow
     release(torch.device(device))
-    alone_ms = median(forward) + median(backward)
-    best_ms = min(median(through_step), alone_ms)
+    alone_ms = upper_median(forward) + upper_median(backward)
+    best_ms = min(upper_median(through_step), alone_ms)
     return {"attention_flops_per_s": attention_flops(args, seq_len) / (best_ms / 1e3),
             "attention_rate_seq_len": seq_len,
             "attention_layout": f"{args.n_heads} query / {args.n_kv_heads} KV heads, "
@@ -208,7 +205,7 @@ def time_gemm(m: int, k: int, n: int, device, dtype, repeats: int = 5) -> dict:
     times = {}
     for name, product in products.items():
         ms = event_times_ms(product, warmup=1, repeats=repeats, inputs=sets, device=device)
-        times[name] = round(sorted(ms)[len(ms) // 2], 4)
+        times[name] = round(upper_median(ms), 4)
     return times
 
 

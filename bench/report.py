@@ -156,8 +156,12 @@ def allocate_adam_state(model, optimizer):
 def cuda_time_ms(fn, warmup: int = 1, repeats: int = 3, inputs: list | None = None,
                  device=None) -> float:
     """Median milliseconds of fn() after warm-up (`event_times_ms`)."""
-    times = sorted(event_times_ms(fn, warmup, repeats, inputs, device))
-    return times[len(times) // 2]
+    return upper_median(event_times_ms(fn, warmup, repeats, inputs, device))
+
+
+def upper_median(times: list) -> float:
+    """The middle of `times` (of an even count, the upper of the two: a time that was run)."""
+    return sorted(times)[len(times) // 2]
 
 
 def event_times_ms(fn, warmup: int = 1, repeats: int = 3, inputs: list | None = None,
