@@ -283,7 +283,7 @@ def untied_attend(x, rope, attn, group, head_chunk, cu_seqlens=None, attention=(
     cu_seqlens: packed documents' global boundaries, applied unchanged in every stage.
     attention: a stage's (forward, backward) instead of the kernel's (06's ring)."""
     cos, sin = rope
-    sp = group_size(group)
+    sp = ranks_of(group)
     q_norm = None if attn.q_norm is None else attn.q_norm.weight
     k_norm = None if attn.k_norm is None else attn.k_norm.weight
     eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
@@ -299,7 +299,7 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None, attention=
     replaced, so this works on a meta-device model before FSDP shards it. attention: each
     stage's (forward, backward) with log-sum-exp, if not the kernel's (06 passes its ring's)."""
     args = model.args
-    sp = group_size(group)
+    sp = ranks_of(group)
     head_chunk = check_head_chunk(args.n_heads, args.n_kv_heads, sp, head_chunk)
     for block in model.layers:
         attn = block.self_attn
@@ -307,7 +307,7 @@ def apply_untied_ulysses(model, group, head_chunk: int | None = None, attention=
                               attention=tuple(attention))
 
 
-def group_size(group) -> int:
+def ranks_of(group) -> int:
     """P, the ranks of `group` (1 in a process without torch.distributed: the demo, tests)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 

@@ -583,7 +583,8 @@ def check_task_flags(opts) -> None:
         given += [name for name in ("data", "data_dtype")
                   if getattr(opts, name) != getattr(config.DEFAULTS, name)]
     if given:
-        why = ("a passkey sequence is made of filler, marker and key ids, not read from --data"
+        why = ("passkey makes its own sequences of filler, marker and key ids: it reads no "
+               "windows of --data"
                if opts.task == "passkey" else "--task loss reads windows of --data")
         raise ValueError(f"{', '.join(flag_name(n) for n in given)} "
                          f"appl{'ies' if len(given) == 1 else 'y'} to --task {other}, not to "

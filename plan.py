@@ -627,7 +627,9 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
     if cfg.checkpoint_layers is not None:  # the fewest checkpointed blocks that fit
         k = fewest_checkpointed_layers_that_fit(cfg, world_size, gpu_mem)
         changes.append((f"--checkpoint-layers {k}", replace(cfg, checkpoint_layers=k), world_size))
-    changes += [(f"--stack {level}",  # (from 05's level its Untied Ulysses takes 02's place)
+    # (from 05's level its Untied Ulysses takes 02's place: --ulysses goes)
+    changes += [(f"--stack {level}" + (" without --ulysses" if cfg.ulysses
+                                       and level >= UNTIED_LEVEL else ""),
                  replace(cfg, stack=level, ulysses=cfg.ulysses and level < UNTIED_LEVEL),
                  world_size) for level in range(stack_level(cfg) + 1, MAX_STACK + 1)]
     if cfg.fsdp and not cfg.offload_model_state and not cfg.overlap_optimizer:
@@ -642,7 +644,8 @@ def what_would_fit(cfg: Config, world_size: int, gpu_mem: int, host_mem: int,
                     for chunk in chunks if chunk < cfg.head_chunk]
     if cfg.keep_attention:
         changes.append(("without --keep-attention", replace(cfg, keep_attention=False), world_size))
-    changes += [(f"--gpus {world_size * k}", cfg, world_size * k) for k in (2, 4, 8, 16)]
+    changes += [(f"--gpus {world_size * k}", cfg, world_size * k) for k in (2, 4, 8, 16)
+                if world_size * k <= gpus_per_node or world_size * k % gpus_per_node == 0]
     for change, candidate, gpus in changes:
         try:
             candidate, plan = plan_with_head_chunk(resolve_techniques(candidate), gpus, gpu_mem)
@@ -1498,7 +1501,7 @@ def plan_main(argv) -> str:
     if longest:  # each row sets its own length and techniques (plan_levels): the base needs
         # none of them, but --offload-model-state alone is refused without FSDP
         opts.seq_len, opts.fsdp = str(config.DEFAULTS.seq_len), True
-    cfg = config.config_from_flags(opts)
+    cfg = config.config_from_flags(opts, reads_weights=False)
     host_mem = parse_bytes(opts.host_mem or DEFAULT_HOST_MEM)
     # A GPU named by --gpu brings its own memory, as a run on it would see it.
     gpu_mem = (parse_bytes(opts.gpu_mem) if opts.gpu_mem is not None

@@ -120,7 +120,7 @@ def check_outputs(outputs, inputs, tokenizer_path: str, overwrite: bool) -> None
                        if os.path.isdir(tokenizer_path) else [tokenizer_path])
     kept = {file_id(p): "one of the --input files" for p in inputs}
     kept.update({file_id(p): f"a file of the --tokenizer {tokenizer_path!r}"
-                 for p in tokenizer_files if os.path.isfile(p)})
+                 for p in tokenizer_files if os.path.isfile(p) and not earlier_output(p)})
     for path in outputs:
         if os.path.isdir(path):
             raise ValueError(f"--output would write {path!r}, which is a folder: choose another "
@@ -130,6 +130,14 @@ def check_outputs(outputs, inputs, tokenizer_path: str, overwrite: bool) -> None
         if os.path.exists(path) and not overwrite:
             raise ValueError(f"{path!r} exists (an earlier run's output?): choose another "
                              f"--output, or --overwrite to replace it")
+
+
+def earlier_output(path: str) -> bool:
+    """Whether `path` is a token file this script wrote, or its index or sidecar (a token file
+    with both beside it): in the tokenizer's folder such files are outputs, not the tokenizer."""
+    bases = {path, path.removesuffix(".json"), path.removesuffix(".docs")}
+    return any(os.path.isfile(base) and os.path.isfile(sidecar_path(base))
+               and os.path.isfile(boundary_path(base)) for base in bases)
 
 
 def file_id(path: str) -> tuple[int, int]:

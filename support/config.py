@@ -325,10 +325,13 @@ def flags_parser(groups, **parser_options) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False) -> Config:
+def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False,
+                      reads_weights: bool = True) -> Config:
     """The Config of parsed flags, its techniques resolved; a field the command has no flag
     for keeps its default. auto_on_gpu (training): a GPU run given no technique flag takes
-    --stack auto, the planner's fastest configuration that fits."""
+    --stack auto, the planner's fastest configuration that fits. reads_weights: the command
+    loads --init-from's weights (the planner reads its config.json alone), so a damaged file
+    is named now, not after --overwrite cleared the outputs."""
     if flags.init_from and flags.model is not None:
         raise ValueError(f"--model {flags.model} and --init-from: the --init-from folder's "
                          f"config.json names the model, --model would be ignored; drop --model")
@@ -342,15 +345,18 @@ def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False) -> C
     if auto_on_gpu and cfg.device == "cuda" and not techniques_given(cfg):
         cfg.stack = AUTO
     cfg = resolve_techniques(cfg)
+    if reads_weights and cfg.init_from:
+        pretrained.check_weight_files(cfg.init_from)
     # A command's tile size without its tiles would be taken silently (code that builds a
     # Config may leave one set for levels without 04: it is not read there).
     if cfg.stack != AUTO and cfg.mlp_tile_tokens is not None and not (cfg.tile_mlp
                                                                        or cfg.tile_norm):
         raise ValueError("--mlp-tile-tokens is a setting of --tile-mlp (and --tile-norm) (04): "
-                         "add one, or --stack 4 or higher")
+                         "add one, --stack 4 or higher, or --stack auto (on GPUs: the planner "
+                         "then tiles the MLP at that size)")
     if cfg.stack != AUTO and cfg.loss_tile_tokens is not None and not cfg.tile_loss:
-        raise ValueError("--loss-tile-tokens is a setting of --tile-loss (04): add it, or "
-                         "--stack 4 or higher")
+        raise ValueError("--loss-tile-tokens is a setting of --tile-loss (04): add it, "
+                         "--stack 4 or higher, or --stack auto (on GPUs)")
     return cfg
 
 
@@ -422,8 +428,9 @@ def resolve_techniques(cfg: Config) -> Config:
                          f"step's micro-batches are read as one window)")
     if cfg.steps > MAX_STEPS:
         raise ValueError(f"--steps must be at most {MAX_STEPS:,}, got {cfg.steps}")
-    if not 0 <= cfg.seed < 2**63:
-        raise ValueError(f"--seed must be a whole number from 0 to 2^63 - 1, got {cfg.seed}")
+    if not 0 <= cfg.seed < 2**32:  # (the data's and the weights' generators derive seeds from
+        # it, seed x 1,000,003 + an index, which must stay a 64-bit seed)
+        raise ValueError(f"--seed must be a whole number from 0 to 2^32 - 1, got {cfg.seed}")
     if cfg.rope_theta is not None and not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
         raise ValueError(f"--rope-theta must be a finite number > 0 (the rotary base), got "
                          f"{cfg.rope_theta}")
@@ -463,8 +470,6 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--save-every must be >= 0")
     if cfg.export_hf:
         pretrained.check_export_dir(cfg.export_hf, cfg.overwrite_export)
-    if cfg.init_from:  # a damaged download: said now, not after --overwrite cleared the outputs
-        pretrained.check_weight_files(cfg.init_from)
     return cfg
 
 

@@ -41,6 +41,7 @@ from model import ROPE_SCALINGS, ModelArgs
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 # Tensors some older checkpoints carry that are recomputed, not learned: skipped on load.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Fields that mean a mixture of experts (any of them set: refused).
@@ -246,23 +247,24 @@ def checkpoint_files(path: str) -> dict[str, str]:
 
 def safetensors_header(file: str) -> dict:
     """A safetensors file's header, tensor name -> {dtype, shape, data_offsets}, read without its
-    data; a ValueError naming the file where the header is damaged or the file is shorter than
-    the header says (an interrupted download)."""
+    data; a ValueError naming the file where the header is damaged or the file is not as long
+    as the header says (an interrupted download), as safetensors itself would refuse it later."""
     size = os.path.getsize(file)
     try:
         with open(file, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(length)) if 8 + length <= size else None
-    except (OSError, ValueError) as caught:  # (JSON and UTF-8 errors are ValueErrors)
-        raise ValueError(f"{file!r} is not a readable safetensors file: {caught}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{file!r} is not a readable safetensors file: its header is cut off "
-                         f"or damaged ({size:,} bytes)")
-    header.pop("__metadata__", None)
-    needed = 8 + length + max((t["data_offsets"][1] for t in header.values()), default=0)
-    if size < needed:
-        raise ValueError(f"{file!r} is cut short: its header promises {needed:,} bytes, the file "
-                         f"has {size:,} (an interrupted download?)")
+            if not 8 + length <= min(size, 8 + MAX_HEADER_BYTES):
+                raise ValueError(f"its header's length ({length:,} bytes) does not fit the file")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as caught:
+        raise ValueError(f"{file!r} is not a readable safetensors file ({size:,} bytes): "
+                         f"{caught}") from None
+    if size != 8 + length + end:
+        raise ValueError(f"{file!r} is {'cut short' if size < 8 + length + end else 'too long'}: "
+                         f"its header promises {8 + length + end:,} bytes, the file has {size:,}"
+                         + (" (an interrupted download?)" if size < 8 + length + end else ""))
     return header
 
 

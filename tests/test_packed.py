@@ -724,3 +724,19 @@ def test_prepare_data_refuses_an_output_before_tokenizing(tmp_path, capsys, monk
     assert stopped.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err and "Errno" not in err, err
     assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+
+
+def test_prepare_data_replaces_its_own_output_in_the_tokenizer_folder(tmp_path, capsys):
+    """A token file written into the tokenizer's folder is an output, not the tokenizer: a rerun
+    with --overwrite replaces it (and its index and sidecar); the tokenizer's files stay."""
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer = _local_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"text": "the cat sat"}\n')
+    out = str(tmp_path / "tok" / "train.bin")
+    argv = ["--tokenizer", tokenizer, "--input", str(tmp_path / "a.jsonl"), "--output", out]
+    prepare_data.main(argv)
+    tokenizer_files = {p: p.read_bytes() for p in (tmp_path / "tok").iterdir()
+                       if not p.name.startswith("train.bin")}
+    prepare_data.main(argv + ["--overwrite"])
+    assert "wrote" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in tokenizer_files} == tokenizer_files

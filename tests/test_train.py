@@ -101,7 +101,8 @@ def error_of(argv, capsys) -> str:
     (["--rope-theta", "0"], "--rope-theta must be a finite number > 0"),
     (["--rope-scaling", "yarn", "--rope-factor", "2", "--rope-original-context", "-5"],
      "--rope-original-context must be at least 1 token, got -5"),
-    (["--seed", "-1"], "--seed must be a whole number from 0 to 2^63 - 1, got -1"),
+    (["--seed", "-1"], "--seed must be a whole number from 0 to 2^32 - 1, got -1"),
+    (["--seed", str(10**14)], "--seed must be a whole number from 0 to 2^32 - 1"),
     (["--steps", str(10**23)], "--steps must be at most 2,147,483,648"),  # tqdm's C long
     (["--seq-len", "64", "--grad-accum", str(10**11)], "x --grad-accum 100000000000 is more "
      "than 2,147,483,648 tokens a step"),  # (it built the step's window: a hang)
