@@ -135,7 +135,7 @@ class TokenData:
         if self.tokens is not None and info.get("tokens") not in (None, self.tokens.numel()):
             raise ValueError(f"{sidecar_path(cfg.data)} says {info['tokens']} tokens, but "
                              f"{cfg.data} holds {self.tokens.numel()}: the files do not match")
-        self.packed = bool(getattr(cfg, "documents", False))
+        self.packed = bool(cfg.documents)
         # The file says where its documents are, but training was not asked to keep them apart.
         self.documents_ignored = not self.packed and not synthetic and (
             info.get("separator_id") is not None or os.path.isfile(boundary_path(cfg.data)))
@@ -256,7 +256,7 @@ def read_sidecar(path: str, vocab_size: int) -> dict:
 
 def check_dtype(cfg, info: dict) -> str:
     """--data-dtype, else the sidecar's, else uint16; a contradiction between them is an error."""
-    given, recorded = getattr(cfg, "data_dtype", None), info.get("dtype")
+    given, recorded = cfg.data_dtype, info.get("dtype")
     if given and recorded and given != recorded:
         raise ValueError(f"--data-dtype {given}, but {sidecar_path(cfg.data)} says the ids are "
                          f"{recorded}")
@@ -270,7 +270,7 @@ def document_separator(cfg, info: dict, eos_id, vocab_size: int, has_index: bool
     """The token that ends a document: --doc-sep, else the sidecar's, else the model's EOS id;
     None only when a boundary index says where documents start. ValueError otherwise, or when it
     is not a token of the vocabulary."""
-    given, recorded = getattr(cfg, "doc_sep", None), info.get("separator_id")
+    given, recorded = cfg.doc_sep, info.get("separator_id")
     if given is not None and recorded is not None and given != recorded:
         raise ValueError(f"--doc-sep {given}, but {sidecar_path(cfg.data)} says the documents "
                          f"were separated with {recorded}")

@@ -28,7 +28,8 @@ train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(*args, timeout=180):
+def run_script(*args, timeout=240):
+    """python ARGS in a fresh process from the repository root (one thread: the busy CI)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -8,8 +8,6 @@ import io
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from ranks import run_ranks
 from reference import (assert_within_bf16_error, full, parameter_updates, relative_error,
                        techniques_applied, techniques_of)
 from test_01_fsdp import _train_recording_grads  # steps, and the gradients the optimizer saw
-from test_train import error_of  # the one helper: run train.main, return its error text
+from test_train import error_of, run_script  # train.main's error text; a fresh process
 
 import plan as planner
 from support import config, errors, progress, saved_state
@@ -29,12 +27,6 @@ from support.config import Config, resolve_techniques
 train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
-
-
-def run_script(*args, timeout=240):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 # ---------------------------------------------------------------------------------------------
