@@ -541,6 +541,9 @@ def parse_eval_args(argv):
     return opts, cfg
 
 
+CHART_SUFFIXES = (".png", ".pdf", ".svg")  # what matplotlib writes by the name alone
+
+
 def output_paths(opts) -> tuple[Path, Path]:
     """(the result's JSON, its chart), or (the chart, the chart) with --compare. --out is a file
     path; a run's chart is that path ending in .png. Refused before any work: an empty --out, a
@@ -555,6 +558,9 @@ def output_paths(opts) -> tuple[Path, Path]:
         raise ValueError(f"--out {opts.out} is a folder: --out is the result's file path, e.g. "
                          f"{out / default.name}")
     chart = out if opts.compare else out.with_suffix(".png")
+    if opts.compare and out.suffix.lower() not in CHART_SUFFIXES:
+        raise ValueError(f"--out {out} with --compare is the chart's path: end it in "
+                         f"{', '.join(CHART_SUFFIXES)} (e.g. {out.with_suffix('.png')})")
     if not opts.compare and out.suffix.lower() == ".png":
         raise ValueError(f"--out {out} is the JSON result's path, and its chart is that path "
                          f"ending in .png: give a .json path, e.g. {out.with_suffix('.json')}")

@@ -416,7 +416,7 @@ PASSKEY = ["--task", "passkey"]
     (["--out", "{d}/old", "--overwrite-out"], "is a folder"),
     (["--out", "{d}/a.jsonl/x.json"], "a.jsonl is a file, not a folder"),
     (["--compare", "{d}/old.json", "--out", "{d}/old.json", "--overwrite-out"],
-     "one of the --compare results"),
+     "with --compare is the chart's path: end it in .png"),  # (so never a JSON input)
     (PASSKEY + ["--alphabet", "26:16"], "--alphabet takes key ids LOW:HIGH with 0 <= LOW < HIGH"),
     (PASSKEY + ["--alphabet", "5"], "--alphabet takes key ids LOW:HIGH"),
     (PASSKEY + ["--depths", "x"], "--depths takes fractions of the context from 0 to 1"),
