@@ -40,7 +40,16 @@ def _attention_matches_unsharded(device="cpu", dtype=torch.float32, head_dim=16)
         reference = _attention_results(q, k, v, grad_out, local)  # fp32, unsharded, on the CPU
         # Ulysses: each rank holds its token slice.
         mine = [t[:, local].to(device, dtype).requires_grad_() for t in (q, k, v)]
-        out = ulysses.ulysses_attention(*mine, group=dist.group.WORLD)
+        shapes = []
+
+        def kernel(q, k, v, *rest, **options):  # what the kernel is given: the head layout
+            shapes.append(tuple(q.shape))
+            return kernels.causal_attention(q, k, v, *rest, **options)
+
+        out = ulysses.ulysses_attention(*mine, group=dist.group.WORLD, kernel=kernel)
+        # the technique acts: all S tokens of H/P heads (an all-gather of everything computes
+        # the same numbers from all heads)
+        assert shapes == [(batch, seq_len, n_heads // sp, head_dim)], shapes
         out.backward(grad_out[:, local].to(device, dtype))
         got = {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", mine)}}
         what = f"P={sp} heads={n_heads} kv={n_kv_heads}"

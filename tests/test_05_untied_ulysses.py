@@ -490,3 +490,24 @@ def test_attention_layer_nccl_bf16_matches_fp32_reference(kernel):
     cases = [(8, 2), (8, 1)] if kernel == "fa4" else None
     run_ranks(2, with_kernel, kernel, _layer_matches, "cuda", torch.bfloat16, GPU_HEAD_DIM, cases,
               backend="nccl")
+
+
+def test_the_head_chunk_sets_the_stages_a_layer_runs(monkeypatch):
+    """apply_untied_ulysses with U: each layer's forward runs the kernel once per stage, H/U
+    times (one process, P = 1); a model that ignored U computes the same numbers."""
+    args = llama.get_model_args("tiny")
+    calls = []
+    forward_lse = kernels.attention_forward_lse
+
+    def counted(*a, **k):
+        calls.append(1)
+        return forward_lse(*a, **k)
+
+    monkeypatch.setattr(kernels, "attention_forward_lse", counted)
+    tokens = torch.randint(0, args.vocab_size, (1, 16))
+    for head_chunk in untied.valid_head_chunks(args, 1):
+        model = llama.Transformer(args)
+        untied.apply_untied_ulysses(model, None, head_chunk=head_chunk)
+        calls.clear()
+        model(tokens, torch.arange(16)[None])
+        assert len(calls) == args.n_layers * args.n_heads // head_chunk, (head_chunk, calls)

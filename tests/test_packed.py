@@ -175,6 +175,8 @@ def test_synthetic_documents_end_with_the_separator():
 
 def test_document_kernels_equal_attention_per_document():
     check_document_kernels((0, 5, 6, 24, 30, 48))  # row 0: 5, 1, 18 tokens; row 1: 6, 18
+    # one document more than the rows: the fewest a dense path must never take as one
+    check_document_kernels((0, 5, 24, 48))  # row 0: 5, 19 tokens; row 1: whole
 
 
 def test_a_one_token_document_never_reaches_a_kernel(monkeypatch):
