@@ -27,6 +27,7 @@ def _fsdp_steps_match_single_process(steps, rtol=1e-5, atol=1e-6):
     rt = setup_runtime(cfg)
     model = train.build_model(cfg, rt)
     optimizer = train.make_optimizer(model, cfg)
+    _blocks_resharded_after_forward(model)
     # The reference: one process, no FSDP, fp32, the whole global batch.
     ref_cfg = Config(model="tiny", seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK * world)
     ref_rt = Runtime()
@@ -88,6 +89,20 @@ def _backward_divides_no_copy_of_the_gradients():
                  if e.name.startswith("aten::div") and e.self_cpu_memory_usage >= smallest_group]
     assert not divisions, divisions
 
+
+
+def _blocks_resharded_after_forward(model):
+    """FSDP acts between forward and backward: every block but the last, which backward needs
+    first, is back to its shards (its parameters DTensors again); a model that kept them all
+    gathered computes the same numbers."""
+    from torch.distributed.tensor import DTensor
+
+    ids = torch.randint(0, 256, (1, SEQ_LEN))
+    loss = model(ids, torch.arange(SEQ_LEN)[None], ids)
+    sharded = [isinstance(block.self_attn.q_proj.weight, DTensor) for block in model.layers]
+    assert sharded == [True] * (len(model.layers) - 1) + [False], sharded
+    loss.backward()
+    model.zero_grad(set_to_none=True)
 
 def test_backward_divides_no_copy_of_the_gradients():
     """One rank (with more, FSDP2 divides in place or not at all: nothing to allocate)."""
