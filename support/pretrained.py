@@ -276,15 +276,12 @@ def check_weight_files(path: str) -> None:
 
 def checkpoint_shapes(path: str) -> dict[str, tuple]:
     """Tensor name -> shape, from the safetensors headers alone (no tensor data is read)."""
-    from safetensors import safe_open
-
     files = checkpoint_files(path)
     shapes = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if files.get(name) == file:
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        for name, entry in safetensors_header(file).items():
+            if files.get(name) == file:
+                shapes[name] = tuple(entry["shape"])
     missing = sorted(set(files) - set(shapes))
     if missing:
         raise ValueError(f"{path!r}: the index names tensors its files do not hold: {missing}")
