@@ -77,7 +77,7 @@ import torch.distributed as dist
 from model import IGNORE_INDEX, token_scores as model_token_scores
 import plan
 import train
-from support import config, saved_state
+from support import config, paths, saved_state
 from support.config import Config, model_args
 from support.data import TokenData, parse_tokens, stack_documents
 from support.lessons import tiling, ulysses_sp
@@ -564,11 +564,7 @@ def output_paths(opts) -> tuple[Path, Path]:
     if not opts.compare and out.suffix.lower() == ".png":
         raise ValueError(f"--out {out} is the JSON result's path, and its chart is that path "
                          f"ending in .png: give a .json path, e.g. {out.with_suffix('.json')}")
-    folder = saved_state.nearest_existing(str(out.parent))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--out {out} cannot be written: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--out {out} cannot be written: {folder} is not writable")
+    paths.check_can_write("--out", str(out), str(out.parent))
     for path in dict.fromkeys([out, chart]):
         if opts.compare and any(path.exists() and path.samefile(p) for p in opts.compare
                                 if Path(p).exists()):

@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from support.data import boundary_path, sidecar_path
-from support.saved_state import nearest_existing
+from support import paths
 
 # End-of-text tokens of common tokenizers, tried in this order when no separator is given.
 KNOWN_SEPARATORS = ["<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>"]
@@ -110,12 +110,7 @@ def check_outputs(outputs, inputs, tokenizer_path: str, overwrite: bool) -> None
     if output.endswith(("/", os.sep)) or os.path.isdir(output):
         raise ValueError(f"--output {output!r} is a folder: --output is the token file's path, "
                          f"e.g. {os.path.join(output, 'train.bin')!r}")
-    folder = nearest_existing(os.path.dirname(os.path.abspath(output)))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--output {output!r} cannot be written: {folder!r} is a file, not a "
-                         f"folder")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--output {output!r} cannot be written: {folder!r} is not writable")
+    paths.check_can_write("--output", output, os.path.dirname(os.path.abspath(output)))
     tokenizer_files = ([os.path.join(tokenizer_path, f) for f in os.listdir(tokenizer_path)]
                        if os.path.isdir(tokenizer_path) else [tokenizer_path])
     kept = {file_id(p): "one of the --input files" for p in inputs}

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from model import ROPE_SCALINGS, ModelArgs
+from support import paths
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 INDEX_NAME = "model.safetensors.index.json"
@@ -404,19 +405,7 @@ def check_export_dir(out_dir: str, overwrite: bool = False) -> None:
         raise ValueError(f"export: {out_dir!r} is not empty (choose another folder, or "
                          f"--overwrite-export to replace it)")
     # The export is written beside out_dir and renamed into place: its parent must take files.
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    existing = parent
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"export: {out_dir!r} cannot be created: {existing!r} is a file")
-    try:  # access() says yes to root everywhere (/proc too): ask the filesystem itself
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError("not writable")
-        os.rmdir(tempfile.mkdtemp(prefix=".export-check-", dir=existing))
-    except OSError as error:
-        raise ValueError(f"export: {out_dir!r} cannot be written: {existing!r}: "
-                         f"{error.strerror or error}") from None
+    paths.check_can_write("export:", out_dir, os.path.dirname(os.path.abspath(out_dir)))
 
 
 def tokenizer_files(data_path: str | None, source_dir: str | None) -> tuple[list, dict]:

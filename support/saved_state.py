@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
-from support import pretrained
+from support import paths, pretrained
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,9 +342,10 @@ def check_outputs(cfg) -> None:
         if os.path.isdir(cfg.log):
             raise ValueError(f"--log-file {cfg.log!r} is a directory; name a file")
         if os.path.exists(cfg.log):
-            check_writable("--log-file", cfg.log)
+            if not os.access(cfg.log, os.W_OK):
+                raise ValueError(f"--log-file {cfg.log!r} is not writable")
         else:
-            check_creatable("--log-file", cfg.log)
+            paths.check_can_write("--log-file", cfg.log, os.path.dirname(os.path.abspath(cfg.log)))
         if os.path.getsize(cfg.log) if os.path.isfile(cfg.log) else 0:
             if not (cfg.resume or cfg.overwrite):
                 raise ValueError(f"--log-file {cfg.log!r} already holds an earlier run's log: add "
@@ -353,7 +354,7 @@ def check_outputs(cfg) -> None:
     if cfg.save_dir:
         if os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
             raise ValueError(f"--save-dir {cfg.save_dir!r} is a file, not a directory")
-        check_creatable("--save-dir", cfg.save_dir)
+        paths.check_can_write("--save-dir", cfg.save_dir, cfg.save_dir)
         found = complete_saves(cfg.save_dir)
         if found and not (cfg.resume or cfg.overwrite):
             raise ValueError(f"--save-dir {cfg.save_dir!r} already holds checkpoints (newest: "
@@ -384,28 +385,6 @@ def parents_of(path: str) -> list[str]:
 
 def parent_of(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
-
-
-def nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def check_creatable(flag: str, path: str) -> None:
-    """An output that may not exist yet: the nearest existing folder on its path takes new files."""
-    existing = nearest_existing(path)
-    if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path!r} cannot be created: {existing!r} is a file")
-    check_writable(flag, existing)
-
-
-def check_writable(flag: str, path: str) -> None:
-    if not os.path.exists(path):
-        raise ValueError(f"{flag}: the folder {path!r} does not exist")
-    if not os.access(path, os.W_OK):
-        raise ValueError(f"{flag}: {path!r} is not writable")
 
 
 @contextlib.contextmanager

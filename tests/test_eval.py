@@ -414,7 +414,7 @@ PASSKEY = ["--task", "passkey"]
     (["--out", ""], "--out is empty"),
     (["--out", "{d}/", "--overwrite-out"], "is a folder"),
     (["--out", "{d}/old", "--overwrite-out"], "is a folder"),
-    (["--out", "{d}/a.jsonl/x.json"], "a.jsonl is a file, not a folder"),
+    (["--out", "{d}/a.jsonl/x.json"], "a.jsonl' is a file, not a folder"),
     (["--compare", "{d}/old.json", "--out", "{d}/old.json", "--overwrite-out"],
      "with --compare is the chart's path: end it in .png"),  # (so never a JSON input)
     (PASSKEY + ["--alphabet", "26:16"], "--alphabet takes key ids LOW:HIGH with 0 <= LOW < HIGH"),

@@ -425,7 +425,7 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path, monkeyp
 
 @pytest.mark.parametrize("setup,flag,needle", [
     ("file", "--save-dir", "is a file, not a directory"),
-    ("under a file", "--log-file", "cannot be created: "),  # a missing folder is created instead
+    ("under a file", "--log-file", "cannot be written: "),  # a missing folder is created instead
     ("directory", "--log-file", "is a directory; name a file"),
 ])
 def test_bad_output_paths_fail_before_training(tmp_path, setup, flag, needle, capsys):

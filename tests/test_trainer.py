@@ -70,7 +70,7 @@ def test_the_log_files_folders_are_created_after_every_check(tmp_path, capsys):
                 "--save-dir", str(tmp_path / "saves" / "a")])
     assert len(log.read_text().splitlines()) == 2 and (tmp_path / "saves" / "a").is_dir()
     (tmp_path / "a_file").write_text("x")
-    assert "cannot be created: " in error_of(["--log-file", str(tmp_path / "a_file" / "log.jsonl")],
+    assert "cannot be written: " in error_of(["--log-file", str(tmp_path / "a_file" / "log.jsonl")],
                                              capsys)
 
 
