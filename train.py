@@ -74,6 +74,7 @@ def train(cfg: Config) -> Run:
         choice = plan.plan_run(cfg, machine)
         cfg, plan_lines, expected = replace(cfg, **choice.settings), choice.lines, choice.expected
     rt = setup_runtime(cfg)
+    torch.manual_seed(cfg.seed * 1_000_003 + rt.rank)  # a step that draws (dropout) repeats
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
     # A step's micro-batches (--grad-accum) are the rows of one --batch-size x N window, so the

@@ -35,21 +35,44 @@ def _resume_equals_straight(tmp, cases):
     """Each case (flags): 6 steps straight, and a run of --steps 6 that saves every 3 and dies in
     its step 3, resumed, give identical losses, learning rates, parameters and optimizer state
     (every entry: exp_avg, exp_avg_sq, step). Both runs ask for --steps 6: the decay of the
-    schedule is over --steps (a first run of --steps 3 would decay over 3)."""
+    schedule is over --steps (a first run of --steps 3 would decay over 3). Each step also draws
+    a random number, as a step with dropout would: the resumed steps draw the straight run's."""
     for number, flags in enumerate(cases):
         folder = f"{tmp}/{number}"
-        straight = train.train(config(f"{folder}/a", 6, **flags))
+        with drawing_each_step() as straight_draws:
+            straight = train.train(config(f"{folder}/a", 6, **flags))
         with pytest.raises(Preempted):
-            with preempted_at(3):
+            with preempted_at(3), drawing_each_step():
                 train.train(config(f"{folder}/b", 6, save_every=3, **flags))
-        resumed = train.train(config(f"{folder}/b", 6, resume=True, **flags))
+        with drawing_each_step() as resumed_draws:
+            resumed = train.train(config(f"{folder}/b", 6, resume=True, **flags))
         assert [h["step"] for h in resumed.history] == [3, 4, 5]
+        assert resumed_draws == straight_draws[3:], (flags, "the random state after a resume")
         for key in ("loss", "lr"):
             assert [h[key] for h in resumed.history] == [h[key] for h in straight.history[3:]], \
                 (flags, key)
         for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
             assert torch.equal(full(a), full(b)), (flags, name)
         assert_same_optimizer(straight.optimizer, resumed.optimizer, flags)
+
+
+@contextlib.contextmanager
+def drawing_each_step():
+    """train.train_step draws a random number before each step (on the CPU and, on a GPU run,
+    the GPU); yields the list of what it drew."""
+    real, draws = train.train_step, []
+
+    def step_that_draws(*args, **kwargs):
+        draws.append(torch.rand(1).item())
+        if torch.cuda.is_available():
+            draws.append(torch.rand(1, device="cuda").item())
+        return real(*args, **kwargs)
+
+    train.train_step = step_that_draws
+    try:
+        yield draws
+    finally:
+        train.train_step = real
 
 
 class Preempted(Exception):
