@@ -205,6 +205,58 @@ def track_received(peak: dict):
     return lambda: peak.update(bytes=0)
 
 
+def transfers_and_overlaps(run) -> tuple[int, int]:
+    """While `run()` runs: how many ring transfers start, and how many of them have a block's
+    kernel call between their start and the wait for their arrival (the transfer hidden
+    behind the compute, which is what makes the ring cost little more than the kernel)."""
+    events, originals = [], (ring_attn.pass_to_next, ring_attn.forward_step,
+                             ring_attn.backward_step)
+
+    def passing(tensors, group):
+        received, wait = originals[0](tensors, group)
+        number = sum(event[0] == "start" for event in events)
+        events.append(("start", number))
+
+        def waited():
+            events.append(("arrived", number))
+            wait()
+        return received, waited
+
+    def computing(original):
+        def step(*args, **kwargs):
+            events.append(("compute", None))
+            return original(*args, **kwargs)
+        return step
+
+    ring_attn.pass_to_next = passing
+    ring_attn.forward_step, ring_attn.backward_step = map(computing, originals[1:])
+    try:
+        run()
+    finally:
+        ring_attn.pass_to_next, ring_attn.forward_step, ring_attn.backward_step = originals
+    starts = {n: i for i, (kind, n) in enumerate(events) if kind == "start"}
+    arrivals = {}
+    for i, (kind, n) in enumerate(events):
+        if kind == "arrived":
+            arrivals.setdefault(n, i)  # the first wait is the one that counts
+    overlapped = sum(any(kind == "compute" for kind, _ in events[starts[n]:arrivals[n]])
+                     for n in starts)
+    return len(starts), overlapped
+
+
+def check_transfers_overlap_compute(group, ring: int):
+    """Forward: the R-1 K/V blocks each travel during a block's kernel. Backward: the R-1 K/V
+    blocks and R travelling dK/dV, all but the last dK/dV (home, after the last kernel) too."""
+    q = torch.randn(1, 8, 4, HEAD_DIM, requires_grad=True)
+    k, v = (torch.randn(1, 8, 2, HEAD_DIM) for _ in range(2))
+    result = {}
+    forward = transfers_and_overlaps(
+        lambda: result.update(out=ring_attn.ring_attention(q, k, v, group)))
+    backward = transfers_and_overlaps(lambda: result["out"].sum().backward())
+    assert forward == (ring - 1, ring - 1), forward
+    assert backward == (2 * ring - 1, 2 * ring - 2), backward
+
+
 def _ring_equals_unsharded():
     """The whole world is one ring: every head case, packed documents, and (world 2) rings of
     one rank; then what the ring holds while it runs."""
@@ -214,6 +266,7 @@ def _ring_equals_unsharded():
     for n_heads, n_kv_heads in HEAD_CASES:
         check_equals_unsharded(ring_of, group, rank, world, world, n_heads, n_kv_heads, chunk=3)
     check_equals_unsharded(ring_of, group, rank, world, world, 4, 2, chunk=4, packed=True)
+    check_transfers_overlap_compute(group, world)
     if world == 2:  # R = 1: each rank alone is a ring over the whole sequence
         alone = [dist.new_group([r]) for r in range(world)][rank]
         check_equals_unsharded(partial(ring_attn.ring_attention, group=alone), alone, 0, 1, 1,
