@@ -38,13 +38,13 @@ def _resume_equals_straight(tmp, cases):
     schedule is over --steps (a first run of --steps 3 would decay over 3). Each step also draws
     a random number, as a step with dropout would: the resumed steps draw the straight run's."""
     for number, flags in enumerate(cases):
-        folder = f"{tmp}/{number}"
-        with drawing_each_step() as straight_draws:
+        folder, device = f"{tmp}/{number}", flags.get("device", "cpu")
+        with drawing_each_step(device) as straight_draws:
             straight = train.train(config(f"{folder}/a", 6, **flags))
         with pytest.raises(Preempted):
-            with preempted_at(3), drawing_each_step():
+            with preempted_at(3), drawing_each_step(device):
                 train.train(config(f"{folder}/b", 6, save_every=3, **flags))
-        with drawing_each_step() as resumed_draws:
+        with drawing_each_step(device) as resumed_draws:
             resumed = train.train(config(f"{folder}/b", 6, resume=True, **flags))
         assert [h["step"] for h in resumed.history] == [3, 4, 5]
         assert resumed_draws == straight_draws[3:], (flags, "the random state after a resume")
@@ -57,15 +57,14 @@ def _resume_equals_straight(tmp, cases):
 
 
 @contextlib.contextmanager
-def drawing_each_step():
-    """train.train_step draws a random number before each step (on the CPU and, on a GPU run,
-    the GPU); yields the list of what it drew."""
+def drawing_each_step(device: str = "cpu"):
+    """train.train_step draws a random number before each step on the CPU and, in a run on the
+    GPU, on the GPU; yields the list of what it drew, a (CPU, GPU) pair a step."""
     real, draws = train.train_step, []
 
     def step_that_draws(*args, **kwargs):
-        draws.append(torch.rand(1).item())
-        if torch.cuda.is_available():
-            draws.append(torch.rand(1, device="cuda").item())
+        gpu = torch.rand(1, device="cuda").item() if device == "cuda" else None
+        draws.append((torch.rand(1).item(), gpu))
         return real(*args, **kwargs)
 
     train.train_step = step_that_draws
