@@ -7,8 +7,9 @@ per parameter, an fp32 master copy (4 bytes), an fp32 gradient (4) and two fp32 
 The idea. Every rank keeps only 1/N of each of those tensors (a shard of dim 0). Before a block
 runs, its full bf16 parameters are all-gathered, used, and freed again; after its backward, the
 gradients are reduce-scattered so each rank receives the summed gradient of its own shard, and
-the optimizer updates only that shard. Model state per GPU: 119.7 GiB / 8 = 15.0 GiB, plus one
-block's gathered bf16 parameters at a time.
+the optimizer updates only that shard. Model state per GPU: 119.7 GiB / 8 = 15.0 GiB, plus the
+gathered bf16 parameters of the blocks in use (one, the next one prefetched, and the last block
+and the root's embeddings and lm_head, kept gathered from forward to backward).
 
 We use PyTorch's own engine, `fully_shard` (FSDP2): one call per transformer block (the unit of
 gather and free), then one on the root for the embeddings, final norm and lm_head. The model is
@@ -65,6 +66,7 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
         # The last block is needed first by backward: keep it gathered after forward.
         reshard = block is not model.layers[-1]
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, **on_host)
+    # The root (embeddings, lm_head) runs last in forward and first in backward: kept gathered too.
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, **on_host)
     ranks = mesh.size() if mesh is not None else dist.get_world_size()
     for module in model.modules():

@@ -3,8 +3,9 @@
 The memory problem. After FSDP (01) and Ulysses (02), Llama-3-8B at 3M tokens on 8 GPUs gives
 each GPU 393,216 tokens, and backward still needs what every layer saved in forward: about
 136 KiB per token per layer in bf16 (the norms' inputs and outputs, q/k/v and the attention
-output, three x 14,336 MLP intermediates per token), so 393,216 x 136 KiB x 32 layers = 1,632 GiB
-per GPU.
+output, three x 14,336 MLP intermediates per token: gate, up and their product; model.py's
+op-by-op MLP keeps silu(gate) as a fourth, base/fused.py's SwiGLU only two), so
+393,216 x 136 KiB x 32 layers = 1,632 GiB per GPU.
 
 The idea, in two steps.
   1. Checkpointing: keep only each block's input, and run the block's forward again in backward,

@@ -3,9 +3,9 @@
 The memory problem. After 01-03, Llama-3-8B at 3M tokens on 8 GPUs gives each GPU 393,216
 tokens, and the largest allocations left are temporaries of per-token operations over the whole
 local sequence:
-  - the MLP, down(silu(gate(x)) * up(x)), keeps three tokens x 14,336 intermediates for
-    backward (10.5 GiB each in bf16: 31.5 GiB per layer; five of them, 52.5 GiB, at once inside
-    its backward);
+  - the MLP, down(silu(gate(x)) * up(x)), keeps about three tokens x 14,336 intermediates for
+    backward (gate, up, their product; 10.5 GiB each in bf16: 31.5 GiB per layer; five of them,
+    52.5 GiB, at once inside its backward);
   - the loss needs the logits, tokens x 128,256 vocabulary entries in fp32: 188 GiB, and its
     log-softmax and gradient as much again;
   - where an RMSNorm runs op by op (off CUDA) its backward holds six fp32 copies of its input:
@@ -40,7 +40,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.torch_version import TorchVersion
 
 from model import rms_norm
 from base import checkpointed, fused  # is_recomputing: 03 marks its recompute
@@ -208,7 +207,8 @@ def tiled_over_tokens(fn, x, token_args, weights, tile_tokens: int, sum_tiles: b
 
 # From torch 2.11 a CUDA matmul of bf16 inputs adds into an fp32 output itself (pytorch#167931;
 # 2.8 to 2.10 wanted the added matrix in the inputs' dtype). The CPU has no such kernel.
-CUDA_FP32_ACCUMULATE = TorchVersion(torch.__version__) >= "2.11"
+# (Major and minor only: a pre-release, 2.11.0a0 or 2.11.0.dev, is 2.11 here.)
+CUDA_FP32_ACCUMULATE = tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (2, 11)
 
 
 def add_matmul(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -88,6 +88,8 @@ PRESETS = {
     "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
                              ffn_dim=8192, rope_factor=32.0, tie_word_embeddings=True,
                              eos_id=128001),
+    # Llama-3.1's rope scaling (factor 8, 128K context), as Llama-3.1-8B's config.json has;
+    # Meta-Llama-3-8B's own has none (8K context): --rope-scaling none trains it.
     "llama3-8b": ModelArgs(eos_id=128001),  # <|end_of_text|> of the base models
     "qwen3-0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
                             ffn_dim=3072, vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0,

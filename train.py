@@ -7,8 +7,9 @@
 The recipe, top-down: the flags make a Config (support/config.py), on GPUs the planner fills
 what they leave open (plan.py), the Config makes a runtime of data-parallel x sequence-parallel
 ranks (support/runtime.py), the runtime a model with the techniques applied, then steps in a
-loop. `--stack N` turns on the techniques of files 1..N (0 = plain training; at 5, 05 takes 02's
-place; 06's ring and 04's norm tiles have their own flags), `--stack auto` the planner's fastest
+loop. `--stack N` turns on the techniques of files 1..N up to 5 (0 = plain training; at 5, 05
+takes 02's place; 06's ring, 07, 08 and 04's norm tiles have their own flags), `--stack auto` the
+planner's fastest
 that fits (a GPU run's default); each technique also has its own switch. They are applied in
 this order, on the meta device, before any weight:
   --keep-attention's kernel (support/keep_attention.py, a speed setting of 03)
@@ -74,7 +75,9 @@ def train(cfg: Config) -> Run:
         choice = plan.plan_run(cfg, machine)
         cfg, plan_lines, expected = replace(cfg, **choice.settings), choice.lines, choice.expected
     rt = setup_runtime(cfg)
-    torch.manual_seed(cfg.seed * 1_000_003 + rt.rank)  # a step that draws (dropout) repeats
+    # Nothing here draws random numbers in a step; seeded, one that does (a fork's dropout)
+    # repeats, each rank its own stream, and a resumed run continues it (saved_state's RNG).
+    torch.manual_seed(cfg.seed * 1_000_003 + rt.rank)
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
     # A step's micro-batches (--grad-accum) are the rows of one --batch-size x N window, so the
