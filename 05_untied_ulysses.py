@@ -19,8 +19,9 @@ recompute reruns it, unless --keep-attention: base/checkpointed.py's seam). At U
 holds 0.75 GiB per tensor instead of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads
 keep the standard order, so the numbers are those of 02 and of unsharded attention.
 
-In training, `python train.py --untied [--head-chunk U]` replaces 02 at the same seam: a larger
-U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run
+In training, `python train.py --untied [--head-chunk U]` takes 02's place (one seam deeper:
+attn.attend, where 02 replaces attn.core): a larger U runs fewer, bigger stages (faster), U = P
+needs the least memory. Without --head-chunk a GPU run
 takes the planner's choice: the fewest stages whose planned step fits (plan.py's `plan_run`).
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
@@ -50,8 +51,9 @@ class StageLayout:
     head_chunk: int   # U: the query heads of one stage, over all ranks
     head_dim: int
     eps: float        # QK-norm's epsilon (unused without QK-norm)
-    cu_seqlens: tuple | None  # packed documents' global boundaries: every stage holds all
-                              # tokens of its heads, so they apply unchanged
+    cu_seqlens: tuple | None  # packed documents' global boundaries: a stage holds all tokens
+                              # of its heads (with 06's ring, its share, which the ring's
+                              # block pairs place), so they apply unchanged
     # A stage's attention: (forward -> (out, lse), backward from them), the kernel's over all
     # tokens, or 06's ring over this rank's share of them (Ulysses x ring).
     attention: tuple[Callable, Callable]
@@ -334,7 +336,7 @@ def check_head_chunk(n_heads: int, n_kv_heads: int, sp: int, head_chunk: int | N
         raise ValueError(f"Untied Ulysses needs the query heads per rank per stage (U/P = "
                          f"{head_chunk}/{sp} = {heads_per_rank_per_stage}) to divide, or be a "
                          f"multiple of, the query heads per KV head ({n_heads}/{n_kv_heads} = "
-                         f"{group_size}), so a stage never uses part of a KV group")
+                         f"{group_size}), so each KV head's query heads fall into whole stages")
     return head_chunk
 
 

@@ -24,8 +24,8 @@ The engine is PyTorch's saved-tensors hooks again: around an offloaded block's f
 receives every tensor autograd saves for backward and returns a handle; `unpack` returns the
 tensor on the GPU. Three details make it exact and cheap:
   - the unit is the bytes a saved tensor spans, copied once: a tensor saved by two ops moves
-    once, and a view only the span of its part of a larger buffer (q, k and v of one
-    projection, each its own; views that overlap otherwise are copied twice);
+    once, and a view only the span of its part of a larger buffer (the chunks of one fused
+    projection, were a model to split one, each its own; views that overlap are copied twice);
   - the block's parameters stay (FSDP2 frees its gathered copies after forward and gathers
     them again for backward), and so do the block's other arguments (the rotary tables, shared
     by every block);
@@ -306,7 +306,10 @@ def check_model(model, count: int, first: int) -> range:
     if hasattr(model, "activation_offload"):
         raise ValueError("activation offload is already applied to this model")
     n_layers = len(model.layers)
-    if count < 1 or first < 0 or first + 2 * count > n_layers:
+    if count < 1 or first < 0:
+        raise ValueError(f"activation offload needs at least 1 block from a block >= 0, got "
+                         f"{count} from block {first}")
+    if first + 2 * count > n_layers:
         raise ValueError(f"{count} offloaded blocks from block {first}, each with a kept block "
                          f"above it, need {2 * count} of the model's {n_layers} layers above "
                          f"03's checkpointed ones")

@@ -68,7 +68,7 @@ class AdamWBehindForward(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("AdamWBehindForward.step takes no closure (it queues the update)")
-        self.settle()  # (a step before the last one's forward: the last one's first)
+        self.settle()  # step() again before a forward ran the queued updates: those first
         if not self.state:  # the first step allocates Adam's moments: at once, on this stream
             return self.adamw_step()
         self.inputs = ({name: getattr(self, name) for name in STEP_INPUTS if hasattr(self, name)},

@@ -1,4 +1,5 @@
-"""host_buffers.py - reusable host memory for tensors that wait off the GPU (03's offloader).
+"""host_buffers.py - reusable host memory for tensors that wait off the GPU (03's and 07's
+offloaders).
 
 A block input offloaded by 03 waits in host memory between forward and backward, and the GPU
 copies it there and back at full speed only from pinned (page-locked) memory. Two facts shape
@@ -7,7 +8,8 @@ the buffers:
     4 GiB. So each buffer is made of power-of-two pieces (its size's binary digits), 2 GiB + 1 GiB,
     which take exactly 3 (`power_of_two_pieces`; plan.py counts the host bytes the same way).
   - Pinning is slow and every step offloads the same shapes, so buffers are allocated once and
-    reused: `HostBufferPool` keeps the free ones under a key (03: the layer) for the next step.
+    reused: `HostBufferPool` keeps the free ones under a key (03: the layer; 07: the layer and
+    the saved tensor's index) for the next step.
 """
 
 import torch

@@ -1,7 +1,8 @@
 """kernels.py - the attention kernels every file calls, in one place.
 
-Two entry points, both causal softmax(q k^T / sqrt(D)) v over local tensors in the layout
-q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses KV head h // (H // Hkv)):
+Three functions, two ways to call a kernel, both causal softmax(q k^T / sqrt(D)) v over local
+tensors in the layout q (B, S, H, D), k and v (B, S, Hkv, D), H % Hkv == 0 (query head h uses
+KV head h // (H // Hkv)):
 
   causal_attention(q, k, v) -> out                 the model's seam 1 and Ulysses' (02) kernel:
                                                    autograd does the backward.
@@ -15,7 +16,8 @@ Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   fa4     FlashAttention-4 (`pip install flash-attn-4`, Hopper and Blackwell GPUs): the fastest
           on H100/H200 (1.1-1.2x cuDNN at 128K-1M); its forward returns the log-sum-exp and its
           backward takes it, and it reads grouped-query K/V natively.
-  cudnn   SDPA's cuDNN kernel; for 05 its private ATen forward/backward ops.
+  cudnn   SDPA's cuDNN kernel; for 05, 06 and keep-attention its private ATen forward/backward
+          ops.
   flash   SDPA's flash kernel (FlashAttention-2 inside torch; Ampere GPUs).
   math    the plain formula (tests, debugging).
   auto    on a GPU in 16-bit the first of fa4 > cudnn > flash that passes a small check against
