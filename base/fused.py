@@ -171,7 +171,8 @@ def _cross_entropy_backward(logits, labels, grad_loss):
 
 def _cross_entropy_backward_in_place(logits, labels, grad_loss):
     """The same with one fp32 logits-sized tensor (04's tiles' count, support/byte_counts.py)."""
-    probs = torch.softmax(at_least_fp32(logits), dim=1)
+    # dtype=: the softmax reads the bf16 logits itself, no fp32 copy of them beside its output
+    probs = torch.softmax(logits, dim=1, dtype=torch.promote_types(logits.dtype, torch.float32))
     rows = torch.arange(len(labels), device=labels.device)
     probs[rows, labels.clamp(min=0)] -= 1  # an ignored row's column is zeroed below
     return probs.mul_((labels != IGNORE_INDEX)[:, None] * grad_loss).to(logits.dtype)
