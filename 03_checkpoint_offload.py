@@ -18,14 +18,14 @@ The idea, in two steps.
      the one the current block recomputes from and the next one coming back: 6 GiB, for 4 layers
      or 80. The host holds 31 per GPU: 93 GiB, in pinned buffers reused every step
      (base/host_buffers.py: power-of-two pieces, which the pinned allocator does not round up).
-Where memory allows, only the first k blocks need it (`layers=k`, train.py's --checkpoint-layers):
-the other L - k keep their activations and skip the recompute, one forward pass each (plan.py
-finds the smallest k that fits). Even those need not keep everything: each of a block's two
-RMSNorm outputs (8 KiB per token) is kept only by the layers that read it, and the norm's
-input, which the norm keeps anyway, gives it back in one pass over memory. So a kept block
-releases them once read and computes them again when backward reaches their readers: 16 of the
-136 KiB per token above (Megatron's selective recompute of the norms); at 16K tokens on
-Llama-3-8B 256 MiB per block.
+Where memory allows, only the first k blocks need it (`checkpointed=k`, train.py's
+--checkpoint-layers): the other L - k keep their activations and skip the recompute, one forward
+pass each (plan.py finds the smallest k that fits). Even those need not keep everything: each of a
+block's two RMSNorm outputs (8 KiB per token) is kept only by the layers that read it, and the
+norm's input, which the norm keeps anyway, gives it back in one pass over memory. So a kept block
+releases them once read and computes them again when backward reaches their readers: 16 of the 136
+KiB per token above (Megatron's selective recompute of the norms); at 16K tokens on Llama-3-8B 256
+MiB per block.
 
 The copies run on a side CUDA stream, beside the compute. In forward it copies each block input
 out while the compute stream runs the next block; in backward, when block i's input is unpacked,
@@ -110,8 +110,8 @@ class BlockInputOffloader:
     """Moves checkpointed block inputs to host memory in forward and back in backward, one block
     ahead of their use."""
 
-    def __init__(self, n_layers: int):
-        self.n_layers = n_layers  # the checkpointed blocks: 0 .. n_layers - 1 (the last stays)
+    def __init__(self, n_checkpointed: int):
+        self.n_checkpointed = n_checkpointed  # blocks 0 .. n_checkpointed - 1 (the last stays)
         self.host_buffers = HostBufferPool()  # pinned host memory by layer, reused every step
         self.waiting = {}       # layer -> its input's HeldTensor, on the host
         self.stream = None      # the side CUDA stream for every copy, made on first use
@@ -143,7 +143,7 @@ class BlockInputOffloader:
         copied to a host buffer of the pool's `key` (the layer here; support/keep_attention.py's
         offloader, a subclass, holds an attention output and its log-sum-exp per layer too)."""
         held = HeldTensor(layer, t.numel() * t.element_size(), t.device)
-        if layer == self.n_layers - 1:
+        if layer == self.n_checkpointed - 1:
             held.on_device, held.kept = t, True
             return held
         held.key = key
@@ -234,9 +234,9 @@ def is_block_input(t: torch.Tensor, x_ref: weakref.ref) -> bool:
                                          and t.dtype == x.dtype))
 
 
-def apply_checkpointing(model, offload: bool = False, layers: int | None = None,
+def apply_checkpointing(model, offload: bool = False, checkpointed: int | None = None,
                         offloader_class=BlockInputOffloader) -> None:
-    """Recompute the first `layers` blocks (None: all) in backward from their saved inputs;
+    """Recompute the first `checkpointed` blocks (None: all) in backward from their saved inputs;
     with offload, those inputs wait in host memory between forward and backward (all but the
     last checkpointed block's). The other blocks keep their activations, as plain training does,
     but for their norms' outputs (`recompute_norms`).
@@ -246,19 +246,19 @@ def apply_checkpointing(model, offload: bool = False, layers: int | None = None,
     offloader is `model.checkpoint_offload` (None without offload), an `offloader_class` (a
     subclass may move more with each block input).
     """
-    layers = check_model(model, layers)
+    checkpointed = check_model(model, checkpointed)
     # The first blocks (Megatron's "block" method). For memory any choice of k blocks is the
     # same at the end of forward, where every block holds its checkpoint or its activations;
     # the first are the best in backward, which reaches the blocks that kept everything first
     # and frees them before any recompute starts. The last checkpointed block is the offloader's
     # "last": backward reaches its input first among the checkpoints, so it stays on the GPU.
-    offloader = offloader_class(layers) if offload else None
+    offloader = offloader_class(checkpointed) if offload else None
     model.checkpoint_offload = offloader
-    for layer, block in enumerate(model.layers[:layers]):
+    for layer, block in enumerate(model.layers[:checkpointed]):
         # block.forward is read now: the model's own, or what a technique applied before this
         # one made of it (it runs inside the checkpoint: in the forward and in the recompute).
         block.forward = partial(checkpointed_forward, block.forward, layer, offloader)
-    for block in model.layers[layers:]:
+    for block in model.layers[checkpointed:]:
         recompute_norms(block)
 
 
@@ -311,18 +311,18 @@ def release_norm_output(norm, latest: dict, reader, inputs, output) -> None:
 
 # ---- below: checks, the step record, demo --------------------------------------------------------
 
-def check_model(model, layers: int | None) -> int:
-    """How many blocks to checkpoint (`layers`, None: all), refused unless 1..n_layers."""
+def check_model(model, checkpointed: int | None) -> int:
+    """How many blocks to checkpoint (`checkpointed`, None: all), refused unless 1..n_layers."""
     if not hasattr(model, "layers"):
         raise ValueError(f"apply_checkpointing needs a model with .layers (its blocks), "
                          f"got {type(model).__name__}")
     if hasattr(model, "checkpoint_offload"):
         raise ValueError("checkpointing is already applied to this model")
     n_layers = len(model.layers)
-    if layers is not None and not 1 <= layers <= n_layers:
+    if checkpointed is not None and not 1 <= checkpointed <= n_layers:
         raise ValueError(f"the blocks to checkpoint must be 1 to the model's {n_layers} layers, "
-                         f"got {layers}")
-    return n_layers if layers is None else layers
+                         f"got {checkpointed}")
+    return n_layers if checkpointed is None else checkpointed
 
 
 # The offloader's record of one step (restarted when block 0 saves its input), which the tests

@@ -116,8 +116,8 @@ class Offloader(checkpointing.BlockInputOffloader):
     forward (but the last checkpointed block's, which stay), back when the input comes back,
     one block ahead in backward. Its events name them ("offload attention 0", ...)."""
 
-    def __init__(self, n_layers: int):
-        super().__init__(n_layers)
+    def __init__(self, n_checkpointed: int):
+        super().__init__(n_checkpointed)
         self.kept = {}  # layer -> the HeldTensors of its kept attention, on the host
 
     def hold_kept(self, layer: int, tensors) -> list:
