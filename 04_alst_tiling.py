@@ -234,29 +234,29 @@ def in_weight_dtypes(grad_sums, weights) -> list[torch.Tensor]:
 
 def tiled_mlp_forward(mlp, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
     """model.MLP.forward, computed `tile_tokens` tokens at a time (batch and sequence together)."""
-    tokens = x.reshape(-1, x.shape[-1])
-    tile = mlp_tile_size(x.shape[-1], len(tokens), tile_tokens)
+    rows = x.reshape(-1, x.shape[-1])  # one row per token
+    tile_size = mlp_tile_size(x.shape[-1], len(rows), tile_tokens)
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)  # read now: FSDP
-    return TiledMLP.apply(tokens, tile, *weights).view(x.shape)
+    return TiledMLP.apply(rows, tile_size, *weights).view(x.shape)
 
 
 def tiled_norm_forward(norm, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
     """model.RMSNorm.forward, computed `tile_tokens` tokens at a time."""
-    tokens = x.reshape(-1, x.shape[-1])
-    tile = norm_tile_size(x.shape[-1], len(tokens), tile_tokens)
-    return TiledNorm.apply(tokens, tile, norm.eps, norm.weight).view(x.shape)
+    rows = x.reshape(-1, x.shape[-1])
+    tile_size = norm_tile_size(x.shape[-1], len(rows), tile_tokens)
+    return TiledNorm.apply(rows, tile_size, norm.eps, norm.weight).view(x.shape)
 
 
 def tiled_loss_sum(model, h: torch.Tensor, labels: torch.Tensor, tile_tokens: int | None = None):
     """model.Transformer.loss_sum, computed `tile_tokens` tokens at a time."""
-    tokens, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    rows, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     weights = (model.norm.weight, model.lm_head.weight)  # read now: FSDP
-    tile = loss_tile_size(weights[1].shape[0], len(tokens), tile_tokens)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (tokens, *weights))):
+    tile_size = loss_tile_size(weights[1].shape[0], len(rows), tile_tokens)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (rows, *weights))):
         # no backward coming (evaluation): the loss alone, no gradient computed in forward
-        return tiled_over_tokens(partial(norm_lm_head_loss, eps=model.norm.eps), tokens,
-                                 (flat_labels,), weights, tile, sum_tiles=True)
-    return TiledLoss.apply(tokens, flat_labels, tile, model.norm.eps, *weights)
+        return tiled_over_tokens(partial(norm_lm_head_loss, eps=model.norm.eps), rows,
+                                 (flat_labels,), weights, tile_size, sum_tiles=True)
+    return TiledLoss.apply(rows, flat_labels, tile_size, model.norm.eps, *weights)
 
 
 def apply_tiling(model, tile_mlp: bool = True, tile_loss: bool = True,
