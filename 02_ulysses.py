@@ -216,20 +216,17 @@ def check_data_sequence_layout(world: int, sp: int) -> None:
 
 
 def main():
-    from model import rope_cos_sin
-    from support.demos import attention_demo_setup, end_ranks, measure_stage_memory
+    from support.demos import attention_demo_setup, attention_input, end_ranks, measure_stage_memory
 
     demo = attention_demo_setup("02_ulysses.py")
     check_ulysses_shapes(demo.args.n_heads, demo.args.n_kv_heads, demo.sp, demo.seq_len)
-    args, attn, device, dtype = demo.args, demo.attn, demo.device, demo.dtype
+    attn, dtype = demo.attn, demo.dtype
     measured = {}
     for name, tokens in (("without Ulysses (all tokens)", demo.seq_len),
                          ("with Ulysses", demo.seq_len // demo.sp)):
         if name == "with Ulysses":
             attn.core = partial(ulysses_attention, group=dist.group.WORLD)
-        positions = torch.arange(demo.rank * tokens, (demo.rank + 1) * tokens, device=device)[None]
-        x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
-        rope = rope_cos_sin(positions, args, dtype)
+        x, rope = attention_input(demo, tokens, sharded=name == "with Ulysses")
         measured[name] = measure_stage_memory(attn.attend, x, (rope,))
         del x
     if demo.rank == 0:

@@ -156,10 +156,11 @@ def measured_what(on_gpu: bool) -> str:
             else "saved-for-backward + output bytes (CPU)")
 
 
-def attention_input(demo, tokens: int):
+def attention_input(demo, tokens: int, sharded: bool = True):
     """This rank's `tokens` consecutive tokens of a random normed input (1, tokens, dim) that
-    wants gradients, and the rotary of their global positions."""
-    first = demo.rank * tokens
+    wants gradients, and the rotary of their global positions (sharded=False: every rank holds
+    the whole sequence, from position 0)."""
+    first = demo.rank * tokens if sharded else 0
     positions = torch.arange(first, first + tokens, device=demo.device)[None]
     x = torch.randn(1, tokens, demo.args.dim, device=demo.device, dtype=demo.dtype,
                     requires_grad=True)
