@@ -64,7 +64,7 @@ class StageLayout:
     def to_tokens(self, t):  # the inverse
         return self.exchange(t, ulysses.TO_TOKENS)
 
-    def exchange(self, t, patterns):  # 02's all_to_all; nothing with one rank (or no group)
+    def exchange(self, t, patterns):  # 02's all_to_all; nothing with one rank (sp == 1)
         return t if self.sp == 1 else ulysses.all_to_all(t.contiguous(), self.group, patterns)
 
     def rows(self, weight, n_heads, heads: slice):
