@@ -93,14 +93,20 @@ def _backward_divides_no_copy_of_the_gradients():
 
 def _blocks_resharded_after_forward(model):
     """FSDP acts between forward and backward: every block but the last, which backward needs
-    first, is back to its shards (its parameters DTensors again); a model that kept them all
-    gathered computes the same numbers."""
+    first, is back to its shards (its parameters DTensors again), and the root (lm_head), which
+    backward starts with, stays gathered; a model that kept them all gathered, or resharded all,
+    computes the same numbers. And 01 reduces in fp32 (a bf16 reduce passes every fp32 test)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     ids = torch.randint(0, 256, (1, SEQ_LEN))
     loss = model(ids, torch.arange(SEQ_LEN)[None], ids)
     sharded = [isinstance(block.self_attn.q_proj.weight, DTensor) for block in model.layers]
     assert sharded == [True] * (len(model.layers) - 1) + [False], sharded
+    assert not isinstance(model.lm_head.weight, DTensor), "the root resharded after forward"
+    reduce_dtypes = {module._get_fsdp_state()._fsdp_param_group.mp_policy.reduce_dtype
+                     for module in model.modules() if isinstance(module, FSDPModule)}
+    assert reduce_dtypes == {torch.float32}, reduce_dtypes
     loss.backward()
     model.zero_grad(set_to_none=True)
 
