@@ -62,7 +62,11 @@ def _check_offload_stats(stats, local_tokens, itemsize=4, checkpointed=L):
         # overlaps it), and before block i used it.
         assert events.index(f"prefetch {i}") == events.index(f"use {i + 1}") - 1, events
         assert events.index(f"prefetch {i}") < events.index(f"use {i}"), events
-    assert not any(e.startswith("fetch") for e in events), events  # nothing fetched late
+    every = stats["events"]  # --keep-attention's kept outputs too: each back before its use
+    for i in range(k - 1):
+        if f"use attention {i}" in every:
+            assert every.index(f"prefetch attention {i}") < every.index(f"use attention {i}")
+    assert not any(e.startswith("fetch") for e in every), every  # nothing fetched late
 
 
 def _equal_with_and_without_checkpoint_and_offload():
