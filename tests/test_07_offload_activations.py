@@ -161,6 +161,42 @@ def test_parameters_and_shared_tables_stay_and_the_originals_go():
     assert offloader.stats["restored"] == offloader.stats["offloaded"] == len(sent)
 
 
+class TwoViewsBlock(torch.nn.Module):
+    """A block whose multiply saves two views of one buffer at different offsets, the halves of
+    a fused projection (model.py's blocks save no such pair)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, 2 * dim)
+
+    def forward(self, x, rope, cu_seqlens=None):
+        a, b = self.proj(x).chunk(2, dim=-1)
+        return x + a * b
+
+
+def test_views_of_one_buffer_at_different_offsets_each_come_back_as_saved():
+    """Each view is copied from its own byte offset, under its own key: x, and the two halves
+    (overlapping spans, so each its own copy), bit for bit the gradients of the plain blocks."""
+    def toy():
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(TwoViewsBlock(8) for _ in range(2))
+        return model
+
+    torch.manual_seed(0)
+    offloaded, plain = toy(), toy()
+    plain.load_state_dict(offloaded.state_dict())
+    activation_offload.apply_activation_offload(offloaded, 1)
+    x = torch.randn(4, 8)
+    for model in (offloaded, plain):
+        h = x
+        for block in model.layers:
+            h = block(h, ())
+        h.square().sum().backward()
+    assert offloaded.activation_offload.stats["offloaded"] == 3, offloaded.activation_offload.stats
+    for p, q in zip(offloaded.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
     model, rt, _ = build_as_train(Config(model=MODEL, offload_activations=2, seq_len=SEQ,
                                          batch_size=ROWS))
