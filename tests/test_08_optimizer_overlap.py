@@ -158,6 +158,29 @@ def test_overlap_with_the_state_on_the_host_is_refused():
                                   overlap_optimizer=True, device="cpu"))
 
 
+def test_a_step_with_no_forward_between_runs_the_queued_updates_first():
+    """step(), then step() again with no forward between (and a new learning rate): the queued
+    updates run first with the rate they were queued with, as plain AdamW's would have; the
+    second step then has no gradients and changes nothing, in both."""
+    tokens = torch.randint(0, llama.get_model_args(MODEL).vocab_size, (2, 33))
+    weights = []
+    for overlap in (False, True):
+        model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2,
+                                               device="cpu", overlap_optimizer=overlap))
+        optimizer = train.make_optimizer(model, cfg)
+        for _ in range(2):  # the first step updates at once, the second is queued (08)
+            train.forward_backward(model, tokens, rt)  # (its backward too)
+            optimizer.step()
+            optimizer.zero_grad()
+        for group in optimizer.param_groups:
+            group["lr"] = 5e-3
+        optimizer.step()
+        if overlap:
+            optimizer.settle()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
 def test_step_hooks_run_once_a_step():
     """PyTorch wraps AdamW.step in the optimizer's hooks once any AdamW exists in the process;
     08's per-unit updates call the step unwrapped, so a hook runs once per step() (a plain
