@@ -268,6 +268,19 @@ def test_parameter_names_unchanged_and_applied_once():
         activation_offload.apply_activation_offload(model, 1)
 
 
+def test_offloaded_blocks_leave_their_norm_outputs_to_the_host_not_to_03():
+    """Under 03 the blocks it leaves unchecked release their norms' outputs and compute them
+    again (recompute_norms' hooks); the blocks 07 offloads send them to the host with the
+    rest, so 07 removes those hooks there and only there."""
+    model, _, _ = build_as_train(Config(model=MODEL, checkpoint=True, checkpoint_layers=1,
+                                        offload_activations=1, seq_len=SEQ))
+    offloaded = model.activation_offload.layers
+    for layer, block in enumerate(model.layers[1:], start=1):  # 03 checkpoints block 0
+        hooks = [len(m._forward_hooks) for m in (block.input_layernorm, block.self_attn,
+                                                  block.post_attention_layernorm, block.mlp)]
+        assert hooks == ([0] * 4 if layer in offloaded else [1] * 4), (layer, hooks)
+
+
 @pytest.mark.parametrize("flags, error", [
     (dict(offload_activations=-1), "at least 0"),
     (dict(offload_activations=L // 2 + 1), "needs a kept block above it"),
