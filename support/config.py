@@ -160,7 +160,8 @@ def add_process_flags(parser):
     group.add_argument("--device", choices=["cpu", "cuda"], default=Config().device,
                        help="default: cuda when a GPU is visible, else cpu")
     group.add_argument("--seed", type=int, default=DEFAULTS.seed,
-                       help="of the random init and of the data's draws (default: %(default)s)")
+                       help="of the random init, the data's draws and torch's generators "
+                            "(each rank its own stream) (default: %(default)s)")
 
 
 def add_data_flags(parser):
