@@ -21,7 +21,10 @@ Which kernel runs (`--attn-kernel`, set once per process with `use_kernel`):
   flash   SDPA's flash kernel (FlashAttention-2 inside torch; Ampere GPUs).
   math    the plain formula (tests, debugging).
   auto    on a GPU in 16-bit the first of fa4 > cudnn > flash that passes a small check against
-          the math kernel (once per dtype and head size); on the CPU torch's CPU kernel.
+          the math kernel (once per dtype and head size); on the CPU torch's CPU kernel; on a
+          GPU in fp32 (the tests' references) "math": seam 1 then lets SDPA pick (its
+          memory-efficient kernel), 05, 06 and keep-attention run the plain formula (S x S
+          scores: short sequences only).
 What the chosen backward allocates for itself: support/byte_counts.py's `backward_workspace_bytes`.
 
 Packed documents (data.py): every entry point takes `cu_seqlens`, the document boundaries of the
