@@ -124,14 +124,16 @@ def main():
         print(f"{opts.model}: {num_params(args) / 1e9:.2f}B parameters; AdamW, fp32 master "
               f"weights, bf16 compute")
         print(f"{'per rank (GiB)':<16}{'replicated':>12}{f'FSDP x{world}':>12}"
-              f"{'+ offload: GPU':>16}{'host (pinned)':>15}")
+              f"{'+ offload: GPU':>16}{'host':>15}")
         for state in (full, sharded, host):
             state["total"] = sum(state.values())
         for key in full:
             print(f"{key:<16}{full[key] / GiB:>12.1f}{sharded[key] / GiB:>12.1f}{0:>16.1f}"
                   f"{host[key] / GiB:>15.1f}")
-        # What the host side costs per step (--offload-model-state): each block's fp32 shard
-        # comes to the GPU in forward and again in backward, each gradient shard goes back.
+        # (host: parameters and gradients pinned, as the pinned allocator rounds them up; the
+        # Adam moments in ordinary host memory.) What the host side costs per step: each
+        # block's fp32 shard comes to the GPU in forward and again in backward, each gradient
+        # shard goes back.
         shard = -(-num_params(args) // world)
         print(f"--offload-model-state: the GPU keeps none of it (only the gathered bf16 "
               f"blocks). Costs per rank: {host['total'] / GiB:.1f} GiB of host memory, "
