@@ -6,8 +6,9 @@ local sequence:
   - the MLP, down(silu(gate(x)) * up(x)), keeps about three tokens x 14,336 intermediates for
     backward (gate, up, their product; 10.5 GiB each in bf16: 31.5 GiB per layer; five of them,
     52.5 GiB, at once inside its backward);
-  - the loss needs the logits, tokens x 128,256 vocabulary entries in fp32: 188 GiB, and its
-    log-softmax and gradient as much again;
+  - the loss needs the logits, tokens x 128,256 vocabulary entries: 188 GiB in fp32, and
+    with base/fused.py's cross-entropy (bf16 logits, their bf16 gradient) its temporaries still
+    come to 194 GiB (support/byte_counts.loss_temporary_bytes);
   - where an RMSNorm runs op by op (off CUDA) its backward holds six fp32 copies of its input:
     24 x 4,096 bytes per token, 36 GiB (on CUDA F.rms_norm is one fused kernel: --tile-norm is
     in no --stack level).
