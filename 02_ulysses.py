@@ -4,14 +4,16 @@ The memory problem. After FSDP (01) the model state is 15 GiB per GPU, but every
 the whole 3M-token sequence. One attention layer alone holds Q and its output (3 x 2^20 tokens x
 32 heads x 128 x 2 bytes = 24 GiB each) plus K and V (6 GiB each), and backward keeps such
 tensors for every layer: the Untied Ulysses paper's chart (arXiv 2602.21196) needs 7680 GiB of
-attention activations per GPU.
+attention activations per GPU; all that the 32 blocks save comes to 13,056 GiB (136 KiB per
+token per layer: 03 itemizes it).
 
 The idea. Shard the sequence: rank r of P holds tokens [r*S/P, (r+1)*S/P) through embeddings,
 norms, MLPs and the loss, which are all per token. Attention is the one place tokens meet. There,
 an all-to-all turns "my S/P tokens, all H heads" into "all S tokens, my H/P heads"; each rank runs
 an ordinary attention kernel over the full sequence for its heads, and a second all-to-all turns
 the output back into "my tokens, all heads". Heads are independent, so the result is exact.
-Every activation shrinks by P: 7680 GiB / 8 = 960 GiB, still too much (03 goes on).
+Every activation shrinks by P: 7680 GiB / 8 = 960 GiB of attention, 13,056 / 8 = 1,632 GiB in
+all, still too much (03 goes on).
 
 What must be right:
   - the all-to-all is an autograd op: its backward is the inverse all-to-all;
