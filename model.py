@@ -120,9 +120,9 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     Both scalings slow down (divide by `rope_factor`) the low frequencies, whose wavelengths are
     longer than the pretraining context, keep the high ones, and blend the band in between.
     """
-    base_freq = args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device,
-                                                 dtype=torch.float32) / args.head_dim)
-    inv_freq = 1.0 / base_freq
+    theta_powers = args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device,
+                                                    dtype=torch.float32) / args.head_dim)
+    inv_freq = 1.0 / theta_powers  # theta^(-2i/d): each pair of dimensions' angle per position
     if args.rope_scaling == "none":
         return inv_freq
     if args.rope_scaling == "llama3":  # the band is chosen by wavelength
@@ -137,7 +137,7 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
         ramp = ((torch.arange(args.head_dim // 2, dtype=torch.float32, device=device) - low)
                 / (high - low)).clamp(0.0, 1.0)
         keep = 1 - ramp  # 1 for the fast dimensions (below `low`), 0 above `high`
-        return 1.0 / (args.rope_factor * base_freq) * (1 - keep) + inv_freq * keep
+        return 1.0 / (args.rope_factor * theta_powers) * (1 - keep) + inv_freq * keep
     raise ValueError(f"rope_scaling={args.rope_scaling!r}; choose one of {ROPE_SCALINGS}")
 
 
