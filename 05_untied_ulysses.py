@@ -253,8 +253,9 @@ def kv_groups(plan) -> list:
 
 def rank_blocks(weight: torch.Tensor, n_heads: int, sp: int, head_dim: int) -> torch.Tensor:
     """Projection rows (n_heads * D, dim) as (P, heads per rank, D, dim): block r holds the
-    heads rank r attends with. With fewer heads than ranks (KV heads < P) each head is repeated
-    for the ranks that share it, like `replicate_kv_heads` in 02."""
+    heads rank r attends with. With fewer heads than ranks (KV heads < P) each head's weight rows
+    are repeated for the ranks that share it: the same K/V as 02's `replicate_kv_heads`, which
+    repeats the projected heads instead (here the projection runs P/Hkv times for those rows)."""
     rows = weight.view(n_heads, head_dim, -1)
     if n_heads >= sp:
         return rows.view(sp, n_heads // sp, head_dim, -1)
