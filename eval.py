@@ -564,7 +564,7 @@ def output_paths(opts) -> tuple[Path, Path]:
     if not opts.compare and out.suffix.lower() == ".png":
         raise ValueError(f"--out {out} is the JSON result's path, and its chart is that path "
                          f"ending in .png: give a .json path, e.g. {out.with_suffix('.json')}")
-    paths.check_can_write("--out", str(out), str(out.parent))
+    paths.check_can_write("--out", str(out))
     for path in dict.fromkeys([out, chart]):
         if opts.compare and any(path.exists() and path.samefile(p) for p in opts.compare
                                 if Path(p).exists()):

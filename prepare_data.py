@@ -110,7 +110,7 @@ def check_outputs(outputs, inputs, tokenizer_path: str, overwrite: bool) -> None
     if output.endswith(("/", os.sep)) or os.path.isdir(output):
         raise ValueError(f"--output {output!r} is a folder: --output is the token file's path, "
                          f"e.g. {os.path.join(output, 'train.bin')!r}")
-    paths.check_can_write("--output", output, os.path.dirname(os.path.abspath(output)))
+    paths.check_can_write("--output", output)
     tokenizer_files = ([os.path.join(tokenizer_path, f) for f in os.listdir(tokenizer_path)]
                        if os.path.isdir(tokenizer_path) else [tokenizer_path])
     kept = {file_id(p): "one of the --input files" for p in inputs}

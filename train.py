@@ -9,9 +9,8 @@ what they leave open (plan.py), the Config makes a runtime of data-parallel x se
 ranks (support/runtime.py), the runtime a model with the techniques applied, then steps in a
 loop. `--stack N` turns on the techniques of files 1..N up to 5 (0 = plain training; at 5, 05
 takes 02's place; 06's ring, 07, 08 and 04's norm tiles have their own flags), `--stack auto` the
-planner's fastest
-that fits (a GPU run's default); each technique also has its own switch. They are applied in
-this order, on the meta device, before any weight:
+planner's fastest that fits (a GPU run's default); each technique also has its own switch.
+They are applied in this order, on the meta device, before any weight:
   --keep-attention's kernel (support/keep_attention.py, a speed setting of 03)
   -> attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
   -> tiling (04) -> checkpointing/offload (03) -> the activations of blocks above 03's (07)

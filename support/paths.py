@@ -13,12 +13,12 @@ def nearest_existing(path: str) -> str:
     return path
 
 
-def check_can_write(flag: str, path: str, folder: str) -> None:
-    """The output `path` (what `flag` names) will be written into `folder`, which may not exist
-    yet (missing folders are made then): the nearest existing folder on the way must be a folder
-    that takes new files. access() says yes to root everywhere (/proc too), so a folder is made
-    there and removed."""
-    existing = nearest_existing(folder)
+def check_can_write(flag: str, path: str, folder: str | None = None) -> None:
+    """The output `path` (what `flag` names) will be written into `folder` (default: the folder
+    that holds `path`), which may not exist yet (missing folders are made then): the nearest
+    existing folder on the way must be a folder that takes new files. access() says yes to root
+    everywhere (/proc too), so a folder is made there and removed."""
+    existing = nearest_existing(folder or os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(existing):
         raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a "
                          f"folder")

@@ -405,7 +405,7 @@ def check_export_dir(out_dir: str, overwrite: bool = False) -> None:
         raise ValueError(f"export: {out_dir!r} is not empty (choose another folder, or "
                          f"--overwrite-export to replace it)")
     # The export is written beside out_dir and renamed into place: its parent must take files.
-    paths.check_can_write("export:", out_dir, os.path.dirname(os.path.abspath(out_dir)))
+    paths.check_can_write("export:", out_dir)
 
 
 def tokenizer_files(data_path: str | None, source_dir: str | None) -> tuple[list, dict]:

@@ -345,7 +345,7 @@ def check_outputs(cfg) -> None:
             if not os.access(cfg.log, os.W_OK):
                 raise ValueError(f"--log-file {cfg.log!r} is not writable")
         else:
-            paths.check_can_write("--log-file", cfg.log, os.path.dirname(os.path.abspath(cfg.log)))
+            paths.check_can_write("--log-file", cfg.log)
         if os.path.getsize(cfg.log) if os.path.isfile(cfg.log) else 0:
             if not (cfg.resume or cfg.overwrite):
                 raise ValueError(f"--log-file {cfg.log!r} already holds an earlier run's log: add "

@@ -90,7 +90,6 @@ def _backward_divides_no_copy_of_the_gradients():
     assert not divisions, divisions
 
 
-
 def _blocks_resharded_after_forward(model):
     """FSDP acts between forward and backward: every block but the last, which backward needs
     first, is back to its shards (its parameters DTensors again), and the root (lm_head), which
@@ -109,6 +108,7 @@ def _blocks_resharded_after_forward(model):
     assert reduce_dtypes == {torch.float32}, reduce_dtypes
     loss.backward()
     model.zero_grad(set_to_none=True)
+
 
 def test_backward_divides_no_copy_of_the_gradients():
     """One rank (with more, FSDP2 divides in place or not at all: nothing to allocate)."""
