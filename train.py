@@ -1,4 +1,4 @@
-"""train.py - compose the techniques of 01..08 and train.
+"""train.py - compose the techniques of 01..09 and train.
 
     python train.py                                   # tiny model, synthetic data, CPU or GPU
     torchrun --nproc-per-node 8 train.py --model llama3-8b --seq-len 3M   # --stack auto on GPUs
@@ -16,7 +16,8 @@ They are applied in this order, on the meta device, before any weight:
   -> tiling (04) -> checkpointing/offload (03) -> the activations of blocks above 03's (07)
   -> FSDP (01: each block, then the root; --offload-model-state keeps the shards on the host)
 which is the order torchtitan uses (checkpoint inside, FSDP outside). Then the optimizer: fused
-AdamW, or with --overlap-optimizer 08's, each block's update behind its next forward.
+AdamW, or with --overlap-optimizer 08's, each block's update behind its next forward (with
+--offload-moments 09's: the blocks' moments streamed in from the host for it).
 """
 
 import math
@@ -34,8 +35,8 @@ from support.config import Config, learning_rate, model_args
 from support.data import TokenData
 from support.errors import exit_on_error, out_of_memory_names
 from support.host_memory import use_this_ranks_cores
-from support.lessons import (activation_offload, checkpointing, optimizer_overlap, ring_sp,
-                             tiling, ulysses_sp, untied_sp)
+from support.lessons import (activation_offload, checkpointing, moments_offload,
+                             optimizer_overlap, ring_sp, tiling, ulysses_sp, untied_sp)
 from support.runtime import Runtime, read_machine, setup_runtime
 
 
@@ -43,7 +44,7 @@ from support.runtime import Runtime, read_machine, setup_runtime
 
 def parse_args(argv=None) -> Config:
     parser = config.flags_parser(
-        config.FLAG_GROUPS, description="Train a Llama on long sequences with 01..08.",
+        config.FLAG_GROUPS, description="Train a Llama on long sequences with 01..09.",
         epilog="the memory a run needs, without a GPU: python train.py --plan <these flags>, "
                "or python plan.py --help")
     with errors.quiet_unless_first_rank():  # argparse's own errors and --help: once (torchrun)
@@ -143,6 +144,8 @@ def make_optimizer(model, cfg: Config):
         use_this_ranks_cores()  # the host steps it
     settings = {"lr": learning_rate(cfg, 0), "weight_decay": cfg.weight_decay,
                 "betas": config.ADAMW_BETAS}
+    if cfg.offload_moments:  # 09: 08's, the blocks' moments streamed from the host
+        return moments_offload.apply_moments_offload(model, **settings)
     if cfg.overlap_optimizer:  # 08: each block's update behind its next forward
         return optimizer_overlap.apply_optimizer_overlap(model, **settings)
     return torch.optim.AdamW(model.parameters(), fused=True, **settings)

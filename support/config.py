@@ -78,6 +78,8 @@ class Config:
     offload_model_state: bool = False  # 01: params, grads and Adam on the host (any level >= 1)
     overlap_optimizer: bool | None = None  # 08: each block's AdamW update behind its next
     # forward; None: decided on a GPU, from the predicted step (plan.plan_run; off on the CPU)
+    offload_moments: bool | None = None  # 09: the blocks' Adam moments in host memory, streamed
+    # through the GPU for 08's updates; None: decided on a GPU, as 08 (off on the CPU)
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
@@ -185,7 +187,7 @@ def add_document_flags(parser):
 
 
 def add_technique_flags(parser):
-    group = parser.add_argument_group("techniques (01-08)")
+    group = parser.add_argument_group("techniques (01-09)")
     group.add_argument("--stack", type=stack_flag, default=None,
                        help="0-5, each level adds to the one below: 1 --fsdp, 2 --ulysses, "
                             "3 --checkpoint --offload, 4 --tile-mlp --tile-loss, 5 --untied in "
@@ -230,6 +232,12 @@ def add_technique_flags(parser):
                             "holding the gradients of the blocks it has not reached (default: "
                             "on for a GPU run with FSDP and AdamW on the GPU where the speed "
                             "model predicts it 0.5%% faster or more; off on the CPU)")
+    group.add_argument("--offload-moments", action=argparse.BooleanOptionalAction, default=None,
+                       help="09: the blocks' AdamW moments wait in host memory, each block's "
+                            "copied in for its update (08's, behind its next forward) and back: "
+                            "the same weights bit for bit, 8 bytes a parameter off the GPU "
+                            "outside the forward (default: on for a GPU run where the plan "
+                            "needs it to fit or predicts it faster; off on the CPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",
@@ -406,6 +414,15 @@ def resolve_techniques(cfg: Config) -> Config:
         raise ValueError("--overlap-optimizer (08) hides AdamW's pass over the GPU's memory "
                          "behind the forward; with --offload-model-state (01) AdamW runs on the "
                          "host's cores instead: drop one of them")
+    if cfg.offload_moments and cfg.overlap_optimizer is False:
+        raise ValueError("--offload-moments (09) streams the moments for 08's updates behind the "
+                         "forward; --no-overlap-optimizer turns 08 off: drop one of them")
+    if cfg.offload_moments and cfg.offload_model_state:
+        raise ValueError("--offload-moments (09) keeps the moments on the host for AdamW on the "
+                         "GPU; --offload-model-state (01) keeps all the model state there for "
+                         "AdamW on the host's cores: drop one of them")
+    if cfg.offload_moments:
+        cfg.overlap_optimizer = True  # 09 streams for 08's updates, so it implies 08
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but CUDA is not available here")
     for flag, value, least in (("--steps", cfg.steps, 0), ("--batch-size", cfg.batch_size, 1),
@@ -565,6 +582,7 @@ def techniques_text(cfg: Config, head_chunk, ring: int = 1) -> str:
     names += ["keep_attention"] if cfg.keep_attention else []
     names += ["offload_model_state"] if cfg.offload_model_state else []
     names += ["overlap_optimizer"] if cfg.overlap_optimizer else []
+    names += ["offload_moments"] if cfg.offload_moments else []
     names += ([f"offload_activations ({cfg.offload_activations} blocks)"]
               if cfg.offload_activations else [])
     labels = {"untied": f"untied (U={head_chunk})"}

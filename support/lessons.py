@@ -2,7 +2,7 @@
 digit). support/, the commands and bench/ take them from here:
 
     from support.lessons import (sharding, ulysses_sp, checkpointing, tiling, untied_sp, ring_sp,
-                                 activation_offload, optimizer_overlap)
+                                 activation_offload, optimizer_overlap, moments_offload)
 
 Each alias says what the file holds and is never the name of a flag or a Runtime field
 (`cfg.ulysses` is a flag, `rt.ulysses` a degree, `ulysses_sp` the module). The lessons import
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("01_fsdp", "02_ulysses", "03_checkpoint_offload", "04_alst_tiling",
          "05_untied_ulysses", "06_ring_attention", "07_offload_activations",
-         "08_optimizer_overlap")
+         "08_optimizer_overlap", "09_offload_moments")
 
 
 
@@ -35,4 +35,4 @@ def register_running_lesson() -> None:
 
 register_running_lesson()
 (sharding, ulysses_sp, checkpointing, tiling, untied_sp, ring_sp, activation_offload,
- optimizer_overlap) = (importlib.import_module(name) for name in NAMES)
+ optimizer_overlap, moments_offload) = (importlib.import_module(name) for name in NAMES)

@@ -1,0 +1,246 @@
+"""09 - Adam's moments in host memory, streamed through the GPU beside the forward.
+
+The problem in bytes. Llama-3-8B on one H200 (139.8 GiB) holds 89.7 GiB of model state before
+any activation: the fp32 weights (29.9 GiB) and AdamW's two moments (59.8). The moments are
+read once a step, by the update, and 08 runs that update during the next forward, block by
+block. For the rest of the step, the whole backward where the activations peak, they only wait.
+At 32K tokens the backward's peak then leaves room for 12 of the 32 blocks' activations (2.5
+GiB each), so 03 checkpoints the other 20 and runs their forward twice.
+
+The idea. A block's moments live in host memory; 08's update of that block, queued on its side
+stream, is framed by two copies on two more streams: the moments come in just before it and go
+back just after (the GPU's copy engines, one each way, beside its compute). The blocks' updates
+follow one another, so three blocks' moments (slots) on the GPU at a time keep both copy
+engines busy. Per block at 55 GB/s each way (pinned copies on an H200 machine): 1.6 GiB in ~32
+ms, less than its forward at 32K (~40 ms), so the copies hide behind the forward that 08's
+updates already run beside. The root's moments (embeddings, lm_head: 7.8 GiB) stay on the GPU:
+the forward waits for the root's update first, and would wait for its copies too.
+
+What it buys: 52 GiB of moments off the GPU from the end of one forward to the next, the
+backward's peak among them: at 32K that is 20 blocks' activations, no checkpointing at all.
+What it costs: the host holds the moments (pinned: registered in place, so no power-of-two
+rounding), and the GPU three blocks' moments during the forward. The arithmetic is 08's: AdamW's
+own fused kernel over the same values (copies are exact), so the weights are bit for bit those of
+plain AdamW. Loading a saved state brings the moments to the GPU for a moment (PyTorch's
+Optimizer.load_state_dict puts each on its parameter's device) before they go back to the host.
+
+    --offload-moments   (with 08's --overlap-optimizer; a GPU run's plan takes it where it is
+                         fastest)
+
+    python 09_offload_moments.py                   # CPU: the bytes each step moves, exact
+    torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 32K --offload-moments
+"""
+
+import importlib
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+
+optimizer_overlap = importlib.import_module("08_optimizer_overlap")
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
+    """08's AdamW (each unit's update behind its next forward) whose blocks' moments stay in
+    host memory between updates: `state[p]` holds the host tensors, and for a block's update
+    they are copied into one of `slots` GPU buffers, updated there and copied back."""
+
+    def __init__(self, model, slots: int = 3, **adamw_settings):
+        super().__init__(model, **adamw_settings)
+        if self.defaults["amsgrad"]:
+            raise ValueError("09 streams AdamW's two moments; amsgrad keeps a third")
+        on_gpu = self.stream is not None
+        self.copy_in = torch.cuda.Stream() if on_gpu else None  # host -> GPU: one copy engine
+        self.copy_out = torch.cuda.Stream() if on_gpu else None  # GPU -> host: the other
+        self.slot_count = slots
+        self.slots = None  # this step's GPU buffers, one block's moments each (step() to the
+        # last block's update)
+        self.slot_free = [None] * slots  # each slot's last copy out (an event; None: CPU)
+        self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order)
+        self.pinned = []  # the host memory page-locked for them (pointers)
+        weakref.finalize(self, unpin, self.pinned)
+        self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.state:  # the first step streams too: the moments start on the host
+            self.create_state()
+        block = max(sum(local(p).numel() for p in params) for _, params in self.units[1:])
+        self.slots = [torch.empty(len(MOMENTS) * block, device=self.units[0][1][0].device)
+                      for _ in range(self.slot_count)]
+        if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
+            # and the host moments were last written by the previous step's copies out
+            self.copy_in.wait_stream(torch.cuda.current_stream())
+            self.copy_in.wait_stream(self.copy_out)
+        return super().step(closure)  # 08 queues (GPU) or defers (CPU) each unit's update()
+
+    def update(self, unit: int) -> None:
+        """08's update of one unit; a block's moments come in before it and go back after."""
+        if unit == 0:
+            return super().update(unit)  # the root's moments stay on the GPU
+        params = self.units[unit][1]
+        slot = (unit - 1) % self.slot_count
+        gpu, host = gpu_views(self.slots[slot], params), [m for p in params for m in self.host[p]]
+        arrived = copy(host, gpu, self.copy_in, after=self.slot_free[slot])
+        if arrived is not None:
+            self.stream.wait_event(arrived)
+        self.set_moments(params, gpu)
+        super().update(unit)  # AdamW's own fused step, over the GPU copies
+        self.set_moments(params, host)
+        self.slot_free[slot] = copy(gpu, host, self.copy_out, after=record(self.stream))
+        if self.copy_in is not None:  # the slot's memory is reused only after these streams
+            for stream in (self.copy_in, self.stream, self.copy_out):
+                self.slots[slot].record_stream(stream)
+        self.moved["in"] += sum(local(m).nbytes for m in host)
+        self.moved["out"] += sum(local(m).nbytes for m in host)
+        if unit == len(self.units) - 1:
+            self.slots = None  # the step's last update: the slots go (once the streams allow)
+
+    def set_moments(self, params: list, moments: list) -> None:
+        """`state[p]`'s moments, for each of `params`, are `moments` (MOMENTS order)."""
+        for i, p in enumerate(params):
+            self.state[p].update(zip(MOMENTS, moments[len(MOMENTS) * i:len(MOMENTS) * (i + 1)]))
+
+    def create_state(self) -> None:
+        """AdamW's state before its first step, zero as its own: the root's moments on the
+        GPU, the blocks' in host memory."""
+        for unit, (_, params) in enumerate(self.units):
+            for p in params:
+                moments = ([torch.zeros_like(p) for _ in MOMENTS] if unit == 0
+                           else self.host_moments(p))
+                # fused AdamW keeps its step count on the parameter's device, in fp32
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                 **dict(zip(MOMENTS, moments))}
+
+    def host_moments(self, p: torch.Tensor) -> list:
+        """p's moments in host memory, zero, of p's kind (a DTensor laid out as p is). On a
+        GPU machine page-locked in place (cudaHostRegister, as PyTorch's checkpoint staging
+        does): the copy engines then read and write them directly, and unlike a pinned
+        allocation, rounded up to a power of two (base/host_buffers.py), they take exactly
+        their bytes."""
+        if p not in self.host:
+            parts = [torch.zeros(local(p).shape, dtype=p.dtype) for _ in MOMENTS]
+            if p.is_cuda:
+                self.pinned += [pin_in_place(part) for part in parts]
+            self.host[p] = [like(p, part) for part in parts]
+        return self.host[p]
+
+    def state_dict(self):
+        """08's (its queued updates done), the copies back to the host finished first."""
+        self.settle()
+        if self.copy_out is not None:
+            self.copy_out.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """AdamW's load, which puts every moment on its parameter's device; then the blocks'
+        moments back to the host (the GPU holds them all for that moment)."""
+        super().load_state_dict(state_dict)
+        for _, params in self.units[1:]:
+            for p in params:
+                host = self.host_moments(p)
+                for name, into in zip(MOMENTS, host):
+                    local(into).copy_(local(self.state[p][name]))
+                self.set_moments([p], host)
+
+
+def copy(sources: list, targets: list, stream, after=None):
+    """Each source into its target on `stream` (a copy engine) once the event `after` is
+    past; the event at the copies' end. On the CPU (stream None): at once, None."""
+    if stream is None:
+        for source, target in zip(sources, targets):
+            local(target).copy_(local(source))
+        return None
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        for source, target in zip(sources, targets):
+            local(target).copy_(local(source), non_blocking=True)
+    return stream.record_event()
+
+
+def record(stream):
+    """An event at `stream`'s end (None on the CPU)."""
+    return None if stream is None else stream.record_event()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (FSDP2's parameters), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """`part` (p's local shape) as a tensor of p's kind: a DTensor laid out as p is, or itself."""
+    if not isinstance(p, DTensor):
+        return part
+    return DTensor.from_local(part, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def gpu_views(slot: torch.Tensor, params: list) -> list:
+    """Each of `params`' moments as a view into `slot`, of its parameter's kind (MOMENTS
+    order, parameter by parameter)."""
+    views, start = [], 0
+    for p in params:
+        for _ in MOMENTS:
+            n = local(p).numel()
+            views.append(like(p, slot[start:start + n].view(local(p).shape)))
+            start += n
+    return views
+
+
+def pin_in_place(t: torch.Tensor) -> int:
+    """Page-lock `t`'s memory for the GPU's copy engines; its address (for unpin)."""
+    pointer = t.data_ptr()
+    if int(torch.cuda.cudart().cudaHostRegister(pointer, t.nbytes, 0)) != 0:
+        raise RuntimeError("09 could not page-lock host memory for Adam's moments "
+                           "(cudaHostRegister failed): is the locked-memory limit (ulimit -l) "
+                           "too low, or the host's memory short?")
+    return pointer
+
+
+def unpin(pointers: list) -> None:
+    """Undo pin_in_place for each address (the optimizer is going, its host tensors with it)."""
+    for pointer in pointers:
+        torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def apply_moments_offload(model, **adamw_settings) -> AdamWMomentsOnHost:
+    """The optimizer for `model` (already sharded): 08's, its blocks' moments on the host."""
+    return AdamWMomentsOnHost(model, **adamw_settings)
+
+
+# ---- below: the demo -----------------------------------------------------------------------------
+
+def main():
+    """Three steps of a small model on the CPU: the bytes moved, and the weights against plain
+    fused AdamW's."""
+    from model import Transformer, get_model_args
+
+    torch.manual_seed(0)
+    args = get_model_args("tiny")
+    model = Transformer(args)
+    optimizer = apply_moments_offload(model, lr=1e-3)
+    plain_model = Transformer(args)  # the same weights, AdamW's step at once
+    plain_model.load_state_dict(model.state_dict())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3, fused=True)
+    tokens = torch.randint(0, args.vocab_size, (1, 65))
+    positions = torch.arange(64).unsqueeze(0)
+    block_moments = sum(p.numel() for block in model.layers for p in block.parameters()) * 8
+    for step in range(3):
+        for m, opt in ((model, optimizer), (plain_model, plain)):
+            (m(tokens[:, :-1], positions, tokens[:, 1:]) / 64).backward()
+            opt.step()
+            opt.zero_grad()
+        print(f"step {step}: moved in {optimizer.moved['in'] / 2**20:.2f} MiB, out "
+              f"{optimizer.moved['out'] / 2**20:.2f} MiB so far (the blocks' moments: "
+              f"{block_moments / 2**20:.2f} MiB each way a step)")
+    optimizer.settle()
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
+    print(f"after 3 steps, settled: the weights equal plain fused AdamW's bit for bit: {same}")
+
+
+if __name__ == "__main__":
+    main()

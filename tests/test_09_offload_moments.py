@@ -1,0 +1,188 @@
+"""09: the blocks' Adam moments in host memory, streamed through GPU slots for 08's updates,
+leave the same weights and state bit for bit as plain AdamW; the moments do live on the host
+(each step moves them in and out once, and the update sees only a slot's copy), and the
+planner takes them off the GPU's peak."""
+
+import importlib
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+import torch
+from ranks import run_ranks
+from reference import build_as_train
+from test_08_optimizer_overlap import (AUTO_16K, CYCLES, GPU_MODEL, MODEL, _assert_same_run,
+                                       _run)
+from test_saved_state import _resume_equals_straight
+
+import model as llama
+from support.config import Config, resolve_techniques
+from support.runtime import setup_runtime
+
+moments_offload = importlib.import_module("09_offload_moments")
+train = importlib.import_module("train")
+
+L = llama.get_model_args(MODEL).n_layers
+
+
+def _same_weights_as_plain_adamw(cases):
+    for flags in cases:
+        at_once = _run(**flags)
+        streamed = _run(offload_moments=True, **flags)
+        assert isinstance(streamed.optimizer, moments_offload.AdamWMomentsOnHost)
+        _assert_same_run(at_once, streamed, flags)
+
+
+def test_the_weights_and_state_are_bit_for_bit_plain_adamw():
+    """One process, plain and under FSDP (and with the techniques auto takes with 08 at 16K):
+    four clipped steps, a changing learning rate, weight decay: the same losses, norms, weights
+    and Adam state (the blocks' read from the host) as fused AdamW at once."""
+    _same_weights_as_plain_adamw([{}, {"fsdp": True}, AUTO_16K])
+
+
+def test_the_weights_are_plain_adamw_s_on_2_and_4_ranks():
+    """Each rank streams its own shards' moments (DTensors whose local parts live on the
+    host): FSDP + Ulysses on 2 ranks, 05 over dp 2 x sp 2 on 4."""
+    run_ranks(2, _same_weights_as_plain_adamw, [{"fsdp": True, "ulysses": True}])
+    run_ranks(4, _same_weights_as_plain_adamw, [{"stack": 5, "sp": 2}])
+
+
+def test_the_moments_live_on_the_host_and_each_update_sees_a_slot():
+    """The blocks' moments in `state` are the host tensors between steps, from the first step
+    on; each block's update reads and writes copies in one of the step's slots (never the
+    host tensors, never a slot another block of the same round uses), and each step moves
+    every block's moments in once and out once: 8 bytes a block parameter each way."""
+    model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
+                                           fsdp=True, offload_moments=True))
+    optimizer = train.make_optimizer(model, cfg)
+    assert isinstance(optimizer, moments_offload.AdamWMomentsOnHost) and cfg.overlap_optimizer
+    seen = []  # (unit, the storages its moments were in during its update)
+    real_step = optimizer.adamw_step
+
+    def spying_step():
+        params = optimizer.param_groups[0]["params"]  # the unit's, during 08's update
+        unit = next(u for u, (_, ps) in enumerate(optimizer.units) if ps[0] is params[0])
+        seen.append((unit, {full_storage(optimizer.state[p][name]) for p in params
+                            for name in moments_offload.MOMENTS}))
+        real_step()
+
+    optimizer.adamw_step = spying_step
+    tokens = torch.randint(0, model.args.vocab_size, (2, 33))
+    block_bytes = sum(moments_offload.local(p).numel() for b in model.layers
+                      for p in b.parameters()) * 4 * 2
+    for step in range(3):
+        seen.clear()
+        train.clipped_step(model, optimizer, train.forward_backward(model, tokens, rt), 1.0)
+        optimizer.settle()
+        assert optimizer.moved == {"in": block_bytes * (step + 1),
+                                   "out": block_bytes * (step + 1)}
+        host = {full_storage(m) for ms in optimizer.host.values() for m in ms}
+        assert [u for u, _ in seen] == list(range(L + 1))
+        root, *blocks = [storages for _, storages in seen]
+        assert not root & host  # the root's stay where they are
+        for storages in blocks:
+            assert len(storages) == 1 and not storages & host  # one slot, not the host's
+        for i, storages in enumerate(blocks):  # the slots of one round differ
+            assert all(storages != other for other in blocks[max(0, i - 2):i])
+        for unit, (_, params) in enumerate(optimizer.units):
+            for p in params:
+                held = [optimizer.state[p][name] for name in moments_offload.MOMENTS]
+                if unit:
+                    assert all(a is b for a, b in zip(held, optimizer.host[p]))
+                else:
+                    assert p not in optimizer.host
+    assert optimizer.slots is None  # released with the step's last update
+
+
+def full_storage(t):
+    return moments_offload.local(t).untyped_storage().data_ptr()
+
+
+def test_a_saved_run_resumes_exactly(tmp_path):
+    """A save with updates queued (state_dict settles and waits for the copies back), resumed
+    (load_state_dict sends the loaded moments back to the host): the same losses, weights and
+    Adam state as the run straight through."""
+    _resume_equals_straight(tmp_path, [{"offload_moments": True, "fsdp": True}])
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"overlap_optimizer": False}, "--offload-moments .* --no-overlap-optimizer"),
+    ({"fsdp": True, "offload_model_state": True}, "--offload-moments .* --offload-model-state"),
+])
+def test_contradicting_flags_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_techniques(Config(model=MODEL, offload_moments=True, device="cpu", **flags))
+
+
+def test_the_flag_implies_08():
+    assert resolve_techniques(Config(model=MODEL, offload_moments=True,
+                                     device="cpu")).overlap_optimizer
+
+
+@pytest.mark.gpu
+def test_gpu_streamed_moments_are_plain_adamw_and_on_the_host():
+    run_ranks(1, _gpu_streamed_moments, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_gpu_streamed_moments_on_2_ranks():
+    run_ranks(2, _gpu_streamed_moments, backend="nccl")
+
+
+@contextmanager
+def slow_copies():
+    """Each copy in queued behind ~10-20 ms of sleep on its stream: an update that did not wait
+    for its moments would read a slot's stale bytes."""
+    real_copy = moments_offload.copy
+
+    def slow_copy(sources, targets, stream, after=None):
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(CYCLES)
+        return real_copy(sources, targets, stream, after)
+
+    moments_offload.copy = slow_copy
+    try:
+        yield
+    finally:
+        moments_offload.copy = real_copy
+
+
+def _gpu_streamed_moments():
+    """bf16 on the GPU, FSDP: with every copy slowed, four steps give the same weights and Adam
+    state bit for bit as fused AdamW at once; the blocks' moments are page-locked host memory;
+    and the GPU's peak after the first step is lower by about the blocks' moments."""
+    cfg = resolve_techniques(Config(model=GPU_MODEL, fsdp=True, seq_len=256, batch_size=2,
+                                    steps=4, device="cuda", dtype="bfloat16", grad_clip=0.05,
+                                    attn_kernel="math",  # deterministic: bit for bit
+                                    warmup_steps=2, lr_schedule="cosine",
+                                    overlap_optimizer=False))  # (left open, a GPU plans 08)
+    at_once = train.train(cfg)
+    with slow_copies():
+        streamed = train.train(replace(cfg, offload_moments=True))
+    _assert_same_run(at_once, streamed, "streamed")
+    optimizer = streamed.optimizer
+    for _, params in optimizer.units[1:]:
+        for p in params:
+            for m in optimizer.host[p]:
+                local = moments_offload.local(m)
+                assert local.device.type == "cpu" and local.is_pinned()
+    # between steps the GPU holds the root's moments alone; a step's peak is lower too (the
+    # forward holds three blocks' moments in the slots: of this 4-layer model, most of them)
+    rt = setup_runtime(cfg)
+    tokens = torch.randint(0, at_once.model.args.vocab_size, (2, cfg.seq_len + 1))
+    held, peaks = [], []
+    for run in (at_once, streamed):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        train.clipped_step(run.model, run.optimizer, train.forward_backward(run.model, tokens, rt),
+                           1.0)
+        train.optimizer_overlap.settle(run.optimizer)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # (and the slots' stream uses processed)
+        peaks.append(torch.cuda.max_memory_allocated())
+        held.append(torch.cuda.memory_allocated())
+    block_moments = sum(moments_offload.local(p).numel() for _, ps in optimizer.units[1:]
+                        for p in ps) * 8
+    assert held[0] - held[1] == block_moments, (held, block_moments)
+    assert peaks[0] - peaks[1] >= 0.2 * block_moments, (peaks, block_moments)
