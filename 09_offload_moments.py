@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 optimizer_overlap = importlib.import_module("08_optimizer_overlap")
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SLOTS = 3  # blocks' moments on the GPU at a time: one coming in, one updating, one going back
 
 
 class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
@@ -47,7 +48,7 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
     host memory between updates: `state[p]` holds the host tensors, and for a block's update
     they are copied into one of `slots` GPU buffers, updated there and copied back."""
 
-    def __init__(self, model, slots: int = 3, **adamw_settings):
+    def __init__(self, model, slots: int = SLOTS, **adamw_settings):
         super().__init__(model, **adamw_settings)
         if self.defaults["amsgrad"]:
             raise ValueError("09 streams AdamW's two moments; amsgrad keeps a third")
@@ -68,7 +69,8 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         if not self.state:  # the first step streams too: the moments start on the host
             self.create_state()
         block = max(sum(local(p).numel() for p in params) for _, params in self.units[1:])
-        self.slots = [torch.empty(len(MOMENTS) * block, device=self.units[0][1][0].device)
+        like = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
+        self.slots = [torch.empty(len(MOMENTS) * block, dtype=like.dtype, device=like.device)
                       for _ in range(self.slot_count)]
         if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
             # and the host moments were last written by the previous step's copies out

@@ -220,7 +220,14 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                    for kind, moments in moments_of_a_block.items()}
 
     params, grads = state["parameters"], state["gradients"]
-    adam = state["optimizer"] if adam_allocated else 0
+    # 09: the blocks' moments in host memory; on the GPU the root's, and from the optimizer step
+    # to the next forward's last block SLOTS blocks' in their slots (the first step's too: 09
+    # makes the moments on the host before it)
+    streamed = (byte_counts.streamed_moment_bytes(args, world_size, state["optimizer"] // 2
+                                                  // max(-(-n_params // world_size), 1))
+                if cfg.offload_moments else {"block": 0, "host": 0, "slots": 0})
+    gpu_adam = state["optimizer"] - streamed["host"]
+    adam = gpu_adam if adam_allocated or cfg.offload_moments else 0
     # 03 checkpoints the first k blocks (--checkpoint-layers; all by default); the `plain` ones
     # above them keep what they saved, as without checkpointing, until backward reaches them:
     # the norms' and the MLP's tensors (`layer`), the attention's, and the block input where a
@@ -350,7 +357,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
                                            "during_backward" if n_layers == 1 else "bottom_block"),
         "end of backward": {"model_state": params + adam + grads,
                             "fsdp": buffers["end_of_backward"]},
-        "optimizer step": {"model_state": params + grads + state["optimizer"]},
+        "optimizer step": {"model_state": params + grads + gpu_adam + streamed["slots"]},
+        **({} if not cfg.offload_moments else {  # its slots, beside 08's held gradients
+            "forward of layer 0 (09's moments streaming)": backward_of(
+                first_layer_kept, forward_state(0) + streamed["slots"], "bottom_block")}),
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     running = {"backward of the last layer": last_block, f"backward of layer {k}": lowest_plain,
@@ -359,9 +369,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     return {"moments": moments, "peak_moment": peak_moment,
             "peak": sum(moments[peak_moment].values()),
             "block_moment": block_peaks[running.get(peak_moment, "checkpointed")],
-            "host": host + host_state + host_activations,
+            "host": host + host_state + host_activations + streamed["host"],
             "host_parts": {"checkpoints": host, "model state": host_state,
-                           "activations (07)": host_activations},
+                           "activations (07)": host_activations,
+                           "Adam's moments (09)": streamed["host"]},
             "model_state": sum(state.values()), "local_tokens": local_tokens,
             "sp": sp, "dp": world_size // sp, "head_chunk": head_chunk, "ring": ring}
 
@@ -929,7 +940,7 @@ OVERLAP_MIN_GAIN = 0.005
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
             "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
-            "offload_model_state", "offload_activations", "overlap_optimizer")
+            "offload_model_state", "offload_activations", "overlap_optimizer", "offload_moments")
 
 
 @dataclass
@@ -1079,7 +1090,8 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
             first_error = first_error or error
             continue
         seconds = predicted(candidate, plan)
-        if (candidate.overlap_optimizer and cfg.overlap_optimizer is None and seconds
+        if (candidate.overlap_optimizer and not candidate.offload_moments
+                and cfg.overlap_optimizer is None and seconds
                 and seconds > (1 - OVERLAP_MIN_GAIN) * predicted(
                     replace(candidate, overlap_optimizer=False), plan)):
             continue  # 08 left open, and too little to gain: AdamW at once
@@ -1129,10 +1141,11 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
         # 08 where FSDP's units run AdamW on the GPU (with the state on the host it runs on the
-        # host's cores; without FSDP no GPU has run it)
-        behind = ([bool(chosen.overlap_optimizer)]
-                  if chosen.overlap_optimizer is not None or chosen.offload_model_state
-                  or not chosen.fsdp else [False, True])
+        # host's cores; without FSDP no GPU has run it); 09 (which implies 08) where given (as
+        # 07: not weighed until a GPU has measured a step with it)
+        behind = ([bool(chosen.overlap_optimizer or chosen.offload_moments)]
+                  if chosen.overlap_optimizer is not None or chosen.offload_moments
+                  or chosen.offload_model_state or not chosen.fsdp else [False, True])
         # 03's checkpointed blocks k, where left open, join in rank_candidates: the fewest
         # that fit need each candidate's plan. With 07's blocks above them, at most L - 2N.
         layers = chosen.checkpoint_layers
@@ -1194,7 +1207,8 @@ def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine)
     kept_for_speed = candidate.keep_attention and cfg.keep_attention is None
     if machine.host_mem is None:
         adds_to_host = (kept_for_speed or (candidate.offload and not cfg.offload)
-                        or (candidate.offload_model_state and not cfg.offload_model_state))
+                        or (candidate.offload_model_state and not cfg.offload_model_state)
+                        or (candidate.offload_moments and not cfg.offload_moments))
         host_mem = 0 if adds_to_host else 2**62
     else:
         host_mem = machine.host_mem * (HOST_HEADROOM if kept_for_speed else 1)
@@ -1205,8 +1219,9 @@ def memory_order(cfg: Config) -> tuple:
     """The memory-only order (a GPU without speed rates; ties): the fewest techniques in the
     files' order (the model state on the host last, then the ring, 05, 04, 03), then the
     fewest stages, kept attention outputs, the largest MLP tile, the fewest checkpointed
-    blocks, AdamW at once (08 off)."""
-    return (cfg.offload_model_state, (cfg.ring or 1) > 1, cfg.untied, cfg.tile_mlp,
+    blocks, AdamW at once (08 off); Adam's moments on the GPU (09 off) first of all."""
+    return (bool(cfg.offload_moments), cfg.offload_model_state, (cfg.ring or 1) > 1, cfg.untied,
+            cfg.tile_mlp,
             cfg.tile_loss, cfg.offload, cfg.checkpoint, -(cfg.head_chunk or 0),
             not cfg.keep_attention, -(cfg.mlp_tile_tokens or 0), cfg.checkpoint_layers or 2**31,
             bool(cfg.overlap_optimizer))
@@ -1215,7 +1230,8 @@ def memory_order(cfg: Config) -> tuple:
 def techniques_of(cfg: Config) -> tuple:
     """What sets a configuration's techniques apart (not their settings U, keep, MLP tile)."""
     return (cfg.fsdp, cfg.ulysses, cfg.untied, cfg.ring or 1, cfg.checkpoint, cfg.offload,
-            cfg.tile_mlp, cfg.tile_loss, cfg.tile_norm, cfg.offload_model_state)
+            cfg.tile_mlp, cfg.tile_loss, cfg.tile_norm, cfg.offload_model_state,
+            bool(cfg.offload_moments))
 
 
 def best_per_techniques(ranking: list) -> list:
@@ -1243,7 +1259,9 @@ def flags_text(cfg: Config) -> str:
                     + (["--offload-model-state"] if cfg.offload_model_state else [])
                     + ([f"--offload-activations {cfg.offload_activations}"]
                        if cfg.offload_activations else [])
-                    + (["--overlap-optimizer"] if cfg.overlap_optimizer else []))
+                    + (["--overlap-optimizer"] if cfg.overlap_optimizer
+                       and not cfg.offload_moments else [])
+                    + (["--offload-moments"] if cfg.offload_moments else []))
 
 
 def level_techniques(level: int) -> set:
@@ -1264,8 +1282,10 @@ def settings_flags(cfg: Config, names) -> list:
         flags.append("--keep-attention" if cfg.keep_attention else "--no-keep-attention")
     if "mlp_tile_tokens" in names and cfg.tile_mlp and cfg.mlp_tile_tokens:
         flags.append(f"--mlp-tile-tokens {cfg.mlp_tile_tokens}")
-    if "overlap_optimizer" in names and cfg.overlap_optimizer:  # (off: AdamW at once, as ever)
-        flags.append("--overlap-optimizer")
+    if "overlap_optimizer" in names and cfg.overlap_optimizer and not cfg.offload_moments:
+        flags.append("--overlap-optimizer")  # (off: AdamW at once, as ever; 09 implies it)
+    if "offload_moments" in names and cfg.offload_moments:
+        flags.append("--offload-moments")
     return flags
 
 
@@ -1386,7 +1406,7 @@ def host_memory_error(cfg: Config, world: int, local_ranks: int,
                       available: int | None) -> str | None:
     """Why the planned host memory of this node's ranks does not fit in `available` bytes, or
     None (also where nothing is offloaded, or the host's memory is unknown)."""
-    if not (cfg.offload or cfg.offload_model_state) or available is None:
+    if not (cfg.offload or cfg.offload_model_state or cfg.offload_moments) or available is None:
         return None
     planned = plan_memory(cfg, world)
     need = planned["host"] * local_ranks

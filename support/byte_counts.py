@@ -12,7 +12,7 @@ import torch
 
 from model import ModelArgs, Transformer, num_params
 from base.host_buffers import power_of_two_pieces
-from support.lessons import tiling, untied_sp
+from support.lessons import moments_offload, tiling, untied_sp
 
 # ---- 01_fsdp.py: model state, sharded; FSDP2's gathered copies; the state on the host -------
 
@@ -467,3 +467,15 @@ def hybrid_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_val
                                       bytes_per_value, saved_only, kernel, workspace)
     return attention_activation_bytes(args, seq_len // ring, sp // ring, bytes_per_value,
                                       saved_only, kernel, workspace)
+
+
+# ---- 09_offload_moments.py: the blocks' Adam moments on the host, a few blocks' on the GPU ----
+
+def streamed_moment_bytes(args, world_size: int, moment_bytes: int = 4) -> dict:
+    """Per-rank bytes of 09's moments (`moment_bytes` a value: fp32 under FSDP): "block", one
+    block's two moments (its shards: dim 0 split over the ranks, padded), which each step
+    copies in and out; "host", every block's, page-locked in place (exactly their bytes); "slots",
+    the GPU buffers that hold moments_offload.SLOTS blocks' from 08's queued updates until the
+    last block's is done (the next forward)."""
+    block = 2 * moment_bytes * -(-block_params(args) // world_size)
+    return {"block": block, "host": args.n_layers * block, "slots": moments_offload.SLOTS * block}

@@ -79,7 +79,7 @@ class Config:
     overlap_optimizer: bool | None = None  # 08: each block's AdamW update behind its next
     # forward; None: decided on a GPU, from the predicted step (plan.plan_run; off on the CPU)
     offload_moments: bool | None = None  # 09: the blocks' Adam moments in host memory, streamed
-    # through the GPU for 08's updates; None: decided on a GPU, as 08 (off on the CPU)
+    # through the GPU for 08's updates (implies 08); None: off (--stack auto weighs it once given)
     save_dir: str | None = None
     save_every: int = 0  # 0: only at the end (and when stopped by a signal)
     resume: bool = False
@@ -236,8 +236,8 @@ def add_technique_flags(parser):
                        help="09: the blocks' AdamW moments wait in host memory, each block's "
                             "copied in for its update (08's, behind its next forward) and back: "
                             "the same weights bit for bit, 8 bytes a parameter off the GPU "
-                            "outside the forward (default: on for a GPU run where the plan "
-                            "needs it to fit or predicts it faster; off on the CPU)")
+                            "outside the forward; not chosen by --stack auto yet (not yet "
+                            "measured on a GPU)")
     group.add_argument("--tile-mlp", action="store_true", help="04: tiled MLP")
     group.add_argument("--tile-loss", action="store_true", help="04: tiled logits + loss")
     group.add_argument("--tile-norm", action="store_true",

@@ -24,6 +24,7 @@ terms, one section per lesson as support/byte_counts.py has for bytes:
                        on several GPUs the all-gathers and reduce-scatters that a block's
                        compute does not hide (short sequences split over many GPUs)
     08                 the part of that step run beside the next forward that still shows
+    09                 the moments' copies in and out that the forward does not hide
 Rates come per GPU kind (`GPU_RATES`, keyed by torch.cuda.get_device_name()): the kernels'
 measured speeds, and a few constants fitted on measured steps (docs/calibration.md, "Step
 time"; tests/test_step_time.py holds every calibrated row within 10%). A GPU without rates gets
@@ -227,6 +228,8 @@ def step_seconds(cfg: Config, world_size: int, rates: GpuRates, kernel: str, arg
                                                       gradient_memory)
                                     * rates.alloc_retry_s)  # a step's (measured: one batch)
     seconds["optimizer step"] = optimizer_seconds(cfg, args, world_size, rates, layer_forward_s)
+    seconds["moment copies (09)"] = moment_copy_seconds(cfg, args, world_size, rates,
+                                                        layer_forward_s, offloaded_block_bytes)
     seconds["collectives (01)"] = micro * collective_seconds(cfg, args, world_size, b, rates,
                                                              layer_forward_s)
     return seconds
@@ -417,3 +420,22 @@ def optimizer_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
     first = whole - (layers - 1) * block
     beside = min(block, layer_forward_s)
     return first + (layers - 1) * (BESIDE_FORWARD_SHOWN * beside + block - beside)
+
+
+# ---- 09_offload_moments.py: the moments' copies beside the forward ----------------------------
+
+def moment_copy_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
+                        layer_forward_s: float, offloaded_block_bytes: int = 0) -> float:
+    """09: each block's moments come in for its update (08's, beside the forward of the blocks
+    below it) and go back, one copy engine each way. The forward waits for block 0's copy in;
+    after that the copies keep pace where one block's is shorter than one block's forward, and
+    each block's forward waits the difference where it is longer. 07's copies out, in the same
+    forward, share the engine out. Not yet calibrated: no step with 09 has been measured."""
+    if not cfg.offload_moments:
+        return 0.0
+    block = byte_counts.streamed_moment_bytes(args, world_size,
+                                              4 if cfg.fsdp or cfg.dtype == "float32" else 2)
+    copy_in = block["block"] / rates.pinned_copy
+    out_bytes = block["block"] + offloaded_block_bytes * cfg.offload_activations / args.n_layers
+    per_block = max(copy_in, out_bytes / rates.pinned_copy)
+    return copy_in + (args.n_layers - 1) * max(0.0, per_block - layer_forward_s)

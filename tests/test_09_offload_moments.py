@@ -16,8 +16,10 @@ from test_08_optimizer_overlap import (AUTO_16K, CYCLES, GPU_MODEL, MODEL, _asse
 from test_saved_state import _resume_equals_straight
 
 import model as llama
+import plan as planner
+from support import byte_counts, step_time
 from support.config import Config, resolve_techniques
-from support.runtime import setup_runtime
+from support.runtime import Machine, setup_runtime
 
 moments_offload = importlib.import_module("09_offload_moments")
 train = importlib.import_module("train")
@@ -186,3 +188,66 @@ def _gpu_streamed_moments():
                         for p in ps) * 8
     assert held[0] - held[1] == block_moments, (held, block_moments)
     assert peaks[0] - peaks[1] >= 0.2 * block_moments, (peaks, block_moments)
+
+
+# The planner: the blocks' moments leave every moment of the step but the forward's slots.
+PLANNED = Config(model="llama3-8b", seq_len=32768, fsdp=True, checkpoint=True, tile_loss=True,
+                 checkpoint_layers=20, dtype="bfloat16", device="cpu", overlap_optimizer=True)
+ONE_H200 = Machine(gpus=1, gpu_mem=int(139.8 * 2**30), host_mem=125 * 2**30, gpus_per_node=1,
+                   gpu_name="NVIDIA H200")
+
+
+def test_the_planner_moves_the_blocks_moments_to_the_host():
+    """Llama-3-8B on one GPU: 32 blocks of 218M parameters, 8 bytes each (1.62 GiB a block, 52
+    GiB in all) leave the backward's moments for the host; the forward of layer 0 holds three
+    blocks' in the slots beside 08's held gradients; the peak drops by the blocks' moments."""
+    args = llama.get_model_args("llama3-8b")
+    block = 8 * byte_counts.block_params(args)
+    kept = planner.plan_memory(PLANNED, 1)
+    streamed = planner.plan_memory(replace(PLANNED, offload_moments=True), 1)
+    assert streamed["host_parts"]["Adam's moments (09)"] == 32 * block
+    assert streamed["host"] == kept["host"] + 32 * block
+    for moment in ("end of forward (loss)", "backward of the last layer", "backward of layer 0",
+                   "end of backward"):
+        assert (kept["moments"][moment]["model_state"]
+                - streamed["moments"][moment]["model_state"]) == 32 * block, moment
+    assert (streamed["moments"]["optimizer step"]["model_state"]
+            == kept["moments"]["optimizer step"]["model_state"] - 29 * block)
+    forward = streamed["moments"]["forward of layer 0 (09's moments streaming)"]
+    assert forward["model_state"] == (streamed["moments"]["backward of layer 0"]["model_state"]
+                                      + 3 * block)
+    assert kept["peak"] - streamed["peak"] == 32 * block
+    assert "forward of layer 0 (09's moments streaming)" not in kept["moments"]
+
+
+def test_auto_weighs_09_where_given_and_checkpoints_fewer_blocks():
+    """--stack auto does not weigh 09 unless asked (not yet measured on a GPU); given, at 32K
+    on one H200 it frees the room for all but one block's activations and is predicted faster
+    than the best plan without it, whose 20 checkpointed blocks run their forward twice; the
+    run's lines name --offload-moments."""
+    auto = replace(PLANNED, stack="auto", checkpoint=False, tile_loss=False,
+                   checkpoint_layers=None, overlap_optimizer=None, attn_kernel="fa4")
+    assert not any(c.offload_moments for c in planner.candidate_configs(auto, 1))
+    without = planner.plan_run(auto, ONE_H200)
+    given = planner.plan_run(replace(auto, offload_moments=True), ONE_H200)
+    assert given.chosen.cfg.offload_moments and given.chosen.cfg.overlap_optimizer
+    assert given.chosen.cfg.checkpoint_layers < without.chosen.cfg.checkpoint_layers
+    assert given.chosen.seconds < 0.97 * without.chosen.seconds
+    assert "--offload-moments" in given.lines[0]
+    on_host = replace(auto, offload_moments=True, overlap_optimizer=None)
+    assert all(c.offload_moments and c.overlap_optimizer
+               for c in planner.candidate_configs(resolve_techniques(on_host), 1))
+
+
+@pytest.mark.parametrize("seq_len, shown", [(32768, False), (16384, True)])
+def test_the_copies_show_where_a_block_s_forward_is_shorter(seq_len, shown):
+    """One block's moments (1.62 GiB) take ~32 ms each way at 55 GB/s: at 32K a block's forward
+    (~35 ms) hides them but for block 0's copy in; at 16K (~14 ms) each block's forward waits
+    the difference."""
+    cfg = replace(PLANNED, seq_len=seq_len, offload_moments=True)
+    rates = step_time.rates_for("NVIDIA H200")
+    seconds = step_time.step_seconds(cfg, 1, rates, "fa4")["moment copies (09)"]
+    block = byte_counts.streamed_moment_bytes(llama.get_model_args("llama3-8b"), 1)["block"]
+    copy = block / rates.pinned_copy
+    assert seconds > 10 * copy if shown else seconds == pytest.approx(copy)
+    assert step_time.step_seconds(PLANNED, 1, rates, "fa4")["moment copies (09)"] == 0
