@@ -231,14 +231,18 @@ def main():
     tokens = torch.randint(0, args.vocab_size, (1, 65))
     positions = torch.arange(64).unsqueeze(0)
     block_moments = sum(p.numel() for block in model.layers for p in block.parameters()) * 8
+    print(f"the blocks' moments: {block_moments / 2**20:.2f} MiB in host memory; the root's stay "
+          f"with the weights. On the CPU each block's update runs in its next forward (08).")
     for step in range(3):
+        moved = dict(optimizer.moved)
         for m, opt in ((model, optimizer), (plain_model, plain)):
             (m(tokens[:, :-1], positions, tokens[:, 1:]) / 64).backward()
             opt.step()
             opt.zero_grad()
-        print(f"step {step}: moved in {optimizer.moved['in'] / 2**20:.2f} MiB, out "
-              f"{optimizer.moved['out'] / 2**20:.2f} MiB so far (the blocks' moments: "
-              f"{block_moments / 2**20:.2f} MiB each way a step)")
+        print(f"step {step}: its forward ran the step before's updates, the moments copied in "
+              f"{(optimizer.moved['in'] - moved['in']) / 2**20:.2f} MiB and back "
+              f"{(optimizer.moved['out'] - moved['out']) / 2**20:.2f} MiB; "
+              f"{len(optimizer.queued)} units queued")
     optimizer.settle()
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
     print(f"after 3 steps, settled: the weights equal plain fused AdamW's bit for bit: {same}")

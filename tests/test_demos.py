@@ -24,6 +24,7 @@ DEMOS = {  # file -> (launched with torchrun, a line the demo prints, the smalle
     "06_ring_attention.py": (True, "ring buffers in flight", ["--seq-len", "4K"]),
     "07_offload_activations.py": (False, "offloaded blocks", []),
     "08_optimizer_overlap.py": (False, "units queued", []),
+    "09_offload_moments.py": (False, "bit for bit: True", []),
 }
 
 
