@@ -19,15 +19,18 @@ from bench.peers.common import BEST, parse_choice, parse_spec
 def test_specs_parse_and_refuse():
     assert parse_spec("ours:5@cudnn+offload").__dict__ == {
         "text": "ours:5@cudnn+offload", "name": "ours", "level": 5, "variant": "cudnn",
-        "offload": True, "checkpoint": True, "overlap_optimizer": None}
+        "offload": True, "checkpoint": True, "overlap_optimizer": None, "offload_moments": False}
     assert parse_spec("ours:auto+overlap").overlap_optimizer is True
+    moments = parse_spec("ours:auto+moments")
+    assert moments.offload_moments and moments.overlap_optimizer is True
     assert parse_spec("ours:auto+nooverlap").overlap_optimizer is False
     assert parse_spec("alst").variant == "liger" and parse_spec("hf").variant == "bf16"
     assert parse_spec("ours:auto").level == "auto" and not parse_spec("hf+nockpt").checkpoint
     assert [s.text for s in parse_choice("alst|alst+offload")] == ["alst", "alst+offload"]
     for text in BEST.values():  # the default stacks parse, each a choice of one stack
         assert len({s.name for s in parse_choice(text)}) == 1
-    for bad in ("ours", "alst:3", "hf+overlap", "alst+nooverlap", "hf+offload", "hf@fp16",
+    for bad in ("ours", "alst:3", "hf+overlap", "alst+nooverlap", "alst+moments", "hf+offload",
+                "hf@fp16", "ours:auto+overlap+moments",
                 "ring:5", "ours:best", "alst+nockpt", "ours:5+nockpt"):
         with pytest.raises(ValueError):
             parse_spec(bad)

@@ -9,12 +9,13 @@
 One process per stack, one after another, bf16, AdamW, batch 1, random init from the same
 config (our preset; transformers' LlamaConfig made from it by support/pretrained.hf_config):
 
-  ours:N|auto[@KERNEL][+offload][+overlap|+nooverlap]  train.py --stack N (or --stack auto:
+  ours:N|auto[@KERNEL][+offload][+overlap|+nooverlap|+moments]  train.py --stack N (or auto:
                              train.py's fastest plan that fits, plan.plan_run) through its own
                              functions (bench/peers/ours.py); @KERNEL its --attn-kernel,
                              +offload its --offload-model-state, +overlap its
                              --overlap-optimizer (08), +nooverlap --no-overlap-optimizer
-                             (neither: 08 as the plan decides).
+                             (neither: 08 as the plan decides), +moments its
+                             --offload-moments (09, with 08).
   alst[@VARIANT][+offload]   DeepSpeed's Arctic Long Sequence Training as ArcticTraining's
                              one-GPU recipe sets it up: ZeRO-3, TiledMLP, Liger's fused linear
                              cross-entropy, checkpoints offloaded to the CPU, FlashAttention where

@@ -15,7 +15,7 @@ WEIGHT_DECAY = DEFAULTS.weight_decay
 GRAD_CLIP = DEFAULTS.grad_clip
 
 SPEC = re.compile(r"^(?P<name>ours|alst|hf)(:(?P<level>\d+|auto))?(@(?P<variant>[\w.-]+))?"
-                  r"(?P<offload>\+offload)?(?P<overlap>\+(no)?overlap)?(?P<nockpt>\+nockpt)?$")
+                  r"(?P<offload>\+offload)?(?P<overlap>\+(no)?overlap|\+moments)?(?P<nockpt>\+nockpt)?$")
 VARIANTS = {"ours": ("auto", "fa4", "cudnn", "flash", "math"),  # --attn-kernel
             # alst's loss: Liger's fused linear CE, or DeepSpeed's tiled one; @sdpa: Liger, sdpa
             "alst": ("liger", "tiledloss", "sdpa"),
@@ -27,8 +27,8 @@ BEST = {"ours": "ours:auto", "hf": "hf+nockpt|hf", "alst": "alst|alst+offload"}
 @dataclass(frozen=True)
 class Spec:
     """A stack as the command line names it: ours:5, ours:auto, ours:5@cudnn, ours:5+offload,
-    ours:auto+overlap, ours:auto+nooverlap, alst, alst@tiledloss, alst+offload, hf, hf@fp32,
-    hf+nockpt."""
+    ours:auto+overlap, ours:auto+nooverlap, ours:auto+moments, alst, alst@tiledloss,
+    alst+offload, hf, hf@fp32, hf+nockpt."""
     text: str
     name: str
     level: int | str | None  # ours: a --stack level, or "auto"
@@ -37,13 +37,14 @@ class Spec:
     checkpoint: bool = True  # hf: transformers' gradient checkpointing (+nockpt: without)
     overlap_optimizer: bool | None = None  # ours: +overlap --overlap-optimizer (08), AdamW
     # beside the forward; +nooverlap --no-overlap-optimizer; neither: the plan decides
+    offload_moments: bool = False  # ours: +moments --offload-moments (09, with 08)
 
 
 def parse_spec(text: str) -> Spec:
     match = SPEC.match(text)
     if not match:
         raise ValueError(f"stack {text!r}: expected "
-                         f"ours:N|auto[@KERNEL][+offload][+overlap|+nooverlap], "
+                         f"ours:N|auto[@KERNEL][+offload][+overlap|+nooverlap|+moments], "
                          f"alst[@liger|@tiledloss|@sdpa][+offload] or hf[@bf16|@fp32][+nockpt]")
     name, level, variant = match["name"], match["level"], match["variant"]
     if (name == "ours") != (level is not None):
@@ -58,10 +59,13 @@ def parse_spec(text: str) -> Spec:
         raise ValueError(f"stack {text!r}: +nockpt is transformers' (ours decides per length, "
                          f"ALST's recipe always checkpoints)")
     if name != "ours" and match["overlap"]:
-        raise ValueError(f"stack {text!r}: {match['overlap']} is ours' (--overlap-optimizer, 08)")
+        raise ValueError(f"stack {text!r}: {match['overlap']} is ours' (--overlap-optimizer, 08; "
+                         f"--offload-moments, 09)")
     level = level if level in (None, "auto") else int(level)
-    overlap = None if not match["overlap"] else match["overlap"] == "+overlap"
-    return Spec(text, name, level, variant, bool(match["offload"]), not match["nockpt"], overlap)
+    moments = match["overlap"] == "+moments"
+    overlap = None if not match["overlap"] else match["overlap"] in ("+overlap", "+moments")
+    return Spec(text, name, level, variant, bool(match["offload"]), not match["nockpt"], overlap,
+                moments)
 
 
 def parse_choice(text: str) -> list:

@@ -44,7 +44,8 @@ def train_flags(spec: Spec, model: str, device: torch.device, init_from: str | N
     flags += ["--lr", str(lr)] if lr is not None else []
     return (flags + (["--offload-model-state"] if spec.offload else [])
             + ([] if spec.overlap_optimizer is None else
-               ["--overlap-optimizer" if spec.overlap_optimizer else "--no-overlap-optimizer"]))
+               ["--overlap-optimizer" if spec.overlap_optimizer else "--no-overlap-optimizer"])
+            + (["--offload-moments"] if spec.offload_moments else []))
 
 
 def run_config(flags: list, spec: Spec):
@@ -115,6 +116,8 @@ class Stack:
             "optimizer": "torch AdamW fused, fp32 state on the "
                          + ("host" if cfg.offload_model_state else "GPU")
                          + (", each unit's update beside its next forward (08)"
-                            if cfg.overlap_optimizer else ""),
+                            if cfg.overlap_optimizer else "")
+                         + (", the blocks' moments streamed from the host (09)"
+                            if cfg.offload_moments else ""),
             "lr": cfg.lr, "build_s": self.build_s,
         }

@@ -164,7 +164,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stacks", nargs="+", default=list(BEST.values()),
-                        help="ours:N|auto[@KERNEL][+offload][+overlap|+nooverlap], "
+                        help="ours:N|auto[@KERNEL][+offload][+overlap|+nooverlap|+moments], "
                              "alst[@tiledloss|@sdpa][+offload], "
                              "hf[@fp32][+nockpt], or a choice A|B tried fastest first "
                              "(default: each stack at its best)")
