@@ -138,7 +138,12 @@ IGNORE_INDEX = -100  # model.IGNORE_INDEX (base/ imports nothing above it): a la
 
 def at_least_fp32(t):
     """t in fp32 where it is narrower (bf16 logits), as it is otherwise (fp32, float64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t.to(fp32_or_wider(t.dtype))
+
+
+def fp32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for a narrower dtype (bf16), else `dtype` itself (fp32, float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _cross_entropy_sum(logits, labels):
@@ -172,7 +177,7 @@ def _cross_entropy_backward(logits, labels, grad_loss):
 def _cross_entropy_backward_in_place(logits, labels, grad_loss):
     """The same with one fp32 logits-sized tensor (04's tiles' count, support/byte_counts.py)."""
     # dtype=: the softmax reads the bf16 logits itself, no fp32 copy of them beside its output
-    probs = torch.softmax(logits, dim=1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    probs = torch.softmax(logits, dim=1, dtype=fp32_or_wider(logits.dtype))
     rows = torch.arange(len(labels), device=labels.device)
     probs[rows, labels.clamp(min=0)] -= 1  # an ignored row's column is zeroed below
     return probs.mul_((labels != IGNORE_INDEX)[:, None] * grad_loss).to(logits.dtype)
