@@ -17,7 +17,8 @@ updates already run beside. The root's moments (embeddings, lm_head: 7.8 GiB) st
 the forward waits for the root's update first, and would wait for its copies too.
 
 What it buys: 52 GiB of moments off the GPU from the end of one forward to the next, the
-backward's peak among them: at 32K that is 20 blocks' activations, no checkpointing at all.
+backward's peak among them: at 32K that is 19 more blocks' activations, one block checkpointed
+instead of 20.
 What it costs: the host holds the moments (pinned: registered in place, so no power-of-two
 rounding), and the GPU three blocks' moments during the forward. The arithmetic is 08's: AdamW's
 own fused kernel over the same values (copies are exact), so the weights are bit for bit those of
@@ -66,11 +67,12 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not self.state:  # the first step streams too: the moments start on the host
+        self.settle()  # step() again before a forward: the queued updates first (08's too)
+        if not self.state:  # unlike 08's, the first step streams: the moments start on the host
             self.create_state()
-        block = max(sum(local(p).numel() for p in params) for _, params in self.units[1:])
-        like = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
-        self.slots = [torch.empty(len(MOMENTS) * block, dtype=like.dtype, device=like.device)
+        values = max(sum(local(p).numel() for p in params) for _, params in self.units[1:])
+        root = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
+        self.slots = [torch.empty(len(MOMENTS) * values, dtype=root.dtype, device=root.device)
                       for _ in range(self.slot_count)]
         if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
             # and the host moments were last written by the previous step's copies out
@@ -85,13 +87,13 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         params = self.units[unit][1]
         slot = (unit - 1) % self.slot_count
         gpu, host = gpu_views(self.slots[slot], params), [m for p in params for m in self.host[p]]
-        arrived = copy(host, gpu, self.copy_in, after=self.slot_free[slot])
+        arrived = copy_all(host, gpu, self.copy_in, after=self.slot_free[slot])
         if arrived is not None:
             self.stream.wait_event(arrived)
         self.set_moments(params, gpu)
         super().update(unit)  # AdamW's own fused step, over the GPU copies
         self.set_moments(params, host)
-        self.slot_free[slot] = copy(gpu, host, self.copy_out, after=record(self.stream))
+        self.slot_free[slot] = copy_all(gpu, host, self.copy_out, after=record(self.stream))
         if self.copy_in is not None:  # the slot's memory is reused only after these streams
             for stream in (self.copy_in, self.stream, self.copy_out):
                 self.slots[slot].record_stream(stream)
@@ -124,9 +126,9 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         their bytes."""
         if p not in self.host:
             parts = [torch.zeros(local(p).shape, dtype=p.dtype) for _ in MOMENTS]
-            if p.is_cuda:
+            if p.is_cuda and parts[0].nbytes:
                 self.pinned += [pin_in_place(part) for part in parts]
-            self.host[p] = [like(p, part) for part in parts]
+            self.host[p] = [like(p, part) for part in parts]  # (each keeps its part alive)
         return self.host[p]
 
     def state_dict(self):
@@ -138,7 +140,11 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
 
     def load_state_dict(self, state_dict) -> None:
         """AdamW's load, which puts every moment on its parameter's device; then the blocks'
-        moments back to the host (the GPU holds them all for that moment)."""
+        moments back to the host (the GPU holds them all for that moment), once the last
+        step's copies there are done."""
+        self.settle()
+        if self.copy_out is not None:
+            self.copy_out.synchronize()
         super().load_state_dict(state_dict)
         for _, params in self.units[1:]:
             for p in params:
@@ -148,7 +154,7 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
                 self.set_moments([p], host)
 
 
-def copy(sources: list, targets: list, stream, after=None):
+def copy_all(sources: list, targets: list, stream, after=None):
     """Each source into its target on `stream` (a copy engine) once the event `after` is
     past; the event at the copies' end. On the CPU (stream None): at once, None."""
     if stream is None:
@@ -174,11 +180,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def like(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """`part` (p's local shape) as a tensor of p's kind: a DTensor laid out as p is, or itself."""
+    """`part` (p's local shape) as a tensor of p's kind: a DTensor laid out as p is, wherever
+    `part` lives (DTensor.from_local would move a host part to the GPU: FSDP2 wraps its host
+    shards this way for the same reason), or `part` itself."""
     if not isinstance(p, DTensor):
         return part
-    return DTensor.from_local(part, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return DTensor(part, p._spec, requires_grad=False)
 
 
 def gpu_views(slot: torch.Tensor, params: list) -> list:

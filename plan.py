@@ -221,7 +221,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
 
     params, grads = state["parameters"], state["gradients"]
     # 09: the blocks' moments in host memory; on the GPU the root's, and from the optimizer step
-    # to the next forward's last block SLOTS blocks' in their slots (the first step's too: 09
+    # to the end of the next forward SLOTS blocks' in their slots (the first step's too: 09
     # makes the moments on the host before it)
     streamed = (byte_counts.streamed_moment_bytes(args, world_size, state["optimizer"] // 2
                                                   // max(-(-n_params // world_size), 1))
@@ -331,8 +331,10 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # step updates at once: Adam's moments are allocated then.)
     behind = cfg.overlap_optimizer and adam_allocated
 
-    def forward_state(layer):  # the model state during the forward of `layer`
-        return with_grads_of(n_layers - 1 - layer) if behind else params + adam + held_grads
+    def forward_state(layer):  # the model state during the forward of `layer` (09: its slots
+        # held until the last block's update is done and its copy out, late in the forward)
+        return (streamed["slots"] + (with_grads_of(n_layers - 1 - layer) if behind
+                                     else params + adam + held_grads))
 
     # 07's forward holds most at the end of the top offloaded block's forward (its tensors,
     # the previous offloaded block's, going now, and the kept blocks below it) or of the kept
@@ -348,7 +350,8 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         f"forward of layer {top + 1}": in_forward(top + 1, offloaded, 1)}
     moments = {
         **forward_moments,
-        "end of forward (loss)": {"model_state": params + adam + held_grads, **forward_kept,
+        "end of forward (loss)": {"model_state": params + adam + held_grads + streamed["slots"],
+                                  **forward_kept,
                                   "loss": loss, "fsdp": buffers["after_forward"]},
         "backward of the last layer": backward_of(last_layer_kept, with_grads_of(0),
                                                   "during_backward", last_block),
@@ -360,7 +363,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
         "optimizer step": {"model_state": params + grads + gpu_adam + streamed["slots"]},
         **({} if not cfg.offload_moments else {  # its slots, beside 08's held gradients
             "forward of layer 0 (09's moments streaming)": backward_of(
-                first_layer_kept, forward_state(0) + streamed["slots"], "bottom_block")}),
+                first_layer_kept, forward_state(0), "bottom_block")}),
     }
     peak_moment = max(moments, key=lambda m: sum(moments[m].values()))
     running = {"backward of the last layer": last_block, f"backward of layer {k}": lowest_plain,
