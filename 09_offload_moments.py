@@ -60,7 +60,10 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.slots = None  # this step's GPU buffers, one block's moments each (step() to the
         # last block's update)
         self.slot_free = [None] * slots  # each slot's last copy out (an event; None: CPU)
-        self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order)
+        self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order),
+        # of its kind (the state's), and their local parts (the copies'; to_local() each time
+        # would cost more host time than the copies' launches)
+        self.host_parts = {}
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
         self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
@@ -70,7 +73,8 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.settle()  # step() again before a forward: the queued updates first (08's too)
         if not self.state:  # unlike 08's, the first step streams: the moments start on the host
             self.create_state()
-        values = max(sum(local(p).numel() for p in params) for _, params in self.units[1:])
+        values = max(sum(self.host_parts[p][0].numel() for p in params)
+                     for _, params in self.units[1:])
         root = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
         self.slots = [torch.empty(len(MOMENTS) * values, dtype=root.dtype, device=root.device)
                       for _ in range(self.slot_count)]
@@ -86,19 +90,20 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             return super().update(unit)  # the root's moments stay on the GPU
         params = self.units[unit][1]
         slot = (unit - 1) % self.slot_count
-        gpu, host = gpu_views(self.slots[slot], params), [m for p in params for m in self.host[p]]
+        host = [part for p in params for part in self.host_parts[p]]
+        gpu = views_of(self.slots[slot], host)  # each host part's place in the slot
         arrived = copy_all(host, gpu, self.copy_in, after=self.slot_free[slot])
         if arrived is not None:
             self.stream.wait_event(arrived)
-        self.set_moments(params, gpu)
+        self.set_moments(params, [like(p, part) for p, part in zip(twice(params), gpu)])
         super().update(unit)  # AdamW's own fused step, over the GPU copies
-        self.set_moments(params, host)
+        self.set_moments(params, [m for p in params for m in self.host[p]])
         self.slot_free[slot] = copy_all(gpu, host, self.copy_out, after=record(self.stream))
         if self.copy_in is not None:  # the slot's memory is reused only after these streams
             for stream in (self.copy_in, self.stream, self.copy_out):
                 self.slots[slot].record_stream(stream)
-        self.moved["in"] += sum(local(m).nbytes for m in host)
-        self.moved["out"] += sum(local(m).nbytes for m in host)
+        self.moved["in"] += sum(part.nbytes for part in host)
+        self.moved["out"] += sum(part.nbytes for part in host)
         if unit == len(self.units) - 1:
             self.slots = None  # the step's last update: the slots go (once the streams allow)
 
@@ -128,44 +133,43 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             parts = [torch.zeros(local(p).shape, dtype=p.dtype) for _ in MOMENTS]
             if p.is_cuda and parts[0].nbytes:
                 self.pinned += [pin_in_place(part) for part in parts]
-            self.host[p] = [like(p, part) for part in parts]  # (each keeps its part alive)
+            self.host_parts[p] = parts
+            self.host[p] = [like(p, part) for part in parts]
         return self.host[p]
 
-    def state_dict(self):
-        """08's (its queued updates done), the copies back to the host finished first."""
-        self.settle()
+    def settle(self) -> None:
+        """08's settle (every queued update done), and the moments back on the host (the host
+        reads them next: a save, the run's end). At a step's start those copies ended during
+        the last forward."""
+        super().settle()
         if self.copy_out is not None:
             self.copy_out.synchronize()
-        return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
         """AdamW's load, which puts every moment on its parameter's device; then the blocks'
         moments back to the host (the GPU holds them all for that moment), once the last
-        step's copies there are done."""
-        self.settle()
-        if self.copy_out is not None:
-            self.copy_out.synchronize()
+        step's copies there are done (08's load settles)."""
         super().load_state_dict(state_dict)
         for _, params in self.units[1:]:
             for p in params:
                 host = self.host_moments(p)
-                for name, into in zip(MOMENTS, host):
-                    local(into).copy_(local(self.state[p][name]))
+                for name, into in zip(MOMENTS, self.host_parts[p]):
+                    into.copy_(local(self.state[p][name]))
                 self.set_moments([p], host)
 
 
 def copy_all(sources: list, targets: list, stream, after=None):
-    """Each source into its target on `stream` (a copy engine) once the event `after` is
-    past; the event at the copies' end. On the CPU (stream None): at once, None."""
+    """Each source into its target (plain tensors) on `stream` (a copy engine) once the event
+    `after` is past; the event at the copies' end. On the CPU (stream None): at once, None."""
     if stream is None:
         for source, target in zip(sources, targets):
-            local(target).copy_(local(source))
+            target.copy_(source)
         return None
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
         for source, target in zip(sources, targets):
-            local(target).copy_(local(source), non_blocking=True)
+            target.copy_(source, non_blocking=True)
     return stream.record_event()
 
 
@@ -188,16 +192,18 @@ def like(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     return DTensor(part, p._spec, requires_grad=False)
 
 
-def gpu_views(slot: torch.Tensor, params: list) -> list:
-    """Each of `params`' moments as a view into `slot`, of its parameter's kind (MOMENTS
-    order, parameter by parameter)."""
+def views_of(slot: torch.Tensor, parts: list) -> list:
+    """A view into `slot` shaped as each of `parts`, one after another."""
     views, start = [], 0
-    for p in params:
-        for _ in MOMENTS:
-            n = local(p).numel()
-            views.append(like(p, slot[start:start + n].view(local(p).shape)))
-            start += n
+    for part in parts:
+        views.append(slot[start:start + part.numel()].view(part.shape))
+        start += part.numel()
     return views
+
+
+def twice(params: list) -> list:
+    """Each parameter once per moment (MOMENTS order, parameter by parameter)."""
+    return [p for p in params for _ in MOMENTS]
 
 
 def pin_in_place(t: torch.Tensor) -> int:
