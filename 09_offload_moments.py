@@ -62,9 +62,10 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         # last block's update)
         self.slot_free = [None] * slots  # each slot's last copy out (an event; None: CPU)
         self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order),
-        # of its kind (the state's), and their local parts (the copies'; to_local() each time
-        # would cost more host time than the copies' launches)
-        self.host_parts = {}
+        # of its kind (the state's)
+        self.host_blocks = {}  # a block's unit -> all its moments, one flat host tensor that
+        # the copies move whole: one copy a block each way (a copy per tensor, 18 a block,
+        # filled the GPU's queue of launches and held the host in step())
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
         self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
@@ -74,10 +75,9 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.settle()  # step() again before a forward: the queued updates first (08's too)
         if not self.state:  # unlike 08's, the first step streams: the moments start on the host
             self.create_state()
-        values = max(sum(self.host_parts[p][0].numel() for p in params)
-                     for _, params in self.units[1:])
+        values = max(flat.numel() for flat in self.host_blocks.values())
         root = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
-        self.slots = [torch.empty(len(MOMENTS) * values, dtype=root.dtype, device=root.device)
+        self.slots = [torch.empty(values, dtype=root.dtype, device=root.device)
                       for _ in range(self.slot_count)]
         if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
             # and the host moments were last written by the previous step's copies out
@@ -91,20 +91,22 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             return super().update(unit)  # the root's moments stay on the GPU
         params = self.units[unit][1]
         slot = (unit - 1) % self.slot_count
-        host = [part for p in params for part in self.host_parts[p]]
-        gpu = views_of(self.slots[slot], host)  # each host part's place in the slot
-        arrived = copy_all(host, gpu, self.copy_in, after=self.slot_free[slot])
+        host = self.host_blocks[unit]
+        gpu = self.slots[slot][:host.numel()]
+        arrived = copy_on(host, gpu, self.copy_in, after=self.slot_free[slot])
         if arrived is not None:
             self.stream.wait_event(arrived)
-        self.set_moments(params, [like(p, part) for p, part in zip(twice(params), gpu)])
+        # each moment's place in the slot, as the state's kind of tensor
+        moments = views_of(gpu, [local(m) for p in params for m in self.host[p]])
+        self.set_moments(params, [like(p, m) for p, m in zip(twice(params), moments)])
         super().update(unit)  # AdamW's own fused step, over the GPU copies
         self.set_moments(params, [m for p in params for m in self.host[p]])
-        self.slot_free[slot] = copy_all(gpu, host, self.copy_out, after=record(self.stream))
+        self.slot_free[slot] = copy_on(gpu, host, self.copy_out, after=record(self.stream))
         if self.copy_in is not None:  # the slot's memory is reused only after these streams
             for stream in (self.copy_in, self.stream, self.copy_out):
                 self.slots[slot].record_stream(stream)
-        self.moved["in"] += sum(part.nbytes for part in host)
-        self.moved["out"] += sum(part.nbytes for part in host)
+        self.moved["in"] += host.nbytes
+        self.moved["out"] += host.nbytes
         if unit == len(self.units) - 1:
             self.slots = None  # the step's last update: the slots go (once the streams allow)
 
@@ -119,24 +121,28 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         for unit, (_, params) in enumerate(self.units):
             for p in params:
                 moments = ([torch.zeros_like(p) for _ in MOMENTS] if unit == 0
-                           else self.host_moments(p))
+                           else self.host_moments(unit)[p])
                 # fused AdamW keeps its step count on the parameter's device, in fp32
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                  **dict(zip(MOMENTS, moments))}
 
-    def host_moments(self, p: torch.Tensor) -> list:
-        """p's moments in host memory, zero, of p's kind (a DTensor laid out as p is). On a
-        GPU machine page-locked in place (cudaHostRegister, as PyTorch's checkpoint staging
-        does): the copy engines then read and write them directly, and unlike a pinned
-        allocation, rounded up to a power of two (base/host_buffers.py), they take exactly
-        their bytes."""
-        if p not in self.host:
-            parts = [torch.zeros(local(p).shape, dtype=p.dtype) for _ in MOMENTS]
-            if p.is_cuda and parts[0].nbytes:
-                self.pinned += [pin_in_place(part) for part in parts]
-            self.host_parts[p] = parts
-            self.host[p] = [like(p, part) for part in parts]
-        return self.host[p]
+    def host_moments(self, unit: int) -> dict:
+        """The block's moments in host memory, zero, each of its parameter's kind (a DTensor
+        laid out as it is): views into one flat tensor. On a GPU machine page-locked in place
+        (cudaHostRegister, as PyTorch's checkpoint staging does): the copy engines then read
+        and write it directly, and unlike a pinned allocation, rounded up to a power of two
+        (base/host_buffers.py), it takes exactly its bytes."""
+        params = self.units[unit][1]
+        if unit not in self.host_blocks:
+            parts = [local(p) for p in twice(params)]
+            flat = torch.zeros(sum(part.numel() for part in parts), dtype=parts[0].dtype)
+            if parts[0].is_cuda and flat.nbytes:
+                self.pinned.append(pin_in_place(flat))
+            self.host_blocks[unit] = flat
+            moments = [like(p, m) for p, m in zip(twice(params), views_of(flat, parts))]
+            for i, p in enumerate(params):
+                self.host[p] = moments[len(MOMENTS) * i:len(MOMENTS) * (i + 1)]
+        return {p: self.host[p] for p in params}
 
     def settle(self) -> None:
         """08's settle (every queued update done), and the moments back on the host (the host
@@ -151,26 +157,23 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         moments back to the host (the GPU holds them all for that moment), once the last
         step's copies there are done (08's load settles)."""
         super().load_state_dict(state_dict)
-        for _, params in self.units[1:]:
-            for p in params:
-                host = self.host_moments(p)
-                for name, into in zip(MOMENTS, self.host_parts[p]):
-                    into.copy_(local(self.state[p][name]))
+        for unit in range(1, len(self.units)):
+            for p, host in self.host_moments(unit).items():
+                for name, into in zip(MOMENTS, host):
+                    local(into).copy_(local(self.state[p][name]))
                 self.set_moments([p], host)
 
 
-def copy_all(sources: list, targets: list, stream, after=None):
-    """Each source into its target (plain tensors) on `stream` (a copy engine) once the event
-    `after` is past; the event at the copies' end. On the CPU (stream None): at once, None."""
+def copy_on(source: torch.Tensor, target: torch.Tensor, stream, after=None):
+    """`source` into `target` on `stream` (a copy engine) once the event `after` is past; the
+    event at the copy's end. On the CPU (stream None): at once, None."""
     if stream is None:
-        for source, target in zip(sources, targets):
-            target.copy_(source)
+        target.copy_(source)
         return None
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
-        for source, target in zip(sources, targets):
-            target.copy_(source, non_blocking=True)
+        target.copy_(source, non_blocking=True)
     return stream.record_event()
 
 

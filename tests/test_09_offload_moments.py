@@ -132,7 +132,10 @@ def test_state_dict_and_load_state_dict_round_trip_through_the_host():
     tokens = torch.randint(0, model.args.vocab_size, (2, 33))
     for _ in range(2):
         train.clipped_step(model, optimizer, train.forward_backward(model, tokens, rt), 1.0)
-    saved = copy.deepcopy(optimizer.state_dict())
+    state_dict = optimizer.state_dict()  # (its moments views into each block's host tensor)
+    saved = {"state": {k: {name: v.clone() for name, v in entry.items()}
+                       for k, entry in state_dict["state"].items()},
+             "param_groups": copy.deepcopy(state_dict["param_groups"])}
     fresh = train.make_optimizer(model, cfg)
     fresh.load_state_dict(saved)
     for _, params in fresh.units[1:]:
@@ -185,21 +188,21 @@ def slow_copies():
     not wait for its moments would read a slot's stale bytes), each copy out behind four times
     that (a copy in that did not wait for its slot's last copy out, this step's or the last's,
     would overwrite moments not yet back on the host)."""
-    real_copy = moments_offload.copy_all
+    real_copy = moments_offload.copy_on
 
-    def slow_copy(sources, targets, stream, after=None):
+    def slow_copy(source, target, stream, after=None):
         if stream is not None:
             if after is not None:
                 stream.wait_event(after)
             with torch.cuda.stream(stream):
-                torch.cuda._sleep(CYCLES * (4 if moments_offload.local(targets[0]).is_cpu else 1))
-        return real_copy(sources, targets, stream, after)
+                torch.cuda._sleep(CYCLES * (4 if target.is_cpu else 1))
+        return real_copy(source, target, stream, after)
 
-    moments_offload.copy_all = slow_copy
+    moments_offload.copy_on = slow_copy
     try:
         yield
     finally:
-        moments_offload.copy_all = real_copy
+        moments_offload.copy_on = real_copy
 
 
 def _gpu_streamed_moments():
