@@ -26,8 +26,8 @@ plain AdamW. Loading a saved state brings the moments to the GPU for a moment (P
 Optimizer.load_state_dict puts each on its parameter's device) before they go back to the host.
 
     --offload-moments   (implies 08's --overlap-optimizer; --stack auto weighs it only where
-                         given: on one H100 a step with it ran 2.4% slower than the plan
-                         without it, docs/results.md)
+                         given: on one H100 (Llama-3.2-3B, 32K) a step with it ran 0.3%
+                         slower than the plan without it, docs/results.md)
 
     python 09_offload_moments.py                   # CPU: the bytes each step moves, exact
     torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 32K --offload-moments
