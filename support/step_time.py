@@ -108,6 +108,11 @@ BESIDE_FORWARD_SHOWN = 0.75  # 08: the share of an update run beside the forward
 # 1 - 11 / 44.5 = 0.75 still shows
 
 
+BOTH_WAYS = 0.91  # each direction's share of the pinned-copy rate while the other runs too:
+# 50.0-50.3 GB/s each way at once against 55.2-55.4 one way (one H100 machine,
+# copy_rates_h100.json; 09 copies both ways at once)
+
+
 def rates_for(gpu_name: str | None) -> GpuRates | None:
     """This GPU kind's rates (torch.cuda.get_device_name()), or None: no speed model for it."""
     return GPU_RATES.get(gpu_name)
@@ -435,7 +440,8 @@ def moment_copy_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
         return 0.0
     block = byte_counts.streamed_moment_bytes(args, world_size,
                                               4 if cfg.fsdp or cfg.dtype == "float32" else 2)
-    copy_in = block["block"] / rates.pinned_copy
+    rate = rates.pinned_copy * BOTH_WAYS  # (the two copies of one block run at once)
+    copy_in = block["block"] / rate
     out_bytes = block["block"] + offloaded_block_bytes * cfg.offload_activations / args.n_layers
-    per_block = max(copy_in, out_bytes / rates.pinned_copy)
+    per_block = max(copy_in, out_bytes / rate)
     return copy_in + (args.n_layers - 1) * max(0.0, per_block - layer_forward_s)
