@@ -223,8 +223,7 @@ def plan_memory(cfg: Config, world_size: int, args=None, adam_allocated: bool = 
     # 09: the blocks' moments in host memory; on the GPU the root's, and from the optimizer step
     # to the end of the next forward SLOTS blocks' in their slots (the first step's too: 09
     # makes the moments on the host before it)
-    streamed = (byte_counts.streamed_moment_bytes(args, world_size, state["optimizer"] // 2
-                                                  // max(-(-n_params // world_size), 1))
+    streamed = (byte_counts.streamed_moment_bytes(args, world_size, cfg.fsdp, b)
                 if cfg.offload_moments else {"block": 0, "host": 0, "slots": 0})
     gpu_adam = state["optimizer"] - streamed["host"]
     adam = gpu_adam if adam_allocated or cfg.offload_moments else 0

@@ -471,11 +471,13 @@ def hybrid_attention_bytes(args, seq_len: int, sp: int, ring: int, bytes_per_val
 
 # ---- 09_offload_moments.py: the blocks' Adam moments on the host, a few blocks' on the GPU ----
 
-def streamed_moment_bytes(args, world_size: int, moment_bytes: int = 4) -> dict:
-    """Per-rank bytes of 09's moments (`moment_bytes` a value: fp32 under FSDP): "block", one
-    block's two moments (its shards: dim 0 split over the ranks, padded), which each step
-    copies in and out; "host", every block's, page-locked in place (exactly their bytes); "slots",
-    the GPU buffers that hold moments_offload.SLOTS blocks' from 08's queued updates until the
-    last block's is done (the next forward)."""
+def streamed_moment_bytes(args, world_size: int, fsdp: bool = True,
+                          bytes_per_value: int = 2) -> dict:
+    """Per-rank bytes of 09's moments (fp32 under FSDP, 01's master state; without it the
+    compute dtype's `bytes_per_value`): "block", one block's two moments (its shards: dim 0
+    split over the ranks, padded), which each step copies in and out; "host", every block's,
+    page-locked in place (exactly their bytes); "slots", the GPU buffers that hold
+    moments_offload.SLOTS blocks' from the optimizer step to the end of the next forward."""
+    moment_bytes = 4 if fsdp else bytes_per_value
     block = 2 * moment_bytes * -(-block_params(args) // world_size)
     return {"block": block, "host": args.n_layers * block, "slots": moments_offload.SLOTS * block}

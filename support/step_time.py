@@ -438,8 +438,8 @@ def moment_copy_seconds(cfg: Config, args, world_size: int, rates: GpuRates,
     forward, share the engine out. Not yet calibrated: no step with 09 has been measured."""
     if not cfg.offload_moments:
         return 0.0
-    block = byte_counts.streamed_moment_bytes(args, world_size,
-                                              4 if cfg.fsdp or cfg.dtype == "float32" else 2)
+    block = byte_counts.streamed_moment_bytes(args, world_size, cfg.fsdp,
+                                              2 if cfg.dtype == "bfloat16" else 4)
     rate = rates.pinned_copy * BOTH_WAYS  # (the two copies of one block run at once)
     copy_in = block["block"] / rate
     out_bytes = block["block"] + offloaded_block_bytes * cfg.offload_activations / args.n_layers
