@@ -66,7 +66,8 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         # of its kind (the state's)
         self.host_blocks = {}  # a block's unit -> all its moments, one flat host tensor that
         # the copies move whole: one copy a block each way (a copy per tensor, 18 a block,
-        # filled the GPU's queue of launches and held the host in step())
+        # filled the GPU's queue of launches and held the host in step()) ...
+        self.host_parts = {}  # ... and their plain views into it (to_local() costs host time)
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
         self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
@@ -98,7 +99,7 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         if arrived is not None:
             self.stream.wait_event(arrived)
         # each moment's place in the slot, as the state's kind of tensor
-        moments = views_of(gpu, [local(m) for p in params for m in self.host[p]])
+        moments = views_of(gpu, self.host_parts[unit])
         self.set_moments(params, [like(p, m) for p, m in zip(twice(params), moments)])
         super().update(unit)  # AdamW's own fused step, over the GPU copies
         self.set_moments(params, [m for p in params for m in self.host[p]])
@@ -139,8 +140,8 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             flat = torch.zeros(sum(part.numel() for part in parts), dtype=parts[0].dtype)
             if parts[0].is_cuda and flat.nbytes:
                 self.pinned.append(pin_in_place(flat))
-            self.host_blocks[unit] = flat
-            moments = [like(p, m) for p, m in zip(twice(params), views_of(flat, parts))]
+            self.host_blocks[unit], self.host_parts[unit] = flat, views_of(flat, parts)
+            moments = [like(p, m) for p, m in zip(twice(params), self.host_parts[unit])]
             for i, p in enumerate(params):
                 self.host[p] = moments[len(MOMENTS) * i:len(MOMENTS) * (i + 1)]
         return {p: self.host[p] for p in params}
