@@ -61,6 +61,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, else `t` (no collective)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def parameter_updates(model, initial: dict) -> dict:
     """Each parameter's whole update over a run ("update NAME": final - initial, whole, fp32, on
     the CPU; full() gathers: call on every rank). The update, not the weight: a step skipped or

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from ranks import run_ranks
 from reference import (assert_within_bf16_error, full, make_batch, parameter_updates,
-                       relative_error)
+                       relative_error, shard)
 
 import model as llama
 from support import byte_counts
@@ -471,10 +471,9 @@ def _gpu_holds_no_model_state():
                                         offload_model_state=offload))
         model, optimizer, metrics, _ = _train_recording_grads(cfg, 2)
         torch.cuda.synchronize()
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        held = [local(p) for p in model.parameters()]
-        held += [local(p.grad) for p in model.parameters() if p.grad is not None]
-        held += [local(v) for state in optimizer.state.values() for v in state.values()
+        held = [shard(p) for p in model.parameters()]
+        held += [shard(p.grad) for p in model.parameters() if p.grad is not None]
+        held += [shard(v) for state in optimizer.state.values() for v in state.values()
                  if torch.is_tensor(v)]
         on_gpu[offload] = sum(t.untyped_storage().nbytes() for t in held if t.is_cuda)
         losses[offload] = [m["loss"] for m in metrics]

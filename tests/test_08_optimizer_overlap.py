@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from ranks import run_ranks
-from reference import TINY_4L, build_as_train, full
+from reference import TINY_4L, build_as_train, full, shard
 from test_saved_state import _resume_equals_straight
 
 import model as llama
@@ -49,16 +49,14 @@ def _assert_same_run(want, got, what):
                 (what, key)
 
 
-def shard(t):
-    """This rank's part of `t` (a DTensor's local shard), else `t`."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _same_weights_as_the_step_at_once(cases):
+def _same_weights_as_the_step_at_once(cases, technique="overlap_optimizer",
+                                      optimizer="AdamWBehindForward"):
+    """Each case run with AdamW at once and with `technique` (08's, or 09's), whose optimizer
+    is the class named `optimizer`: the same run, bit for bit."""
     for flags in cases:
         at_once = _run(**flags)
-        behind = _run(overlap_optimizer=True, **flags)
-        assert isinstance(behind.optimizer, optimizer_overlap.AdamWBehindForward)
+        behind = _run(**{technique: True}, **flags)
+        assert type(behind.optimizer).__name__ == optimizer
         _assert_same_run(at_once, behind, flags)
 
 

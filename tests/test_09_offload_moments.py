@@ -13,7 +13,7 @@ import torch
 from ranks import run_ranks
 from reference import build_as_train, full
 from test_08_optimizer_overlap import (AUTO_16K, CYCLES, GPU_MODEL, MODEL, _assert_same_run,
-                                       _run)
+                                       _same_weights_as_the_step_at_once)
 from test_saved_state import _resume_equals_straight
 
 import model as llama
@@ -26,28 +26,21 @@ moments_offload = importlib.import_module("09_offload_moments")
 train = importlib.import_module("train")
 
 L = llama.get_model_args(MODEL).n_layers
-
-
-def _same_weights_as_plain_adamw(cases):
-    for flags in cases:
-        at_once = _run(**flags)
-        streamed = _run(offload_moments=True, **flags)
-        assert isinstance(streamed.optimizer, moments_offload.AdamWMomentsOnHost)
-        _assert_same_run(at_once, streamed, flags)
+STREAMED = ("offload_moments", "AdamWMomentsOnHost")  # 08's check of a run, with 09 on
 
 
 def test_the_weights_and_state_are_bit_for_bit_plain_adamw():
     """One process, plain and under FSDP (and with the techniques auto takes with 08 at 16K):
     four clipped steps, a changing learning rate, weight decay: the same losses, norms, weights
     and Adam state (the blocks' read from the host) as fused AdamW at once."""
-    _same_weights_as_plain_adamw([{}, {"fsdp": True}, AUTO_16K])
+    _same_weights_as_the_step_at_once([{}, {"fsdp": True}, AUTO_16K], *STREAMED)
 
 
 def test_the_weights_are_plain_adamw_s_on_2_and_4_ranks():
     """Each rank streams its own shards' moments (DTensors whose local parts live on the
     host): FSDP + Ulysses on 2 ranks, 05 over dp 2 x sp 2 on 4."""
-    run_ranks(2, _same_weights_as_plain_adamw, [{"fsdp": True, "ulysses": True}])
-    run_ranks(4, _same_weights_as_plain_adamw, [{"stack": 5, "sp": 2}])
+    run_ranks(2, _same_weights_as_the_step_at_once, [{"fsdp": True, "ulysses": True}], *STREAMED)
+    run_ranks(4, _same_weights_as_the_step_at_once, [{"stack": 5, "sp": 2}], *STREAMED)
 
 
 def test_the_moments_live_on_the_host_and_each_update_sees_a_slot():

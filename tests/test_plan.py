@@ -27,6 +27,7 @@ if __name__ == "__main__":  # run as a script: the repository and tests/ on the 
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from ranks import run_ranks  # noqa: E402
+from reference import shard  # noqa: E402
 
 import model as llama  # noqa: E402
 import plan as planner
@@ -186,7 +187,7 @@ def write_calibration() -> str:
 # ---------------------------------------------------------------------------------------------
 
 def _local_bytes(tensors) -> int:
-    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+    return sum(shard(t).nbytes for t in tensors)
 
 
 class KernelTensors(torch.utils._python_dispatch.TorchDispatchMode):

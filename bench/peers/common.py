@@ -15,7 +15,8 @@ WEIGHT_DECAY = DEFAULTS.weight_decay
 GRAD_CLIP = DEFAULTS.grad_clip
 
 SPEC = re.compile(r"^(?P<name>ours|alst|hf)(:(?P<level>\d+|auto))?(@(?P<variant>[\w.-]+))?"
-                  r"(?P<offload>\+offload)?(?P<overlap>\+(no)?overlap|\+moments)?(?P<nockpt>\+nockpt)?$")
+                  r"(?P<offload>\+offload)?(?P<overlap>\+(no)?overlap|\+moments)?"
+                  r"(?P<nockpt>\+nockpt)?$")
 VARIANTS = {"ours": ("auto", "fa4", "cudnn", "flash", "math"),  # --attn-kernel
             # alst's loss: Liger's fused linear CE, or DeepSpeed's tiled one; @sdpa: Liger, sdpa
             "alst": ("liger", "tiledloss", "sdpa"),
