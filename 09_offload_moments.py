@@ -27,8 +27,7 @@ plain AdamW. Loading a saved state brings the moments to the GPU for a moment (P
 Optimizer.load_state_dict puts each on its parameter's device) before they go back to the host.
 
     --offload-moments   (implies 08's --overlap-optimizer; --stack auto weighs it only where
-                         given: on one H100 (Llama-3.2-3B, 32K) a step with it ran 0.3%
-                         slower than the plan without it, docs/results.md)
+                         given: its measurements are in docs/results.md)
 
     python 09_offload_moments.py                   # CPU: the bytes each step moves, exact
     torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 32K --offload-moments
@@ -65,8 +64,9 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order),
         # of its kind (the state's)
         self.host_blocks = {}  # a block's unit -> all its moments, one flat host tensor that
-        # the copies move whole: one copy a block each way (a copy per tensor, 18 a block,
-        # filled the GPU's queue of launches and held the host in step()) ...
+        # the copies move whole: one copy a block each way (a copy per tensor, 18 a block, all
+        # queued at step() behind the backward, can fill the GPU's queue of launches and hold
+        # the host there while the next forward waits) ...
         self.host_parts = {}  # ... and their plain views into it (to_local() costs host time)
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
