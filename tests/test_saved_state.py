@@ -57,42 +57,46 @@ def _resume_equals_straight(tmp, cases):
 
 
 @contextlib.contextmanager
+def before_each_step(action):
+    """train.train_step calls `action(step)` before it does anything."""
+    real = train.train_step
+
+    def acted_then_step(*args, step=0, **kwargs):
+        action(step)
+        return real(*args, step=step, **kwargs)
+
+    train.train_step = acted_then_step
+    try:
+        yield
+    finally:
+        train.train_step = real
+
+
+@contextlib.contextmanager
 def drawing_each_step(device: str = "cpu"):
     """train.train_step draws a random number before each step on the CPU and, in a run on the
     GPU, on the GPU; yields the list of what it drew, a (CPU, GPU) pair a step."""
-    real, draws = train.train_step, []
+    draws = []
 
-    def step_that_draws(*args, **kwargs):
+    def draw(step):
         gpu = torch.rand(1, device="cuda").item() if device == "cuda" else None
         draws.append((torch.rand(1).item(), gpu))
-        return real(*args, **kwargs)
 
-    train.train_step = step_that_draws
-    try:
+    with before_each_step(draw):
         yield draws
-    finally:
-        train.train_step = real
 
 
 class Preempted(Exception):
     """The job was killed (a preemption, a node failure) in the middle of a step."""
 
 
-@contextlib.contextmanager
-def preempted_at(step: int):
-    """train.train_step dies at `step`, on every rank, before it changes anything."""
-    real = train.train_step
-
-    def step_or_die(*args, step=0, **kwargs):
+def preempted_at(died_at: int):
+    """train.train_step dies at `died_at`, on every rank, before it changes anything."""
+    def die_there(step):
         if step == died_at:
             raise Preempted(f"step {step}")
-        return real(*args, step=step, **kwargs)
 
-    died_at, train.train_step = step, step_or_die
-    try:
-        yield
-    finally:
-        train.train_step = real
+    return before_each_step(die_there)
 
 
 def assert_same_optimizer(want, got, what):
