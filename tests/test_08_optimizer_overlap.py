@@ -166,24 +166,34 @@ def test_overlap_with_the_state_on_the_host_is_refused():
 def test_a_step_with_no_forward_between_runs_the_queued_updates_first():
     """step(), then step() again with no forward between (and a new learning rate): the queued
     updates run first with the rate they were queued with, as plain AdamW's would have; the
-    second step then has no gradients and changes nothing, in both."""
+    second step has no gradients and changes nothing; then a forward and a third step: plain
+    AdamW's weights and state."""
+    _step_again_with_no_forward_between("overlap_optimizer")
+
+
+def _step_again_with_no_forward_between(technique: str):
+    """The check above for 08 or 09 (`technique`, Config's flag) against plain AdamW."""
     tokens = torch.randint(0, llama.get_model_args(MODEL).vocab_size, (2, 33))
-    weights = []
-    for overlap in (False, True):
+    runs = []
+    for flag in (None, True):
         model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2,
-                                               device="cpu", overlap_optimizer=overlap))
+                                               device="cpu", **{technique: flag}))
         optimizer = train.make_optimizer(model, cfg)
-        for _ in range(2):  # the first step updates at once, the second is queued (08)
+        for _ in range(2):  # the first step updates at once, the second is queued
             train.forward_backward(model, tokens, rt)  # (its backward too)
             optimizer.step()
             optimizer.zero_grad()
         for group in optimizer.param_groups:
             group["lr"] = 5e-3
-        optimizer.step()
-        if overlap:
-            optimizer.settle()
-        weights.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*weights))
+        optimizer.step()  # no forward between
+        train.clipped_step(model, optimizer, train.forward_backward(model, tokens, rt), 1.0)
+        optimizer_overlap.settle(optimizer)
+        runs.append((model, optimizer))
+    (plain, plain_optimizer), (behind, behind_optimizer) = runs
+    for a, b in zip(plain.parameters(), behind.parameters()):
+        assert torch.equal(a, b)
+        for key, value in plain_optimizer.state[a].items():
+            assert torch.equal(value, behind_optimizer.state[b][key]), key
 
 
 def test_step_hooks_run_once_a_step():

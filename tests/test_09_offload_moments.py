@@ -13,7 +13,8 @@ import torch
 from ranks import run_ranks
 from reference import build_as_train, full
 from test_08_optimizer_overlap import (AUTO_16K, CYCLES, GPU_MODEL, MODEL, _assert_same_run,
-                                       _same_weights_as_the_step_at_once)
+                                       _same_weights_as_the_step_at_once,
+                                       _step_again_with_no_forward_between)
 from test_saved_state import _resume_equals_straight
 
 import model as llama
@@ -91,28 +92,9 @@ def test_the_moments_live_on_the_host_and_each_update_sees_a_slot():
 
 
 def test_a_step_with_no_forward_between_runs_the_queued_updates_first():
-    """step(), then step() again with no forward between: the queued updates (their moments
-    streamed) run first, then the second step, which has no gradients, changes nothing; then
-    a forward and a third step: the same weights and state as plain AdamW's three steps."""
-    tokens = torch.randint(0, llama.get_model_args(MODEL).vocab_size, (2, 33))
-    runs = []
-    for moments in (None, True):
-        model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2,
-                                               device="cpu", offload_moments=moments))
-        optimizer = train.make_optimizer(model, cfg)
-        for _ in range(2):
-            train.forward_backward(model, tokens, rt)
-            optimizer.step()
-            optimizer.zero_grad()
-        optimizer.step()  # no forward between
-        train.clipped_step(model, optimizer, train.forward_backward(model, tokens, rt), 1.0)
-        moments_offload.optimizer_overlap.settle(optimizer)
-        runs.append((model, optimizer))
-    (plain, plain_opt), (streamed, streamed_opt) = runs
-    for a, b in zip(plain.parameters(), streamed.parameters()):
-        assert torch.equal(a, b)
-        for key, value in plain_opt.state[a].items():
-            assert torch.equal(value, streamed_opt.state[b][key]), key
+    """step() again with no forward between: the queued updates, their moments streamed, run
+    first; then a forward and a third step: plain AdamW's weights and state (test_08's check)."""
+    _step_again_with_no_forward_between("offload_moments")
 
 
 def test_state_dict_and_load_state_dict_round_trip_through_the_host():
