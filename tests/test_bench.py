@@ -162,8 +162,9 @@ def test_snapshot_splits_the_peak_and_names_the_failed_request():
     one list outermost first (starting at <module>) checks that it is read the right way round."""
     from bench import snapshot
 
-    alloc = lambda addr, size, *frames: {"action": "alloc", "addr": addr, "size": size,  # noqa: E731
-                                         "frames": list(frames)}
+    def alloc(addr, size, *frames):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
     free = lambda addr, size: {"action": "free_requested", "addr": addr, "size": size}  # noqa: E731
     entry = _frame("train.py", "<module>")
     trace = [

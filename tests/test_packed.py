@@ -212,7 +212,9 @@ def check_document_kernels(cu, batch=2, seq_len=24, device="cpu", dtype=torch.fl
     elementwise in fp32; in bf16 by the one bf16 rule (tests/reference.py), whose unsharded run
     is PyTorch's SDPA in bf16 on each document alone."""
     generator = torch.Generator().manual_seed(0)
-    rounded = lambda *shape: torch.randn(*shape, generator=generator).to(dtype).float()  # noqa: E731
+    def rounded(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).float()
+
     q, grad = rounded(batch, seq_len, 4, head_dim), rounded(batch, seq_len, 4, head_dim)
     k, v = rounded(batch, seq_len, 2, head_dim), rounded(batch, seq_len, 2, head_dim)
     on = lambda t: t.to(device, dtype, copy=True)  # noqa: E731
