@@ -26,8 +26,8 @@ own fused kernel over the same values (copies are exact), so the weights are bit
 plain AdamW. Loading a saved state brings the moments to the GPU for a moment (PyTorch's
 Optimizer.load_state_dict puts each on its parameter's device) before they go back to the host.
 
-    --offload-moments   (implies 08's --overlap-optimizer; --stack auto weighs it only where
-                         given: its measurements are in docs/results.md)
+    --offload-moments   (implies 08's --overlap-optimizer; --stack auto takes it where given,
+                         or where nothing fits without it; its measurements: docs/results.md)
 
     python 09_offload_moments.py                   # CPU: the bytes each step moves, exact
     torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 32K --offload-moments

@@ -1065,6 +1065,13 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     ranking = rank_candidates(cfg, machine, step_time.rates_for(machine.gpu_name))
     if ranking[0].fits:
         return ranking[0], ranking
+    if cfg.stack == config.AUTO and moments_left_open(cfg):
+        # 09 is weighed for speed only where given (its gain not yet measured where the speed
+        # model predicts one), but where nothing fits without it, it is what fits
+        streamed = rank_candidates(replace(cfg, offload_moments=True), machine,
+                                   step_time.rates_for(machine.gpu_name))
+        if streamed[0].fits:
+            return streamed[0], streamed
     if cfg.stack == config.AUTO:
         raise ValueError(nothing_fits_text(cfg, machine))
     return min(ranking, key=lambda c: (c.plan["peak"], memory_order(c.cfg))), ranking
@@ -1144,7 +1151,8 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
                 or not chosen.checkpoint else [False, True])
         # 08 where FSDP's units run AdamW on the GPU (with the state on the host it runs on the
         # host's cores; without FSDP no GPU has run it); 09 (which implies 08) where given (as
-        # 07: not weighed until a GPU has measured a step with it)
+        # 07: not weighed for speed until a GPU has measured a gain; choose() takes it where
+        # nothing fits without it)
         behind = ([bool(chosen.overlap_optimizer or chosen.offload_moments)]
                   if chosen.overlap_optimizer is not None or chosen.offload_moments
                   or chosen.offload_model_state or not chosen.fsdp else [False, True])
@@ -1318,6 +1326,8 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
            else f"the memory-only choice (no speed rates for {machine.gpu_name!r}; "
                 f"support/step_time.py has {', '.join(step_time.GPU_RATES)}): the fewest "
                 f"techniques that fit, in the files' order")
+    if chosen.cfg.offload_moments and not cfg.offload_moments:
+        how += " (with Adam's moments on the host, 09: nothing fits with them on the GPU)"
     if cfg.stack == config.AUTO:
         lines = [f"--stack auto: {flags_text(chosen.cfg)}, {how}: "
                  f"{candidate_text(chosen, machine)}"]
@@ -1388,16 +1398,27 @@ def fits_somehow(candidate: Config, cfg: Config, machine: Machine) -> bool:
 
 
 def frugal_configs(cfg: Config, machine: Machine) -> list:
-    """--stack auto's least GPU memory per ring degree, the model state on the GPUs or the
-    host: every other technique on (05 where it may run, at its least-memory U), no kept
-    attention outputs, 04's default tiles; on an unknown host nothing offloaded."""
+    """--stack auto's least GPU memory per ring degree, the model state on the GPUs (with
+    Adam's moments on the host too, 09, where it may run) or all of it on the host: every other
+    technique on (05 where it may run, at its least-memory U), no kept attention outputs, 04's
+    default tiles; on an unknown host nothing offloaded."""
     known = machine.host_mem is not None
     frugal = [c for c in auto_techniques(cfg, machine.gpus)
               if c.checkpoint and c.tile_mlp and c.tile_loss and c.offload == known
               and (known or not c.offload_model_state)]
     if any(c.untied for c in frugal):
         frugal = [c for c in frugal if c.untied]
-    return [replace(c, keep_attention=False) for c in frugal]
+    streamed = [replace(c, offload_moments=True, overlap_optimizer=True) for c in frugal
+                if known and not c.offload_model_state and moments_left_open(cfg)]
+    return [replace(c, keep_attention=False) for c in frugal + streamed]
+
+
+def moments_left_open(cfg: Config) -> bool:
+    """Whether --stack auto may still take 09 for cfg: no flag decided it (--offload-moments,
+    --no-offload-moments), and none rules it out (--no-overlap-optimizer: 09 runs 08's
+    updates; --offload-model-state: AdamW on the host's cores)."""
+    return (cfg.offload_moments is None and cfg.overlap_optimizer is not False
+            and not cfg.offload_model_state)
 
 
 def host_text(host_mem: int | None) -> str:

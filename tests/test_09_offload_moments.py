@@ -263,6 +263,30 @@ def test_auto_weighs_09_where_given_and_checkpoints_fewer_blocks():
                for c in planner.candidate_configs(resolve_techniques(on_host), 1))
 
 
+ONE_H100 = Machine(gpus=1, gpu_mem=int(79.2 * 2**30), host_mem=120 * 2**30, gpus_per_node=1,
+                   gpu_name="NVIDIA H100 80GB HBM3")
+
+
+def test_auto_takes_09_where_nothing_fits_without_it():
+    """Llama-3-8B on one 80 GB GPU: its model state, 16 bytes a parameter, fills the GPU, and on
+    the host (01's) it would need the whole host; with the blocks' moments on the host 8K
+    fits, and --stack auto takes 09 there, saying why. --no-offload-moments keeps it off: then
+    nothing fits, and the message names 09 for the longest that does."""
+    auto = Config(model="llama3-8b", seq_len=8192, stack="auto", dtype="bfloat16",
+                  attn_kernel="fa4", device="cpu")
+    run = planner.plan_run(auto, ONE_H100)
+    assert run.chosen.cfg.offload_moments and run.chosen.fits
+    assert all(text in run.lines[0]
+               for text in ("--offload-moments", "nothing fits with them on the GPU"))
+    with pytest.raises(ValueError, match="nothing fits") as refused:
+        planner.plan_run(replace(auto, offload_moments=False), ONE_H100)
+    assert "--offload-moments" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"longest that fits is .* --offload-moments"):
+        planner.plan_run(replace(auto, seq_len=16384), ONE_H100)
+    # where a plan without 09 fits, --stack auto takes one of those (09's speed: where given)
+    assert not planner.plan_run(replace(auto, seq_len=32768), ONE_H200).chosen.cfg.offload_moments
+
+
 @pytest.mark.parametrize("seq_len, shown", [(32768, False), (16384, True)])
 def test_the_copies_show_where_a_block_s_forward_is_shorter(seq_len, shown):
     """One block's moments (1.62 GiB) take ~35 ms each way at 50 GB/s (both ways at once): at
