@@ -6,7 +6,8 @@
 Everything after `--` is train.py's flags. Records per rank 0: bytes allocated after the model is
 built (sharded fp32 parameters), after backward (+ gradients), after the first optimizer step
 (+ Adam state) = the model state; the peak of each step; step times (median after the first,
-which warms up kernels and allocates the optimizer state); tokens/s per GPU; the attention
+which warms up kernels and allocates the optimizer state; with 08/09 after the first two:
+bench.report.first_timed_step); tokens/s per GPU; the attention
 kernel; the allocator's peak reserved memory and its retries per step (a failed cudaMalloc,
 the cache emptied, tried again), and what it holds cached per CUDA stream after each step
 (`--release-cache`: given back at each step's end, an A/B against the retries;
@@ -26,7 +27,6 @@ trace too).
 import argparse
 import dataclasses
 import importlib
-import statistics
 import time
 from pathlib import Path
 
@@ -41,8 +41,9 @@ from support.lessons import checkpointing
 from support.runtime import read_machine, setup_runtime
 from model import PRESETS, get_model_args
 from bench import bound, snapshot
-from bench.report import (GpuClocks, cached_by_stream, claim_result,
-                          end_distributed, profile, refuse_without_gpu, step_done, write_result)
+from bench.report import (GpuClocks, cached_by_stream, claim_result, end_distributed,
+                          first_timed_step, profile, refuse_without_gpu, steady_step_time,
+                          step_done, write_result)
 from support.data import TokenData
 from support.progress import allocator_retries
 
@@ -126,7 +127,7 @@ def main():
         # the SM clock and power across the steps (a step's GEMMs beside the same timed alone)
         with GpuClocks.of(rt.device) as clocks:
             for step in range(opts.steps):
-                if step == 1:  # the steps the median is taken over
+                if step == first_timed_step(optimizer):  # the steps the median is taken over
                     clocks.restart()
                 if opts.snapshot or opts.snapshot_file:
                     snapshot.step_begins_here()
@@ -158,7 +159,7 @@ def main():
                     print(f"step {step}: loss {losses[-1]:.4f} {times[-1]:.2f}s "
                           f"peak {peaks[-1]:.2f} GiB", flush=True)
         result["gpu_clocks_during_steps"] = clocks.summary
-        step_time = statistics.median(times[1:] or times)
+        step_time = steady_step_time(times, optimizer)
         tokens_per_gpu = cfg.batch_size * cfg.seq_len * rt.dp / rt.world
         result.update(status="ok", step_times_s=times, step_time_s=step_time, peak_gib=peaks,
                       reserved_gib=reserved, losses=losses, alloc_retries=retries,

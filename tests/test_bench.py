@@ -939,3 +939,21 @@ def test_bound_of_adds_each_steps_kernels_back_to_back_to_its_entry():
     wrong[0]["attention_bound_s"] *= 1.01
     with pytest.raises(SystemExit, match="the bound counts"):
         throughput.add_back_to_back([step], wrong, "cpu", torch.float32, 0.1)
+
+
+def test_a_timing_starts_where_the_optimizer_step_is_steady():
+    """The median step leaves out step 0 (warm-up) and, with 08's or 09's optimizer (each
+    block's update waits for its next forward, and step 0's ran at once), step 1 too: its
+    forward waits for no update, so it would pull the median down."""
+    from bench.report import first_timed_step, steady_step_time
+    from reference import build_as_train
+
+    train = importlib.import_module("train")
+    times = [30.0, 0.84, 1.93, 2.06, 1.89]
+    for flags, first in (({}, 1), ({"overlap_optimizer": True}, 2),
+                         ({"offload_moments": True}, 2)):
+        model, _, cfg = build_as_train(Config(model="tiny", seq_len=32, device="cpu", **flags))
+        optimizer = train.make_optimizer(model, cfg)
+        assert first_timed_step(optimizer) == first, flags
+        assert steady_step_time(times, optimizer) == (1.91 if first == 1 else 1.93), flags
+    assert steady_step_time([5.0]) == 5.0  # one step: its own time

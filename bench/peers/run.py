@@ -7,7 +7,8 @@ says what each stack is and how to install DeepSpeed and Liger-Kernel).
         --out peers_check.json
 
 A row: tokens/s = S / the median step time after the first (the first compiles and warms up;
-with --steps 1 its own time), peak GiB = the largest torch.cuda.max_memory_allocated of the
+ours with 08/09 after the first two, bench.report.first_timed_step; with fewer steps, all of
+them), peak GiB = the largest torch.cuda.max_memory_allocated of the
 row's steps (reset before each), with each step's peak reserved memory and allocator retries
 (support.progress.allocator_retries) and the SM clock and power across the timed steps, or OOM
 / error with the first line of the message. Each stack's process runs the lengths in the order
@@ -47,7 +48,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 
 from bench.peers.common import BEST, parse_choice, parse_spec, window
-from bench.report import (GpuClocks, profile, release, result_path, step_done,
-                          write_result)
+from bench.report import (GpuClocks, first_timed_step, profile, release, result_path,
+                          steady_step_time, step_done, write_result)
 from model import get_model_args
 from support.config import AUTO, MAX_STACK, Config, default_lr
 from support.data import parse_tokens
@@ -461,7 +461,7 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
         stack.prepare(seq_len)
         with clocks:
             for step in range(opts.steps):
-                if step == 1:
+                if step == first_timed_step(getattr(stack, "optimizer", None)):
                     clocks.restart()
                 step_done(device)
                 if on_gpu:
@@ -485,7 +485,7 @@ def measure(stack, seq_len: int, opts, device, emit) -> dict:
         traceback.print_exc()
         return {"status": failure_status(error), "step_times_s": times,
                 "peak_gib": max(peaks) if peaks else None}
-    step_time = statistics.median(times[1:] or times)
+    step_time = steady_step_time(times, getattr(stack, "optimizer", None))
     profiled = {}
     if opts.profile:  # one more step, its time and memory not counted above
         try:
