@@ -1068,8 +1068,8 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     if cfg.stack == config.AUTO and moments_left_open(cfg):
         # 09 is weighed for speed only where given (its gain not yet measured where the speed
         # model predicts one), but where nothing fits without it, it is what fits
-        streamed = rank_candidates(replace(cfg, offload_moments=True), machine,
-                                   step_time.rates_for(machine.gpu_name))
+        streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
+                                   machine, step_time.rates_for(machine.gpu_name))
         if streamed[0].fits:
             return streamed[0], streamed
     if cfg.stack == config.AUTO:

@@ -276,6 +276,8 @@ def test_auto_takes_09_where_nothing_fits_without_it():
                   attn_kernel="fa4", device="cpu")
     run = planner.plan_run(auto, ONE_H100)
     assert run.chosen.cfg.offload_moments and run.chosen.fits
+    for weighed in run.ranking:  # each a run train.py would take (09 never with 01's host state)
+        resolve_techniques(replace(weighed.cfg, device="cpu"))
     assert all(text in run.lines[0]
                for text in ("--offload-moments", "nothing fits with them on the GPU"))
     with pytest.raises(ValueError, match="nothing fits") as refused:
