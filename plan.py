@@ -937,7 +937,7 @@ def plan_scaling_table(cfg: Config, gpu_counts: list, gpu_mem: int, host_mem: in
 # the whole, as host_memory_error holds every run to.
 HOST_HEADROOM = 0.9
 # 08 left open is taken where it is predicted to take this share of the step off or more: its
-# measured gains, 0.4-1.0% on one H100 (docs/results.md), are about one step's own spread.
+# measured gains, 0.3-0.9% on one H100 (docs/results.md), are about one step's own spread.
 OVERLAP_MIN_GAIN = 0.005
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",

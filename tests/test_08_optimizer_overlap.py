@@ -250,7 +250,7 @@ def test_the_planner_counts_the_gradients_07s_forward_holds():
 
 def test_auto_weighs_08_where_adamw_runs_on_the_gpu():
     """Left open, 08 is a setting the planner weighs by the predicted step (measured on an
-    H100: 0.4-1.0% off a step, step_time.BESIDE_FORWARD_SHOWN): Llama-3-8B at 16K on one H200
+    H100: 0.3-0.9% off a step, step_time.BESIDE_FORWARD_SHOWN): Llama-3-8B at 16K on one H200
     takes it, predicted about 1% faster than the same plan with AdamW at once; at 32K, 0.4%,
     less than OVERLAP_MIN_GAIN, it does not; --no-overlap-optimizer keeps it off; a GPU without
     speed rates (the memory-only choice) leaves it off; with the model state on the host or
