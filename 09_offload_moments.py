@@ -11,9 +11,9 @@ The idea. A block's moments live in host memory; 08's update of that block, queu
 stream, is framed by two copies on two more streams: the moments come in just before it and go
 back just after (the GPU's copy engines, one each way, beside its compute). The blocks' updates
 follow one another, so three blocks' moments (slots) on the GPU at a time keep both copy
-engines busy. Per block at 50 GB/s each way (pinned copies both ways at once, measured on an
-H100 machine): 1.6 GiB in ~35 ms, less than its forward at 32K (~39 ms), so the copies hide
-behind the forward that 08's updates already run beside. The root's moments (embeddings,
+engines busy. Per block at ~44-50 GB/s each way (pinned copies, both ways at once, beside a
+step's kernels): 1.6 GiB in 35-40 ms, about its forward at 32K (~39 ms), so the copies mostly
+hide behind the forward that 08's updates already run beside. The root's moments (embeddings,
 lm_head: 7.8 GiB) stay on the GPU: the forward waits for the root's update first, and would
 wait for its copies too.
 
@@ -155,15 +155,25 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             self.copy_out.synchronize()
 
     def load_state_dict(self, state_dict) -> None:
-        """AdamW's load, which puts every moment on its parameter's device; then the blocks'
-        moments back to the host (the GPU holds them all for that moment), once the last
-        step's copies there are done (08's load settles)."""
-        super().load_state_dict(state_dict)
-        for unit in range(1, len(self.units)):
-            for p, host in self.host_moments(unit).items():
-                for name, into in zip(MOMENTS, host):
-                    local(into).copy_(local(self.state[p][name]))
-                self.set_moments([p], host)
+        """AdamW's load for all but the blocks' moments, which go straight into their host
+        tensors (AdamW's own load would put every moment on its parameter's device, and a GPU
+        that needs 09 may have no room for them all: Llama-3-8B on one 80 GB GPU), once the
+        last step's copies there are done (08's load settles)."""
+        unit_of = {id(p): unit for unit, (_, params) in enumerate(self.units) for p in params}
+        saved = [key for group in state_dict["param_groups"] for key in group["params"]]
+        param_of = dict(zip(saved, [p for group in self.param_groups for p in group["params"]]))
+        kept, held = {}, {}
+        for key, entry in state_dict["state"].items():  # (keyed as AdamW's load keys them)
+            p = param_of[key]
+            kept[key] = {k: v for k, v in entry.items() if unit_of[id(p)] == 0 or k not in MOMENTS}
+            if unit_of[id(p)]:
+                held[p] = [entry[name] for name in MOMENTS]
+        super().load_state_dict({**state_dict, "state": kept})
+        for p, saved in held.items():
+            host = self.host_moments(unit_of[id(p)])[p]
+            for into, value in zip(host, saved):
+                local(into).copy_(local(value))
+            self.set_moments([p], host)
 
 
 def copy_on(source: torch.Tensor, target: torch.Tensor, stream, after=None):

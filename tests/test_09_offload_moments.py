@@ -97,10 +97,20 @@ def test_a_step_with_no_forward_between_runs_the_queued_updates_first():
     _step_again_with_no_forward_between("offload_moments")
 
 
-def test_state_dict_and_load_state_dict_round_trip_through_the_host():
+def test_state_dict_and_load_state_dict_round_trip_through_the_host(monkeypatch):
     """The optimizer's own state_dict, copied, loaded into a fresh 09 optimizer: its blocks'
-    moments land in its host tensors (not left where AdamW's load put them), equal to the
-    saved ones; the root's on the parameters' device."""
+    moments land in its host tensors, equal to the saved ones, without passing through
+    AdamW's own load (which puts each on its parameter's device: on a GPU that 09 lets fit,
+    no room for them all); the root's on the parameters' device."""
+    given_to_adamw = []
+    real_load = torch.optim.Optimizer.load_state_dict
+
+    def recorded_load(self, state_dict):
+        given_to_adamw.extend(name for entry in state_dict["state"].values() for name in entry
+                              if name in moments_offload.MOMENTS)
+        return real_load(self, state_dict)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", recorded_load)
     model, rt, cfg = build_as_train(Config(model=MODEL, seq_len=32, batch_size=2, device="cpu",
                                            fsdp=True, offload_moments=True))
     optimizer = train.make_optimizer(model, cfg)
@@ -120,6 +130,7 @@ def test_state_dict_and_load_state_dict_round_trip_through_the_host():
                 assert torch.equal(full(host), full(optimizer.state[p][name])), name
     root = fresh.units[0][1]
     assert all(p not in fresh.host for p in root)
+    assert len(given_to_adamw) == 2 * len(root)  # the root's moments alone
 
 
 def full_storage(t):
