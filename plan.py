@@ -1062,16 +1062,21 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     the GPU has speed rates (support/step_time.py), else in memory_order: the memory-only
     choice. None fitting: --stack auto stops (nothing_fits_text); given flags run as given,
     their open settings at the least memory."""
-    ranking = rank_candidates(cfg, machine, step_time.rates_for(machine.gpu_name))
-    if ranking[0].fits:
-        return ranking[0], ranking
-    if cfg.stack == config.AUTO and moments_left_open(cfg):
+    rates = step_time.rates_for(machine.gpu_name)
+    ranking = rank_candidates(cfg, machine, rates)
+    best = ranking[0]
+    if (cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None
+            and (not best.fits or best.cfg.offload_model_state)):
         # 09 is weighed for speed only where given (its gain not yet measured where the speed
-        # model predicts one), but where nothing fits without it, it is what fits
+        # model predicts one), but where nothing fits without it, it is what fits; where only
+        # all the model state on the host does (AdamW on the host's cores), the faster of the two
         streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
-                                   machine, step_time.rates_for(machine.gpu_name))
-        if streamed[0].fits:
+                                   machine, rates)
+        if streamed[0].fits and (not best.fits or (streamed[0].seconds or 2**31)
+                                 < (best.seconds or 0)):
             return streamed[0], streamed
+    if best.fits:
+        return best, ranking
     if cfg.stack == config.AUTO:
         raise ValueError(nothing_fits_text(cfg, machine))
     return min(ranking, key=lambda c: (c.plan["peak"], memory_order(c.cfg))), ranking
@@ -1327,7 +1332,8 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
                 f"support/step_time.py has {', '.join(step_time.GPU_RATES)}): the fewest "
                 f"techniques that fit, in the files' order")
     if chosen.cfg.offload_moments and not cfg.offload_moments:
-        how += " (with Adam's moments on the host, 09: nothing fits with them on the GPU)"
+        how += (" (09, Adam's moments on the host: without it nothing fits, or only all the "
+                "model state on the host, slower)")
     if cfg.stack == config.AUTO:
         lines = [f"--stack auto: {flags_text(chosen.cfg)}, {how}: "
                  f"{candidate_text(chosen, machine)}"]

@@ -200,14 +200,18 @@ def synchronize(device):
 def first_timed_step(optimizer=None) -> int:
     """The first step a timing counts: step 1 (step 0 compiles kernels and allocates memory and
     AdamW's state), or step 2 where the optimizer step runs behind the next forward (08, 09):
-    step 0's AdamW ran at once, so step 1's forward waits for no update and ends sooner than
-    every later one (Llama-3-8B at 8K with 09 on one H100: 0.84 s against 1.9)."""
+    step 0's updates were done within step 0 (08 runs AdamW's first step at once; 09's queued
+    ones, bench.step waits for to read the memory after them), so step 1's forward may wait for
+    no update and end sooner than every later one (Llama-3-8B at 8K with 09 on one H100: 0.84 s
+    against 1.9)."""
     return 2 if isinstance(optimizer, optimizer_overlap.AdamWBehindForward) else 1
 
 
 def steady_step_time(times: list, optimizer=None) -> float:
-    """The median of the steps from first_timed_step on (all of them, where there are no more)."""
-    return statistics.median(times[first_timed_step(optimizer):] or times)
+    """The median of the steps from first_timed_step on; with fewer steps, of those after the
+    first, or the one."""
+    first = first_timed_step(optimizer)
+    return statistics.median(times[first:] or times[1:] or times)
 
 
 def step_done(device):

@@ -281,8 +281,9 @@ ONE_H100 = Machine(gpus=1, gpu_mem=int(79.2 * 2**30), host_mem=120 * 2**30, gpus
 def test_auto_takes_09_where_nothing_fits_without_it():
     """Llama-3-8B on one 80 GB GPU: its model state, 16 bytes a parameter, fills the GPU, and on
     the host (01's) it would need the whole host; with the blocks' moments on the host 8K
-    fits, and --stack auto takes 09 there, saying why. --no-offload-moments keeps it off: then
-    nothing fits, and the message names 09 for the longest that does."""
+    fits, and --stack auto takes 09 there, saying why (and where the host could hold all the
+    state, as the faster of the two). --no-offload-moments keeps it off: then nothing fits,
+    and the message names 09 for the longest that does."""
     auto = Config(model="llama3-8b", seq_len=8192, stack="auto", dtype="bfloat16",
                   attn_kernel="fa4", device="cpu")
     run = planner.plan_run(auto, ONE_H100)
@@ -290,13 +291,22 @@ def test_auto_takes_09_where_nothing_fits_without_it():
     for weighed in run.ranking:  # each a run train.py would take (09 never with 01's host state)
         resolve_techniques(replace(weighed.cfg, device="cpu"))
     assert all(text in run.lines[0]
-               for text in ("--offload-moments", "nothing fits with them on the GPU"))
+               for text in ("--offload-moments", "without it nothing fits"))
     with pytest.raises(ValueError, match="nothing fits") as refused:
         planner.plan_run(replace(auto, offload_moments=False), ONE_H100)
     assert "--offload-moments" not in str(refused.value)
     with pytest.raises(ValueError, match=r"longest that fits is .* --offload-moments"):
         planner.plan_run(replace(auto, seq_len=16384), ONE_H100)
-    # where a plan without 09 fits, --stack auto takes one of those (09's speed: where given)
+    # a host of 2 TiB fits all the model state, AdamW then on its cores: 09 is faster, taken
+    roomy = planner.plan_run(auto, replace(ONE_H100, host_mem=2**41))
+    assert roomy.chosen.cfg.offload_moments
+    assert planner.plan_run(replace(auto, offload_moments=False),
+                            replace(ONE_H100, host_mem=2**41)).chosen.cfg.offload_model_state
+    # a host of unknown size takes nothing the planner would add there: no 09
+    with pytest.raises(ValueError, match="nothing fits"):
+        planner.plan_run(auto, replace(ONE_H100, host_mem=None))
+    # where a plan with the state on the GPU fits, --stack auto takes one of those (09's speed:
+    # where given)
     assert not planner.plan_run(replace(auto, seq_len=32768), ONE_H200).chosen.cfg.offload_moments
 
 

@@ -956,4 +956,5 @@ def test_a_timing_starts_where_the_optimizer_step_is_steady():
         optimizer = train.make_optimizer(model, cfg)
         assert first_timed_step(optimizer) == first, flags
         assert steady_step_time(times, optimizer) == (1.91 if first == 1 else 1.93), flags
+        assert steady_step_time(times[:2], optimizer) == 0.84, flags  # two: not the first
     assert steady_step_time([5.0]) == 5.0  # one step: its own time

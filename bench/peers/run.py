@@ -7,8 +7,8 @@ says what each stack is and how to install DeepSpeed and Liger-Kernel).
         --out peers_check.json
 
 A row: tokens/s = S / the median step time after the first (the first compiles and warms up;
-ours with 08/09 after the first two, bench.report.first_timed_step; with fewer steps, all of
-them), peak GiB = the largest torch.cuda.max_memory_allocated of the
+ours with 08/09 after the first two, bench.report.first_timed_step; with fewer, after the
+first), peak GiB = the largest torch.cuda.max_memory_allocated of the
 row's steps (reset before each), with each step's peak reserved memory and allocator retries
 (support.progress.allocator_retries) and the SM clock and power across the timed steps, or OOM
 / error with the first line of the message. Each stack's process runs the lengths in the order
