@@ -15,7 +15,7 @@ from reference import build_as_train, full
 from test_08_optimizer_overlap import (AUTO_16K, CYCLES, GPU_MODEL, MODEL, _assert_same_run,
                                        _same_weights_as_the_step_at_once,
                                        _step_again_with_no_forward_between)
-from test_saved_state import _resume_equals_straight
+from test_saved_state import _resume_equals_straight, _resume_through_nccl_on_the_gpu
 
 import model as llama
 import plan as planner
@@ -142,6 +142,14 @@ def test_a_saved_run_resumes_exactly(tmp_path):
     (load_state_dict sends the loaded moments back to the host): the same losses, weights and
     Adam state as the run straight through."""
     _resume_equals_straight(tmp_path, [{"offload_moments": True, "fsdp": True}])
+
+
+@pytest.mark.gpu
+def test_gpu_a_saved_run_resumes_exactly(tmp_path):
+    """The same on 2 NCCL ranks and the GPU: the moments saved from page-locked host memory,
+    loaded straight back into it (never all on the GPU), the run bit for bit the straight one."""
+    run_ranks(2, _resume_through_nccl_on_the_gpu, str(tmp_path),
+              [{"offload_moments": True, "fsdp": True}], backend="nccl")
 
 
 @pytest.mark.parametrize("flags, message", [

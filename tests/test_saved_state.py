@@ -123,8 +123,8 @@ def test_six_steps_equal_three_plus_resume_three(tmp_path):
     run_ranks(2, _resume_equals_straight, str(tmp_path), RESUMED)
 
 
-def _resume_through_nccl_on_the_gpu(tmp):
-    """The same cases on NCCL ranks and the GPU in bf16: the state saved and loaded through
+def _resume_through_nccl_on_the_gpu(tmp, cases=RESUMED):
+    """The same cases (or `cases`) on NCCL ranks and the GPU in bf16: the state saved and loaded through
     NCCL (torch.distributed.checkpoint plans and gathers over it) from CUDA tensors. Bit for
     bit, so the kernels must be repeatable: the math attention (FlashAttention's and cuDNN's
     backward add partial dQ with atomics, in whatever order they land) and deterministic algorithms
@@ -132,7 +132,7 @@ def _resume_through_nccl_on_the_gpu(tmp):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before this rank's first cuBLAS call
     torch.use_deterministic_algorithms(True)
     on_the_gpu = {"device": "cuda", "dtype": "bfloat16", "attn_kernel": "math"}
-    _resume_equals_straight(tmp, [{**case, **on_the_gpu} for case in RESUMED])
+    _resume_equals_straight(tmp, [{**case, **on_the_gpu} for case in cases])
 
 
 @pytest.mark.gpu
