@@ -124,8 +124,8 @@ def test_six_steps_equal_three_plus_resume_three(tmp_path):
 
 
 def _resume_through_nccl_on_the_gpu(tmp, cases=RESUMED):
-    """The same cases (or `cases`) on NCCL ranks and the GPU in bf16: the state saved and loaded through
-    NCCL (torch.distributed.checkpoint plans and gathers over it) from CUDA tensors. Bit for
+    """The same cases (or `cases`) on NCCL ranks and the GPU in bf16: the state saved and loaded
+    through NCCL (torch.distributed.checkpoint plans and gathers over it) from CUDA tensors. Bit for
     bit, so the kernels must be repeatable: the math attention (FlashAttention's and cuDNN's
     backward add partial dQ with atomics, in whatever order they land) and deterministic algorithms
     elsewhere (cuBLAS with a fixed workspace)."""
