@@ -92,7 +92,9 @@ class AdamWBehindForward(torch.optim.AdamW):
                 self.update(unit)
             else:
                 torch.cuda.current_stream().wait_event(event)
-                gather_stream(self.units[unit][0]).wait_event(event)
+                if module is not None:  # in a forward; after settle() FSDP's root pre-forward
+                    # has its gather streams wait for the compute stream (and may not be set up)
+                    gather_stream(self.units[unit][0]).wait_event(event)
             for p in self.units[unit][1]:
                 p.grad = None
             if not self.queued:  # (the side stream is past its last read of the inputs)
