@@ -97,10 +97,11 @@ def join_processes(cfg: Config) -> None:
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if cfg.device == "cuda" else "gloo"
-    if cfg.device == "cuda" and (cfg.offload_model_state or cfg.stack == AUTO):
-        # Gradient clipping reduces the norms of the host-resident gradient shards: CPU
-        # tensors, which NCCL cannot reduce; gloo takes those. (--stack auto joins before it
-        # knows whether the model state goes to the host.)
+    if cfg.device == "cuda" and (cfg.offload_model_state or cfg.offload_moments
+                                 or cfg.stack == AUTO):
+        # Gradient clipping reduces the norms of the host-resident gradient shards, and a save
+        # or load of 09's host moments runs collectives on them: CPU tensors, which NCCL cannot
+        # take; gloo takes those. (--stack auto joins before it knows what goes to the host.)
         backend = "cpu:gloo,cuda:nccl"
     if launched:
         dist.init_process_group(backend)

@@ -149,7 +149,7 @@ def test_gpu_a_saved_run_resumes_exactly(tmp_path):
     """The same on 2 NCCL ranks and the GPU: the moments saved from page-locked host memory,
     loaded straight back into it (never all on the GPU), the run bit for bit the straight one."""
     run_ranks(2, _resume_through_nccl_on_the_gpu, str(tmp_path),
-              [{"offload_moments": True, "fsdp": True}], backend="nccl")
+              [{"offload_moments": True, "fsdp": True}], backend="cpu:gloo,cuda:nccl")
 
 
 @pytest.mark.parametrize("flags, message", [
