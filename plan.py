@@ -1060,8 +1060,10 @@ def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list
 def choose(cfg: Config, machine: Machine) -> tuple:
     """(the chosen Candidate, the ranking): the first that fits, by predicted step time where
     the GPU has speed rates (support/step_time.py), else in memory_order: the memory-only
-    choice. None fitting: --stack auto stops (nothing_fits_text); given flags run as given,
-    their open settings at the least memory."""
+    choice. --stack auto with 09 left open takes it where nothing fits without it, or where
+    only all the model state on the host does and 09 is predicted faster (on a known host).
+    None fitting: --stack auto stops (nothing_fits_text); given flags run as given, their open
+    settings at the least memory."""
     rates = step_time.rates_for(machine.gpu_name)
     ranking = rank_candidates(cfg, machine, rates)
     best = ranking[0]
@@ -1072,8 +1074,9 @@ def choose(cfg: Config, machine: Machine) -> tuple:
         # all the model state on the host does (AdamW on the host's cores), the faster of the two
         streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
                                    machine, rates)
-        if streamed[0].fits and (not best.fits or (streamed[0].seconds or 2**31)
-                                 < (best.seconds or 0)):
+        faster = (streamed[0].seconds is not None and best.seconds is not None
+                  and streamed[0].seconds < best.seconds)
+        if streamed[0].fits and (not best.fits or faster):
             return streamed[0], streamed
     if best.fits:
         return best, ranking
