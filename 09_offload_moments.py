@@ -23,8 +23,8 @@ instead of 20.
 What it costs: the host holds the moments (pinned: registered in place, so no power-of-two
 rounding), and the GPU three blocks' moments during the forward. The arithmetic is 08's: AdamW's
 own fused kernel over the same values (copies are exact), so the weights are bit for bit those of
-plain AdamW. Loading a saved state brings the moments to the GPU for a moment (PyTorch's
-Optimizer.load_state_dict puts each on its parameter's device) before they go back to the host.
+plain AdamW. Loading a saved state puts the blocks' moments straight into host memory
+(PyTorch's Optimizer.load_state_dict would put each on its parameter's device first).
 
     --offload-moments   (implies 08's --overlap-optimizer; --stack auto takes it where given,
                          or where nothing fits without it; its measurements: docs/results.md)
@@ -169,9 +169,9 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             if unit_of[id(p)]:
                 held[p] = [entry[name] for name in MOMENTS]
         super().load_state_dict({**state_dict, "state": kept})
-        for p, saved in held.items():
+        for p, values in held.items():
             host = self.host_moments(unit_of[id(p)])[p]
-            for into, value in zip(host, saved):
+            for into, value in zip(host, values):
                 local(into).copy_(local(value))
             self.set_moments([p], host)
 

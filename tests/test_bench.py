@@ -943,8 +943,8 @@ def test_bound_of_adds_each_steps_kernels_back_to_back_to_its_entry():
 
 def test_a_timing_starts_where_the_optimizer_step_is_steady():
     """The median step leaves out step 0 (warm-up) and, with 08's or 09's optimizer (each
-    block's update waits for its next forward, and step 0's ran at once), step 1 too: its
-    forward waits for no update, so it would pull the median down."""
+    block's update waits for its next forward, and step 0's were done within step 0), step 1
+    too: its forward may wait for no update, so it would pull the median down."""
     from bench.report import first_timed_step, steady_step_time
     from reference import build_as_train
 
