@@ -1340,6 +1340,9 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
     if cfg.stack == config.AUTO:
         lines = [f"--stack auto: {flags_text(chosen.cfg)}, {how}: "
                  f"{candidate_text(chosen, machine)}"]
+        ruled_out = moments_ruled_out_text(cfg, machine, chosen)
+        if ruled_out:
+            lines.append(f"  {ruled_out}")
         runner_up = next((c for c in best[1:] if c.fits), None)
         if runner_up is not None:
             lines.append(f"  runner-up: {flags_text(runner_up.cfg)}: "
@@ -1381,6 +1384,9 @@ def nothing_fits_text(cfg: Config, machine: Machine) -> str:
         lines.append(f"the longest that fits is {length:,} tokens (--seq-len {length // 1024}K) "
                      f"with {flags_text(candidate)}, where longer ones run out of "
                      f"{plan['limit']} memory")
+    ruled_out = moments_ruled_out_text(cfg, machine)
+    if ruled_out:
+        return "; ".join(lines + [ruled_out])
     if config.techniques_given(replace(cfg, stack=None)):
         try:
             free = choose(unconstrained(cfg), machine)[0]
@@ -1420,6 +1426,28 @@ def frugal_configs(cfg: Config, machine: Machine) -> list:
     streamed = [replace(c, offload_moments=True, overlap_optimizer=True) for c in frugal
                 if known and not c.offload_model_state and moments_left_open(cfg)]
     return [replace(c, keep_attention=False) for c in frugal + streamed]
+
+
+def moments_ruled_out_text(cfg: Config, machine: Machine,
+                           chosen: Candidate | None = None) -> str | None:
+    """Where a flag ruled 09 out (--no-offload-moments, --no-overlap-optimizer) and --stack auto
+    took all the model state on the host (`chosen`) or nothing fits (None): what 09 would have
+    given where it fits and is faster, and the flag that rules it out (the flag still wins)."""
+    flags = [flag for flag, ruled in (("--no-offload-moments", cfg.offload_moments is False),
+                                      ("--no-overlap-optimizer", cfg.overlap_optimizer is False))
+             if ruled]
+    if (not flags or cfg.offload_model_state or machine.host_mem is None
+            or (chosen is not None and not chosen.cfg.offload_model_state)):
+        return None
+    streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
+                               machine, step_time.rates_for(machine.gpu_name))[0]
+    slower = (chosen is not None and None not in (chosen.seconds, streamed.seconds)
+              and streamed.seconds >= chosen.seconds)
+    if not streamed.fits or slower:
+        return None
+    return (f"with 09 (Adam's moments on the host) {flags_text(streamed.cfg)} would fit: "
+            f"{candidate_text(streamed, machine)}; {' and '.join(flags)} rule"
+            f"{'s' if len(flags) == 1 else ''} it out")
 
 
 def moments_left_open(cfg: Config) -> bool:

@@ -291,7 +291,8 @@ def test_auto_takes_09_where_nothing_fits_without_it():
     the host (01's) it would need the whole host; with the blocks' moments on the host 8K
     fits, and --stack auto takes 09 there, saying why (and where the host could hold all the
     state, as the faster of the two). --no-offload-moments keeps it off: then nothing fits,
-    and the message names 09 for the longest that does."""
+    and the message says what 09 would give; without the flag it names 09 for the longest that
+    does."""
     auto = Config(model="llama3-8b", seq_len=8192, stack="auto", dtype="bfloat16",
                   attn_kernel="fa4", device="cpu")
     run = planner.plan_run(auto, ONE_H100)
@@ -300,16 +301,19 @@ def test_auto_takes_09_where_nothing_fits_without_it():
         resolve_techniques(replace(weighed.cfg, device="cpu"))
     assert all(text in run.lines[0]
                for text in ("--offload-moments", "without it nothing fits"))
-    with pytest.raises(ValueError, match="nothing fits") as refused:
-        planner.plan_run(replace(auto, offload_moments=False), ONE_H100)
-    assert "--offload-moments" not in str(refused.value)
+    with pytest.raises(ValueError, match="nothing fits") as refused:  # the flag still wins,
+        planner.plan_run(replace(auto, offload_moments=False), ONE_H100)  # and says what it
+    assert "--offload-moments would fit" in str(refused.value)  # rules out
+    assert str(refused.value).endswith("--no-offload-moments rules it out")
     with pytest.raises(ValueError, match=r"longest that fits is .* --offload-moments"):
         planner.plan_run(replace(auto, seq_len=16384), ONE_H100)
     # a host of 2 TiB fits all the model state, AdamW then on its cores: 09 is faster, taken
     roomy = planner.plan_run(auto, replace(ONE_H100, host_mem=2**41))
     assert roomy.chosen.cfg.offload_moments
-    assert planner.plan_run(replace(auto, offload_moments=False),
-                            replace(ONE_H100, host_mem=2**41)).chosen.cfg.offload_model_state
+    on_host = planner.plan_run(replace(auto, overlap_optimizer=False),
+                               replace(ONE_H100, host_mem=2**41))
+    assert on_host.chosen.cfg.offload_model_state
+    assert on_host.lines[1].endswith("--no-overlap-optimizer rules it out")
     # a host of unknown size takes nothing the planner would add there: no 09
     with pytest.raises(ValueError, match="nothing fits"):
         planner.plan_run(auto, replace(ONE_H100, host_mem=None))
