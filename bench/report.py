@@ -323,8 +323,12 @@ def peak_and_times(run, device, repeats: int) -> dict:
     return {"peak_gib": peak, "time_s": statistics.median(times) if times else None}
 
 
-def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
-    """Run fn once under torch.profiler: where the time goes.
+def profile(fn, top: int = 15, trace_path: str | None = None, warmup: int = 0,
+            between=None) -> dict:
+    """Run fn once under torch.profiler: where the time goes. warmup: calls of fn first, each
+    followed by `between()`, that the profiler sees but does not record (with 08/09 the
+    recorded step's forward then runs the updates the step before queued, as a steady step
+    does; alone, a step's updates run at its end with nothing beside them).
 
     profile_top_ops: the ops with the most own device time (CPU time on a CPU run), in ms, with
     their call counts. On a GPU, from the device's kernels (`device_kernels`: not the user
@@ -340,7 +344,13 @@ def profile(fn, top: int = 15, trace_path: str | None = None) -> dict:
 
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with torch_profile(activities=activities) as prof:
+    schedule = torch.profiler.schedule(wait=0, warmup=warmup, active=1) if warmup else None
+    with torch_profile(activities=activities, schedule=schedule) as prof:
+        for _ in range(warmup):
+            fn()
+            if between is not None:
+                between()
+            prof.step()
         fn()
         if on_gpu:
             torch.cuda.synchronize()

@@ -21,7 +21,8 @@ memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapsh
 `--profile` runs one more step under torch.profiler: the ops with the most device time, device
 time per kind of kernel, the GPU's idle time between compute kernels and the time with neither
 a matmul nor an attention kernel running (bench.report.profile; `--trace FILE`: rank 0's Chrome
-trace too).
+trace too); with 08/09 a steady step, one unrecorded step before it, so that its forward runs
+the updates that step queued.
 """
 
 import argparse
@@ -174,8 +175,11 @@ def main():
             optimizer.zero_grad(set_to_none=True)
 
         try:  # the profiler's own memory must not turn the measured steps into a failure
+            # with 08/09 a steady step: the recorded forward runs the step before's updates
             result["profile"] = profile(one_step, top=25,
-                                        trace_path=opts.trace if rt.rank == 0 else None)
+                                        trace_path=opts.trace if rt.rank == 0 else None,
+                                        warmup=first_timed_step(optimizer) - 1,
+                                        between=lambda: step_done(rt.device))
         except torch.OutOfMemoryError as error:
             result["profile"] = {"status": "OOM", "error": str(error).split("\n")[0]}
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:

@@ -487,6 +487,24 @@ def test_profile_counts_the_devices_kernels_once_and_the_time_outside_matmul_and
     assert summary["profile_kernels"] == 4
 
 
+def test_a_profile_with_warmup_records_the_last_call_alone():
+    """With 08/09 bench.step profiles a steady step: one call first, which the profiler sees but
+    does not record (its updates then run beside the recorded forward, as in a timed step)."""
+    from bench.report import profile
+
+    calls = []
+
+    def fn():
+        calls.append("step")
+        weights = torch.ones(64, 64)
+        return weights @ weights
+
+    recorded = profile(fn, warmup=1, between=lambda: calls.append("between"))
+    assert calls == ["step", "between", "step"]
+    matmuls = [op["calls"] for op in recorded["profile_top_ops"] if op["op"] == "aten::mm"]
+    assert matmuls == [1]
+
+
 # bench/bound.py: the kernels' bound of a step (bench.throughput), checked without a GPU.
 
 def _bound_config(method: str, seq_len: int):
