@@ -77,11 +77,15 @@ class AdamWBehindForward(torch.optim.AdamW):
             self.queued = dict.fromkeys(range(len(self.units)))
             return None
         self.stream.wait_stream(torch.cuda.current_stream())  # the gradients and clip are done
-        with torch.cuda.stream(self.stream):
-            for unit in range(len(self.units)):
-                self.update(unit)
-                self.queued[unit] = self.stream.record_event()
+        for unit in range(len(self.units)):
+            self.queue(unit)
         return None
+
+    def queue(self, unit: int) -> None:
+        """The unit's update on the side stream (GPU), and the event its forward waits for."""
+        with torch.cuda.stream(self.stream):
+            self.update(unit)
+            self.queued[unit] = self.stream.record_event()
 
     def before_forward(self, unit: int, module=None, args=None) -> None:
         """The unit's update done before its forward reads the weights (on the GPU: the

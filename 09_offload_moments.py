@@ -11,9 +11,12 @@ The idea. A block's moments live in host memory; 08's update of that block, queu
 stream, is framed by two copies on two more streams: the moments come in just before it and go
 back just after (the GPU's copy engines, one each way, beside its compute). The blocks' updates
 follow one another, so three blocks' moments (slots) on the GPU at a time keep both copy
-engines busy. Per block at ~44-50 GB/s each way (pinned copies, both ways at once, beside a
-step's kernels): 1.6 GiB in 35-40 ms, about its forward at 32K (~39 ms), so the copies mostly
-hide behind the forward that 08's updates already run beside. The root's moments (embeddings,
+engines busy. A block's update and its copies are queued only as the forward comes within three
+blocks of it: a copy engine takes copies in the order they were queued, so all of them queued at
+step() held up the next step's tokens behind every block's moments (0.4 s at 64K). Per block at
+~44-50 GB/s each way (pinned copies, both ways at once, beside a step's kernels): 1.6 GiB in
+35-40 ms, about its forward at 32K (~39 ms), so the copies mostly hide behind the forward that
+08's updates already run beside. The root's moments (embeddings,
 lm_head: 7.8 GiB) stay on the GPU: the forward waits for the root's update first, and would
 wait for its copies too.
 
@@ -71,6 +74,7 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
         self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
+        self.deferred = []  # the blocks whose update waits for the forward to come near (GPU)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -86,6 +90,21 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             self.copy_in.wait_stream(torch.cuda.current_stream())
             self.copy_in.wait_stream(self.copy_out)
         return super().step(closure)  # 08 queues (GPU) or defers (CPU) each unit's update()
+
+    def queue(self, unit: int) -> None:
+        """08's, but a block's update (and its copies) only once the forward is within
+        `slot_count` blocks of it (before_forward queues the rest): copies queued far ahead on
+        a copy stream hold up every later copy the same way, the compute stream's too (the
+        next step's tokens waited for all the blocks' moments, the forward idle meanwhile)."""
+        if unit == 0:  # the root: no copies, and the forward waits for it first
+            return super().queue(unit)
+        self.deferred.append(unit)
+
+    def before_forward(self, unit: int, module=None, args=None) -> None:
+        """08's, once the updates of the blocks up to `slot_count` past this unit are queued."""
+        while self.deferred and self.deferred[0] <= unit + self.slot_count:
+            super().queue(self.deferred.pop(0))
+        super().before_forward(unit, module, args)
 
     def update(self, unit: int) -> None:
         """08's update of one unit; a block's moments come in before it and go back after."""
@@ -150,6 +169,8 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         """08's settle (every queued update done), and the moments back on the host (the host
         reads them next: a save, the run's end). At a step's start those copies ended during
         the last forward."""
+        while self.deferred:
+            super().queue(self.deferred.pop(0))
         super().settle()
         if self.copy_out is not None:
             self.copy_out.synchronize()

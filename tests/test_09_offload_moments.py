@@ -229,6 +229,41 @@ def _gpu_streamed_moments():
     assert on_gpu(at_once.optimizer) - on_gpu(optimizer) == block_moments
     assert optimizer.slots is None
 
+@pytest.mark.gpu
+def test_gpu_a_block_s_update_is_queued_as_the_forward_nears_it():
+    run_ranks(1, _gpu_queued_as_the_forward_nears, backend="nccl")
+
+
+def _gpu_queued_as_the_forward_nears():
+    """On the GPU step() queues the root's update alone; the blocks' updates, and their copies,
+    are queued as the forward comes within SLOTS blocks of them: copies queued further ahead
+    held up later copies the same way, the compute stream's too (at 64K on one H100 the next
+    step's tokens waited ~0.4 s for every block's moments, the GPU idle; docs/results.md)."""
+    model, rt, cfg = build_as_train(Config(model=GPU_MODEL, seq_len=64, batch_size=1,
+                                           device="cuda", dtype="bfloat16", fsdp=True,
+                                           offload_moments=True))
+    optimizer = train.make_optimizer(model, cfg)
+    layers = len(model.layers)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 65))
+    for step in range(3):
+        optimizer.events = []
+        train.clipped_step(model, optimizer, train.forward_backward(model, tokens, rt), 1.0)
+        assert optimizer.events[-1:] == ["update 0"] and list(optimizer.queued) == [0]
+        assert optimizer.deferred == list(range(1, layers + 1))
+        optimizer.events = []
+        train.forward_backward(model, tokens, rt)
+        updated = []
+        for event in optimizer.events:
+            what, unit = event.split()
+            if what == "update":
+                updated.append(int(unit))
+            else:  # this unit's forward: the blocks up to SLOTS past it queued, none further
+                assert updated == list(range(1, min(int(unit) + moments_offload.SLOTS,
+                                                    layers) + 1)), (event, updated)
+        optimizer.settle()
+        optimizer.zero_grad()
+
+
 # The planner: the blocks' moments leave every moment of the step but the forward's slots.
 PLANNED = Config(model="llama3-8b", seq_len=32768, fsdp=True, checkpoint=True, tile_loss=True,
                  checkpoint_layers=20, dtype="bfloat16", device="cpu", overlap_optimizer=True)
