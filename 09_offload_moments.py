@@ -29,7 +29,7 @@ own fused kernel over the same values (copies are exact), so the weights are bit
 plain AdamW. Loading a saved state puts the blocks' moments straight into host memory
 (PyTorch's Optimizer.load_state_dict would put each on its parameter's device first).
 
-    --offload-moments   (implies 08's --overlap-optimizer; --stack auto takes it where given,
+    --offload-moments   (implies 08's --overlap-optimizer; --stack auto takes it where faster,
                          or where nothing fits without it; its measurements: docs/results.md)
 
     python 09_offload_moments.py                   # CPU: the bytes each step moves, exact

@@ -939,6 +939,10 @@ HOST_HEADROOM = 0.9
 # 08 left open is taken where it is predicted to take this share of the step off or more: its
 # measured gains, 0.3-0.9% on one H100 (docs/results.md), are about one step's own spread.
 OVERLAP_MIN_GAIN = 0.005
+# 09 left open, where a plan without it fits: taken where predicted this share faster or more.
+# Measured on one H100 (Llama-3.2-3B, cuDNN): 1.4% faster at 32K (predicted 2.3%), 3.1% at 64K
+# (predicted 1.3%); it also page-locks the blocks' moments on the host (a slower first step).
+MOMENTS_MIN_GAIN = 0.01
 # The Config fields a run's choice sets (RunChoice.settings).
 SETTINGS = ("fsdp", "ulysses", "untied", "sp", "ring", "checkpoint", "offload", "checkpoint_layers",
             "keep_attention", "tile_mlp", "tile_loss", "mlp_tile_tokens", "head_chunk",
@@ -953,6 +957,7 @@ class Candidate:
     plan: dict
     seconds: float | None
     fits: bool
+    why: str = ""  # where --stack auto took 09 of its own: why (choose)
 
 
 @dataclass
@@ -1060,24 +1065,23 @@ def disagreement_lines(cfg: Config, machine: Machine, chosen: Candidate) -> list
 def choose(cfg: Config, machine: Machine) -> tuple:
     """(the chosen Candidate, the ranking): the first that fits, by predicted step time where
     the GPU has speed rates (support/step_time.py), else in memory_order: the memory-only
-    choice. --stack auto with 09 left open takes it where nothing fits without it, or where
-    only all the model state on the host does and 09 is predicted faster (on a known host).
-    None fitting: --stack auto stops (nothing_fits_text); given flags run as given, their open
-    settings at the least memory."""
+    choice. --stack auto with 09 left open, on a known host, takes it where nothing fits
+    without it, or where it is predicted MOMENTS_MIN_GAIN faster than the fastest without it
+    (the candidate's `why` says which). None fitting: --stack auto stops (nothing_fits_text);
+    given flags run as given, their open settings at the least memory."""
     rates = step_time.rates_for(machine.gpu_name)
     ranking = rank_candidates(cfg, machine, rates)
     best = ranking[0]
-    if (cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None
-            and (not best.fits or best.cfg.offload_model_state)):
-        # 09 is weighed for speed only where given (its gain not yet measured where the speed
-        # model predicts one), but where nothing fits without it, it is what fits; where only
-        # all the model state on the host does (AdamW on the host's cores), the faster of the two
+    if cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None:
         streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
                                    machine, rates)
         faster = (streamed[0].seconds is not None and best.seconds is not None
-                  and streamed[0].seconds < best.seconds)
+                  and streamed[0].seconds < (1 - MOMENTS_MIN_GAIN) * best.seconds)
         if streamed[0].fits and (not best.fits or faster):
-            return streamed[0], streamed
+            why = ("without it nothing fits" if not best.fits else
+                   f"predicted {1 - streamed[0].seconds / best.seconds:.1%} faster than the "
+                   f"fastest without it, {flags_text(best.cfg)}: {best.seconds:.2f} s")
+            return replace(streamed[0], why=why), streamed
     if best.fits:
         return best, ranking
     if cfg.stack == config.AUTO:
@@ -1158,9 +1162,8 @@ def candidate_configs(cfg: Config, world_size: int) -> list:
         kept = ([chosen.keep_attention] if chosen.keep_attention is not None
                 or not chosen.checkpoint else [False, True])
         # 08 where FSDP's units run AdamW on the GPU (with the state on the host it runs on the
-        # host's cores; without FSDP no GPU has run it); 09 (which implies 08) where given (as
-        # 07: not weighed for speed until a GPU has measured a gain; choose() takes it where
-        # nothing fits without it)
+        # host's cores; without FSDP no GPU has run it); 09 (which implies 08) where given
+        # (left open, choose() weighs it after the plans without it)
         behind = ([bool(chosen.overlap_optimizer or chosen.offload_moments)]
                   if chosen.overlap_optimizer is not None or chosen.offload_moments
                   or chosen.offload_model_state or not chosen.fsdp else [False, True])
@@ -1334,9 +1337,8 @@ def choice_lines(cfg: Config, machine: Machine, chosen: Candidate, best: list,
            else f"the memory-only choice (no speed rates for {machine.gpu_name!r}; "
                 f"support/step_time.py has {', '.join(step_time.GPU_RATES)}): the fewest "
                 f"techniques that fit, in the files' order")
-    if chosen.cfg.offload_moments and not cfg.offload_moments:
-        how += (" (09, Adam's moments on the host: without it nothing fits, or only all the "
-                "model state on the host, slower)")
+    if chosen.why:
+        how += f" (09, Adam's moments on the host: {chosen.why})"
     if cfg.stack == config.AUTO:
         lines = [f"--stack auto: {flags_text(chosen.cfg)}, {how}: "
                  f"{candidate_text(chosen, machine)}"]

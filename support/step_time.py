@@ -108,11 +108,11 @@ BESIDE_FORWARD_SHOWN = 0.78  # 08: the share of an update run beside the forward
 # rate scaled to the H100's bandwidth (3.35 / 4.8 TB/s): 1 - 9.7 / 44.5 = 0.78 still shows
 
 
-BOTH_WAYS = 0.8  # each direction's share of the pinned-copy rate while the other runs too,
-# beside a step's kernels: alone, 50.0-50.3 GB/s each way at once against 55.2-55.4 one way
-# (0.91; one H100 machine, copy_rates_h100.json); within the steps whose forward ran at the
-# copies' pace (Llama-3-8B at 8K and 10K with 09 on one H100: each block's 1.62 GiB took ~41
-# and ~47 ms), 0.8 puts both within 4%
+BOTH_WAYS = 0.91  # each direction's share of the pinned-copy rate while the other runs too:
+# alone, 50.0-50.3 GB/s each way at once against 55.2-55.4 one way (one H100 machine,
+# copy_rates_h100.json). Since 09 queues a block's copies as the forward nears it, the steps
+# whose forward runs at the copies' pace (Llama-3-8B at 8K and 10K with 09 on one H100) come
+# within 7% with it (0.8 was fitted on the same steps while all the copies were queued at once)
 
 
 def rates_for(gpu_name: str | None) -> GpuRates | None:
