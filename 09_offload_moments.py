@@ -16,9 +16,8 @@ blocks of it: a copy engine takes copies in the order they were queued, so all o
 step() held up the next step's tokens behind every block's moments (0.4 s at 64K). Per block at
 ~44-50 GB/s each way (pinned copies, both ways at once, beside a step's kernels): 1.6 GiB in
 35-40 ms, about its forward at 32K (~39 ms), so the copies mostly hide behind the forward that
-08's updates already run beside. The root's moments (embeddings,
-lm_head: 7.8 GiB) stay on the GPU: the forward waits for the root's update first, and would
-wait for its copies too.
+08's updates already run beside. The root's moments (embeddings, lm_head: 7.8 GiB) stay on the
+GPU: the forward waits for the root's update first, and would wait for its copies too.
 
 What it buys: 52 GiB of moments off the GPU from the end of one forward to the next, the
 backward's peak among them: at 32K that is 19 more blocks' activations, one block checkpointed
@@ -36,6 +35,7 @@ plain AdamW. Loading a saved state puts the blocks' moments straight into host m
     torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 32K --offload-moments
 """
 
+import collections
 import importlib
 import weakref
 
@@ -67,14 +67,15 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order),
         # of its kind (the state's)
         self.host_blocks = {}  # a block's unit -> all its moments, one flat host tensor that
-        # the copies move whole: one copy a block each way (a copy per tensor, 18 a block, all
-        # queued at step() behind the backward, can fill the GPU's queue of launches and hold
-        # the host there while the next forward waits) ...
+        # the copies move whole: one copy a block each way (a copy per tensor, 18 a block,
+        # can fill the GPU's queue of launches and hold the host there while the next forward
+        # waits) ...
         self.host_parts = {}  # ... and their plain views into it (to_local() costs host time)
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
         self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
-        self.deferred = []  # the blocks whose update waits for the forward to come near (GPU)
+        self.deferred = collections.deque()  # the blocks whose update waits for the forward
+        # to come near (GPU)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,7 +90,8 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
             # and the host moments were last written by the previous step's copies out
             self.copy_in.wait_stream(torch.cuda.current_stream())
             self.copy_in.wait_stream(self.copy_out)
-        return super().step(closure)  # 08 queues (GPU) or defers (CPU) each unit's update()
+        return super().step(closure)  # 08's: each unit's update through queue() (GPU) or in
+        # its pre-forward (CPU)
 
     def queue(self, unit: int) -> None:
         """08's, but a block's update (and its copies) only once the forward is within
@@ -102,9 +104,13 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
 
     def before_forward(self, unit: int, module=None, args=None) -> None:
         """08's, once the updates of the blocks up to `slot_count` past this unit are queued."""
-        while self.deferred and self.deferred[0] <= unit + self.slot_count:
-            super().queue(self.deferred.pop(0))
+        self.queue_deferred(up_to=unit + self.slot_count)
         super().before_forward(unit, module, args)
+
+    def queue_deferred(self, up_to: int) -> None:
+        """08's queue (not this class's, which defers) for each deferred block up to `up_to`."""
+        while self.deferred and self.deferred[0] <= up_to:
+            super().queue(self.deferred.popleft())
 
     def update(self, unit: int) -> None:
         """08's update of one unit; a block's moments come in before it and go back after."""
@@ -169,8 +175,7 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         """08's settle (every queued update done), and the moments back on the host (the host
         reads them next: a save, the run's end). At a step's start those copies ended during
         the last forward."""
-        while self.deferred:
-            super().queue(self.deferred.pop(0))
+        self.queue_deferred(up_to=len(self.units))
         super().settle()
         if self.copy_out is not None:
             self.copy_out.synchronize()

@@ -1073,20 +1073,35 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     ranking = rank_candidates(cfg, machine, rates)
     best = ranking[0]
     if cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None:
-        streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
-                                   machine, rates)
-        faster = (streamed[0].seconds is not None and best.seconds is not None
-                  and streamed[0].seconds < (1 - MOMENTS_MIN_GAIN) * best.seconds)
-        if streamed[0].fits and (not best.fits or faster):
+        streamed = rank_with_moments_on_host(cfg, machine, rates)
+        if streamed[0].fits and (not best.fits or moments_gain(streamed[0], best)):
             why = ("without it nothing fits" if not best.fits else
-                   f"predicted {1 - streamed[0].seconds / best.seconds:.1%} faster than the "
+                   f"predicted to take {moments_gain(streamed[0], best):.1%} off the step of the "
                    f"fastest without it, {flags_text(best.cfg)}: {best.seconds:.2f} s")
-            return replace(streamed[0], why=why), streamed
+            # one ranking of both (plan.py shows it whole), the plan with 09 first
+            both = sorted(streamed[1:] + ranking, key=lambda c: (not c.fits, c.seconds or 0,
+                                                                 memory_order(c.cfg)))
+            return replace(streamed[0], why=why), [streamed[0], *both]
     if best.fits:
         return best, ranking
     if cfg.stack == config.AUTO:
         raise ValueError(nothing_fits_text(cfg, machine))
     return min(ranking, key=lambda c: (c.plan["peak"], memory_order(c.cfg))), ranking
+
+
+def rank_with_moments_on_host(cfg: Config, machine: Machine, rates) -> list:
+    """rank_candidates of cfg with 09 (the blocks' moments on the host, which runs 08)."""
+    return rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True), machine,
+                           rates)
+
+
+def moments_gain(streamed: Candidate, best: Candidate) -> float:
+    """The share of `best`'s predicted step that 09's plan takes off, where it is
+    MOMENTS_MIN_GAIN or more (else 0.0; 0.0 where either has no prediction)."""
+    if streamed.seconds is None or best.seconds is None:
+        return 0.0
+    gain = 1 - streamed.seconds / best.seconds
+    return gain if gain >= MOMENTS_MIN_GAIN else 0.0
 
 
 def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
@@ -1217,8 +1232,9 @@ def auto_techniques(cfg: Config, world_size: int) -> list:
 def unconstrained(cfg: Config) -> Config:
     """cfg with no technique flag: what --stack auto alone would weigh (the layout kept)."""
     return replace(cfg, stack=config.AUTO, head_chunk=None, keep_attention=None, ring=None,
-                   checkpoint_layers=None, mlp_tile_tokens=None, tile_norm=False,
-                   offload_model_state=False, **{flag: False for flag, _ in TECHNIQUES})
+                   checkpoint_layers=None, mlp_tile_tokens=None, loss_tile_tokens=None,
+                   tile_norm=False, offload_model_state=False, offload_activations=0,
+                   **{flag: False for flag, _ in TECHNIQUES})
 
 
 def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine) -> bool:
@@ -1387,8 +1403,7 @@ def nothing_fits_text(cfg: Config, machine: Machine) -> str:
                      f"with {flags_text(candidate)}, where longer ones run out of "
                      f"{plan['limit']} memory")
     ruled_out = moments_ruled_out_text(cfg, machine)
-    if ruled_out:
-        return "; ".join(lines + [ruled_out])
+    lines += [ruled_out] if ruled_out else []
     if config.techniques_given(replace(cfg, stack=None)):
         try:
             free = choose(unconstrained(cfg), machine)[0]
@@ -1398,6 +1413,8 @@ def nothing_fits_text(cfg: Config, machine: Machine) -> str:
             lines.append(f"without the technique flags given it fits: --stack auto alone takes "
                          f"{flags_text(free.cfg)}")
             return "; ".join(lines)
+    if ruled_out:  # (more GPUs or not, the flag is what stands in the way here)
+        return "; ".join(lines)
     for more in (2, 4, 8):
         bigger = replace(machine, gpus=machine.gpus * more,
                          gpus_per_node=min(machine.gpus * more, GPUS_PER_NODE))
@@ -1441,11 +1458,8 @@ def moments_ruled_out_text(cfg: Config, machine: Machine,
     if (not flags or cfg.offload_model_state or machine.host_mem is None
             or (chosen is not None and not chosen.cfg.offload_model_state)):
         return None
-    streamed = rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True),
-                               machine, step_time.rates_for(machine.gpu_name))[0]
-    slower = (chosen is not None and None not in (chosen.seconds, streamed.seconds)
-              and streamed.seconds >= chosen.seconds)
-    if not streamed.fits or slower:
+    streamed = rank_with_moments_on_host(cfg, machine, step_time.rates_for(machine.gpu_name))[0]
+    if not streamed.fits or (chosen is not None and not moments_gain(streamed, chosen)):
         return None
     return (f"with 09 (Adam's moments on the host) {flags_text(streamed.cfg)} would fit: "
             f"{candidate_text(streamed, machine)}; {' and '.join(flags)} rule"

@@ -200,10 +200,10 @@ def synchronize(device):
 def first_timed_step(optimizer=None) -> int:
     """The first step a timing counts: step 1 (step 0 compiles kernels and allocates memory and
     AdamW's state), or step 2 where the optimizer step runs behind the next forward (08, 09):
-    step 0's updates were done within step 0 (08 runs AdamW's first step at once; 09's queued
-    ones, bench.step waits for to read the memory after them), so step 1's forward may wait for
-    no update and end sooner than every later one (Llama-3-8B at 8K with 09 on one H100: 0.84 s
-    against 1.9)."""
+    08 runs AdamW's first step at once, so step 1's forward waits for no update and ends sooner
+    than every later one (so did 09's while it queued every update at step(), which bench.step
+    waited for: Llama-3-8B at 8K on one H100, 0.84 s against 1.9; since 09 queues a block's
+    update as the forward nears it, step 1's forward runs step 0's, and the rule is kept)."""
     return 2 if isinstance(optimizer, optimizer_overlap.AdamWBehindForward) else 1
 
 
@@ -328,7 +328,9 @@ def profile(fn, top: int = 15, trace_path: str | None = None, warmup: int = 0,
     """Run fn once under torch.profiler: where the time goes. warmup: calls of fn first, each
     followed by `between()`, that the profiler sees but does not record (with 08/09 the
     recorded step's forward then runs the updates the step before queued, as a steady step
-    does; alone, a step's updates run at its end with nothing beside them).
+    does; alone, a step's updates run at its end with nothing beside them). The recorded step
+    ends when the GPU is done: with 08 that includes its own updates, all queued at step() and
+    run after its backward (so 08's update work shows twice); with 09 only the root's.
 
     profile_top_ops: the ops with the most own device time (CPU time on a CPU run), in ms, with
     their call counts. On a GPU, from the device's kernels (`device_kernels`: not the user

@@ -112,7 +112,8 @@ BOTH_WAYS = 0.91  # each direction's share of the pinned-copy rate while the oth
 # alone, 50.0-50.3 GB/s each way at once against 55.2-55.4 one way (one H100 machine,
 # copy_rates_h100.json). Since 09 queues a block's copies as the forward nears it, the steps
 # whose forward runs at the copies' pace (Llama-3-8B at 8K and 10K with 09 on one H100) come
-# within 7% with it (0.8 was fitted on the same steps while all the copies were queued at once)
+# within 6.1% and 7.4% with it (0.8 was fitted on the same steps while all the copies were
+# queued at once)
 
 
 def rates_for(gpu_name: str | None) -> GpuRates | None:

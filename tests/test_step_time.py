@@ -550,6 +550,11 @@ def test_a_length_nothing_fits_names_the_longest_that_does():
     with pytest.raises(ValueError, match="without the technique flags given it fits: --stack "
                                          "auto alone takes --stack 5 "):
         planner.plan_run(_auto("llama3-8b", 6 * 2**20, ulysses=True, ring=1), EIGHT_80GB)
+    # the settings flags count as given too (07's blocks, the loss tile): the same answer
+    # (asking the planner again without them once recursed without end)
+    for given in ({"offload_activations": 2}, {"loss_tile_tokens": 2048}):
+        with pytest.raises(ValueError, match="nothing fits"):
+            planner.plan_run(_auto("llama3-8b", 12 * 2**20, **given), EIGHT_80GB)
 
 
 def test_auto_on_the_cpu_and_bad_flags_are_a_message_not_a_traceback(capsys):
