@@ -1067,12 +1067,13 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     the GPU has speed rates (support/step_time.py), else in memory_order: the memory-only
     choice. --stack auto with 09 left open, on a known host, takes it where nothing fits
     without it, or where it is predicted MOMENTS_MIN_GAIN faster than the fastest without it
-    (the candidate's `why` says which). None fitting: --stack auto stops (nothing_fits_text);
+    (the candidate's `why` says which; weighed only where that plan pays for memory). None fitting: --stack auto stops (nothing_fits_text);
     given flags run as given, their open settings at the least memory."""
     rates = step_time.rates_for(machine.gpu_name)
     ranking = rank_candidates(cfg, machine, rates)
     best = ranking[0]
-    if cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None:
+    if (cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None
+            and (not best.fits or pays_for_memory(best.cfg))):
         streamed = rank_with_moments_on_host(cfg, machine, rates)
         if streamed[0].fits and (not best.fits or moments_gain(streamed[0], best)):
             why = ("without it nothing fits" if not best.fits else
@@ -1093,6 +1094,13 @@ def rank_with_moments_on_host(cfg: Config, machine: Machine, rates) -> list:
     """rank_candidates of cfg with 09 (the blocks' moments on the host, which runs 08)."""
     return rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True), machine,
                            rates)
+
+
+def pays_for_memory(cfg: Config) -> bool:
+    """Whether a plan runs work only for memory (recompute, tiles, stages, the state or
+    activations on the host): where none, the GPU room 09 frees has nothing to buy."""
+    return bool(cfg.checkpoint or cfg.tile_mlp or cfg.tile_loss or cfg.untied
+                or cfg.offload_model_state or cfg.offload_activations)
 
 
 def moments_gain(streamed: Candidate, best: Candidate) -> float:
