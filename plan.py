@@ -1067,8 +1067,9 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     the GPU has speed rates (support/step_time.py), else in memory_order: the memory-only
     choice. --stack auto with 09 left open, on a known host, takes it where nothing fits
     without it, or where it is predicted MOMENTS_MIN_GAIN faster than the fastest without it
-    (the candidate's `why` says which; weighed only where that plan pays for memory). None fitting: --stack auto stops (nothing_fits_text);
-    given flags run as given, their open settings at the least memory."""
+    (the candidate's `why` says which; weighed only where that plan pays for memory). None
+    fitting: --stack auto stops (nothing_fits_text); given flags run as given, their open
+    settings at the least memory."""
     rates = step_time.rates_for(machine.gpu_name)
     ranking = rank_candidates(cfg, machine, rates)
     best = ranking[0]
