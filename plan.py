@@ -36,7 +36,7 @@ not counted here (`DOCUMENTS_NOTE`).
 """
 
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from itertools import product
 
@@ -1076,13 +1076,13 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     if (cfg.stack == config.AUTO and moments_left_open(cfg) and machine.host_mem is not None
             and (not best.fits or pays_for_memory(best.cfg))):
         streamed = rank_with_moments_on_host(cfg, machine, rates)
-        if streamed[0].fits and (not best.fits or moments_gain(streamed[0], best)):
+        gain = moments_gain(streamed[0], best)
+        if streamed[0].fits and (not best.fits or gain):
             why = ("without it nothing fits" if not best.fits else
-                   f"predicted to take {moments_gain(streamed[0], best):.1%} off the step of the "
-                   f"fastest without it, {flags_text(best.cfg)}: {best.seconds:.2f} s")
+                   f"predicted to take {gain:.1%} off the step of the fastest without it, "
+                   f"{flags_text(best.cfg)}: {best.seconds:.2f} s")
             # one ranking of both (plan.py shows it whole), the plan with 09 first
-            both = sorted(streamed[1:] + ranking, key=lambda c: (not c.fits, c.seconds or 0,
-                                                                 memory_order(c.cfg)))
+            both = sorted(streamed[1:] + ranking, key=ranking_order)
             return replace(streamed[0], why=why), [streamed[0], *both]
     if best.fits:
         return best, ranking
@@ -1091,10 +1091,13 @@ def choose(cfg: Config, machine: Machine) -> tuple:
     return min(ranking, key=lambda c: (c.plan["peak"], memory_order(c.cfg))), ranking
 
 
+def with_moments_on_host(cfg: Config) -> Config:
+    """cfg with 09 (the blocks' moments on the host), which runs 08's updates."""
+    return replace(cfg, offload_moments=True, overlap_optimizer=True)
+
+
 def rank_with_moments_on_host(cfg: Config, machine: Machine, rates) -> list:
-    """rank_candidates of cfg with 09 (the blocks' moments on the host, which runs 08)."""
-    return rank_candidates(replace(cfg, offload_moments=True, overlap_optimizer=True), machine,
-                           rates)
+    return rank_candidates(with_moments_on_host(cfg), machine, rates)
 
 
 def pays_for_memory(cfg: Config) -> bool:
@@ -1158,7 +1161,13 @@ def rank_candidates(cfg: Config, machine: Machine, rates) -> list:
                     ranked.append(Candidate(fewer, fewer_plan, predicted(fewer, fewer_plan), True))
     if not ranked:
         raise first_error or ValueError("no configuration to plan")
-    return sorted(ranked, key=lambda c: (not c.fits, c.seconds or 0, memory_order(c.cfg)))
+    return sorted(ranked, key=ranking_order)
+
+
+def ranking_order(candidate: Candidate) -> tuple:
+    """Those that fit first, fastest first, ties (every candidate, without rates) in
+    memory_order."""
+    return not candidate.fits, candidate.seconds or 0, memory_order(candidate.cfg)
 
 
 def candidate_configs(cfg: Config, world_size: int) -> list:
@@ -1239,11 +1248,10 @@ def auto_techniques(cfg: Config, world_size: int) -> list:
 
 
 def unconstrained(cfg: Config) -> Config:
-    """cfg with no technique flag: what --stack auto alone would weigh (the layout kept)."""
-    return replace(cfg, stack=config.AUTO, head_chunk=None, keep_attention=None, ring=None,
-                   checkpoint_layers=None, mlp_tile_tokens=None, loss_tile_tokens=None,
-                   tile_norm=False, offload_model_state=False, offload_activations=0,
-                   **{flag: False for flag, _ in TECHNIQUES})
+    """cfg with no technique flag, each of config.TECHNIQUE_FIELDS at its default: what
+    --stack auto alone would weigh (the layout kept)."""
+    defaults = {f.name: f.default for f in fields(Config) if f.name in config.TECHNIQUE_FIELDS}
+    return replace(cfg, **{**defaults, "stack": config.AUTO})
 
 
 def candidate_fits(plan: dict, candidate: Config, cfg: Config, machine: Machine) -> bool:
@@ -1451,7 +1459,7 @@ def frugal_configs(cfg: Config, machine: Machine) -> list:
               and (known or not c.offload_model_state)]
     if any(c.untied for c in frugal):
         frugal = [c for c in frugal if c.untied]
-    streamed = [replace(c, offload_moments=True, overlap_optimizer=True) for c in frugal
+    streamed = [with_moments_on_host(c) for c in frugal
                 if known and not c.offload_model_state and moments_left_open(cfg)]
     return [replace(c, keep_attention=False) for c in frugal + streamed]
 
