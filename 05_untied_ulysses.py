@@ -378,6 +378,8 @@ def main():
               f"{kernel}; one attention layer; measured: {measured_what(demo.on_gpu)}; planned: "
               f"the GPU peak (support/byte_counts.py)")
         print_measured_and_planned(["method", "U", "stages"], rows)
+        print(f"  U = all {args.n_heads} heads is one stage, which holds more than Ulysses: "
+              f"05 saves memory with several stages (U below the heads, at least the ranks).")
         if not demo.on_gpu:  # the CPU stand-in and the plan count different things
             print("  On a CPU, measured is what Untied Ulysses keeps for backward (output and "
                   "log-sum-exps,\n  the same for every U); U shrinks the peak inside backward "

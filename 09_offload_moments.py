@@ -294,7 +294,8 @@ def main():
             (m(tokens[:, :-1], positions, tokens[:, 1:]) / 64).backward()
             opt.step()
             opt.zero_grad()
-        print(f"step {step}: its forward ran the step before's updates, the moments copied in "
+        ran = "the step before's updates, " if step else "no update (none queued yet); "
+        print(f"step {step}: its forward ran {ran}the moments copied in "
               f"{(optimizer.moved['in'] - moved['in']) / 2**20:.2f} MiB and back "
               f"{(optimizer.moved['out'] - moved['out']) / 2**20:.2f} MiB; "
               f"{len(optimizer.queued)} units queued")

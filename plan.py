@@ -1654,6 +1654,10 @@ def plan_main(argv) -> str:
         else:
             answer = plan_table(cfg, opts.gpus, gpu_mem, host_mem, opts.gpus_per_node, opts.gpu)
         sharing = gpus_sharing_a_node(opts.gpus, opts.gpus_per_node)
+    if gpu_given and opts.gpu_mem is None and opts.gpu not in GPU_MEMORY:  # a typo shows here
+        answer += (f"\n(--gpu {opts.gpu!r}: no known memory size (known: "
+                   f"{', '.join(GPU_MEMORY)}), planned with {DEFAULT_GPU_MEM} a GPU: give "
+                   f"--gpu-mem)")
     return host_memory_line(opts.host_mem, host_mem, sharing) + "\n" + answer
 
 

@@ -348,6 +348,10 @@ def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False,
                          f"config.json names the model, --model would be ignored; drop --model")
     if getattr(flags, "steps", 1) < 1:  # code may build with steps=0 (benches); a command trains
         raise ValueError(f"--steps must be at least 1, got {flags.steps}")
+    for flag in ("mlp_tile_tokens", "loss_tile_tokens"):
+        if getattr(flags, flag, None) is not None and getattr(flags, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive whole number of "
+                             f"tokens, got {getattr(flags, flag)}")
     cfg = Config(**{k: v for k, v in vars(flags).items() if k in Config.__dataclass_fields__
                     and k not in ("seq_len", "dtype", "model")})
     cfg.model = DEFAULTS.model if flags.model is None else flags.model

@@ -348,9 +348,9 @@ def check_outputs(cfg) -> None:
             paths.check_can_write("--log-file", cfg.log)
         if os.path.getsize(cfg.log) if os.path.isfile(cfg.log) else 0:
             if not (cfg.resume or cfg.overwrite):
-                raise ValueError(f"--log-file {cfg.log!r} already holds an earlier run's log: add "
-                                 f"--resume to continue that run (the log is appended to), choose "
-                                 f"another file, or add --overwrite to replace it")
+                raise ValueError(f"--log-file {cfg.log!r} is not empty (an earlier run's log?): "
+                                 f"add --resume to continue that run (the log is appended to), "
+                                 f"choose another file, or add --overwrite to replace it")
     if cfg.save_dir:
         if os.path.exists(cfg.save_dir) and not os.path.isdir(cfg.save_dir):
             raise ValueError(f"--save-dir {cfg.save_dir!r} is a file, not a directory")

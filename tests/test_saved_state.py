@@ -342,7 +342,7 @@ def test_an_earlier_log_is_appended_to_or_refused_never_truncated(tmp_path, caps
     first = log.read_text()
     with pytest.raises(SystemExit):
         train.main(argv[:-4] + ["--log-file", str(log)])  # no --save-dir: the log alone is refused
-    assert "already holds an earlier run's log" in capsys.readouterr().err
+    assert "is not empty (an earlier run's log?)" in capsys.readouterr().err
     assert log.read_text() == first
     train.main(argv[:3] + ["4"] + argv[4:] + ["--resume"])
     lines = [json.loads(line) for line in log.read_text().splitlines()]

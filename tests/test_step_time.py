@@ -452,6 +452,8 @@ def test_plan_py_takes_the_named_gpu_s_memory(flags, gib):
     table = planner.plan_main(["--model", "llama3.2-3b", "--gpus", "1", "--seq-len", "16K",
                                *flags])
     assert f"on 1 GPU of {gib} GiB" in table.splitlines()[1], table[:400]
+    unknown = "Imaginary" in " ".join(flags)  # said, so that a typo of a GPU's name shows
+    assert ("no known memory size" in table.splitlines()[-1]) == unknown
 
 
 def test_fsdp_collectives_show_where_a_short_sequence_is_split_over_many_gpus():
