@@ -34,7 +34,7 @@ from support import build, config, errors, keep_attention, progress, saved_state
 from support.config import Config, learning_rate, model_args
 from support.data import TokenData
 from support.errors import exit_on_error, out_of_memory_names
-from support.host_memory import use_this_ranks_cores
+from support.host_memory import check_cpu_run_fits, use_this_ranks_cores
 from support.lessons import (activation_offload, checkpointing, moments_offload,
                              optimizer_overlap, ring_sp, tiling, ulysses_sp, untied_sp)
 from support.runtime import Runtime, read_machine, setup_runtime
@@ -80,6 +80,8 @@ def train(cfg: Config) -> Run:
     torch.manual_seed(cfg.seed * 1_000_003 + rt.rank)
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
+    if cfg.device == "cpu":  # nothing planned there: at least the model state must fit
+        check_cpu_run_fits(config.model_name(cfg), num_params(args), cfg.fsdp, rt.world)
     # A step's micro-batches (--grad-accum) are the rows of one --batch-size x N window, so the
     # data position stays the step: resuming needs no state.
     data = TokenData(replace(cfg, batch_size=cfg.batch_size * cfg.grad_accum), args.vocab_size,

@@ -386,3 +386,22 @@ def test_an_unknown_attention_kernel_is_refused_naming_the_choices(restore_kerne
     if not kernels.fa4_installed():  # a GPU kernel that is not there: said, not a traceback
         assert ("--attn-kernel fa4: FlashAttention-4 is not installed"
                 in error_of(["--attn-kernel", "fa4", "--seq-len", "32", "--steps", "1"], capsys))
+
+
+def test_a_cpu_run_whose_model_state_cannot_fit_is_refused_before_it_builds(capsys, monkeypatch,
+                                                                            tmp_path):
+    """Nothing is planned on the CPU, but Llama-3-8B's model state (119.7 GiB) on a host that
+    has less is refused in words before the model is built or an output written."""
+    from support import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 8 * 2**30)
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a: built.append(1))
+    log = tmp_path / "log.txt"
+    error = error_of(["--model", "llama3-8b", "--seq-len", "3M", "--log-file", str(log)], capsys)
+    assert "a CPU run of llama3-8b keeps its model state in this host's memory: at least " \
+           "119.7 GiB" in error and "8.0 GiB is available" in error
+    assert not built and not log.exists()
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 2**40)  # it fits: trains
+    monkeypatch.setattr(train, "build_model", lambda *a: (_ for _ in ()).throw(ValueError("built")))
+    assert "built" in error_of(["--model", "llama3-8b", "--seq-len", "3M"], capsys)
