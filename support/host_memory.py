@@ -1,11 +1,12 @@
-"""host_memory.py - the host's memory and cores, as a GPU run sees them.
+"""host_memory.py - the host's memory and cores, as a run sees them.
 
 Offloading (03's checkpoints, --keep-attention's outputs, 01's model state) puts hundreds of GiB
 in pinned host memory at long lengths; too many and the kernel kills a rank mid-step, after
 minutes of work. So before a GPU run builds anything, the planner (plan.plan_run) compares its
 host bytes for this node's ranks with what the host can still hand out, read here
 (support/runtime.py's read_machine takes the least any rank sees). With the model state on the
-host, AdamW steps there, on this rank's share of the cores.
+host, AdamW steps there, on this rank's share of the cores. A CPU run plans nothing, but its
+model state must fit the host (check_cpu_run_fits).
 """
 
 import os
