@@ -342,7 +342,7 @@ def full_depth_steps(path: str) -> list[dict]:
     since the clip moved into AdamW's pass). Refused: another GPU count, fewer layers, a row
     without its Config, a tiled loss that does not say how it ran."""
     saved = json.loads(Path(path).read_text())
-    if saved.get("world_size") != 1:
+    if saved.get("world_size", saved.get("gpu_count")) != 1:
         raise SystemExit(f"--bound-of {path}: {saved.get('world_size')} GPUs; one GPU's steps only")
     if "config" in saved:  # bench.step
         if saved.get("status") != "ok":
@@ -352,6 +352,16 @@ def full_depth_steps(path: str) -> list[dict]:
             raise SystemExit(f"--bound-of {path}: {saved['layers']} layers, not full depth")
         found = [(f"{Path(path).name}", saved["config"], saved.get("step_time_s"),
                   saved.get("attention_kernel"), saved.get("loss_tiles"))]
+    elif "chosen" in saved:  # a train.py run saved by hand: its command and what auto chose
+        if saved.get("gpu_count") != 1:
+            raise SystemExit(f"--bound-of {path}: {saved.get('gpu_count')} GPUs; one GPU's only")
+        flags = planner.config.flags_parser(planner.config.FLAG_GROUPS).parse_known_args(
+            saved["command"].split("train.py", 1)[1].split() + saved["chosen"].split())[0]
+        flags.dtype = flags.dtype or "bfloat16"  # as on its GPU (read here, maybe on a CPU)
+        config = dataclasses.asdict(planner.config.config_from_flags(flags, reads_weights=False))
+        found = [(Path(path).name, config, saved["step_time_s"],
+                  "FlashAttention-4" if saved.get("flash_attn_4") else "cuDNN",
+                  saved.get("loss_tiles"))]
     else:  # bench/peers
         found = [(f"{Path(path).name} row {i} ({r['stack']})", r.get("config"), r["step_time_s"],
                   saved.get("stack_info", {}).get(r["stack"], {}).get("attention"),

@@ -732,6 +732,26 @@ def test_bound_of_full_depth_steps_counts_the_configuration_each_ran(tmp_path):
                 RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json"))
 
 
+def test_bound_of_a_full_depth_train_py_run_reads_its_command_and_choice():
+    """A train.py run saved by hand (docs/results/train_llama3-8b_1gpu_128k_auto.json: its
+    command and what --stack auto chose, no Config) is bounded as the Config those flags make:
+    the 128K full-depth Llama-3-8B step of dfc7e27, 38.72 s, against 128K rates measured on an
+    H200 at fc61917, 0.929 of its bound (issue 43's full-depth row)."""
+    from bench import throughput
+
+    RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+    rates = str(RESULTS / "throughput_llama3-8b_1gpu_bound_128k_kernel_alone.json")
+    (step,) = throughput.full_depth_steps(str(RESULTS / "train_llama3-8b_1gpu_128k_auto.json"))
+    cfg = step["cfg"]
+    assert (cfg.seq_len, cfg.stack, cfg.untied, cfg.tile_loss, cfg.checkpoint_layers,
+            cfg.head_chunk, cfg.keep_attention, cfg.mlp_tile_tokens, cfg.dtype) == (
+        131072, 5, True, True, 26, 16, True, 16384, "bfloat16")
+    assert step["kernel"] == "fa4" and step["loss_tiles"] == throughput.RECOMPUTED_LOSS_TILES
+    (row,) = throughput.bound_of_saved_rates(
+        [str(RESULTS / "train_llama3-8b_1gpu_128k_auto.json")], rates)
+    assert 1 / row["step_over_bound"] == pytest.approx(0.929, abs=0.001)
+
+
 def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):
     """--rows-from: no steps; each saved (method, length) is measured with its own head chunk
     and MLP tile (05's default U = P where a row did not record it) and its tiled loss as it
