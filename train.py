@@ -81,7 +81,7 @@ def train(cfg: Config) -> Run:
     saved_state.check_outputs(cfg)  # every output path, before anything is written
     args = model_args(cfg)
     if cfg.device == "cpu":  # nothing planned there: at least the model state must fit
-        check_cpu_run_fits(config.model_name(cfg), num_params(args), cfg.fsdp, rt.world)
+        check_cpu_run_fits(config.model_name(cfg), num_params(args), cfg.fsdp, cfg.dtype)
     # A step's micro-batches (--grad-accum) are the rows of one --batch-size x N window, so the
     # data position stays the step: resuming needs no state.
     data = TokenData(replace(cfg, batch_size=cfg.batch_size * cfg.grad_accum), args.vocab_size,

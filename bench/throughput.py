@@ -66,6 +66,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import time
 from functools import partial
@@ -338,12 +339,14 @@ def recount(path: str) -> list[dict]:
 def full_depth_steps(path: str) -> list[dict]:
     """--bound-of: the full-depth steps of one GPU that a saved result holds, each {"what",
     "cfg", "step_time_s", "kernel", "loss_tiles"}: bench.step's (the Config it ran, the median
-    of its steps after the first) or bench/peers' `ours` rows (each with its Config, recorded
-    since the clip moved into AdamW's pass). Refused: another GPU count, fewer layers, a row
-    without its Config, a tiled loss that does not say how it ran."""
+    of its steps after the first), bench/peers' `ours` rows (each with its Config, recorded
+    since the clip moved into AdamW's pass) or a train.py run saved by hand (its `command` and
+    the flags `--stack auto` `chosen`). Refused: another GPU count, fewer layers, a row without
+    its Config, a tiled loss that does not say how it ran."""
     saved = json.loads(Path(path).read_text())
-    if saved.get("world_size", saved.get("gpu_count")) != 1:
-        raise SystemExit(f"--bound-of {path}: {saved.get('world_size')} GPUs; one GPU's steps only")
+    gpus = saved.get("world_size", saved.get("gpu_count"))
+    if gpus != 1:
+        raise SystemExit(f"--bound-of {path}: {gpus} GPUs; one GPU's steps only")
     if "config" in saved:  # bench.step
         if saved.get("status") != "ok":
             raise SystemExit(f"--bound-of {path}: its step did not complete "
@@ -353,15 +356,25 @@ def full_depth_steps(path: str) -> list[dict]:
         found = [(f"{Path(path).name}", saved["config"], saved.get("step_time_s"),
                   saved.get("attention_kernel"), saved.get("loss_tiles"))]
     elif "chosen" in saved:  # a train.py run saved by hand: its command and what auto chose
-        if saved.get("gpu_count") != 1:
-            raise SystemExit(f"--bound-of {path}: {saved.get('gpu_count')} GPUs; one GPU's only")
-        flags = planner.config.flags_parser(planner.config.FLAG_GROUPS).parse_known_args(
-            saved["command"].split("train.py", 1)[1].split() + saved["chosen"].split())[0]
+        words = shlex.split(saved.get("command", ""))
+        at = next((i for i, word in enumerate(words) if word.endswith("train.py")), None)
+        if at is None:
+            raise SystemExit(f"--bound-of {path}: its command runs no train.py")
+        flags, unknown = planner.config.flags_parser(planner.config.FLAG_GROUPS).parse_known_args(
+            words[at + 1:] + shlex.split(saved["chosen"]))
+        if unknown:
+            raise SystemExit(f"--bound-of {path}: flags train.py no longer reads: {unknown}")
         flags.dtype = flags.dtype or "bfloat16"  # as on its GPU (read here, maybe on a CPU)
-        config = dataclasses.asdict(planner.config.config_from_flags(flags, reads_weights=False))
-        found = [(Path(path).name, config, saved["step_time_s"],
-                  "FlashAttention-4" if saved.get("flash_attn_4") else "cuDNN",
-                  saved.get("loss_tiles"))]
+        cfg = planner.config.config_from_flags(flags, reads_weights=False)
+        if cfg.stack is None or cfg.stack == planner.config.AUTO:
+            raise SystemExit(f"--bound-of {path}: 'chosen' ({saved['chosen']!r}) names no "
+                             f"--stack level: the plan it ran is unknown")
+        kernel = cfg.attn_kernel
+        if kernel == "auto":  # on a GPU auto takes FA4 first where it is installed, else cuDNN
+            kernel = "fa4" if saved.get("flash_attn_4") else "cudnn"
+        kernel_name = {"fa4": "FlashAttention-4", "cudnn": "cuDNN"}.get(kernel, kernel)
+        found = [(Path(path).name, dataclasses.asdict(cfg), saved.get("step_time_s"),
+                  kernel_name, saved.get("loss_tiles"))]
     else:  # bench/peers
         found = [(f"{Path(path).name} row {i} ({r['stack']})", r.get("config"), r["step_time_s"],
                   saved.get("stack_info", {}).get(r["stack"], {}).get("attention"),

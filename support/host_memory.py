@@ -40,17 +40,23 @@ def available_host_memory() -> int | None:
     return available
 
 
-def check_cpu_run_fits(model_name: str, n_params: int, sharded: bool, ranks_here: int) -> None:
+
+def check_cpu_run_fits(model_name: str, n_params: int, sharded: bool, dtype: str) -> None:
     """A CPU run keeps everything in this host's memory, where nothing is planned: refuse one
-    whose model state alone cannot fit (fp32 weights and gradients and AdamW's two moments, 16
-    bytes a parameter, over the ranks if FSDP shards it, else on each), before it builds the
-    model, rather than meet the allocator's error (or the kernel's OOM killer) minutes in."""
+    whose model state alone cannot fit, before it builds the model, rather than meet the
+    allocator's error (or the kernel's OOM killer) minutes in. The state: weights, gradients
+    and AdamW's two moments, 4 tensors of the parameters' size: fp32 masters under FSDP (16
+    bytes a parameter, shared by this host's ranks), else in the run's dtype (one process)."""
     available = available_host_memory()
-    needed = 16 * n_params * (1 if sharded else ranks_here)
-    each = "" if sharded or ranks_here == 1 else f", on each of {ranks_here} ranks"
+    per_param = 16 if sharded or dtype == "float32" else 4 * getattr(torch, dtype).itemsize
+    if sharded:  # the host holds its own ranks' shards
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        needed = per_param * n_params * int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) // ranks
+    else:
+        needed = per_param * n_params
     if available is not None and needed > available:
         raise ValueError(f"a CPU run of {model_name} keeps its model state in this host's "
-                         f"memory: at least {needed / 2**30:.1f} GiB (fp32 weights, gradients "
-                         f"and AdamW's moments, 16 bytes a parameter{each}), where "
+                         f"memory: at least {needed / 2**30:.1f} GiB (weights, gradients and "
+                         f"AdamW's moments, {per_param} bytes a parameter), where "
                          f"{available / 2**30:.1f} GiB is available: train a smaller --model on "
                          f"the CPU (tiny, small), or on GPUs")

@@ -732,11 +732,13 @@ def test_bound_of_full_depth_steps_counts_the_configuration_each_ran(tmp_path):
                 RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json"))
 
 
-def test_bound_of_a_full_depth_train_py_run_reads_its_command_and_choice():
+def test_bound_of_a_full_depth_train_py_run_reads_its_command_and_choice(tmp_path):
     """A train.py run saved by hand (docs/results/train_llama3-8b_1gpu_128k_auto.json: its
     command and what --stack auto chose, no Config) is bounded as the Config those flags make:
     the 128K full-depth Llama-3-8B step of dfc7e27, 38.72 s, against 128K rates measured on an
-    H200 at fc61917, 0.929 of its bound (issue 43's full-depth row)."""
+    H200 at fc61917, 0.930 of its bound (issue 43's full-depth row); a command without
+    train.py, a choice naming no level, flags train.py no longer reads, or several GPUs are
+    refused, and the kernel is the one the command names."""
     from bench import throughput
 
     RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -749,7 +751,20 @@ def test_bound_of_a_full_depth_train_py_run_reads_its_command_and_choice():
     assert step["kernel"] == "fa4" and step["loss_tiles"] == throughput.RECOMPUTED_LOSS_TILES
     (row,) = throughput.bound_of_saved_rates(
         [str(RESULTS / "train_llama3-8b_1gpu_128k_auto.json")], rates)
-    assert 1 / row["step_over_bound"] == pytest.approx(0.929, abs=0.001)
+    assert row["kernel_bound_s"] == pytest.approx(36.004, abs=5e-4)
+    assert 1 / row["step_over_bound"] == pytest.approx(0.930, abs=5e-4)
+    saved = json.loads((RESULTS / "train_llama3-8b_1gpu_128k_auto.json").read_text())
+    cudnn = dict(saved, command=saved["command"] + " --attn-kernel cudnn")
+    refused = {"runs no train.py": dict(saved, command="python3 -m train --steps 2"),
+               "names no --stack level": dict(saved, chosen=""),
+               "flags train.py no longer reads": dict(saved, chosen="--stack 5 --tile-everything"),
+               "2 GPUs": dict(saved, gpu_count=2)}
+    for needle, content in refused.items():
+        (tmp_path / "bad.json").write_text(json.dumps(content))
+        with pytest.raises(SystemExit, match=needle):
+            throughput.full_depth_steps(str(tmp_path / "bad.json"))
+    (tmp_path / "cudnn.json").write_text(json.dumps(cudnn))
+    assert throughput.full_depth_steps(str(tmp_path / "cudnn.json"))[0]["kernel"] == "cudnn"
 
 
 def test_rows_from_an_earlier_result_get_the_bound_of_how_they_ran(tmp_path):

@@ -881,10 +881,6 @@ def test_the_ring_is_counted_and_lets_any_gpu_count_share_a_sequence():
     assert re.search(r"^--stack 5 --ring \d+ \(U=\d+\)", table, re.M), table
 
 
-if __name__ == "__main__":
-    print(write_calibration())
-
-
 def test_planner_md_counts_the_calibration_as_it_is():
     """docs/planner.md's "N of the M measured peaks within 3.8%" is the calibration JSON's count
     (its measured peaks, out-of-memory rows aside), so a new row cannot leave the sentence stale."""
@@ -894,3 +890,7 @@ def test_planner_md_counts_the_calibration_as_it_is():
     errors = [r["relative_error"] for r in calibration_rows() if r["kind"] != "out_of_memory"]
     assert total == len(errors)
     assert within == sum(abs(error) <= 0.038 for error in errors)
+
+
+if __name__ == "__main__":
+    print(write_calibration())

@@ -398,10 +398,13 @@ def test_a_cpu_run_whose_model_state_cannot_fit_is_refused_before_it_builds(caps
     built = []
     monkeypatch.setattr(train, "build_model", lambda *a: built.append(1))
     log = tmp_path / "log.txt"
-    error = error_of(["--model", "llama3-8b", "--seq-len", "3M", "--log-file", str(log)], capsys)
+    cpu_8b = ["--device", "cpu", "--model", "llama3-8b", "--seq-len", "3M"]
+    error = error_of([*cpu_8b, "--log-file", str(log)], capsys)
     assert "a CPU run of llama3-8b keeps its model state in this host's memory: at least " \
-           "119.7 GiB" in error and "8.0 GiB is available" in error
-    assert not built and not log.exists()
+           "119.7 GiB" in error and "16 bytes a parameter" in error
+    assert "8.0 GiB is available" in error and not built and not log.exists()
+    # in bf16 without FSDP the whole model is bf16: 8 bytes a parameter (59.8 GiB)
+    assert "at least 59.8 GiB" in error_of([*cpu_8b, "--dtype", "bfloat16"], capsys)
     monkeypatch.setattr(host_memory, "available_host_memory", lambda: 2**40)  # it fits: trains
     monkeypatch.setattr(train, "build_model", lambda *a: (_ for _ in ()).throw(ValueError("built")))
-    assert "built" in error_of(["--model", "llama3-8b", "--seq-len", "3M"], capsys)
+    assert "built" in error_of(cpu_8b, capsys)
