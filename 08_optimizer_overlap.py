@@ -19,7 +19,7 @@ step taken at once.
 The price in bytes: a unit's gradients stay until its next forward, not the end of the step,
 so the forward holds the gradients of the blocks it has not reached yet (4 bytes per parameter,
 0.81 GiB per Llama-3-8B block on one GPU). A plan that peaks at the end of forward, where all
-of them are gone, does not grow; plan.py counts the forward's moments with them.
+of them are gone, does not grow; plan.py counts them at each point of the forward.
 
 On the CPU there is no second stream: each unit's update runs in that unit's pre-forward hook,
 the order of events the GPU's streams keep. The first step allocates Adam's moments and runs
@@ -68,7 +68,7 @@ class AdamWBehindForward(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("AdamWBehindForward.step takes no closure (it queues the update)")
-        self.settle()  # step() again before a forward ran the queued updates: those first
+        self.settle()  # a second step() with no forward between: the queued updates first
         if not self.state:  # the first step allocates Adam's moments: at once, on this stream
             return self.adamw_step()
         self.inputs = ({name: getattr(self, name) for name in STEP_INPUTS if hasattr(self, name)},
@@ -96,8 +96,9 @@ class AdamWBehindForward(torch.optim.AdamW):
                 self.update(unit)
             else:
                 torch.cuda.current_stream().wait_event(event)
-                if module is not None:  # in a forward; after settle() FSDP's root pre-forward
-                    # has its gather streams wait for the compute stream (and may not be set up)
+                if module is not None:  # in a forward (from settle() the compute stream's
+                    # wait suffices: FSDP's next root pre-forward makes its gather streams wait
+                    # for it, and they may not exist yet)
                     gather_stream(self.units[unit][0]).wait_event(event)
             for p in self.units[unit][1]:
                 p.grad = None
@@ -207,6 +208,9 @@ def main():
     plain_model = Transformer(args)  # the same weights, AdamW's step at once
     plain_model.load_state_dict(model.state_dict())
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3, fused=True)
+    print("unit 0 is the root (embeddings, final norm, lm_head), then the blocks. The first "
+          "step updates at once (Adam's moments are allocated then); from the second on, each "
+          "unit updates just before its next forward.")
     for step in range(3):
         optimizer.events.clear()
         loss = model(tokens[:, :-1], positions, tokens[:, 1:]) / 64
@@ -218,15 +222,13 @@ def main():
         plain.zero_grad()
         kept = [p for _, params in optimizer.units for p in params if p.grad is not None]
         print(f"step {step}: loss {loss.item():.4f}; its forward ran: "
-              f"{' '.join(optimizer.events)}")
+              f"{' '.join(optimizer.events)}" + ("; its step() updated at once" if step == 0
+                                                 else ""))
         print(f"  after step(): {len(optimizer.queued)} units queued, {len(kept)} gradients "
               f"({sum(p.numel() for p in kept) * 4 / 2**20:.2f} MiB fp32) kept until their "
               f"unit's next forward")
     optimizer.settle()
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
-    print("unit 0 is the root (embeddings, final norm, lm_head), then the blocks. The first "
-          "step updated at once (Adam's moments are allocated then); from the second on, each "
-          "unit updates just before its next forward.")
     print(f"after 3 steps, settled: the weights equal plain fused AdamW's bit for bit: {same}")
 
 

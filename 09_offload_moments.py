@@ -12,12 +12,12 @@ stream, is framed by two copies on two more streams: the moments come in just be
 back just after (the GPU's copy engines, one each way, beside its compute). The blocks' updates
 follow one another, so three blocks' moments (slots) on the GPU at a time keep both copy
 engines busy. A block's update and its copies are queued only as the forward comes within three
-blocks of it: a copy engine takes copies in the order they were queued, so all of them queued at
-step() held up the next step's tokens behind every block's moments (0.4 s at 64K). Per block at
-~44-50 GB/s each way (pinned copies, both ways at once, beside a step's kernels): 1.6 GiB in
-35-40 ms, about its forward at 32K (~39 ms), so the copies mostly hide behind the forward that
-08's updates already run beside. The root's moments (embeddings, lm_head: 7.8 GiB) stay on the
-GPU: the forward waits for the root's update first, and would wait for its copies too.
+blocks of it: a copy engine runs copies in the order they were queued, so a later copy (the next
+step's tokens) would otherwise wait behind every block's moments. A block's moments, 1.6 GiB,
+take each copy engine about as long as the block's forward at 32K, so the copies mostly hide
+behind the forward that 08's updates already run beside. The root's moments (embeddings,
+lm_head: 7.8 GiB) stay on the GPU: the forward waits for the root's update first, and would
+wait for its copies too.
 
 What it buys: 52 GiB of moments off the GPU from the end of one forward to the next, the
 backward's peak among them: at 32K that is 19 more blocks' activations, one block checkpointed
@@ -28,10 +28,10 @@ own fused kernel over the same values (copies are exact), so the weights are bit
 plain AdamW. Loading a saved state puts the blocks' moments straight into host memory
 (PyTorch's Optimizer.load_state_dict would put each on its parameter's device first).
 
-    --offload-moments   (implies 08's --overlap-optimizer; --stack auto takes it where faster,
-                         or where nothing fits without it; its measurements: docs/results.md)
+    --offload-moments   (implies 08's --overlap-optimizer; measured: docs/results.md)
 
-    python 09_offload_moments.py                   # CPU: the bytes each step moves, exact
+    python 09_offload_moments.py                   # CPU: the bytes each step moves each way,
+                                                   # and the weights bit for bit plain AdamW's
     torchrun --nproc-per-node 1 train.py --model llama3-8b --seq-len 32K --offload-moments
 """
 
@@ -67,50 +67,13 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order),
         # of its kind (the state's)
         self.host_blocks = {}  # a block's unit -> all its moments, one flat host tensor that
-        # the copies move whole: one copy a block each way (a copy per tensor, 18 a block,
-        # can fill the GPU's queue of launches and hold the host there while the next forward
-        # waits) ...
+        # the copies move whole: one copy a block each way, not one per tensor ...
         self.host_parts = {}  # ... and their plain views into it (to_local() costs host time)
         self.pinned = []  # the host memory page-locked for them (pointers)
         weakref.finalize(self, unpin, self.pinned)
         self.moved = {"in": 0, "out": 0}  # bytes copied each way since created (tests, demo)
         self.deferred = collections.deque()  # the blocks whose update waits for the forward
         # to come near (GPU)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.settle()  # step() again before a forward: the queued updates first (08's too)
-        if not self.state:  # unlike 08's, the first step streams: the moments start on the host
-            self.create_state()
-        values = max(flat.numel() for flat in self.host_blocks.values())
-        root = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
-        self.slots = [torch.empty(values, dtype=root.dtype, device=root.device)
-                      for _ in range(self.slot_count)]
-        if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
-            # and the host moments were last written by the previous step's copies out
-            self.copy_in.wait_stream(torch.cuda.current_stream())
-            self.copy_in.wait_stream(self.copy_out)
-        return super().step(closure)  # 08's: each unit's update through queue() (GPU) or in
-        # its pre-forward (CPU)
-
-    def queue(self, unit: int) -> None:
-        """08's, but a block's update (and its copies) only once the forward is within
-        `slot_count` blocks of it (before_forward queues the rest): copies queued far ahead on
-        a copy stream hold up every later copy the same way, the compute stream's too (the
-        next step's tokens waited for all the blocks' moments, the forward idle meanwhile)."""
-        if unit == 0:  # the root: no copies, and the forward waits for it first
-            return super().queue(unit)
-        self.deferred.append(unit)
-
-    def before_forward(self, unit: int, module=None, args=None) -> None:
-        """08's, once the updates of the blocks up to `slot_count` past this unit are queued."""
-        self.queue_deferred(up_to=unit + self.slot_count)
-        super().before_forward(unit, module, args)
-
-    def queue_deferred(self, up_to: int) -> None:
-        """08's queue (not this class's, which defers) for each deferred block up to `up_to`."""
-        while self.deferred and self.deferred[0] <= up_to:
-            super().queue(self.deferred.popleft())
 
     def update(self, unit: int) -> None:
         """08's update of one unit; a block's moments come in before it and go back after."""
@@ -141,6 +104,42 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         """`state[p]`'s moments, for each of `params`, are `moments` (MOMENTS order)."""
         for i, p in enumerate(params):
             self.state[p].update(zip(MOMENTS, moments[len(MOMENTS) * i:len(MOMENTS) * (i + 1)]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.settle()  # a second step() with no forward between: the queued updates first,
+        # before the slots are made again (the last update lets them go)
+        if not self.state:  # unlike 08's, the first step streams: the moments start on the host
+            self.create_state()
+        values = max(flat.numel() for flat in self.host_blocks.values())
+        root = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
+        self.slots = [torch.empty(values, dtype=root.dtype, device=root.device)
+                      for _ in range(self.slot_count)]
+        if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
+            # and the host moments were last written by the previous step's copies out
+            self.copy_in.wait_stream(torch.cuda.current_stream())
+            self.copy_in.wait_stream(self.copy_out)
+        return super().step(closure)  # 08's: each unit's update through queue() (GPU) or in
+        # its pre-forward (CPU)
+
+    def queue(self, unit: int) -> None:
+        """08's, but a block's update (and its copies) only once the forward is within
+        `slot_count` blocks of it (before_forward queues the rest): copies queued far ahead on
+        a copy stream hold up every later copy, the compute stream's too (the next step's
+        tokens would wait behind all the blocks' moments, the forward idle)."""
+        if unit == 0:  # the root: no copies, and the forward waits for it first
+            return super().queue(unit)
+        self.deferred.append(unit)
+
+    def before_forward(self, unit: int, module=None, args=None) -> None:
+        """08's, once the updates of the blocks up to `slot_count` past this unit are queued."""
+        self.queue_deferred(up_to=unit + self.slot_count)
+        super().before_forward(unit, module, args)
+
+    def queue_deferred(self, up_to: int) -> None:
+        """08's queue (not this class's, which defers) for each deferred block up to `up_to`."""
+        while self.deferred and self.deferred[0] <= up_to:
+            super().queue(self.deferred.popleft())
 
     def create_state(self) -> None:
         """AdamW's state before its first step, zero as its own: the root's moments on the
@@ -287,7 +286,8 @@ def main():
     positions = torch.arange(64).unsqueeze(0)
     block_moments = sum(p.numel() for block in model.layers for p in block.parameters()) * 8
     print(f"the blocks' moments: {block_moments / 2**20:.2f} MiB in host memory; the root's stay "
-          f"with the weights. On the CPU each block's update runs in its next forward (08).")
+          f"with the weights. On the CPU each block's update runs in its next forward (08), "
+          f"with no streams: what shows is the bytes each step copies and the weights.")
     for step in range(3):
         moved = dict(optimizer.moved)
         for m, opt in ((model, optimizer), (plain_model, plain)):
@@ -298,7 +298,8 @@ def main():
         print(f"step {step}: its forward ran {ran}the moments copied in "
               f"{(optimizer.moved['in'] - moved['in']) / 2**20:.2f} MiB and back "
               f"{(optimizer.moved['out'] - moved['out']) / 2**20:.2f} MiB; "
-              f"{len(optimizer.queued)} units queued")
+              f"{len(optimizer.queued)} units queued (the root and {len(optimizer.queued) - 1} "
+              f"blocks)")
     optimizer.settle()
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
     print(f"after 3 steps, settled: the weights equal plain fused AdamW's bit for bit: {same}")
