@@ -47,8 +47,9 @@ lm_head over its loss tiles; forward, recompute and both backward products). A s
 bound stops the run with an error naming the term that is wrong. --rows-from: no steps, the rows of
 an earlier result against the bound measured now (its step times, this GPU's kernels); --recount:
 no GPU, its bound from its own measured times, the GEMMs counted as they are now; --bound-of:
-no steps, full-depth steps measured elsewhere (bench.step's results, bench/peers' `ours` rows:
-what `--stack auto` ran, checkpointed blocks, untiled MLP and all) against the bound of the
+no steps, full-depth steps measured elsewhere (bench.step's results, bench/peers' `ours` rows,
+a train.py run saved by hand with its command and the flags auto chose: what `--stack auto`
+ran, checkpointed blocks, untiled MLP and all) against the bound of the
 configuration each ran, measured now or, with --rates-from, a saved result's (no GPU):
 
     python -m bench.throughput --bound-of docs/results/peers_...json \
