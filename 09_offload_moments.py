@@ -51,19 +51,19 @@ SLOTS = 3  # blocks' moments on the GPU at a time: one coming in, one updating, 
 class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
     """08's AdamW (each unit's update behind its next forward) whose blocks' moments stay in
     host memory between updates: `state[p]` holds the host tensors, and for a block's update
-    they are copied into one of `slots` GPU buffers, updated there and copied back."""
+    they are copied into one of `slot_count` GPU buffers, updated there and copied back."""
 
-    def __init__(self, model, slots: int = SLOTS, **adamw_settings):
+    def __init__(self, model, slot_count: int = SLOTS, **adamw_settings):
         super().__init__(model, **adamw_settings)
         if self.defaults["amsgrad"]:
             raise ValueError("09 streams AdamW's two moments; amsgrad keeps a third")
         on_gpu = self.stream is not None
         self.copy_in = torch.cuda.Stream() if on_gpu else None  # host -> GPU: one copy engine
         self.copy_out = torch.cuda.Stream() if on_gpu else None  # GPU -> host: the other
-        self.slot_count = slots
+        self.slot_count = slot_count
         self.slots = None  # this step's GPU buffers, one block's moments each (step() to the
         # last block's update)
-        self.slot_free = [None] * slots  # each slot's last copy out (an event; None: CPU)
+        self.slot_free = [None] * slot_count  # each slot's last copy out (an event; None: CPU)
         self.host = {}  # a block's parameter -> its moments in host memory (MOMENTS order),
         # of its kind (the state's)
         self.host_blocks = {}  # a block's unit -> all its moments, one flat host tensor that
@@ -111,9 +111,10 @@ class AdamWMomentsOnHost(optimizer_overlap.AdamWBehindForward):
         # before the slots are made again (the last update lets them go)
         if not self.state:  # unlike 08's, the first step streams: the moments start on the host
             self.create_state()
-        values = max(flat.numel() for flat in self.host_blocks.values())
-        root = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under FSDP)
-        self.slots = [torch.empty(values, dtype=root.dtype, device=root.device)
+        slot_numel = max(flat.numel() for flat in self.host_blocks.values())
+        weight = self.units[0][1][0]  # (the moments take their parameters' dtype: fp32 under
+        # FSDP, and device)
+        self.slots = [torch.empty(slot_numel, dtype=weight.dtype, device=weight.device)
                       for _ in range(self.slot_count)]
         if self.copy_in is not None:  # the slots' memory was the compute stream's until now,
             # and the host moments were last written by the previous step's copies out
