@@ -324,13 +324,15 @@ def peak_and_times(run, device, repeats: int) -> dict:
 
 
 def profile(fn, top: int = 15, trace_path: str | None = None, warmup: int = 0,
-            between=None) -> dict:
+            between=None, then=None) -> dict:
     """Run fn once under torch.profiler: where the time goes. warmup: calls of fn first, each
-    followed by `between()`, that the profiler sees but does not record (with 08/09 the
-    recorded step's forward then runs the updates the step before queued, as a steady step
-    does; alone, a step's updates run at its end with nothing beside them). The recorded step
-    ends when the GPU is done: with 08 that includes its own updates, all queued at step() and
-    run after its backward (so 08's update work shows twice); with 09 only the root's.
+    followed by `then()` and `between()`, that the profiler sees but does not record (with
+    08/09 the recorded step's forward then runs the updates the step before queued, as a
+    steady step does; alone, a step's updates run at its end with nothing beside them). The
+    recorded call ends when the GPU is done; `then()` runs after it, outside the record: with
+    08/09 fn is the forward and backward and then() the optimizer step, whose updates a
+    steady step runs in the next forward, so the record holds one step's updates, the step
+    before's, beside this forward.
 
     profile_top_ops: the ops with the most own device time (CPU time on a CPU run), in ms, with
     their call counts. On a GPU, from the device's kernels (`device_kernels`: not the user
@@ -350,12 +352,16 @@ def profile(fn, top: int = 15, trace_path: str | None = None, warmup: int = 0,
     with torch_profile(activities=activities, schedule=schedule) as prof:
         for _ in range(warmup):
             fn()
+            if then is not None:
+                then()
             if between is not None:
                 between()
             prof.step()
         fn()
         if on_gpu:
             torch.cuda.synchronize()
+    if then is not None:
+        then()
 
     def own_time(event):  # microseconds; the attribute's name changed across torch versions
         if not on_gpu:

@@ -22,7 +22,8 @@ memory snapshot (bench/snapshot.py); `--snapshot-file` also keeps the raw snapsh
 time per kind of kernel, the GPU's idle time between compute kernels and the time with neither
 a matmul nor an attention kernel running (bench.report.profile; `--trace FILE`: rank 0's Chrome
 trace too); with 08/09 a steady step, one unrecorded step before it, so that its forward runs
-the updates that step queued.
+the updates that step queued, and its own optimizer step after the record (its updates run in
+the next forward): one step's updates in the record.
 """
 
 import argparse
@@ -169,17 +170,26 @@ def main():
     except torch.OutOfMemoryError as error:  # errors.StepOutOfMemory is one
         result.update(status="OOM", error=str(error).split("\n")[0], **memory)
     if opts.profile and result.get("status") == "ok":
-        def one_step():
+        def forward_backward():
             train.forward_backward(model, data.batch(opts.steps), rt)
+
+        def optimizer_step():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+        def one_step():
+            forward_backward()
+            optimizer_step()
+
+        # with 08/09 a steady step: the recorded forward runs the step before's updates, and
+        # the recorded step's own run after the record (a steady step runs them in the next)
+        deferred = first_timed_step(optimizer) > 1
         try:  # the profiler's own memory must not turn the measured steps into a failure
-            # with 08/09 a steady step: the recorded forward runs the step before's updates
-            result["profile"] = profile(one_step, top=25,
+            result["profile"] = profile(forward_backward if deferred else one_step, top=25,
                                         trace_path=opts.trace if rt.rank == 0 else None,
                                         warmup=first_timed_step(optimizer) - 1,
-                                        between=lambda: step_done(rt.device))
+                                        between=lambda: step_done(rt.device),
+                                        then=optimizer_step if deferred else None)
         except torch.OutOfMemoryError as error:
             result["profile"] = {"status": "OOM", "error": str(error).split("\n")[0]}
     if (opts.snapshot or opts.snapshot_file) and rt.rank == 0:

@@ -489,7 +489,9 @@ def test_profile_counts_the_devices_kernels_once_and_the_time_outside_matmul_and
 
 def test_a_profile_with_warmup_records_the_last_call_alone():
     """With 08/09 bench.step profiles a steady step: one call first, which the profiler sees but
-    does not record (its updates then run beside the recorded forward, as in a timed step)."""
+    does not record (its updates then run beside the recorded forward, as in a timed step), and
+    the recorded step's own optimizer step after the record (`then`: its updates belong to the
+    next forward)."""
     from bench.report import profile
 
     calls = []
@@ -503,6 +505,16 @@ def test_a_profile_with_warmup_records_the_last_call_alone():
     assert calls == ["step", "between", "step"]
     matmuls = [op["calls"] for op in recorded["profile_top_ops"] if op["op"] == "aten::mm"]
     assert matmuls == [1]
+
+    def then():  # 08/09's optimizer step: after each call, the recorded one's outside the record
+        calls.append("then")
+        return torch.ones(1, 64, 64).bmm(torch.ones(1, 64, 64))
+
+    calls.clear()
+    recorded = profile(fn, warmup=1, between=lambda: calls.append("between"), then=then)
+    assert calls == ["step", "then", "between", "step", "then"]
+    ops = {op["op"] for op in recorded["profile_top_ops"]}
+    assert "aten::mm" in ops and "aten::bmm" not in ops
 
 
 # bench/bound.py: the kernels' bound of a step (bench.throughput), checked without a GPU.
