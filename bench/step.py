@@ -183,11 +183,12 @@ def main():
 
         # with 08/09 a steady step: the recorded forward runs the step before's updates, and
         # the recorded step's own run after the record (a steady step runs them in the next)
-        deferred = first_timed_step(optimizer) > 1
+        warmup = first_timed_step(optimizer) - 1
+        deferred = warmup > 0
         try:  # the profiler's own memory must not turn the measured steps into a failure
             result["profile"] = profile(forward_backward if deferred else one_step, top=25,
                                         trace_path=opts.trace if rt.rank == 0 else None,
-                                        warmup=first_timed_step(optimizer) - 1,
+                                        warmup=warmup,
                                         between=lambda: step_done(rt.device),
                                         then=optimizer_step if deferred else None)
         except torch.OutOfMemoryError as error:

@@ -40,7 +40,6 @@ def available_host_memory() -> int | None:
     return available
 
 
-
 def check_cpu_run_fits(model_name: str, n_params: int, sharded: bool, dtype: str) -> None:
     """A CPU run keeps everything in this host's memory, where nothing is planned: refuse one
     whose model state alone cannot fit, before it builds the model, rather than meet the
