@@ -122,6 +122,7 @@ def test_each_unit_updates_just_before_its_next_forward():
             assert all(p.grad is not None for p in model.parameters())  # kept for the update
     optimizer.settle()
     assert not optimizer.queued and all(p.grad is None for p in model.parameters())
+    assert optimizer.inputs is None  # the step's clip and found_inf tensors let go with the last
 
 
 def test_the_clip_and_a_skipped_step_travel_with_the_queued_update():
