@@ -642,3 +642,35 @@ def test_gpu_bf16_weight_gradients_are_one_matmul_into_the_fp32_sum():
         assert torch.ops.aten.addmm_.default not in seen.ops, part
         assert_within_bf16_error(results["tiled"], results["unsharded"], results["reference"],
                                  f"tiled {part}, fused fp32 sums")
+
+
+@pytest.mark.parametrize("part", ["mlp", "loss"])
+def test_bf16_weight_sums_are_fp32_whatever_the_tile_count(part):
+    """In bf16 the weights' sums are fp32 and each tile's product is added unrounded: 50 tiles of
+    one token give the weight gradients of one 50-token tile (to within one bf16 rounding)."""
+    def grads(tile):
+        if part == "mlp":
+            mlp, x = _mlp_and_input()
+            mlp, x = mlp.bfloat16(), x.bfloat16().requires_grad_()
+            grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+            tiling.tiled_mlp_forward(mlp, x, tile).backward(grad_out.bfloat16())
+            return {n: p.grad.float() for n, p in mlp.named_parameters()}
+        model = _loss_model().bfloat16()
+        h = torch.randn(BATCH, SEQ, ARGS.dim, generator=torch.Generator().manual_seed(2))
+        tiling.tiled_loss_sum(model, h.bfloat16(), _labels(), tile).backward()
+        return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    many, one = grads(1), grads(BATCH * SEQ)
+    for name in one:
+        torch.testing.assert_close(many[name], one[name], rtol=2**-7, atol=0,
+                                   msg=lambda m: f"{part} {name}: {m}")
+
+
+@pytest.mark.parametrize("tile_tokens", TILE_CASES)
+def test_tiled_loss_without_grad_equals_untiled(tile_tokens):
+    """Evaluation's path (no backward coming: the tiles' losses alone) adds every tile."""
+    model, labels = _loss_model(), _labels()
+    h = torch.randn(BATCH, SEQ, ARGS.dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = llama.Transformer.loss_sum(model, h, labels)
+        got = tiling.tiled_loss_sum(model, h, labels, tile_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
