@@ -511,3 +511,63 @@ def test_the_head_chunk_sets_the_stages_a_layer_runs(monkeypatch):
         calls.clear()
         model(tokens, torch.arange(16)[None])
         assert len(calls) == args.n_layers * args.n_heads // head_chunk, (head_chunk, calls)
+
+
+def test_kv_projected_once_per_kv_group(monkeypatch):
+    """8 query heads, 2 KV heads, P = 1, U = 1: 8 stages in 2 KV groups of 4. The forward
+    projects 8 Q + 2 K + 2 V (K and V once per group; once per stage would be 24); the backward
+    recomputes the same 12, and QK-norm's input (8 Q, 2 K)."""
+    assert [(kv, len(stages)) for kv, stages in untied.kv_groups(untied.stage_plan(8, 2, 1, 1))] \
+        == [(slice(0, 1), 4), (slice(1, 2), 4)]
+    args = small_args(8, 2, qk_norm=True)
+    attn = random_attention(args, 0)
+    rows_seen = []
+    project = untied.project
+
+    def counted(x, rows, head_dim):
+        rows_seen.append(rows.shape[0] // head_dim)
+        return project(x, rows, head_dim)
+
+    monkeypatch.setattr(untied, "project", counted)
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    rope = llama.rope_cos_sin(torch.arange(16).expand(2, -1), args, torch.float32)
+    out = untied.untied_attend(x, rope, attn, None, head_chunk=1)
+    forward = len(rows_seen)
+    assert forward == 8 + 2 + 2, rows_seen  # 8 Q, then K and V once per KV group
+    out.sum().backward()
+    # backward: the same 12, plus QK-norm's recompute of its input (8 Q, 2 K)
+    assert len(rows_seen) - forward == 12 + 8 + 2, rows_seen
+
+
+def test_previous_kv_group_freed_before_the_next(monkeypatch):
+    """The previous KV group's K and V are freed before the next group's K is projected: the bytes
+    alive when each group's K projection starts grow only by the lse of the stages run since
+    (1/64 of a K here), never by a group's K and V."""
+    batch, seq_len, head_dim = 1, 128, 64
+    k_bytes = batch * seq_len * head_dim * 4
+    args = small_args(8, 4, qk_norm=False, dim=16, head_dim=head_dim)  # 4 KV groups of 2 stages
+    attn = random_attention(args, 0)
+    x = torch.randn(batch, seq_len, args.dim, requires_grad=True)
+    rope = llama.rope_cos_sin(torch.arange(seq_len)[None], args, torch.float32)
+    untied.untied_attend(x, rope, attn, None, head_chunk=1).sum().backward()  # warm-up
+    tracker, live_at_k = LiveBytes(), []
+    wk = attn.k_proj.weight.untyped_storage().data_ptr()
+    project = untied.project
+
+    def recorded(x, rows, head_dim):
+        if rows.untyped_storage().data_ptr() == wk:  # P = 1: K's rows are views of wk
+            live_at_k.append(tracker.live)
+        return project(x, rows, head_dim)
+
+    monkeypatch.setattr(untied, "project", recorded)
+    gc.collect()
+    gc.disable()
+    try:
+        with tracker:
+            out = untied.untied_attend(x, rope, attn, None, head_chunk=1)
+        del out
+    finally:
+        gc.enable()
+    assert len(live_at_k) == 4, live_at_k
+    steps = [b - a for a, b in zip(live_at_k, live_at_k[1:])]
+    assert all(0 <= step < k_bytes for step in steps), (live_at_k, k_bytes)
