@@ -455,6 +455,59 @@ def test_offloaded_inputs_are_really_released():
     loss.backward()
 
 
+def test_inputs_fetched_late_are_counted_as_fetched_not_prefetched():
+    """With the prefetch chain broken (no prefetch ever starts), every offloaded input comes
+    back through a "fetch" at its own unpack: the step is the same bits as with prefetching,
+    and the record says so (prefetched 0), rather than crediting a prefetch that never ran."""
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=2)
+    results = {}
+    for prefetching in (True, False):
+        model, rt, _ = build_as_train(Config(model=MODEL, offload=True, seq_len=SEQ,
+                                             batch_size=ROWS))
+        offloader = model.checkpoint_offload
+        if not prefetching:
+            bring_back = offloader.bring_back
+            offloader.bring_back = lambda layer, event: (
+                None if event == "prefetch" else bring_back(layer, event))
+        loss = train.forward_backward(model, tokens, rt, labels)
+        results[prefetching] = (loss, {n: p.grad for n, p in model.named_parameters()})
+    stats = offloader.stats
+    assert stats["restored"] == L - 1 and stats["prefetched"] == 0, stats
+    assert [e for e in stats["events"] if e.startswith("fetch")] == [
+        f"fetch {i}" for i in reversed(range(L - 1))], stats
+    (loss0, grads0), (loss1, grads1) = results[True], results[False]
+    assert torch.equal(loss0, loss1)
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+
+
+def test_a_brought_back_input_is_released_with_its_block_even_under_retain_graph():
+    """The offloader hands each input back once and keeps no reference to it: even when the
+    graph is retained, block i's input is gone by the time block i-1's is unpacked, and a
+    second backward is refused with the offloader's own message (not served from copies the
+    offloader kept alive on the device)."""
+    model, rt, _ = build_as_train(Config(model=MODEL, offload=True, seq_len=SEQ, batch_size=ROWS))
+    offloader = model.checkpoint_offload
+    handed, alive_at_unpack, unpack = [], [], offloader.unpack
+
+    def watching_unpack(held):
+        x = unpack(held)
+        if not isinstance(held, torch.Tensor):
+            alive_at_unpack.append([ref() is not None for ref in handed])
+            handed.append(weakref.ref(x))
+        return x
+
+    offloader.unpack = watching_unpack
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=2)
+    input_ids, labels, positions = ulysses.shard_sequence(tokens, 0, 1, labels)
+    loss = model(input_ids, positions, labels)
+    loss.backward(retain_graph=True)
+    gc.collect()
+    assert alive_at_unpack == [[False] * i for i in range(L)], alive_at_unpack
+    assert not any(ref() is not None for ref in handed)
+    with pytest.raises(RuntimeError, match="offloaded input was already used"):
+        loss.backward()
+
+
 def test_no_grad_forward_saves_nothing_and_matches():
     model, rt, _ = build_as_train(Config(model=MODEL, offload=True, seq_len=SEQ))
     plain, _, _ = build_as_train(Config(model=MODEL, seq_len=SEQ))
