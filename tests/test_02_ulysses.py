@@ -146,3 +146,11 @@ def test_fsdp_ulysses_model_nccl_bf16_matches_fp32_reference(kernel):
 def test_attention_nccl_bf16_matches_fp32_reference(kernel):
     run_ranks(2, with_kernel, kernel, _attention_matches_unsharded, "cuda", torch.bfloat16,
               GPU_HEAD_DIM, backend="nccl")
+
+
+def test_kv_heads_replicated_adjacent_for_the_ranks_that_use_them():
+    """Fewer KV heads than ranks: rank j's query heads use KV head j * n_kv // P, so copies of
+    a KV head are adjacent (a tiled repeat would give rank 1 KV head 1's copy at P = 4, kv = 2)."""
+    kv = torch.arange(2.0).view(1, 1, 2, 1)  # (B, S/P, Hkv = 2, D): head h holds h
+    assert ulysses.replicate_kv_heads(kv, 4).flatten().tolist() == [0, 0, 1, 1]
+    assert ulysses.replicate_kv_heads(kv, 2) is kv  # as many KV heads as ranks: untouched
