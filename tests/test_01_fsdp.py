@@ -55,6 +55,25 @@ def test_fsdp_steps_equal_single_process(world_size, steps):
     run_ranks(world_size, _fsdp_steps_match_single_process, steps)
 
 
+def _bf16_compute_reduces_in_fp32():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    with torch.device("meta"):
+        model = llama.Transformer(llama.get_model_args("tiny"))
+    sharding.apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), torch.bfloat16)
+    policies = {(p.param_dtype, p.reduce_dtype) for p in (
+        m._get_fsdp_state()._fsdp_param_group.mp_policy
+        for m in model.modules() if isinstance(m, FSDPModule))}
+    assert policies == {(torch.bfloat16, torch.float32)}, policies
+
+
+def test_bf16_compute_gathers_bf16_and_reduces_in_fp32():
+    """--dtype bfloat16 under FSDP: bf16 copies for compute, the gradients reduce-scattered in
+    fp32 (the CPU's fp32 runs cannot tell; the GPU's bf16 test only by tolerance)."""
+    run_ranks(2, _bf16_compute_reduces_in_fp32)
+
+
 def _local_numel_matches_formula(preset):
     from torch.distributed.device_mesh import init_device_mesh
 

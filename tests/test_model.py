@@ -42,6 +42,28 @@ def test_rotary_with_global_positions_equals_slicing_the_full_sequence():
     torch.testing.assert_close(full[:, 0], x[:, 0])
 
 
+def test_rms_norm_is_the_textbook_formula_with_fp32_statistics():
+    """x / sqrt(mean(x^2) + eps) * weight: eps inside the root (at the embeddings' 0.02-ish
+    scale rms^2 is near eps, so its place shows), and for bf16 input the statistics in fp32 with
+    one rounding at the end (bf16 statistics round several times: over 2 half-ulps here)."""
+    g = torch.Generator().manual_seed(0)
+    norm = llama.RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    x = torch.randn(4, 16, 64, generator=g, dtype=torch.float64) * 3e-3
+
+    def textbook(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+    torch.testing.assert_close(norm(x.float()).double(), textbook(x, norm.weight.double()),
+                               rtol=1e-5, atol=0)
+    norm.bfloat16()
+    x = x.bfloat16()
+    want = textbook(x.double(), norm.weight.double())
+    half_ulp = 2.0**-8  # bf16's relative rounding error
+    torch.testing.assert_close(norm(x).double(), want, rtol=1.25 * half_ulp, atol=0)
+
+
 def test_llama3_frequency_scaling():
     args = llama.get_model_args("llama3-8b")
     scaled, plain = llama.rope_frequencies(args), llama.rope_frequencies(

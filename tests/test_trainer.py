@@ -342,6 +342,26 @@ def test_a_non_finite_loss_leaves_weights_and_optimizer_state_as_they_were():
         train.clipped_step(model, unfused, loss, 1.0)
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_a_non_finite_gradient_leaves_weights_and_optimizer_state_as_they_were(clip):
+    """found_inf reads the gradient norm too: a finite loss with an inf gradient (an overflow in
+    backward) updates nothing, clipped or not, and the norm returned says why."""
+    cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=2, lr=3e-3))
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    model, optimizer = _model_and_optimizer(cfg)
+    train.clipped_step(model, optimizer, train.forward_backward(model, tokens, Runtime()), clip)
+    before = [t.clone() for t in model.parameters()]
+    state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+    loss = train.forward_backward(model, tokens, Runtime())
+    model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")
+    norm = train.clipped_step(model, optimizer, loss, clip)
+    assert math.isfinite(float(loss)) and not math.isfinite(float(norm))
+    for p, was, saved in zip(model.parameters(), before, state):
+        assert torch.equal(p, was)
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, saved[key]), key
+
+
 # ---------------------------------------------------------------------------------------------
 # The learning rate: its schedule, and its default per model size
 # ---------------------------------------------------------------------------------------------
