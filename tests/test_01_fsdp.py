@@ -55,16 +55,22 @@ def test_fsdp_steps_equal_single_process(world_size, steps):
     run_ranks(world_size, _fsdp_steps_match_single_process, steps)
 
 
+def _mixed_precision(model) -> set:
+    """(param_dtype, reduce_dtype) of every FSDP module's policy."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {(policy.param_dtype, policy.reduce_dtype) for policy in (
+        module._get_fsdp_state()._fsdp_param_group.mp_policy
+        for module in model.modules() if isinstance(module, FSDPModule))}
+
+
 def _bf16_compute_reduces_in_fp32():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
 
     with torch.device("meta"):
         model = llama.Transformer(llama.get_model_args("tiny"))
     sharding.apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), torch.bfloat16)
-    policies = {(p.param_dtype, p.reduce_dtype) for p in (
-        m._get_fsdp_state()._fsdp_param_group.mp_policy
-        for m in model.modules() if isinstance(m, FSDPModule))}
+    policies = _mixed_precision(model)
     assert policies == {(torch.bfloat16, torch.float32)}, policies
 
 
@@ -114,7 +120,6 @@ def _blocks_resharded_after_forward(model):
     first, is back to its shards (its parameters DTensors again), and the root (lm_head), which
     backward starts with, stays gathered; a model that kept them all gathered, or resharded all,
     computes the same numbers. And 01 reduces in fp32 (a bf16 reduce passes every fp32 test)."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     ids = torch.randint(0, 256, (1, SEQ_LEN))
@@ -122,8 +127,7 @@ def _blocks_resharded_after_forward(model):
     sharded = [isinstance(block.self_attn.q_proj.weight, DTensor) for block in model.layers]
     assert sharded == [True] * (len(model.layers) - 1) + [False], sharded
     assert not isinstance(model.lm_head.weight, DTensor), "the root resharded after forward"
-    reduce_dtypes = {module._get_fsdp_state()._fsdp_param_group.mp_policy.reduce_dtype
-                     for module in model.modules() if isinstance(module, FSDPModule)}
+    reduce_dtypes = {reduce_dtype for _, reduce_dtype in _mixed_precision(model)}
     assert reduce_dtypes == {torch.float32}, reduce_dtypes
     loss.backward()
     model.zero_grad(set_to_none=True)

@@ -322,30 +322,10 @@ def test_the_clip_in_adamws_pass_moves_the_weights_as_clip_grad_norm_does(clip):
         assert moved < 1e-6, moved
 
 
-def test_a_non_finite_loss_leaves_weights_and_optimizer_state_as_they_were():
-    cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=2, lr=3e-3))
-    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    model, optimizer = _model_and_optimizer(cfg)
-    train.clipped_step(model, optimizer, train.forward_backward(model, tokens, Runtime()), 1.0)
-    before = [t.clone() for t in model.parameters()]
-    state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
-    loss = train.forward_backward(model, tokens, Runtime()) * float("nan")
-    norm = train.clipped_step(model, optimizer, loss, 1.0)
-    assert math.isfinite(float(norm))  # the loss alone stops the step
-    for p, was, saved in zip(model.parameters(), before, state):
-        assert torch.equal(p, was)
-        for key, value in optimizer.state[p].items():
-            assert torch.equal(value, saved[key]), key  # Adam's moments and its step count
-    assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
-    unfused = torch.optim.AdamW(model.parameters(), foreach=False)
-    with pytest.raises(TypeError, match="make the AdamW with fused=True"):
-        train.clipped_step(model, unfused, loss, 1.0)
-
-
-@pytest.mark.parametrize("clip", [1.0, 0.0])
-def test_a_non_finite_gradient_leaves_weights_and_optimizer_state_as_they_were(clip):
-    """found_inf reads the gradient norm too: a finite loss with an inf gradient (an overflow in
-    backward) updates nothing, clipped or not, and the norm returned says why."""
+@pytest.mark.parametrize("broken, clip", [("loss", 1.0), ("gradient", 1.0), ("gradient", 0.0)])
+def test_a_non_finite_step_leaves_weights_and_optimizer_state_as_they_were(broken, clip):
+    """A non-finite loss, or a finite loss with an inf gradient (an overflow in backward: found_inf
+    reads the gradient norm too), updates nothing, clipped or not."""
     cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=2, lr=3e-3))
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     model, optimizer = _model_and_optimizer(cfg)
@@ -353,13 +333,23 @@ def test_a_non_finite_gradient_leaves_weights_and_optimizer_state_as_they_were(c
     before = [t.clone() for t in model.parameters()]
     state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
     loss = train.forward_backward(model, tokens, Runtime())
-    model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")
+    if broken == "loss":
+        loss = loss * float("nan")
+    else:
+        model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")
     norm = train.clipped_step(model, optimizer, loss, clip)
-    assert math.isfinite(float(loss)) and not math.isfinite(float(norm))
+    if broken == "loss":
+        assert math.isfinite(float(norm))  # the loss alone stops the step
+    else:
+        assert math.isfinite(float(loss)) and not math.isfinite(float(norm))  # the norm says why
     for p, was, saved in zip(model.parameters(), before, state):
         assert torch.equal(p, was)
         for key, value in optimizer.state[p].items():
-            assert torch.equal(value, saved[key]), key
+            assert torch.equal(value, saved[key]), key  # Adam's moments and its step count
+    assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
+    unfused = torch.optim.AdamW(model.parameters(), foreach=False)
+    with pytest.raises(TypeError, match="make the AdamW with fused=True"):
+        train.clipped_step(model, unfused, loss, clip)
 
 
 # ---------------------------------------------------------------------------------------------
