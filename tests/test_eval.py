@@ -203,6 +203,61 @@ def test_bucket_edges_and_positions():
     assert sums[1].tolist() == [2, 2, 1, 1]
 
 
+def test_a_file_of_exactly_the_windows_asked_is_read_whole(tmp_path):
+    """--windows N over a file of exactly N windows is evaluated (each window once, against a
+    plain forward of it); one window more is refused, not wrapped around to the first."""
+    path = tmp_path / "two_windows.bin"
+    stream = torch.randint(0, 256, (2 * (SEQ_LEN + 1),), generator=torch.Generator().manual_seed(1))
+    write_token_file(path, stream)
+    cfg = eval_cfg(None, data=str(path))
+    rt = Runtime()
+    model = train.build_model(cfg, rt)
+    result = evaluate.loss_by_position(model, cfg, rt, 2, 0, BUCKET_START)
+    windows = stream.view(2, SEQ_LEN + 1)
+    with torch.no_grad():
+        total = model(windows[:, :-1], torch.arange(SEQ_LEN).expand(2, -1), windows[:, 1:])
+    assert sum(b["tokens"] for b in result["buckets"]) == 2 * SEQ_LEN
+    assert result["mean_loss"] == pytest.approx(float(total) / (2 * SEQ_LEN), rel=1e-5)
+    with pytest.raises(ValueError, match="holds 2 windows"):
+        evaluate.loss_by_position(model, cfg, rt, 2, 1, BUCKET_START)
+
+
+def test_speed_is_the_median_forward_after_the_first_per_token_of_the_batch(monkeypatch):
+    """s_per_million_tokens: the first forward (warm-up) left out, the median of the others,
+    per 2^20 tokens of every sequence of the forward (batch_size x seq_len)."""
+    assert evaluate.seconds_per_million([5.0, 1.0], 2**20) == 1.0
+    assert evaluate.seconds_per_million([9.0, 3.0, 1.0, 2.0], 2**20) == 2.0
+    assert evaluate.seconds_per_million([4.0], 2**19) == 8.0
+    clock = iter(range(1000))  # every forward takes one second
+    monkeypatch.setattr(evaluate, "time", type("Clock", (), {"perf_counter": lambda: next(clock)}))
+    cfg = eval_cfg(None, batch_size=2)
+    rt = Runtime()
+    result = evaluate.loss_by_position(train.build_model(cfg, rt), cfg, rt, 4, 0, BUCKET_START)
+    assert result["forward_seconds"] == [1, 1]
+    assert result["s_per_million_tokens"] == pytest.approx(2**20 / (2 * SEQ_LEN))
+
+
+def test_eval_with_tile_loss_scores_in_loss_tiles(monkeypatch):
+    """eval.py's model under --tile-loss scores tokens through the tiled token_scores (04's
+    loss tiles, so seq x vocab logits never exist), at --loss-tile-tokens, with the untiled
+    model's numbers."""
+    tiles = []
+    tiled = evaluate.tiled_token_scores
+
+    def recording(model, h, labels, tile_tokens=None):
+        tiles.append(tile_tokens)
+        return tiled(model, h, labels, tile_tokens=tile_tokens)
+
+    monkeypatch.setattr(evaluate, "tiled_token_scores", recording)
+    results = {}
+    for flags in ({}, {"tile_loss": True, "loss_tile_tokens": 5}):
+        cfg = eval_cfg(None, **flags)
+        rt, model, _ = evaluate.build(cfg)
+        results[bool(flags)] = evaluate.loss_by_position(model, cfg, rt, 1, 0, BUCKET_START)
+    assert tiles == [5]
+    assert results[True]["mean_loss"] == pytest.approx(results[False]["mean_loss"], rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Passkey
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +287,33 @@ def test_passkey_generator_places_the_key_where_asked(depth):
         assert at + len(key) == length + 1 - len(marker) - len(key)  # just before the question
     with pytest.raises(ValueError, match="cannot hold"):
         evaluate.passkey_tokens(8, depth, key, filler, marker, prefix)
+
+
+class _Predicts:
+    """A stand-in model whose greedy prediction is the label at the key positions in `right`
+    (0: the key's first token, ...) and a wrong id everywhere else."""
+
+    def __init__(self, length, key_len, right):
+        self.first, self.right = length - key_len, set(right)
+
+    def __call__(self, input_ids, positions, labels, per_token=True, cu_seqlens=None):
+        hit = torch.zeros_like(labels, dtype=torch.bool)
+        for k in self.right:
+            hit |= positions == self.first + k
+        return torch.stack([torch.zeros(labels.shape), torch.where(hit, labels, -7).float()], -1)
+
+
+@pytest.mark.parametrize("right, exact, first", [((0, 1, 2), 1.0, 1.0), ((0,), 0.0, 1.0),
+                                                 ((1, 2), 0.0, 0.0), ((), 0.0, 0.0)])
+def test_passkey_accuracy_counts_whole_keys_and_the_first_token(right, exact, first):
+    """Exact match needs every key token right; first-token accuracy is the key's first
+    token alone (the position right after the question's marker)."""
+    length, key_len = 32, 3
+    cfg = resolve_techniques(Config(model="tiny", seq_len=length))
+    result = evaluate.passkey_grid(_Predicts(length, key_len, right), cfg, Runtime(), [length],
+                                   [0.0, 1.0], 2, key_len, VOCABULARY)
+    assert result["accuracy"] == [[exact, exact]]
+    assert result["first_token_accuracy"] == [[first, first]]
 
 
 @pytest.mark.slow

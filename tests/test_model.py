@@ -94,6 +94,24 @@ def test_published_sizes():
     assert round(llama.num_params(llama.get_model_args("qwen3-0.6b")) / 1e9, 3) == 0.596
 
 
+def test_a_single_process_build_computes_in_the_dtype_asked():
+    """--dtype bfloat16 without FSDP (one process): support/build.py casts the built model, so
+    its parameters are bf16 and its blocks compute in bf16 (not fp32 at twice the memory);
+    fp32 stays fp32."""
+    from support import build
+
+    args = llama.get_model_args("tiny")
+    for dtype in (torch.bfloat16, torch.float32):
+        model = build.build_model(args, torch.device("cpu"), None, dtype)
+        assert {p.dtype for p in model.parameters()} == {dtype}, dtype
+        seen = []
+        model.layers[-1].register_forward_hook(lambda module, inputs, out: seen.append(out.dtype))
+        ids, pos = torch.randint(0, args.vocab_size, (1, 8)), torch.arange(8)[None]
+        with torch.no_grad():
+            model(ids, pos, ids)
+        assert seen == [dtype], dtype
+
+
 def test_tied_embeddings_are_one_parameter_even_after_to_empty():
     """support/build.py builds on the meta device then calls to_empty, which gives each
     module a new Parameter: the tie must survive it."""

@@ -43,6 +43,12 @@ GiB = 2**30
     (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0", "--batch-size"),
     (["--seq-len", "abc"], "cannot read a token count from 'abc'", None),
     (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr (0.1) must be at most --lr (0.01)", None),
+    # contradictory or incomplete flags: refused before any work, not left to a traceback or
+    # silently ignored
+    (["--save-dir", "some/runs", "--resume", "--overwrite"],
+     "--resume continues the checkpoints that --overwrite deletes; pick one", None),
+    (["--resume"], "--resume needs --save-dir", None),
+    (["--keep-attention"], "--keep-attention is a setting of --checkpoint (03)", None),
 ])
 def test_flags_once_accepted_silently_are_refused(argv, needle, absent, capsys):
     err = error_of(argv, capsys)
@@ -374,6 +380,16 @@ def test_the_schedule_follows_its_formula():
     cosine = resolve_techniques(Config(lr=lr, lr_schedule="cosine", steps=100))
     assert cosine.min_lr == pytest.approx(0.1 * lr)  # --min-lr's default
     assert config.learning_rate(cosine, 50) == pytest.approx(0.1 * lr + 0.9 * lr * 0.5)
+
+
+def test_flags_at_their_bounds_are_accepted():
+    """--min-lr equal to --lr (a flat decay) and --mlp-tile-tokens with --tile-norm alone (the
+    norm's tile size) are valid: neither is refused by the checks at their bounds."""
+    cfg = train.parse_args(["--lr", "1e-3", "--min-lr", "1e-3", "--lr-schedule", "cosine",
+                            "--steps", "10", "--tile-norm", "--mlp-tile-tokens", "16"])
+    assert cfg.min_lr == cfg.lr == 1e-3
+    assert all(config.learning_rate(cfg, step) == pytest.approx(1e-3) for step in range(11))
+    assert cfg.tile_norm and not cfg.tile_mlp and cfg.mlp_tile_tokens == 16
 
 
 def test_the_optimizer_steps_at_the_schedules_learning_rate(monkeypatch):
