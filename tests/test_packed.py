@@ -744,3 +744,36 @@ def test_prepare_data_replaces_its_own_output_in_the_tokenizer_folder(tmp_path, 
     prepare_data.main(argv + ["--overwrite"])
     assert "wrote" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in tokenizer_files} == tokenizer_files
+
+
+def test_prepare_data_separator_id_range_blank_jsonl_lines_and_neighbours(tmp_path):
+    """--separator-id one past the tokenizer's last id is refused, its last id taken; blank
+    lines of a JSONL file are no documents (nor errors); a file already at the index's or the
+    sidecar's name is not replaced unasked."""
+    import tokenizers
+
+    prepare_data = importlib.import_module("prepare_data")
+    tokenizer = _local_tokenizer(tmp_path / "tok")
+    vocab = len(json.load(open(f"{tokenizer}/tokenizer.json"))["model"]["vocab"])
+    assert vocab == tokenizers.Tokenizer.from_file(f"{tokenizer}/tokenizer.json").get_vocab_size()
+    docs = tmp_path / "a.jsonl"
+    docs.write_text('\n{"text": "the cat"}\n\n   \n{"text": "hello"}\n\n')
+    out = str(tmp_path / "train.bin")
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        prepare_data.prepare(tokenizer, [str(docs)], out, separator_id=vocab, progress=False)
+    assert not (tmp_path / "train.bin").exists()
+    summary = prepare_data.prepare(tokenizer, [str(docs)], out, separator_id=vocab - 1,
+                                   progress=False)
+    assert summary["documents"] == 2 and summary["skipped_empty"] == 0
+    ids = np.fromfile(out, dtype="<u2").tolist()
+    assert len(ids) == 5 and ids[2] == ids[4] == vocab - 1  # "the cat" SEP "hello" SEP
+    assert np.fromfile(out + ".docs", dtype="<i8").tolist() == [0, 3]
+    for name in ("other.bin.docs", "other.bin.json"):
+        mine = tmp_path / name
+        mine.write_text("not an output of prepare_data")
+        with pytest.raises(ValueError, match="exists"):
+            prepare_data.prepare(tokenizer, [str(docs)], str(tmp_path / "other.bin"),
+                                 progress=False)
+        assert mine.read_text() == "not an output of prepare_data"
+        assert not (tmp_path / "other.bin").exists()
+        mine.unlink()

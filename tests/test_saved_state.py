@@ -201,6 +201,28 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypat
     assert [h["step"] for h in run.history] == [2, 3]
 
 
+def test_a_save_killed_just_before_its_rename_is_not_a_checkpoint(tmp_path, monkeypatch):
+    """Killed after step_N.tmp holds every file, meta.json too, but before the rename: the .tmp
+    is not a checkpoint (not the newest, not resumed from); the one before it is."""
+    train.train(config(tmp_path, 2, save_every=1))
+    real = os.rename
+
+    def dies_before_rename(src, dst):
+        if os.path.basename(str(src)).startswith("step_"):
+            raise KeyboardInterrupt  # the process is gone before the rename
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", dies_before_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(config(tmp_path, 3, resume=True, save_every=1))
+    monkeypatch.undo()
+    assert (tmp_path / "step_00000003.tmp" / "meta.json").is_file()
+    assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path))] == [
+        "step_00000001", "step_00000002"]
+    run = train.train(config(tmp_path, 4, resume=True))
+    assert [h["step"] for h in run.history] == [2, 3]
+
+
 def test_only_the_two_newest_checkpoints_are_kept(tmp_path):
     train.train(config(tmp_path, 4, save_every=1))
     assert [os.path.basename(p) for p in saved_state.complete_saves(str(tmp_path))] == [
@@ -361,19 +383,38 @@ def test_an_output_that_is_the_data_file_is_refused_before_writing(tmp_path, cap
         assert data.read_bytes() == before
 
 
+def test_a_log_file_linked_to_the_data_file_is_refused_even_with_overwrite(tmp_path, capsys):
+    """--log-file names a symbolic link to the --data file: the same file, refused before the
+    log is opened (with --overwrite, opening it would truncate the data)."""
+    data = tmp_path / "tokens.bin"
+    data.write_bytes((torch.arange(1000) % 256).to(torch.int16).numpy().tobytes())
+    before = data.read_bytes()
+    link = tmp_path / "log.jsonl"
+    link.symlink_to(data)
+    with pytest.raises(SystemExit):
+        train.main(["--data", str(data), "--seq-len", "32", "--steps", "1", "--overwrite",
+                    "--log-file", str(link)])
+    assert f"--log-file {str(link)!r} is the --data input" in capsys.readouterr().err
+    assert data.read_bytes() == before
+
+
 class PoisonedAdamW(torch.optim.AdamW):
-    """AdamW whose third step leaves a NaN in the weights (as a huge lr eventually does)."""
+    """AdamW whose third step leaves a NaN (or `poison`) in the weights (as a huge lr
+    eventually does)."""
+    poison = float("nan")
 
     def step(self, closure=None):
         result = super().step(closure)
         self.steps = getattr(self, "steps", 0) + 1
         if self.steps == 3:
             with torch.no_grad():
-                next(iter(self.param_groups[0]["params"])).view(-1)[0] = float("nan")
+                next(iter(self.param_groups[0]["params"])).view(-1)[0] = self.poison
         return result
 
 
-def test_a_non_finite_state_is_never_saved(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_state_is_never_saved(tmp_path, monkeypatch, capsys, poison):
+    monkeypatch.setattr(PoisonedAdamW, "poison", poison)
     monkeypatch.setattr(train, "make_optimizer", lambda model, cfg: PoisonedAdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), fused=True))
     with pytest.raises(SystemExit):
@@ -449,6 +490,28 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path, monkeyp
     assert sorted(os.listdir(tmp_path)) == [".lock", "step_00000001"]  # no partial .tmp left
 
 
+def test_a_save_needing_one_byte_more_than_is_free_is_refused_before_writing(tmp_path,
+                                                                             monkeypatch):
+    """The state's bytes (every tensor of the weights and of Adam's state) against the free
+    space: one byte short is refused before anything is written, exactly enough is saved."""
+    import shutil
+
+    run = train.train(config(tmp_path / "run", 1))
+    need = sum(t.numel() * t.element_size() for t in run.model.state_dict().values())
+    need += sum(v.numel() * v.element_size() for state in run.optimizer.state.values()
+                for v in state.values() if torch.is_tensor(v))
+    cfg = config(tmp_path / "saves", 1)
+    os.makedirs(cfg.save_dir)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need - 1))
+    with pytest.raises(saved_state.SaveFailed, match="no space left"):
+        saved_state.save_state(cfg, Runtime(), run.model, run.optimizer, 1)
+    assert os.listdir(cfg.save_dir) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=need))
+    saved_state.save_state(cfg, Runtime(), run.model, run.optimizer, 1)
+    assert saved_state.complete_saves(cfg.save_dir)[-1].endswith("step_00000001")
+
+
 @pytest.mark.parametrize("setup,flag,needle", [
     ("file", "--save-dir", "is a file, not a directory"),
     ("under a file", "--log-file", "cannot be written: "),  # a missing folder is created instead
@@ -512,6 +575,19 @@ def test_resume_honours_a_new_lr_and_says_so(tmp_path, capsys):
                               saved.model, saved.optimizer)
     for a, b in zip(run.model.parameters(), saved.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_resume_applies_a_changed_weight_decay(tmp_path, capsys):
+    """Saved with --weight-decay 0.1, resumed without it (0): the optimizer steps with 0, as
+    the message says."""
+    train.train(config(tmp_path, 2, weight_decay=0.1))
+    capsys.readouterr()
+    run = train.train(config(tmp_path, 3, resume=True))
+    out = capsys.readouterr().out
+    assert "--weight-decay 0.0 --warmup-steps 0 from the command line" in out
+    assert "weight decay 0.1" in out
+    assert [g["weight_decay"] for g in run.optimizer.param_groups] == [0.0] * len(
+        run.optimizer.param_groups)
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -233,6 +233,34 @@ def test_the_synthetic_global_batch_does_not_depend_on_the_layout():
     assert torch.equal(two_ranks, one_process)
 
 
+def test_a_token_file_gives_each_data_parallel_rank_its_own_windows(tmp_path):
+    """2 data-parallel ranks of 2 rows, steps 0-2, over a file of 20 windows of seq_len + 1
+    distinct ids: step s, rank r reads windows 4s + 2r and 4s + 2r + 1, consecutive in the file;
+    no window twice, the global batch of 1 process of 4 rows."""
+    window = 9
+    stream = torch.arange(20 * window) % 255 + 1
+    path = write_token_file(tmp_path / "tokens.bin", stream)
+    cfg = replace(train.parse_args(["--data", path, "--seq-len", "8"]), batch_size=2)
+    windows = stream.view(20, window)
+    for step in range(3):
+        for rank in (0, 1):
+            first = 4 * step + 2 * rank
+            got = TokenData(cfg, 256, rank, 2).batch(step)
+            assert torch.equal(got, windows[first:first + 2]), (step, rank)
+        one_process = TokenData(replace(cfg, batch_size=4), 256, 0, 1).batch(step)
+        assert torch.equal(one_process, windows[4 * step:4 * step + 4]), step
+
+
+def test_a_sidecar_counting_other_tokens_is_refused(tmp_path, capsys):
+    """The sidecar's token count is not the file's (a truncated copy, another file's sidecar):
+    refused before training, naming both."""
+    path = tmp_path / "tokens.bin"
+    write_token_file(path, torch.arange(1000) % 255 + 1, sidecar={"dtype": "uint16",
+                                                                  "tokens": 999})
+    assert ("says 999 tokens, but" in error_of(["--data", str(path), "--seq-len", "64",
+                                                 "--steps", "1"], capsys))
+
+
 def _seeded_steps_equal_one_process(seed: int):
     """Step 0 of --seed `seed` under FSDP (dp 2) and under --stack 5 --sp 2 (05's sequence
     shards, FSDP; dp 1) equals the plain model drawn from `seed` in one process, on the same
