@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from base.gradient_memory import gradients_in_compute_memory
+from base.one_rank_gather import cast_into_buffer
 from model import Transformer
 
 GiB = 2**30
@@ -76,6 +77,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype = torch.
             # GPU's capacity: allocator retries, base/gradient_memory.py). On one rank the
             # reduce-scatter is the identity: its output is its input, nothing is copied.
             gradients_in_compute_memory(module, one_rank=ranks == 1)
+            if ranks == 1:  # one rank gathers nothing, yet FSDP2 casts each weight, then copies
+                # the cast into its buffer: here the cast writes the buffer
+                cast_into_buffer(module)
         if isinstance(module, FSDPModule) and ranks > 1:
             # Our loss is already the mean over the tokens of all ranks (train.py divides the
             # summed loss by the global token count), so the rank gradients must be summed,

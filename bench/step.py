@@ -13,7 +13,9 @@ the cache emptied, tried again), and what it holds cached per CUDA stream after 
 (`--release-cache`: given back at each step's end, an A/B against the retries;
 `--reduce-scatter-stream-gradients`: FSDP2's own allocation of the gradients, the A/B of
 base/gradient_memory.py; `--one-rank-reduce-copied`: on one GPU FSDP2's copy of the reduced
-gradients again, the A/B of its in-place reduce; `--norm-outputs-kept`: the blocks 03 leaves
+gradients again, the A/B of its in-place reduce; `--one-rank-gather-copied`: on one GPU FSDP2's
+gather casts each weight, then copies the cast into its buffer again, the A/B of
+base/one_rank_gather.py; `--norm-outputs-kept`: the blocks 03 leaves
 unchecked keep their norms' outputs, the A/B of 03's recompute_norms).
 `--layers N` overrides the preset's depth (stated in the result). `--snapshot` adds what was
 alive at the peak (model state / attention / other, and the largest owners), read from PyTorch's
@@ -38,6 +40,7 @@ import plan as planner
 from base import kernels
 from base.gradient_memory import (gradient_memory_of, gradients_on_the_reduce_scatter_stream,
                                   one_rank_copies, one_rank_reduce_of)
+from base.one_rank_gather import cast_then_copy, one_rank_gather_of
 from support.config import checkpointed_layers
 from support.lessons import checkpointing
 from support.runtime import read_machine, setup_runtime
@@ -85,6 +88,9 @@ def main():
     parser.add_argument("--one-rank-reduce-copied", action="store_true",
                         help="on one GPU, FSDP2's reduce-scatter output a copy of its input again "
                              "(the A/B of base/gradient_memory.py's in-place reduce)")
+    parser.add_argument("--one-rank-gather-copied", action="store_true",
+                        help="on one GPU, FSDP2's gather casts each weight, then copies the cast "
+                             "(the A/B of base/one_rank_gather.py)")
     parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     parser.add_argument("--trace", default=None,
                         help="with --profile: rank 0's Chrome trace file (name.json.gz: gzipped)")
@@ -112,6 +118,8 @@ def main():
         gradients_on_the_reduce_scatter_stream(model)
     elif opts.one_rank_reduce_copied:
         one_rank_copies(model)
+    if opts.one_rank_gather_copied:
+        cast_then_copy(model)
     optimizer = train.make_optimizer(model, cfg)
     memory = {"after_build_gib": gib()}
     times, peaks, reserved, losses, retries, cached = [], [], [], [], [], []
@@ -120,6 +128,7 @@ def main():
               "release_cache": opts.release_cache,
               "gradient_memory": gradient_memory_of(model),
               "one_rank_reduce": one_rank_reduce_of(model),
+              "one_rank_gather": one_rank_gather_of(model),
               "norm_outputs": (None if checkpointed_layers(cfg, args.n_layers) in (0, args.n_layers)
                                else "kept" if opts.norm_outputs_kept else "recomputed"),
               "config": dataclasses.asdict(cfg), "dp": rt.dp, "sp": rt.sp,

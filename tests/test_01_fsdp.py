@@ -253,6 +253,96 @@ def test_gpu_one_rank_reduces_in_place():
     run_ranks(1, _one_rank_reduces_in_place, "cuda", "small", 2048, backend="nccl")
 
 
+def _one_rank_gathers_with_one_cast(device="cpu", model_name="tiny", seq_len=SEQ_LEN):
+    """One rank, bf16 compute: each FSDP group's gather casts each fp32 shard straight into the
+    buffer its bf16 weights live in (FSDP2's own casts into a new tensor, then copies that into
+    the buffer: 4 bytes a parameter more, read and written); the loss and gradients are FSDP2's
+    own gather's, bit for bit. On a GPU the allocator sees it: FSDP2's own allocates the casts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from base import one_rank_gather
+
+    class Copies(TorchDispatchMode):  # the casts that make a new tensor, and the copies
+        def __init__(self):
+            super().__init__()
+            self.casts, self.copies, self.onto_itself = 0, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.casts += 1
+            elif func is torch.ops.aten.copy_.default:
+                same = args[0].untyped_storage().data_ptr() == args[1].untyped_storage().data_ptr()
+                self.onto_itself += same
+                self.copies += not same
+            return func(*args, **(kwargs or {}))
+
+    args = llama.get_model_args(model_name)
+    tokens = torch.randint(0, args.vocab_size, (ROWS_PER_RANK, seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    cfg = Config(model=model_name, fsdp=True, seq_len=seq_len, batch_size=ROWS_PER_RANK,
+                 device=device, dtype="bfloat16")
+    rt = setup_runtime(cfg)
+    results, allocated = {}, {}
+    for ours in (True, False):
+        model = train.build_model(cfg, rt)
+        if not ours:
+            one_rank_gather.cast_then_copy(model)  # bench.step's A/B
+        assert one_rank_gather.one_rank_gather_of(model) == (
+            "cast into the buffer" if ours else "cast then copied")
+        block = model.layers[0]
+        weights = len(list(block.parameters()))
+        total = "allocated_bytes.all.allocated"  # every allocation's bytes, added up
+        before = torch.cuda.memory_stats()[total] if device == "cuda" else 0
+        with Copies() as seen:
+            block.unshard()
+        if device == "cuda":
+            allocated[ours] = torch.cuda.memory_stats()[total] - before
+        assert all(p.dtype == torch.bfloat16 for p in block.parameters())
+        block.reshard()
+        assert (seen.casts, seen.copies, seen.onto_itself) == (
+            (0, weights, weights) if ours else (weights, weights, 0)), vars(seen)
+        loss = train.forward_backward(model, tokens, rt)
+        results[ours] = loss, {n: p.grad.to_local() for n, p in model.named_parameters()}
+        del model, block
+    (loss, grads), (loss_default, grads_default) = results[True], results[False]
+    assert torch.equal(loss, loss_default)
+    if device == "cpu":
+        assert all(torch.equal(grads[n], grads_default[n]) for n in grads)
+    else:  # to the attention backward's run-to-run spread (fp32 sums in no fixed order)
+        errors = {n: relative_error(grads[n], grads_default[n]) for n in grads}
+        assert max(errors.values()) < 1e-3, errors
+    if allocated:
+        casts = 2 * sum(p.numel() for p in llama.Transformer(args).layers[0].parameters())
+        more = allocated[False] - allocated[True]
+        assert casts <= more <= casts + 512 * weights, (more, casts)
+    assert one_rank_gather.one_rank_gather_of(llama.Transformer(args)) is None
+
+
+def test_one_rank_gathers_with_one_cast():
+    run_ranks(1, _one_rank_gathers_with_one_cast)
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_gathers_with_one_cast():
+    run_ranks(1, _one_rank_gathers_with_one_cast, "cuda", "small", 2048, backend="nccl")
+
+
+def test_more_ranks_gather_as_fsdp2_does():
+    run_ranks(2, _more_ranks_gather_as_fsdp2_does)
+
+
+def _more_ranks_gather_as_fsdp2_does():
+    """Over two ranks the gather is FSDP2's all-gather, unchanged."""
+    from base import one_rank_gather
+
+    cfg = Config(model="tiny", fsdp=True, seq_len=SEQ_LEN, batch_size=ROWS_PER_RANK,
+                 dtype="bfloat16")
+    model = train.build_model(cfg, setup_runtime(cfg))
+    assert one_rank_gather.one_rank_gather_of(model) is None
+    assert all(type(p).__name__ == "FSDPParam"
+               for group in one_rank_gather.param_groups(model) for p in group.fsdp_params)
+
+
 def test_gradients_come_from_the_compute_memory():
     run_ranks(2, _gradients_come_from_the_compute_memory)
 
