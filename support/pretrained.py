@@ -95,12 +95,15 @@ def model_args_from_hf(path_or_config) -> ModelArgs:
 
     hidden, n_heads = config["hidden_size"], config["num_attention_heads"]
     rope = rope_fields_from_hf(config)
+    # a field left out is read as transformers' config class reads it: LlamaConfig derives the
+    # KV heads and head_dim from the heads, Qwen3Config has defaults of its own (32 and 128)
+    qwen3 = family == "qwen3"
     return ModelArgs(
         dim=hidden, n_layers=config["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=config.get("head_dim") or hidden // n_heads,
+        n_kv_heads=config.get("num_key_value_heads", 32 if qwen3 else None) or n_heads,
+        head_dim=config.get("head_dim", 128 if qwen3 else None) or hidden // n_heads,
         ffn_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-6 if family == "qwen3" else 1e-5),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=family == "qwen3", eos_id=first_id(config.get("eos_token_id")), **rope)
 

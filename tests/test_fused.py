@@ -64,6 +64,20 @@ def test_fused_forms_equal_model_py_and_their_gradients_are_exact():
     assert torch.autograd.gradcheck(lambda t: fused.rotary(t, cos, sin), (x.requires_grad_(),))
 
 
+def test_swiglu_down_gives_gate_or_up_its_gradient_when_the_other_needs_none():
+    """SwiGLUDown with only one of gate and up requiring a gradient (down_proj's weight frozen):
+    that one still gets model.py's gradient, not None."""
+    gate, up, weight, grad = _inputs(torch.float64)[:4]
+    for needs in ("gate", "up"):
+        inputs = {"gate": gate.clone(), "up": up.clone()}
+        leaf = inputs[needs].requires_grad_()
+        want, = torch.autograd.grad(_plain_down(inputs["gate"], inputs["up"], weight), leaf, grad)
+        got, = torch.autograd.grad(fused.SwiGLUDown.apply(inputs["gate"], inputs["up"], weight),
+                                   leaf, grad, allow_unused=True)
+        assert got is not None, needs
+        torch.testing.assert_close(got, want, msg=needs)
+
+
 def test_a_built_model_runs_them_and_its_mlp_keeps_two_activations_less():
     """The build installs both seams; an untiled block's MLP then keeps gate and up
     (2 x tokens x ffn_dim, the planner's count), where model.py's plain one keeps silu(gate)

@@ -135,6 +135,61 @@ def test_rotary_frequencies_equal_transformers():
         assert llama.rope_attention_factor(args) == pytest.approx(factor, rel=1e-12), rope
 
 
+YARN_DERIVED = {
+    # beta_fast and beta_slow left out (32 and 1): at an original context of 8K they decide which
+    # dimensions blend (at ORIGINAL's 32 tokens every dimension is stretched, whatever they are)
+    "yarn-8k-default-betas": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                              "original_max_position_embeddings": 8192},
+    # no attention_factor: derived from mscale and mscale_all_dim
+    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                    "original_max_position_embeddings": ORIGINAL, "mscale": 1.0,
+                    "mscale_all_dim": 0.5},
+}
+
+
+@pytest.mark.parametrize("rope", list(YARN_DERIVED))
+def test_yarn_settings_left_to_derive_equal_transformers(rope):
+    """yarn's inverse frequencies and attention factor where the config leaves them to be
+    derived (default betas at a real original context; the factor from mscale), bit for bit."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = YARN_DERIVED[rope]
+    context = int(parameters["original_max_position_embeddings"] * parameters["factor"])
+    config = transformers.LlamaConfig(**{**COMMON, "head_dim": 128,
+                                         "max_position_embeddings": context,
+                                         "rope_parameters": dict(parameters)})
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](config, CPU)
+    args = pretrained.model_args_from_hf({**config.to_dict(),
+                                          "architectures": ["LlamaForCausalLM"]})
+    assert torch.equal(llama.rope_frequencies(args), want)
+    assert llama.rope_attention_factor(args) == pytest.approx(factor, rel=1e-12)
+    assert factor != pytest.approx(1.0)
+
+
+def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them():
+    """A config.json written by hand, without num_key_value_heads, head_dim or rms_norm_eps:
+    each read as transformers' config class reads it (Llama: every head its own K/V, head_dim
+    hidden_size / heads; Qwen3: its own defaults, 32 KV heads of 128; both: eps 1e-6)."""
+    left_out = ("num_key_value_heads", "head_dim", "rms_norm_eps")
+    given = {k: v for k, v in COMMON.items() if k not in left_out}
+    for family, config_class in (("Llama", transformers.LlamaConfig),
+                                 ("Qwen3", transformers.Qwen3Config)):
+        want = config_class(**given)
+        args = pretrained.model_args_from_hf({**given, "architectures": [f"{family}ForCausalLM"]})
+        assert (args.n_kv_heads, args.head_dim, args.norm_eps) == (
+            want.num_key_value_heads, want.head_dim, want.rms_norm_eps), family
+    llama = pretrained.model_args_from_hf({**given, "architectures": ["LlamaForCausalLM"]})
+    assert (llama.n_kv_heads, llama.head_dim, llama.norm_eps) == (4, 16, 1e-6)
+
+
+def test_the_first_of_several_end_tokens_separates_documents():
+    """eos_token_id as a list (Llama 3.1 Instruct's [128001, 128008, 128009]): eos_id, packed
+    documents' separator and the export's eos_token_id, is the first, <|end_of_text|>."""
+    config = {**COMMON, "architectures": ["LlamaForCausalLM"]}
+    for eos, want in (([128001, 128008, 128009], 128001), (128009, 128009), (None, None)):
+        assert pretrained.model_args_from_hf({**config, "eos_token_id": eos}).eos_id == want
+
+
 # train.py's --rope-* flags, other than the tiny preset's own rotary (llama3: factor 8, original
 # 8192, theta 1e4). At head_dim 8 and theta 8000 the wavelengths 2 pi theta^(i/4) are 6, 59, 562
 # and 5316 tokens: llama3 keeps the first (< 64/4), blends the second, stretches the others;
@@ -260,6 +315,26 @@ def test_export_round_trip(tmp_path, case):
         again, again_args = build.build_from_hf(str(out), CPU)
         assert again_args == args
         assert torch.equal(again(ids, pos), want)
+
+
+def test_export_keeps_yarn_s_given_attention_factor_and_truncate(tmp_path):
+    """A yarn model whose config gives its attention factor (1.3) and truncate=False, exported:
+    transformers opening the export rotates and scales as opening the original (left out of
+    config.json, each would take its default) and computes the same logits. Its original
+    context is 8K: at ORIGINAL's 32 tokens no dimension's correction range needs truncating."""
+    rope = {**ROPE["yarn-explicit"], "rope_theta": 500000.0,
+            "original_max_position_embeddings": 8192}
+    hf = make_hf_model(tmp_path / "in", "llama-yarn-explicit", rope_parameters=rope,
+                       max_position_embeddings=4 * 8192)
+    model, args = build.build_from_hf(str(tmp_path / "in"), CPU)
+    pretrained.export_hf(model, args, str(tmp_path / "out"), dtype=torch.float32)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                              dtype=torch.float32)
+    assert again.model.rotary_emb.attention_scaling == hf.model.rotary_emb.attention_scaling
+    assert torch.equal(again.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
+    ids = batch(seed=5)[0]
+    with torch.no_grad():
+        assert rel_err(again(ids).logits, hf(ids).logits) < 1e-5
 
 
 def test_export_bf16_and_load_into_fp32(tmp_path):

@@ -589,6 +589,103 @@ def test_a_gpu_run_with_no_technique_flag_takes_auto_and_says_so(capsys):
     assert first.startswith("--stack auto: --stack 1") or "memory-only" in first, first
 
 
+# ---------------------------------------------------------------------------------------------
+# Terms that no calibrated row exercises: each against a plain computation of what it counts
+# ---------------------------------------------------------------------------------------------
+
+def test_every_micro_batch_runs_the_compute_and_the_step_updates_once():
+    """--grad-accum 2: each micro-batch runs the layers, attention, elementwise work, norms and
+    loss again (twice the seconds of one), and the optimizer steps once a step (the same)."""
+    cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True, dtype="bfloat16")
+    one, two = (step_time.step_seconds(replace(cfg, grad_accum=m), 1, H200, "fa4")
+                for m in (1, 2))
+    for term in ("linear layers", "attention", "elementwise", "norms", "loss"):
+        assert one[term] > 0 and two[term] == pytest.approx(2 * one[term]), term
+    assert two["optimizer step"] == one["optimizer step"]
+
+
+def test_recomputed_logits_count_only_under_the_tiled_loss():
+    """recompute_logits marks rows whose tiled loss computed each tile's logits again: lm_head's
+    forward once more (2 x tokens x dim x vocab FLOPs) and its logits' bytes; untiled, the loss
+    recomputes nothing and the marker changes no FLOP and no second."""
+    args = llama.get_model_args("llama3-8b")
+    lm_head = 2 * 2**15 * args.dim * args.vocab_size
+    tiled, again = (step_time.step_flops(args, 2**15, recompute_logits=r) for r in (False, True))
+    assert again["linear"] - tiled["linear"] == lm_head
+    untiled, untiled_again = (step_time.step_flops(args, 2**15, tile_loss=False,
+                                                   recompute_logits=r) for r in (False, True))
+    assert untiled_again == untiled
+    cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True, dtype="bfloat16")
+    plain, marked = (step_time.step_seconds(cfg, 1, H200, "fa4", recompute_logits=r)
+                     for r in (False, True))
+    assert marked["loss"] == plain["loss"] and marked["linear layers"] == plain["linear layers"]
+
+
+def test_collectives_show_beside_a_block_s_forward_of_the_step_s_own_compute():
+    """01 on 8 GPUs at 512 tokens a GPU, checkpointed: each later block's gather shows past one
+    block's forward, its gather and its gradients' scatter past its backward (two forwards),
+    one block's forward being the step's linear and attention seconds over its 3 + 1 passes
+    (forward, backward of twice its work, 03's recompute) and its layers."""
+    args = llama.get_model_args("llama3-8b")
+    cfg = Config(model="llama3-8b", seq_len=4096, fsdp=True, ulysses=True, checkpoint=True,
+                 dtype="bfloat16")
+    terms = step_time.step_seconds(cfg, 8, H200, "fa4", args)
+    forward = (terms["linear layers"] + terms["attention"]) / (3 + 1) / args.n_layers
+    block = byte_counts.block_params(args)
+    root = llama.num_params(args) - args.n_layers * block
+    gather = block * 2 * (7 / 8) / H200.all_to_all  # bf16 weights, each rank gets 7/8
+    scatter = block * 4 * (7 / 8) / H200.all_to_all  # fp32 gradients
+    shown = (args.n_layers - 1) * (max(0.0, gather - forward)
+                                   + max(0.0, gather + scatter - 2 * forward))
+    assert gather + scatter > 2 * forward  # this regime shows both
+    waited = gather + scatter + root * (2 + 4) * (7 / 8) / H200.all_to_all
+    assert terms["collectives (01)"] == pytest.approx(shown + waited)
+
+
+def test_the_optimizer_step_reads_and_writes_the_gradient_for_the_clip_only_with_it():
+    """The fused AdamW step over one GPU's fp32 state: 32 bytes a parameter (4 tensors read, 3
+    written, and the gradient norm's read), and 4 more with --grad-clip (each gradient written
+    back divided); --grad-clip 0 skips that write."""
+    args = llama.get_model_args("llama3-8b")
+    cfg = Config(model="llama3-8b", fsdp=True, dtype="bfloat16")
+    for clip, per_param in ((1.0, 36), (0.0, 32)):
+        seconds = step_time.optimizer_seconds(replace(cfg, grad_clip=clip), args, 1, H200)
+        assert seconds == pytest.approx(llama.num_params(args) * per_param / H200.memory), clip
+
+
+def test_offloaded_inputs_carry_the_kept_attention_and_its_fp32_log_sum_exp():
+    """03's copies with --keep-attention, each longer than the compute beside it (none here):
+    every checkpointed block's input but the last, with its attention output (bf16) and
+    log-sum-exp (fp32, one per head and token), goes out and comes back."""
+    args = llama.get_model_args("llama3-8b")
+    cfg = Config(model="llama3-8b", seq_len=2**17, checkpoint=True, offload=True,
+                 keep_attention=True, dtype="bfloat16")
+    n = 2**17
+    nbytes = n * args.dim * 2 + n * args.n_heads * args.head_dim * 2 + n * args.n_heads * 4
+    seconds = step_time.offload_seconds(cfg, args, n, 2, H200, layer_forward_s=0.0)
+    assert seconds == pytest.approx((args.n_layers - 1) * 2 * nbytes / H200.pinned_copy)
+
+
+def test_moment_copies_out_share_the_engine_with_07_s_activations():
+    """09's copies with 07 offloading blocks in the same forward: each block's moments (two
+    fp32 values a parameter) come in, and go out with 07's copies out spread over the blocks;
+    with nothing to hide them, the forward waits for block 0's copy in and each later block's
+    longer direction (both directions at BOTH_WAYS of the pinned-copy rate)."""
+    args = llama.get_model_args("llama3-8b")
+    cfg = Config(model="llama3-8b", fsdp=True, offload_moments=True, overlap_optimizer=True,
+                 offload_activations=4, dtype="bfloat16")
+    moments = 2 * 4 * byte_counts.block_params(args)
+    rate = H200.pinned_copy * step_time.BOTH_WAYS
+    activations = 8 * moments  # what one of 07's blocks sends: more than the moments
+    out = moments + activations * 4 / args.n_layers
+    want = moments / rate + (args.n_layers - 1) * max(moments, out) / rate
+    assert out > moments
+    got = step_time.moment_copy_seconds(cfg, args, 1, H200, 0.0, activations)
+    assert got == pytest.approx(want)
+    alone = step_time.moment_copy_seconds(cfg, args, 1, H200, 0.0, 0)
+    assert alone == pytest.approx(args.n_layers * moments / rate)
+
+
 if __name__ == "__main__":
     data = calibration()
     if "--fit" in sys.argv:
