@@ -1026,9 +1026,9 @@ def test_a_timing_starts_where_the_optimizer_step_is_steady():
 
 
 def test_trace_gaps_tell_a_late_host_from_a_wait_on_another_stream():
-    """bench/trace_gaps.py: a gap whose next kernel was launched after it began is the host's;
-    one whose next kernel was queued before it is a wait, caused by what ended last on another
-    stream; gaps shorter than the threshold and other streams' own gaps are not counted."""
+    """bench/trace_gaps.py: a gap is the host's until its next kernel is launched, the GPU's
+    wait after that, caused by what ended last on another stream; gaps shorter than the
+    threshold and other streams' own gaps are not counted."""
     from bench import trace_gaps
 
     def kernel(ts, dur, correlation, stream=7, name="gemm"):
@@ -1042,14 +1042,13 @@ def test_trace_gaps_tell_a_late_host_from_a_wait_on_another_stream():
     copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 4000, "dur": 1900,
             "args": {"stream": 24, "correlation": 9}}
     events = [kernel(0, 1000, 1), launch(0, 1),
-              kernel(3000, 1000, 2), launch(2500, 2),  # launched 1.5 ms into the gap
+              kernel(3000, 1000, 2), launch(2500, 2),  # 1.5 ms the host's, 0.5 waiting
               kernel(6000, 1000, 3), launch(3100, 3),  # queued before: waited for the copy
               kernel(7500, 1000, 4), launch(3200, 4),  # 0.5 ms: under the threshold
               kernel(0, 300, 5, stream=20), kernel(9000, 300, 6, stream=20), copy]
     found = trace_gaps.gaps(events, min_us=1000)
-    assert [(g["start_ms"], g["ms"], g["host_late"]) for g in found] == [
-        (1.0, 2.0, True), (4.0, 2.0, False)]
-    assert found[0]["lead_ms"] == 0.5 and found[1]["lead_ms"] == 2.9
+    assert [(g["start_ms"], g["ms"], g["host_ms"], g["waiting_ms"]) for g in found] == [
+        (1.0, 2.0, 1.5, 0.5), (4.0, 2.0, 0.0, 2.0)]
     assert (found[1]["cause"], found[1]["cause_stream"]) == ("Memcpy HtoD", 24)
-    assert trace_gaps.summary(found) == ("main-stream gaps: 2; the host late 2.0 ms, "
-                                         "the GPU waiting 2.0 ms")
+    assert trace_gaps.summary(found) == ("main-stream gaps: 2; the host late 1.5 ms, "
+                                         "the GPU waiting 2.5 ms")
