@@ -402,6 +402,24 @@ def test_llama3_8b_model_state_per_gpu():
             == pytest.approx(15.0, abs=0.05))
 
 
+def test_shards_are_padded_where_the_gpus_do_not_divide_the_model():
+    """FSDP pads the last shard: on 3 GPUs Llama-3-8B's 8,030,261,248 parameters (not a
+    multiple of 3) are ceil(n / 3) a rank in each fp32 tensor of the model state; the root's
+    likewise in its gradient shard, beside the end of backward's fp32 reduce-scatter input
+    (6 bytes a root parameter: the bf16 gradients and that input, less the shard not yet
+    made), and with the state on the host in the reduce-scatter stream's cache."""
+    args = llama.get_model_args("llama3-8b")
+    n, root = 8_030_261_248, 2 * args.vocab_size * args.dim + args.dim
+    assert n % 3 and root % 3
+    shard, root_shard = (n + 2) // 3, (root + 2) // 3
+    assert byte_counts.model_state_bytes(args, 3) == {
+        "parameters": 4 * shard, "gradients": 4 * shard, "optimizer": 8 * shard}
+    assert (byte_counts.fsdp_buffer_bytes(args, 2, 3)["end_of_backward"]
+            == 6 * root - 4 * root_shard)
+    assert (byte_counts.gradient_stream_cache_bytes(args, 3, offload_model_state=True)
+            == 4 * root_shard)
+
+
 def _fsdp_step_results(cfg, rt, steps: int) -> dict:
     """Train `steps` steps of cfg on rt (this rank's rows of each global batch): every step's
     loss and gradient norm, and each parameter's update over the steps (the final weights less

@@ -463,6 +463,18 @@ def test_planner_bytes():
             - tiled_loss == loss_tile * 128_256 * 4)
 
 
+def test_planner_tiles_are_no_longer_than_the_tokens_and_a_norm_tile_holds_six_fp32():
+    """A loss tile given longer than a GPU's tokens (8,192 of 1,024) is those tokens: the input
+    and its gradient, the tokens' bf16 logits and their gradient, lm_head's fp32 gradient sum.
+    A tiled RMSNorm's backward peaks at one tile's six fp32 tensors (04's rms_norm_backward,
+    op by op): 24 bytes x dim a token of a 4,096-token tile."""
+    llama8b = llama.get_model_args("llama3-8b")
+    assert (byte_counts.loss_temporary_bytes(llama8b, 1024, tiled=True, tile_tokens=8192)
+            == 2 * 1024 * 4096 * 2 + 2 * 2 * 1024 * 128_256 + 128_256 * 4096 * 4)
+    norms = byte_counts.norm_temporary_bytes(llama8b, 2**17, tile_tokens=4096)
+    assert norms["norm_backward"] == 24 * 4096 * 4096
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_bad_tile_sizes_are_refused(bad):
     with torch.device("meta"):

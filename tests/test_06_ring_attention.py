@@ -129,6 +129,20 @@ def test_planned_ring_bytes_fall_with_the_ring():
         assert abs(nbytes * ring / planned[0] - 1) < 0.01, planned
 
 
+def test_ring_buffer_bytes_by_hand():
+    """A ring rank's buffers over N = 2^20 tokens (two chunks of C = N/2), 4 query heads and 1
+    KV head of 128, bf16, cuDNN: K/V blocks in flight (2 x 2NKD x 2 bytes), dK/dV in flight in
+    fp32 (2 x 2NKD x 4), dq summed in fp32 (NHD x 4), up to 3 block pairs' K/V gradients (3 x
+    2CKD x 2), one block pair's dq (CHD x 2) and the kernel's workspace over C tokens (its fp32
+    dq, grouped dk/dv per query head, an fp32 row sum)."""
+    n, h, kv, d = 2**20, 4, 1, 128
+    c = n // 2
+    workspace = 4 * c * h * d + 2 * c * h * d * 2 + 4 * c * h
+    assert byte_counts.ring_buffer_bytes(n, h, kv, d) == (
+        2 * 2 * n * kv * d * 2 + 2 * 2 * n * kv * d * 4 + n * h * d * 4
+        + 3 * 2 * c * kv * d * 2 + c * h * d * 2 + workspace)
+
+
 # ---------------------------------------------------------------------------------------------
 # R ranks: the ring against unsharded attention.
 # ---------------------------------------------------------------------------------------------

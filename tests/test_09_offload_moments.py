@@ -299,6 +299,26 @@ def test_the_planner_moves_the_blocks_moments_to_the_host():
     assert "forward of layer 0 (09's moments streaming)" not in kept["moments"]
 
 
+def test_the_first_step_with_09_plans_the_moments_already_made():
+    """09 makes the moments on the host before the first step (adam_allocated=False), so that
+    step's GPU holds the root's moments as every later one's: at the end of backward Llama-3-8B's
+    fp32 parameters and gradients (4 + 4 bytes each) and the root's two fp32 moments."""
+    args = llama.get_model_args("llama3-8b")
+    n, root = llama.num_params(args), 2 * args.vocab_size * args.dim + args.dim
+    first = planner.plan_memory(replace(PLANNED, offload_moments=True), 1, adam_allocated=False)
+    assert first["moments"]["end of backward"]["model_state"] == 8 * n + 8 * root
+
+
+def test_without_fsdp_the_streamed_moments_take_the_compute_dtype():
+    """One process (no FSDP, no fp32 master state): the moments take the parameters' dtype, so
+    in bf16 a Llama-3-8B block's two moments are 2 x 2 bytes for each of its 218,112,000
+    parameters, on the host for all 32 blocks and in the slots for SLOTS of them."""
+    args = llama.get_model_args("llama3-8b")
+    block = 4 * 218_112_000
+    assert byte_counts.streamed_moment_bytes(args, 1, fsdp=False, bytes_per_value=2) == {
+        "block": block, "host": 32 * block, "slots": moments_offload.SLOTS * block}
+
+
 def test_auto_takes_09_where_predicted_faster_and_checkpoints_fewer_blocks():
     """Left open, 09 is weighed after the plans without it: at 32K on one H200 it frees the room
     for all but one block's activations and is predicted faster than the best plan without it

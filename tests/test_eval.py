@@ -566,6 +566,39 @@ def test_planner_forward_only_needs_less_and_reaches_further():
     assert "training (tokens)" in longest
 
 
+def test_planner_forward_counts_each_moment_by_hand():
+    """Llama-3-8B's evaluation forward at 1M tokens over 8 GPUs with Ulysses (--stack 2), N =
+    131,072 local tokens, hidden = N x dim x 2 bytes: fp32 parameter shards; the root and two
+    blocks gathered in bf16; at the attention q, k, v in both layouts, the output and the
+    exchange back's two buffers (5Q + 4K, K of 8 KV heads) and the fp32 log-sum-exp; the MLP's
+    gate, up and activation (3 x N x ffn); at the loss the per-token scores (8 bytes), the final
+    norm's output and the bf16 logits. fp32 logits (fp32_loss in float32) add their log-softmax
+    alone: there is no fp32 copy to make."""
+    args = llama.get_model_args("llama3-8b")
+    dim, ffn, vocab, d = args.dim, args.ffn_dim, args.vocab_size, args.head_dim
+    root = 2 * vocab * dim + dim  # embedding, lm_head, final norm
+    block = 2 * dim * args.n_heads * d + 2 * dim * args.n_kv_heads * d + 3 * dim * ffn + 2 * dim
+    n_params, n = root + args.n_layers * block, 2**20 // 8
+    hidden = n * dim * 2
+    cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**20, stack=2, dtype="bfloat16",
+                                    device="cpu"))
+    moments = plan.plan_memory(cfg, 8, forward_only=True)["moments"]
+    state = {"model_state": 4 * -(-n_params // 8), "fsdp": 2 * (root + 2 * block)}
+    q, kv = n * args.n_heads * d * 2, n * args.n_kv_heads * d * 2
+    assert moments == {
+        "a block's attention": {**state, "saved": 2 * hidden,
+                                "attention": 5 * q + 4 * kv + n * args.n_heads * 4},
+        "a block's post-attention RMSNorm": {**state, "saved": 2 * hidden, "block": 0},
+        "a block's MLP": {**state, "saved": 3 * hidden, "block": 3 * n * ffn * 2},
+        "the loss (per-token scores)": {**state, "saved": hidden,
+                                        "loss": 8 * n + hidden + n * vocab * 2},
+    }
+    fp32 = replace(cfg, dtype="float32")
+    loss = [plan.plan_memory(fp32, 8, forward_only=True, fp32_loss=fp32_loss)["moments"][
+        "the loss (per-token scores)"]["loss"] for fp32_loss in (False, True)]
+    assert loss[1] - loss[0] == n * vocab * 4
+
+
 def test_passkey_vocabulary_from_a_tokenizer(tmp_path):
     """--tokenizer: filler, marker and digits are the tokenizer's ids (a word-level tokenizer
     made here: no hub)."""

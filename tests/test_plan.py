@@ -35,7 +35,7 @@ from support import byte_counts
 from support.config import Config, MAX_STACK, resolve_techniques
 from support.demos import measure_stage_memory
 from support.lessons import tiling, ulysses_sp, untied_sp
-from support.runtime import setup_runtime
+from support.runtime import Machine, setup_runtime
 
 train = importlib.import_module("train")  # noqa: E402
 
@@ -838,6 +838,8 @@ def test_command_line_refuses_like_training():
     (["--gpus", "16", "--gpus-per-node", "3"], "16 GPUs are not whole nodes of 3"),
     (["--scaling", "--gpus-per-node", "3"], "8 GPUs are not whole nodes of 3"),
     (["--stack", "auto", "--eval", "--seq-len", "16K"], "--eval plans eval.py's forward"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be at least 1, got 0"),
+    (["--gpus", "12"], "12 GPUs are not whole nodes of 8"),
 ])
 def test_bad_planner_flags_are_refused_in_words(argv, needle):
     """Once planned for 0 bytes, for an H200 (--gpu ''), with "impossible" rows, or per
@@ -845,6 +847,106 @@ def test_bad_planner_flags_are_refused_in_words(argv, needle):
     with pytest.raises(ValueError) as refused:
         planner.plan_main(["--model", "llama3-8b", *argv])
     assert needle in str(refused.value)
+
+
+def test_one_gpu_reduces_in_place_only_without_gradient_accumulation():
+    """01 on one GPU reduces the gradients in place (base/gradient_memory.py), but with
+    --grad-accum FSDP2's own reduce-scatter runs: at the end of backward the root's fp32
+    reduce-scatter input (4 bytes a root parameter), where in place only its bf16 gradients (2)."""
+    root = 2 * LLAMA8B.vocab_size * LLAMA8B.dim + LLAMA8B.dim  # embedding, lm_head, final norm
+    for grad_accum, per_root_parameter in ((1, 2), (2, 4)):
+        plan = planner.plan_memory(_cfg(1, 2**14, grad_accum=grad_accum), 1)
+        assert plan["moments"]["end of backward"]["fsdp"] == per_root_parameter * root, grad_accum
+
+
+def test_one_process_keeps_its_model_state_in_the_compute_dtype():
+    """Without FSDP the weights, their gradients and Adam's two moments are in the run's dtype:
+    4 tensors of the parameters' size, 16 bytes a parameter in fp32, 8 in bf16."""
+    n = llama.num_params(LLAMA8B)
+    for dtype, per_parameter in (("float32", 16), ("bfloat16", 8)):
+        cfg = resolve_techniques(Config(model="llama3-8b", seq_len=2**12, dtype=dtype, stack=0))
+        assert planner.plan_memory(cfg, 1)["model_state"] == per_parameter * n, dtype
+
+
+def test_op_by_op_norms_keep_no_block_input_at_layer_0():
+    """The rows measured with RMSNorm op by op (fused_norm=False): a norm keeps an fp32 copy of
+    its input (its block's own bytes), not the input, so without 03 layer 0's backward holds no
+    block input besides; with 03 it holds its checkpoint (one hidden state)."""
+    hidden = 2**20 // 8 * LLAMA8B.dim * 2
+    for stack, saved in ((2, 0), (3, hidden)):
+        plan = planner.plan_memory(_cfg(stack, 2**20), 8, fused_norm=False)
+        assert plan["moments"]["backward of layer 0"]["saved"] == saved, stack
+
+
+def test_a_ring_without_a_ulysses_exchange_gives_no_token_layout_back():
+    """--ring 2 on 2 GPUs: Ulysses over one rank exchanges nothing, so no token-layout copy of
+    the attention's is gone at its kernel's backward; the block holds its first norm's output
+    and 1/rms and two hidden states besides the attention: 3 x dim x 2 + 4 bytes a token."""
+    plan = planner.plan_memory(_cfg(4, 2**20, ring=2), 2)
+    local = 2**20 // 2
+    assert plan["ring"] == 2 and plan["sp"] == 2 and plan["block_moment"] == "its attention"
+    for moment in ("backward of the last layer", "backward of layer 0"):
+        assert plan["moments"][moment]["block"] == local * (3 * LLAMA8B.dim * 2 + 4), moment
+
+
+def test_untied_stages_with_a_ring_are_multiples_of_the_ulysses_degree():
+    """With 06's ring U is a multiple of the Ulysses degree P/R, not of all P GPUs: at 5.5M
+    tokens on 8 x 80 GiB with --ring 4 (Ulysses over 2 ranks) U = 4 fits where U = 8 does not,
+    and training takes it rather than the least-memory U = 2."""
+    length, gpu = 11 * 2**19, 80 * GiB
+    assert planner.fewest_stages_that_fit(_cfg(5, length, ring=4), 8, gpu) == 4
+    for chunk, fits in ((4, True), (8, False)):
+        plan = planner.plan_memory(_cfg(5, length, ring=4, head_chunk=chunk), 8)
+        assert planner.fits_on_gpu(plan["peak"], gpu) == fits, chunk
+
+
+def test_the_length_cap_is_per_sequence_of_the_batch_and_named_as_such():
+    """A step holds at most 2^31 tokens: with batch 2 a sequence is at most 2^30 long. A length
+    stopped by the cap (or by `limit`) says "length cap", not what one more step would overfill."""
+    huge = 2**50
+    length, plan = planner.plan_longest_seq_len(_cfg(5, 1024, model="tiny", batch_size=2), 8,
+                                                huge, huge)
+    assert length == 2**30 and plan["limit"] == "length cap"
+    longest, plan = planner.plan_longest_seq_len(_cfg(5, 1024), 8, 80 * GiB, 2 * 2**40)
+    assert plan["limit"] == "GPU"
+    capped, plan = planner.plan_longest_seq_len(_cfg(5, 1024), 8, 80 * GiB, 2 * 2**40,
+                                                limit=longest)
+    assert capped == longest and plan["limit"] == "length cap"
+
+
+def test_more_gpus_are_named_within_a_node_across_nodes_and_where_the_host_takes_them():
+    """From one 80 GiB GPU (Llama-3-8B --stack 5 --offload-model-state): 2M tokens fit on 2
+    GPUs of its node, 8M on 16 (two whole nodes of 8); at 1M with 300 GiB of host memory a node,
+    2 GPUs would hold the step but not their node (187 GiB of host memory each): 16 do."""
+    def advice(length, host_mem):
+        cfg = _cfg(5, length, offload_model_state=True)
+        assert not all(planner.plan_fits(planner.plan_memory(cfg, 1), 1, 80 * GiB, host_mem))
+        return planner.what_would_fit(cfg, 1, 80 * GiB, host_mem)
+
+    assert advice(2**21, 2 * 2**40).startswith("--gpus 2 fits"), advice(2**21, 2 * 2**40)
+    assert advice(2**23, 2 * 2**40).startswith("--gpus 16 fits"), advice(2**23, 2 * 2**40)
+    assert advice(2**20, 300 * GiB).startswith("--gpus 16 fits"), advice(2**20, 300 * GiB)
+
+
+def test_a_run_over_several_nodes_checks_one_nodes_host_memory():
+    """plan_run holds the host memory of one node's ranks (8 of 16 GPUs, each with its share of
+    the 16-GPU step) to the node's: exactly what 8 such ranks' offloaded checkpoints take is
+    enough, a byte less is not. (No speed rates: the memory-only choice.)"""
+    cfg = _cfg(5, 2**22, keep_attention=False, head_chunk=16)
+    need = 8 * planner.plan_memory(cfg, 16)["host"]
+    assert planner.plan_run(cfg, Machine(16, None, 80 * GiB, need, 8)).chosen.fits
+    with pytest.raises(ValueError, match="this node's 8 ranks"):
+        planner.plan_run(cfg, Machine(16, None, 80 * GiB, need - 1, 8))
+
+
+def test_a_run_that_needs_every_block_checkpointed_sets_no_checkpoint_layers():
+    """Where only every block checkpointed fits (Llama-3.2-3B, 176K tokens on one H200), the run
+    checkpoints all of them as --checkpoint alone does: no --checkpoint-layers of its own."""
+    cfg, gpu = _cfg(3, 11 * 2**14, model="llama3.2-3b"), int(139.8 * GiB)
+    n = llama.get_model_args("llama3.2-3b").n_layers
+    assert planner.fewest_checkpointed_layers_that_fit(cfg, 1, gpu) == n
+    chosen, _ = planner.choose(cfg, Machine(1, "NVIDIA H200", gpu, 2**41, 1))
+    assert chosen.fits and chosen.cfg.checkpoint_layers is None
 
 
 def test_a_gpu_without_rates_says_no_step_time_is_predicted():

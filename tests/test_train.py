@@ -1,6 +1,7 @@
 """train.py: the README's default run works, flags compose, and bad input fails clearly."""
 
 import importlib
+import io
 import json
 import os
 import re
@@ -436,3 +437,45 @@ def test_a_cpu_run_whose_model_state_cannot_fit_is_refused_before_it_builds(caps
     monkeypatch.setattr(host_memory, "available_host_memory", lambda: 2**40)  # it fits: trains
     monkeypatch.setattr(train, "build_model", lambda *a: (_ for _ in ()).throw(ValueError("built")))
     assert "built" in error_of(cpu_8b, capsys)
+
+
+def test_a_sharded_cpu_run_needs_only_this_hosts_ranks_share(monkeypatch):
+    """A CPU run of 4 ranks, 2 of them on this host, keeps half the sharded model state here:
+    16 bytes a parameter x 2^30 parameters x 2 / 4 ranks = 8 GiB."""
+    from support import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 2**30)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"at least 8\.0 GiB"):
+        host_memory.check_cpu_run_fits("m", 2**30, sharded=True, dtype="float32")
+
+
+def test_host_adamw_takes_this_ranks_share_of_the_cores(monkeypatch):
+    """--offload-model-state steps AdamW on the host: 2 ranks on a host of 16 cores take 8
+    threads each (not torchrun's one, nor all 16)."""
+    from support import host_memory
+
+    threads = []
+    monkeypatch.setattr(host_memory.os, "sched_getaffinity", lambda pid: set(range(16)),
+                        raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    host_memory.use_this_ranks_cores()
+    assert threads == [8]
+
+
+def test_available_host_memory_is_memavailable_or_the_cgroups_room(monkeypatch):
+    """MemAvailable counts KiB; under a cgroup v2 limit what is left of it (limit less current)
+    where that is less; "max" is no limit."""
+    from support import host_memory
+
+    files = {"/proc/meminfo": "MemTotal: 2048 kB\nMemAvailable: 1000 kB\n",
+             "/sys/fs/cgroup/memory.max": "800000\n",
+             "/sys/fs/cgroup/memory.current": "300000\n"}
+    monkeypatch.setattr(host_memory, "open", lambda path: io.StringIO(files[path]),
+                        raising=False)
+    assert host_memory.available_host_memory() == 500_000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert host_memory.available_host_memory() == 1000 * 1024
