@@ -55,6 +55,7 @@ KERNELS = ("auto", "fa4", "cudnn", "flash", "math")
 _requested = {"kernel": "auto", "varlen": True}  # this process's --attn-kernel; FA4 varlen allowed
 
 
+@functools.cache  # a failed import is looked for again on every call: the planner asks often
 def fa4_installed() -> bool:
     try:
         import flash_attn.cute  # noqa: F401
