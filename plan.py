@@ -1577,7 +1577,8 @@ def plan_main(argv) -> str:
     (or no technique flag) at --seq-len the ranking a GPU run chooses from; the first line says
     the host memory assumed. The flags shared with train.py mean what they mean there; the compute
     dtype defaults to bfloat16 (the GPUs')."""
-    parser = config.flags_parser(FLAG_GROUPS, description=__doc__.split("\n")[0],
+    first_paragraph = " ".join(__doc__.split("\n\n")[0].split())
+    parser = config.flags_parser(FLAG_GROUPS, description=first_paragraph,
                                  allow_abbrev=False)
     planner = parser.add_argument_group(
         "planner", "--seq-len max (the default): the longest length that fits, per --stack level")

@@ -13,8 +13,9 @@ README = (ROOT / "README.md").read_text()
 
 # The last loss after 100 steps moves with fp32 summation order (the thread count, the CPU's
 # vector width, the BLAS kernel each shape gets): every step's rounding differs a little, and
-# training carries it on. The same run measured 3.2607, 3.2621 and 3.2629 on three machines, and
-# 3.2602 and 3.2586 over 2 processes with every technique on (`--stack 5`: other reduction orders).
+# training carries it on. The same run measured 3.2607, 3.2621, 3.2625 and 3.2629 on four machines,
+# and 3.2602, 3.2586 and 3.2584 over 2 processes with every technique on (`--stack 5`: other
+# reduction orders).
 # 0.01 holds all of them and is 0.4% of the loss's fall (5.58 -> 3.26): a change to the recipe
 # (learning rate, schedule, data, initialization) moves it by more. Step 0 is one forward of a
 # fixed initialization: its four decimals do not move.
