@@ -14,7 +14,9 @@ and the distributed run gives each data-parallel rank its rows and each sequence
 its slice, through the same code train.py uses.
 """
 
+import gc
 import importlib
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -94,6 +96,16 @@ def settled_memory_allocated() -> int:
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")
     return torch.cuda.memory_allocated()
+
+
+def live_tensors() -> int:
+    """The tensors alive in this process (a leak test's count), after a garbage collection.
+    (The warnings ignored: the objects include torch.distributed's deprecated `reduce_op`, which
+    warns when asked its class.)"""
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
 def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=None):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (GPU_KERNELS, TINY_4L, assert_matches, assert_step_matches,
-                       build_as_train, full, make_batch, reference_loss_and_grads,
+                       build_as_train, full, live_tensors, make_batch, reference_loss_and_grads,
                        settled_memory_allocated, train_loss_and_grads, with_kernel)
 
 import plan
@@ -145,11 +145,6 @@ def _kept_waiting(model) -> dict:
     return model.kept_attention.waiting if model.kept_attention is not None else {}
 
 
-def _live_tensors() -> int:
-    gc.collect()
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
-
-
 def _repeated_steps_do_not_grow(keep_attention: bool):
     sp = dist.get_world_size()
     model, rt, cfg = build_as_train(Config(model=MODEL, fsdp=True, ulysses=True, offload=True,
@@ -170,7 +165,7 @@ def _repeated_steps_do_not_grow(keep_attention: bool):
         assert host.nbytes == (L - 1) * (ROWS * SEQ // sp * ARGS.dim * 4 + sum(kept))
         buffers.append({pool: [p.data_ptr() for b in free for p in b.pieces]
                         for pool, free in host.free.items()})
-        live.append(_live_tensors())
+        live.append(live_tensors())
     assert all(b == buffers[0] for b in buffers), buffers  # the same host memory every step
     # Step 0 creates the optimizer state; after it, nothing accumulates (no copies brought back
     # and kept, no handles, no host buffers).
@@ -427,7 +422,7 @@ def test_released_norm_outputs_leave_nothing_behind_from_step_to_step():
     live = []
     for step in range(5):
         train.train_step(model, optimizer, data.batch(step), rt, cfg)
-        live.append(_live_tensors())
+        live.append(live_tensors())
     assert len(set(live[1:])) == 1, live
 
 

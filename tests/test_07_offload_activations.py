@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (TINY_4L, assert_matches, assert_step_matches, build_as_train, full,
-                       make_batch, reference_loss_and_grads, settled_memory_allocated,
+                       live_tensors, make_batch, reference_loss_and_grads, settled_memory_allocated,
                        train_loss_and_grads)
 
 import model as llama
@@ -207,9 +207,8 @@ def test_repeated_steps_reuse_host_buffers_and_leak_nothing():
         train.forward_backward(model, tokens, rt, labels)
         for p in model.parameters():
             p.grad = None
-        gc.collect()
         allocations.append(offloader.host_buffers.allocations)
-        live.append(sum(torch.is_tensor(o) for o in gc.get_objects()))
+        live.append(live_tensors())
         assert not offloader.waiting and not offloader.packing
     assert allocations[1:] == allocations[:-1] and allocations[0] > 0, allocations
     assert live[-1] == live[1], live
