@@ -50,7 +50,9 @@ no GPU, its bound from its own measured times, the GEMMs counted as they are now
 no steps, full-depth steps measured elsewhere (bench.step's results, bench/peers' `ours` rows,
 a train.py run saved by hand with its command and the flags auto chose: what `--stack auto`
 ran, checkpointed blocks, untiled MLP and all) against the bound of the
-configuration each ran, measured now or, with --rates-from, a saved result's (no GPU):
+configuration each ran, measured now or, with --rates-from, a saved result's (no GPU); a step
+profiled by bench.step --profile also gets its split: its GEMMs and attention as they ran in it,
+each over its term of the bound, and the time with neither running:
 
     python -m bench.throughput --bound-of docs/results/peers_...json \
         --rates-from docs/results/throughput_llama3-8b_1gpu_bound_16k_64k.json
@@ -355,7 +357,7 @@ def full_depth_steps(path: str) -> list[dict]:
         if saved.get("layers"):
             raise SystemExit(f"--bound-of {path}: {saved['layers']} layers, not full depth")
         found = [(f"{Path(path).name}", saved["config"], saved.get("step_time_s"),
-                  saved.get("attention_kernel"), saved.get("loss_tiles"))]
+                  saved.get("attention_kernel"), saved.get("loss_tiles"), saved.get("profile"))]
     elif "chosen" in saved:  # a train.py run saved by hand: its command and what auto chose
         words = shlex.split(saved.get("command", ""))
         at = next((i for i, word in enumerate(words) if word.endswith("train.py")), None)
@@ -375,16 +377,16 @@ def full_depth_steps(path: str) -> list[dict]:
             kernel = "fa4" if saved.get("flash_attn_4") else "cudnn"
         kernel_name = {"fa4": "FlashAttention-4", "cudnn": "cuDNN"}.get(kernel, kernel)
         found = [(Path(path).name, dataclasses.asdict(cfg), saved.get("step_time_s"),
-                  kernel_name, saved.get("loss_tiles"))]
+                  kernel_name, saved.get("loss_tiles"), None)]
     else:  # bench/peers
         found = [(f"{Path(path).name} row {i} ({r['stack']})", r.get("config"), r["step_time_s"],
                   saved.get("stack_info", {}).get(r["stack"], {}).get("attention"),
-                  r.get("loss_tiles"))
+                  r.get("loss_tiles"), r.get("profile"))
                  for i, r in enumerate(saved.get("rows", []))
                  if r["stack"].startswith("ours") and r.get("status") == "ok"]
     fields = {f.name for f in dataclasses.fields(Config)}
     steps = []
-    for what, config, step_s, kernel_name, loss_tiles in found:
+    for what, config, step_s, kernel_name, loss_tiles, profile in found:
         if not config or step_s is None:
             raise SystemExit(f"--bound-of {path}: {what} records no Config or no step time "
                              f"(bench/peers' rows record their Config since the clip moved into "
@@ -402,7 +404,8 @@ def full_depth_steps(path: str) -> list[dict]:
             raise SystemExit(f"--bound-of {path}: {what} ran attention {kernel_name!r}; the bound "
                              f"measures FlashAttention-4 or cuDNN")
         steps.append({"what": what, "cfg": cfg, "step_time_s": step_s, "kernel": kernel,
-                      "loss_tiles": loss_tiles or LOSS_TILES, "gpu": saved.get("gpu")})
+                      "loss_tiles": loss_tiles or LOSS_TILES, "gpu": saved.get("gpu"),
+                      "profile": profile})
     if not steps:
         raise SystemExit(f"--bound-of {path}: no step of ours in it")
     return steps
@@ -438,8 +441,25 @@ def bound_steps(steps: list[dict], rates: dict, gemm_times: dict, device, dtype)
                  **bound.kernel_bound(flops["attention"], rates[f"{cfg.seq_len}@{step['kernel']}"],
                                       matmul_s, flops["linear"])}
         entry["step_over_bound"] = entry["step_time_s"] / entry["kernel_bound_s"]
+        entry.update(in_step(step.get("profile"), entry))
         table.append(entry)
     return table
+
+
+def in_step(profile: dict | None, entry: dict) -> dict:
+    """Where a profiled step's time went against its bound (bench.step --profile): its GEMMs
+    and its attention calls as they ran in the step, each over its term of the bound (the
+    kernels alone at their best), and the time with neither running (elementwise work, copies,
+    the GPU idle). Which of the two a step over its bound loses to, read off one step."""
+    classes = (profile or {}).get("profile_kernel_classes_ms")
+    if not classes:
+        return {}
+    attention_ms = classes["attention forward"]["ms"] + classes["attention backward"]["ms"]
+    return {"in_step_matmul_over_bound": classes["matmul"]["ms"] / 1e3 / entry["matmul_bound_s"],
+            "in_step_attention_over_bound": attention_ms / 1e3 / entry["attention_bound_s"],
+            "in_step_outside_ms": profile["profile_outside_matmul_and_attention_ms"],
+            "in_step_idle_ms": profile["profile_compute_idle_ms"],
+            "in_step_span_ms": profile["profile_span_ms"]}
 
 
 def add_back_to_back(steps: list[dict], table: list[dict], device, dtype, seconds: float):
@@ -951,6 +971,11 @@ def print_table(table: list) -> None:
               f"{e['tokens_per_s_per_gpu']:>10.1f} {e['mfu']:>6.1%} "
               f"{fmt(e.get('kernel_bound_s'), '.2f'):>8} {fmt(rates[0], '.0f'):>6} "
               f"{fmt(rates[1], '.0f'):>6} {fmt(e.get('step_over_bound'), '.3f'):>7}  {e['how']}")
+        if e.get("in_step_matmul_over_bound"):
+            print(f"{'':>8} {'':>12} its profiled step ({e['in_step_span_ms']:,.0f} ms): GEMMs "
+                  f"{e['in_step_matmul_over_bound']:.3f}x their bound, attention "
+                  f"{e['in_step_attention_over_bound']:.3f}x its, neither running "
+                  f"{e['in_step_outside_ms']:,.0f} ms (the GPU idle {e['in_step_idle_ms']:,.0f})")
         if e.get("back_to_back_s"):
             clocks = e.get("gpu_clocks_back_to_back")
             print(f"{'':>8} {'':>12} the same kernels back to back for "

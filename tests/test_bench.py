@@ -744,6 +744,42 @@ def test_bound_of_full_depth_steps_counts_the_configuration_each_ran(tmp_path):
                 RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json"))
 
 
+def test_bound_of_a_profiled_step_splits_its_time_against_the_bound(tmp_path, capsys):
+    """--bound-of over bench.step --profile's result: its GEMMs and attention as they ran in the
+    step, each over its own term of the bound, and the time with neither running; printed under
+    its row. A step without a profile gets no split."""
+    import dataclasses
+
+    from bench import throughput
+
+    RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+    cfg = Config(model="llama3-8b", seq_len=16384, fsdp=True, checkpoint=True, tile_loss=True,
+                 keep_attention=True, checkpoint_layers=10, dtype="bfloat16")
+    step = {"world_size": 1, "layers": None, "config": dataclasses.asdict(cfg), "status": "ok",
+            "gpu": "NVIDIA H200", "step_time_s": 1.9, "attention_kernel": "FlashAttention-4",
+            "loss_tiles": throughput.LOSS_TILES}
+    classes = {"matmul": {"ms": 1200.0}, "attention forward": {"ms": 100.0},
+               "attention backward": {"ms": 350.0}}
+    profiled = {**step, "profile": {"profile_kernel_classes_ms": classes,
+                                    "profile_outside_matmul_and_attention_ms": 250.0,
+                                    "profile_compute_idle_ms": 30.0, "profile_span_ms": 1900.0}}
+    for name, content in (("plain.json", step), ("profiled.json", profiled)):
+        (tmp_path / name).write_text(json.dumps(content))
+    plain, split = throughput.bound_of_saved_rates(
+        [str(tmp_path / "plain.json"), str(tmp_path / "profiled.json")],
+        str(RESULTS / "throughput_llama3-8b_1gpu_bound_16k_64k.json"))
+    assert not any(key.startswith("in_step") for key in plain)
+    assert split["in_step_matmul_over_bound"] == pytest.approx(1.2 / split["matmul_bound_s"])
+    assert split["in_step_attention_over_bound"] == pytest.approx(
+        0.45 / split["attention_bound_s"])
+    assert (split["in_step_outside_ms"], split["in_step_idle_ms"]) == (250.0, 30.0)
+    throughput.print_table([plain, split])
+    printed = capsys.readouterr().out
+    assert printed.count("its profiled step") == 1
+    assert (f"GEMMs {1.2 / split['matmul_bound_s']:.3f}x their bound" in printed
+            and "neither running 250 ms (the GPU idle 30)" in printed), printed
+
+
 def test_bound_of_a_full_depth_train_py_run_reads_its_command_and_choice(tmp_path):
     """A train.py run saved by hand (docs/results/train_llama3-8b_1gpu_128k_auto.json: its
     command and what --stack auto chose, no Config) is bounded as the Config those flags make:
