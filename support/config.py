@@ -372,6 +372,10 @@ def config_from_flags(flags: argparse.Namespace, auto_on_gpu: bool = False,
     if cfg.stack != AUTO and cfg.loss_tile_tokens is not None and not cfg.tile_loss:
         raise ValueError("--loss-tile-tokens is a setting of --tile-loss (04): add it, "
                          "--stack 4 or higher, or --stack auto (on GPUs)")
+    if getattr(flags, "min_lr", None) is not None and cfg.lr_schedule == "constant":
+        raise ValueError("--min-lr is where --lr-schedule cosine or linear ends; the schedule is "
+                         "constant (the default), which would ignore it: add --lr-schedule "
+                         "cosine (or linear), or drop --min-lr")
     return cfg
 
 
@@ -468,8 +472,16 @@ def resolve_techniques(cfg: Config) -> Config:
                                             and cfg.rope_factor >= 1):
         raise ValueError(f"--rope-factor must be a finite number >= 1 (llama3 and yarn stretch the "
                          f"pretrained context by it), got {cfg.rope_factor}")
-    n_layers = model_args(cfg).n_layers  # an unknown preset or an unsupported Hugging Face
-    # config: a clear error now
+    args = model_args(cfg)  # an unknown preset or an unsupported Hugging Face config: a clear
+    # error now
+    n_layers = args.n_layers
+    stretch = [flag for flag, value in (("--rope-factor", cfg.rope_factor),
+                                        ("--rope-original-context", cfg.rope_original_context))
+               if value is not None]
+    if stretch and args.rope_scaling == "none":  # read by llama3's and yarn's scaling alone
+        raise ValueError(f"{' and '.join(stretch)}: settings of --rope-scaling llama3 or yarn, "
+                         f"and this model's rotary scaling is none (it would be ignored): add "
+                         f"--rope-scaling llama3 (or yarn), or drop {' and '.join(stretch)}")
     if cfg.checkpoint_layers is not None and cfg.checkpoint_layers > n_layers:
         raise ValueError(f"--checkpoint-layers {cfg.checkpoint_layers} is more than the model's "
                          f"{n_layers} layers")

@@ -294,6 +294,16 @@ def test_bad_offload_flags_are_refused_before_anything_runs(flags, error):
         resolve_techniques(Config(model=MODEL, device="cpu", **flags))
 
 
+def test_a_gpu_run_leaves_the_checkpointed_blocks_below_them_to_the_plan(monkeypatch):
+    """On a GPU the plan picks --checkpoint-layers K <= L - 2N: --checkpoint with
+    --offload-activations N and no K is accepted there (refused on the CPU, above, which plans
+    nothing). CUDA is reported present; nothing is built."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = resolve_techniques(Config(model=MODEL, device="cuda", checkpoint=True,
+                                    offload_activations=1))
+    assert cfg.checkpoint_layers is None and cfg.offload_activations == 1
+
+
 def test_the_planner_moves_offloaded_blocks_to_the_host():
     """Llama-3-8B at 32K on one H200: each offloaded block leaves the end of forward with all
     it kept there, the host holds that and its norms' outputs, and the checkpointed blocks that

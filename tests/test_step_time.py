@@ -538,6 +538,19 @@ def test_contradicting_flags_under_auto_say_so(flags, needle):
         planner.plan_run(_auto("llama3-8b", 2**20, **flags), EIGHT_80GB)
 
 
+@pytest.mark.parametrize("flags", [["--checkpoint-layers", "4"], ["--keep-attention"],
+                                   ["--head-chunk", "8"], ["--offload-model-state"],
+                                   ["--ring", "2"], ["--mlp-tile-tokens", "4096"],
+                                   ["--loss-tile-tokens", "4096"]])
+def test_auto_keeps_a_setting_given_without_its_technique(flags):
+    """Under --stack auto a setting given without its technique is a constraint on what the
+    planner ranks (it then takes the technique), not refused as it is without auto."""
+    cfg = train.parse_args(["--model", "llama3-8b", "--seq-len", "1M", "--device", "cpu",
+                            "--stack", "auto", *flags])
+    field = flags[0][2:].replace("-", "_")
+    assert cfg.stack == "auto" and getattr(cfg, field) == (int(flags[1]) if flags[1:] else True)
+
+
 def test_a_length_nothing_fits_names_the_longest_that_does():
     with pytest.raises(ValueError) as error:
         planner.plan_run(_auto("llama3-8b", 12 * 2**20), EIGHT_80GB)

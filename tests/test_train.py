@@ -112,9 +112,67 @@ def error_of(argv, capsys) -> str:
     (["--steps", str(10**23)], "--steps must be at most 2,147,483,648"),  # tqdm's C long
     (["--seq-len", "64", "--grad-accum", str(10**11)], "x --grad-accum 100000000000 is more "
      "than 2,147,483,648 tokens a step"),  # (it built the step's window: a hang)
+    # settings that another flag's value made no-ops, taken silently (the sweep of session 34;
+    # one short step where a regression lets them run)
+    (["--rope-scaling", "none", "--rope-factor", "4", "--seq-len", "32", "--steps", "1"],
+     "--rope-factor: settings of --rope-scaling llama3 or yarn, and this model's rotary scaling "
+     "is none"),
+    (["--min-lr", "1e-4", "--seq-len", "32", "--steps", "1"],
+     "--min-lr is where --lr-schedule cosine or linear ends; the schedule is constant"),
 ])
 def test_bad_flags_give_clear_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
+
+
+def test_a_stretch_of_a_model_without_rotary_scaling_is_refused():
+    """Qwen3's presets scale no rotary frequencies: a --rope-factor or --rope-original-context
+    given for one is refused, not ignored (read at the flags: no model is built)."""
+    for flag, value in (("--rope-factor", "4"), ("--rope-original-context", "4096")):
+        with pytest.raises(ValueError, match=f"{flag}: settings of --rope-scaling llama3 or yarn"):
+            train.parse_args(["--model", "qwen3-0.6b", flag, value])
+    assert train.parse_args(["--model", "qwen3-0.6b", "--rope-scaling", "yarn",
+                             "--rope-factor", "4"]).rope_factor == 4
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--stack", "-1"], "--stack must be between 0 and 5, got -1"),  # not plain training
+    (["--head-chunk", "4"], "--head-chunk is a setting of --untied (05)"),  # not ignored
+    (["--seed", str(2**32)], "--seed must be a whole number from 0 to 2^32 - 1, got 4294967296"),
+    (["--seq-len", "4096M"], "more than 2,147,483,648 tokens (2^31: positions are 32-bit"),
+    (["--rope-theta", "inf"], "--rope-theta must be a finite number > 0 (the rotary base), "
+                              "got inf"),
+    (["--rope-factor", "inf"], "--rope-factor must be a finite number >= 1"),
+    (["--rope-scaling", "yarn", "--rope-factor", "2", "--rope-original-context", "0"],
+     "--rope-original-context must be at least 1 token, got 0"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+])
+def test_values_just_past_each_bound_are_refused(argv, needle, capsys):
+    """The first value each check refuses (one past its bound, or infinite where only a finite
+    number works) gets its clear error before any work: not taken silently."""
+    assert needle in error_of(argv, capsys)
+
+
+def test_cuda_named_where_there_is_none_is_refused(monkeypatch, capsys):
+    """--device cuda on a machine without CUDA: said at the flags, not a traceback later."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cuda, but CUDA is not available here" in error_of(["--device", "cuda"],
+                                                                       capsys)
+
+
+def test_a_gpu_run_defaults_to_bfloat16_and_to_stack_auto(monkeypatch):
+    """--device cuda (CUDA reported present; nothing is built): the dtype defaults to bfloat16
+    and, with no technique flag, the techniques to --stack auto; a --dtype or a technique flag
+    given (--stack 0 too) is kept. The CPU's defaults: float32, no plan."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = train.parse_args(["--device", "cuda"])
+    assert (cfg.dtype, cfg.stack) == ("bfloat16", "auto")
+    given = train.parse_args(["--device", "cuda", "--dtype", "float32", "--stack", "0"])
+    assert (given.dtype, given.stack) == ("float32", 0)
+    assert train.parse_args(["--device", "cuda", "--fsdp"]).stack is None
+    cpu = train.parse_args(["--device", "cpu"])
+    assert (cpu.dtype, cpu.stack) == ("float32", None)
 
 
 @pytest.mark.parametrize("content,needle", [

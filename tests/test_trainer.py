@@ -23,6 +23,7 @@ import plan as planner
 from support import config, errors, progress, saved_state
 from support.runtime import Runtime, setup_runtime
 from support.config import Config, resolve_techniques
+from support.data import TokenData
 
 train = importlib.import_module("train")
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +172,23 @@ def test_grad_accum_equals_the_larger_batch_two_ranks():
 def test_grad_accum_equals_the_larger_batch_dp_2_x_sp_2():
     run_ranks(4, _grad_accum_equals_the_larger_batch, [
         ({"stack": 5, "sp": 2}, 2), ({"stack": 5, "sp": 2, "doc_sep": 0}, 3)])
+
+
+def test_forward_backward_refuses_rows_that_do_not_split_and_labels_beside_documents():
+    """forward_backward's own checks (code may call it, as the tests and benches do): 3 rows
+    into 2 micro-batches is refused (not run as 3 of one row), and labels given beside packed
+    documents, which carry their own, are refused (not one of them silently dropped)."""
+    cfg = resolve_techniques(Config(model="tiny", seq_len=32, batch_size=3, doc_sep=7))
+    rt = setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    data = TokenData(cfg, model.args.vocab_size, 0, 1)
+    tokens = data.batch(0)
+    with pytest.raises(ValueError, match="3 rows do not split into 2 micro-batches"):
+        train.forward_backward(model, tokens, rt, micro_batches=2)
+    with pytest.raises(ValueError, match="pass labels or documents"):
+        train.forward_backward(model, tokens, rt, labels=tokens[:, 1:],
+                               documents=data.documents(0, tokens))
+    assert all(p.grad is None for p in model.parameters())  # refused before any backward
 
 
 def test_grad_accum_is_saved_and_a_changed_one_refused(tmp_path, capsys):
@@ -392,6 +410,31 @@ def test_flags_at_their_bounds_are_accepted():
     assert cfg.tile_norm and not cfg.tile_mlp and cfg.mlp_tile_tokens == 16
 
 
+def test_the_largest_values_each_check_allows_are_accepted():
+    """Each check's bound itself is valid: --steps 2^31, --seed 2^32 - 1, 2^31 tokens in one
+    sequence or a step's micro-batches, --rope-factor 1 (no stretch), --mlp-tile-tokens with
+    --tile-mlp alone; and --stack auto in any case."""
+    cfg = train.parse_args(["--steps", str(2**31), "--seed", str(2**32 - 1), "--seq-len", "2048M",
+                            "--rope-scaling", "yarn", "--rope-factor", "1",
+                            "--tile-mlp", "--mlp-tile-tokens", "16"])
+    assert (cfg.steps, cfg.seed, cfg.seq_len, cfg.rope_factor) == (2**31, 2**32 - 1, 2**31, 1)
+    assert cfg.tile_mlp and not cfg.tile_norm and cfg.mlp_tile_tokens == 16
+    step = train.parse_args(["--seq-len", "1024M", "--grad-accum", "2"])
+    assert step.seq_len * step.grad_accum == 2**31
+    assert train.parse_args(["--stack", " AUTO "]).stack == "auto"
+
+
+def test_a_config_made_in_code_is_checked_like_the_flags():
+    """resolve_techniques refuses what argparse never lets through the command line (a bench or
+    a test builds its Config in code): a negative --steps, an unknown --lr-schedule (which the
+    schedule would silently take for linear)."""
+    with pytest.raises(ValueError, match="--steps must be at least 0, got -1"):
+        resolve_techniques(Config(steps=-1))
+    with pytest.raises(ValueError, match="--lr-schedule must be one of constant, cosine, linear, "
+                                         "got 'cosin'"):
+        resolve_techniques(Config(lr_schedule="cosin"))
+
+
 def test_the_optimizer_steps_at_the_schedules_learning_rate(monkeypatch):
     """train.py's run (the flags parsed), at each step: the learning rate its optimizer steps
     with is the formula's, computed here: --warmup-steps W linear to --lr, then cosine or linear
@@ -460,6 +503,15 @@ def test_a_changed_schedule_on_resume_is_said(tmp_path, capsys):
 ])
 def test_the_default_lr_follows_the_model_size(flags, lr):
     assert resolve_techniques(Config(**flags)).lr == lr
+
+
+@pytest.mark.parametrize("n_params,lr", [(10**8 - 1, 3e-3), (10**8, 3e-4), (7 * 10**9 - 1, 3e-4),
+                                         (7 * 10**9, 1.5e-4)])
+def test_the_default_lr_steps_down_at_100m_and_7b_parameters(n_params, lr, monkeypatch):
+    """--help's promise: 3e-3 below 100M parameters, 3e-4 below 7B, 1.5e-4 from 7B (no preset
+    lies between 6M and 0.6B parameters, so a model of --init-from's size says it)."""
+    monkeypatch.setattr(config, "num_params", lambda args: n_params)
+    assert config.default_lr(Config()) == lr
 
 
 @pytest.mark.slow
