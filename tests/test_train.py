@@ -119,22 +119,8 @@ def error_of(argv, capsys) -> str:
      "is none"),
     (["--min-lr", "1e-4", "--seq-len", "32", "--steps", "1"],
      "--min-lr is where --lr-schedule cosine or linear ends; the schedule is constant"),
-])
-def test_bad_flags_give_clear_errors(argv, needle, capsys):
-    assert needle in error_of(argv, capsys)
-
-
-def test_a_stretch_of_a_model_without_rotary_scaling_is_refused():
-    """Qwen3's presets scale no rotary frequencies: a --rope-factor or --rope-original-context
-    given for one is refused, not ignored (read at the flags: no model is built)."""
-    for flag, value in (("--rope-factor", "4"), ("--rope-original-context", "4096")):
-        with pytest.raises(ValueError, match=f"{flag}: settings of --rope-scaling llama3 or yarn"):
-            train.parse_args(["--model", "qwen3-0.6b", flag, value])
-    assert train.parse_args(["--model", "qwen3-0.6b", "--rope-scaling", "yarn",
-                             "--rope-factor", "4"]).rope_factor == 4
-
-
-@pytest.mark.parametrize("argv,needle", [
+    # the first value each check refuses: one past its bound, or infinite where only a finite
+    # number works (the same sweep)
     (["--stack", "-1"], "--stack must be between 0 and 5, got -1"),  # not plain training
     (["--head-chunk", "4"], "--head-chunk is a setting of --untied (05)"),  # not ignored
     (["--seed", str(2**32)], "--seed must be a whole number from 0 to 2^32 - 1, got 4294967296"),
@@ -148,10 +134,18 @@ def test_a_stretch_of_a_model_without_rotary_scaling_is_refused():
     (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
 ])
-def test_values_just_past_each_bound_are_refused(argv, needle, capsys):
-    """The first value each check refuses (one past its bound, or infinite where only a finite
-    number works) gets its clear error before any work: not taken silently."""
+def test_bad_flags_give_clear_errors(argv, needle, capsys):
     assert needle in error_of(argv, capsys)
+
+
+def test_a_stretch_of_a_model_without_rotary_scaling_is_refused():
+    """Qwen3's presets scale no rotary frequencies: a --rope-factor or --rope-original-context
+    given for one is refused, not ignored (read at the flags: no model is built)."""
+    for flag, value in (("--rope-factor", "4"), ("--rope-original-context", "4096")):
+        with pytest.raises(ValueError, match=f"{flag}: settings of --rope-scaling llama3 or yarn"):
+            train.parse_args(["--model", "qwen3-0.6b", flag, value])
+    assert train.parse_args(["--model", "qwen3-0.6b", "--rope-scaling", "yarn",
+                             "--rope-factor", "4"]).rope_factor == 4
 
 
 def test_cuda_named_where_there_is_none_is_refused(monkeypatch, capsys):

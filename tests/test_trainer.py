@@ -401,19 +401,15 @@ def test_the_schedule_follows_its_formula():
 
 
 def test_flags_at_their_bounds_are_accepted():
-    """--min-lr equal to --lr (a flat decay) and --mlp-tile-tokens with --tile-norm alone (the
-    norm's tile size) are valid: neither is refused by the checks at their bounds."""
+    """Each check's bound itself is valid, not refused: --min-lr equal to --lr (a flat decay),
+    --mlp-tile-tokens with --tile-norm alone (the norm's tile size) or --tile-mlp alone,
+    --steps 2^31, --seed 2^32 - 1, 2^31 tokens in one sequence or a step's micro-batches,
+    --rope-factor 1 (no stretch); and --stack auto in any case."""
     cfg = train.parse_args(["--lr", "1e-3", "--min-lr", "1e-3", "--lr-schedule", "cosine",
                             "--steps", "10", "--tile-norm", "--mlp-tile-tokens", "16"])
     assert cfg.min_lr == cfg.lr == 1e-3
     assert all(config.learning_rate(cfg, step) == pytest.approx(1e-3) for step in range(11))
     assert cfg.tile_norm and not cfg.tile_mlp and cfg.mlp_tile_tokens == 16
-
-
-def test_the_largest_values_each_check_allows_are_accepted():
-    """Each check's bound itself is valid: --steps 2^31, --seed 2^32 - 1, 2^31 tokens in one
-    sequence or a step's micro-batches, --rope-factor 1 (no stretch), --mlp-tile-tokens with
-    --tile-mlp alone; and --stack auto in any case."""
     cfg = train.parse_args(["--steps", str(2**31), "--seed", str(2**32 - 1), "--seq-len", "2048M",
                             "--rope-scaling", "yarn", "--rope-factor", "1",
                             "--tile-mlp", "--mlp-tile-tokens", "16"])
