@@ -112,8 +112,7 @@ def error_of(argv, capsys) -> str:
     (["--steps", str(10**23)], "--steps must be at most 2,147,483,648"),  # tqdm's C long
     (["--seq-len", "64", "--grad-accum", str(10**11)], "x --grad-accum 100000000000 is more "
      "than 2,147,483,648 tokens a step"),  # (it built the step's window: a hang)
-    # settings that another flag's value made no-ops, taken silently (the sweep of session 34;
-    # one short step where a regression lets them run)
+    # settings that another flag's value made no-ops, taken silently (the sweep of session 34)
     (["--rope-scaling", "none", "--rope-factor", "4", "--seq-len", "32", "--steps", "1"],
      "--rope-factor: settings of --rope-scaling llama3 or yarn, and this model's rotary scaling "
      "is none"),
@@ -134,7 +133,13 @@ def error_of(argv, capsys) -> str:
     (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
 ])
-def test_bad_flags_give_clear_errors(argv, needle, capsys):
+def test_bad_flags_give_clear_errors(argv, needle, capsys, monkeypatch):
+    """Each refused before the run reads its data: a check that regresses fails here at once,
+    rather than running the step it let through (an hour of --steps, a window of 10^11 tokens)."""
+    def accepted(*args, **kwargs):
+        raise AssertionError(f"{argv} was accepted: the run went on to read its data")
+
+    monkeypatch.setattr(train, "TokenData", accepted)
     assert needle in error_of(argv, capsys)
 
 
