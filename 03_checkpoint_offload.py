@@ -266,7 +266,7 @@ def apply_checkpointing(model, offload: bool = False, checkpointed: int | None =
 
 def recompute_norms(block) -> None:
     """Each RMSNorm output of `block` is released once its reader (the attention, the MLP) has
-    run, and computed again, into the same memory, when backward reaches that reader. (Code
+    run, and computed again, into the same storage, when backward reaches that reader. (Code
     that reads it in between, a hook of your own, finds no memory behind it.)"""
     block.norm_recompute_hooks = []  # (07 removes them where a block's outputs go to the host)
     for norm, reader in ((block.input_layernorm, block.self_attn),

@@ -14,21 +14,21 @@ local sequence:
     in no --stack level).
 
 The idea. All three are independent per token: cut the local sequence into tiles and compute one
-tile at a time. Forward keeps only the input. Backward recomputes one tile's intermediates, runs
-the chain rule by hand, writes that tile's input gradient, and adds each weight's gradient into
-an fp32 sum with one matmul: on CUDA in bf16 cuBLAS accumulates straight into the fp32 sum, so
-no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py times both ways and
-their errors). The sums are returned once: FSDP2 reduce-scatters each weight once. The loss,
-the forward's last op, needs no recompute: each tile's backward runs right after its forward,
-for a loss gradient of 1, and backward scales the input gradient and the sums by the gradient
-that arrives (as ALST's TiledFusedLogitsLoss does). A 4,096-token MLP tile holds 0.55 GiB (five
-tile x ffn tensors with base/fused.py's kernels; six op by op), a 2,092-token loss tile 1 GiB of
-fp32 logits and as much for their softmax (on CUDA base/fused.py's cross-entropy reads the
-tile's bf16 logits and writes their bf16 gradient: half of that). The price is one more forward
-of the MLP's gate and up per step; under 03's checkpointing the tiled MLP skips its output in
-the block's recompute (nothing there reads it), so gate and up still run forward twice. Every
-rank cuts the same number of tiles (sizes follow shapes only): where tiles call collectives, a
-rank with fewer tiles deadlocks the others.
+tile at a time. Forward keeps only the input. Backward recomputes one tile's intermediates, runs the
+chain rule by hand, writes that tile's input gradient, and adds each weight's gradient into an fp32
+sum with one matmul: on CUDA in bf16 (torch 2.11 on) cuBLAS accumulates straight into the fp32 sum,
+so no tile leaves a bf16 product to round, cast and add (bench/grad_sums.py times both ways and
+their errors). The sums are returned once: FSDP2 reduce-scatters each weight once. The loss, the
+forward's last op, needs no recompute: each tile's backward runs right after its forward, for a loss
+gradient of 1, and backward scales the input gradient and the sums by the gradient that arrives (as
+ALST's TiledFusedLogitsLoss does). A 4,096-token MLP tile holds 0.55 GiB (five tile x ffn tensors
+with base/fused.py's kernels; six op by op), a 2,092-token loss tile 1 GiB of fp32 logits and as
+much for their softmax (on CUDA base/fused.py's cross-entropy reads the tile's bf16 logits and
+writes their bf16 gradient: half of that). The price is one more forward of the MLP's gate and up
+per step; under 03's checkpointing the tiled MLP skips its output in the block's recompute (nothing
+there reads it), so gate and up still run forward twice. Every rank cuts the same number of tiles
+(sizes follow shapes only): where tiles call collectives, a rank with fewer tiles deadlocks the
+others.
 
 Run the demo (peak memory of one MLP and of the loss, untiled vs tiled):
 

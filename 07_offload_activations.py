@@ -311,8 +311,9 @@ def check_model(model, count: int, first: int) -> range:
                          f"{count} from block {first}")
     if first + 2 * count > n_layers:
         raise ValueError(f"{count} offloaded blocks from block {first}, each with a kept block "
-                         f"above it, need {2 * count} of the model's {n_layers} layers above "
-                         f"03's checkpointed ones")
+                         f"above it, need {2 * count} layers from block {first}; the model "
+                         f"has {n_layers - first} there ({n_layers} layers, 03's checkpointed "
+                         f"ones below block {first})")
     return range(first, first + 2 * count, 2)
 
 

@@ -8,8 +8,9 @@ The recipe, top-down: the flags make a Config (support/config.py), on GPUs the p
 what they leave open (plan.py), the Config makes a runtime of data-parallel x sequence-parallel
 ranks (support/runtime.py), the runtime a model with the techniques applied, then steps in a
 loop. `--stack N` turns on the techniques of files 1..N up to 5 (0 = plain training; at 5, 05
-takes 02's place; 06's ring, 07, 08 and 04's norm tiles have their own flags), `--stack auto` the
-planner's fastest that fits (a GPU run's default); each technique also has its own switch.
+takes 02's place; 06's ring, 07, 08, 09 and 04's norm tiles have their own flags), `--stack
+auto` the planner's fastest that fits (a GPU run's default); each technique also has its own
+switch.
 They are applied in this order, on the meta device, before any weight:
   --keep-attention's kernel (support/keep_attention.py, a speed setting of 03)
   -> attention seam (02 Ulysses or 05 Untied Ulysses; with --ring, 06's ring inside either)
@@ -141,7 +142,8 @@ def build_model(cfg: Config, rt: Runtime):
 
 def make_optimizer(model, cfg: Config):
     """AdamW, fused: one pass over each parameter and its state, no temporaries, wherever the
-    state lives (the GPU; the host with --offload-model-state, 01)."""
+    state lives (the GPU; the host with --offload-model-state, 01); with --overlap-optimizer
+    08's, each block's update behind its next forward; with --offload-moments 09's."""
     if cfg.offload_model_state:
         use_this_ranks_cores()  # the host steps it
     settings = {"lr": learning_rate(cfg, 0), "weight_decay": cfg.weight_decay,
