@@ -213,6 +213,7 @@ def check_sequence_split(seq_len: int, sp: int, ring: int = 1) -> None:
 
 
 def check_data_sequence_layout(world: int, sp: int) -> None:
+    """The ranks as data-parallel groups of `sp` sequence-parallel ranks: sp divides them."""
     if sp < 1 or world % sp:
         raise ValueError(f"--sp ({sp}) must divide the number of ranks ({world})")
 
