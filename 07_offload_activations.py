@@ -138,6 +138,40 @@ class ActivationOffloader:
 
     # --- forward: pack, send, release ---------------------------------------------------------
 
+    def pack(self, layer: int, t: torch.Tensor):
+        base = t if t._base is None else t._base
+        storage = t.untyped_storage()
+        if ((base.is_leaf and base.requires_grad)  # a parameter (or a view of one, W^T)
+                or storage.data_ptr() in self.stays or storage.nbytes() == 0):
+            return t
+        start = t.storage_offset() * t.element_size()
+        spans = (1 + sum((n - 1) * step for n, step in zip(t.size(), t.stride()))
+                 if t.numel() else 0) * t.element_size()
+        which = (storage.data_ptr() + start, spans)  # views over the same bytes: one copy
+        if which not in self.packing:  # bytes saved for the first time: copy them out
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                storage, start, (spans,), (1,))
+            # (held until released: no later tensor gets this memory before the copy read it)
+            self.packing[which] = (self.send(layer, source), source)
+        return SavedView(self.packing[which][0], t.size(), t.stride(), t.dtype)
+
+    def send(self, layer: int, source: torch.Tensor) -> SavedBytes:
+        """Start the copy of `source` (uint8) to a host buffer."""
+        key = (layer, len(self.packing))  # the same key for the same tensor every step
+        device = source.device
+        saved = SavedBytes(layer, source.numel(), device, self.forward_count, key)
+        saved.host = self.host_buffers.take(key, source)
+        self.waiting.setdefault(layer, []).append(saved)
+        record(self.stats, "offload", saved)
+        if device.type != "cuda":
+            saved.host.copy_from(source)
+            return saved
+        stream = self.side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the tensor is computed first
+        with torch.cuda.stream(stream):
+            saved.host.copy_from(source, non_blocking=True)
+        return saved
+
     def begin_block(self, layer: int, stays: list) -> None:
         if layer == self.layers.start:
             self.new_step()
@@ -172,40 +206,6 @@ class ActivationOffloader:
                 self.host_buffers.give_back(saved.key, saved.host)
                 saved.host = None
         self.waiting.clear()
-
-    def pack(self, layer: int, t: torch.Tensor):
-        base = t if t._base is None else t._base
-        storage = t.untyped_storage()
-        if ((base.is_leaf and base.requires_grad)  # a parameter (or a view of one, W^T)
-                or storage.data_ptr() in self.stays or storage.nbytes() == 0):
-            return t
-        start = t.storage_offset() * t.element_size()
-        spans = (1 + sum((n - 1) * step for n, step in zip(t.size(), t.stride()))
-                 if t.numel() else 0) * t.element_size()
-        which = (storage.data_ptr() + start, spans)  # views over the same bytes: one copy
-        if which not in self.packing:  # bytes saved for the first time: copy them out
-            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                storage, start, (spans,), (1,))
-            # (held until released: no later tensor gets this memory before the copy read it)
-            self.packing[which] = (self.send(layer, source), source)
-        return SavedView(self.packing[which][0], t.size(), t.stride(), t.dtype)
-
-    def send(self, layer: int, source: torch.Tensor) -> SavedBytes:
-        """Start the copy of `source` (uint8) to a host buffer."""
-        key = (layer, len(self.packing))  # the same key for the same tensor every step
-        device = source.device
-        saved = SavedBytes(layer, source.numel(), device, self.forward_count, key)
-        saved.host = self.host_buffers.take(key, source)
-        self.waiting.setdefault(layer, []).append(saved)
-        record(self.stats, "offload", saved)
-        if device.type != "cuda":
-            saved.host.copy_from(source)
-            return saved
-        stream = self.side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the tensor is computed first
-        with torch.cuda.stream(stream):
-            saved.host.copy_from(source, non_blocking=True)
-        return saved
 
     # --- backward: bring back, unpack ---------------------------------------------------------
 
