@@ -568,7 +568,9 @@ def stop_signals(rank: int = 0):
 
 def resume_command(argv: list[str]) -> str:
     """The command that continues this run: the launcher's (torchrun's, read from /proc) or
-    python's, with --resume added once."""
+    python's, with --resume added once. A run that exports (--export-hf) gets
+    --overwrite-export too: the folder holds this run's own export by then, which the
+    continued run replaces with its own at its end (written beside it, renamed into place)."""
     command = [os.path.basename(sys.executable), *argv]
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: its parent is the launcher
         try:
@@ -576,7 +578,10 @@ def resume_command(argv: list[str]) -> str:
                 command = [a.decode() for a in f.read().split(b"\0") if a]
         except OSError:
             command = ["torchrun", "...", *argv]
-    return shlex.join([a for a in command if a not in ("--resume", "--overwrite")] + ["--resume"])
+    exports = any(a == "--export-hf" or a.startswith("--export-hf=") for a in command)
+    added = ["--overwrite-export"] * (exports and "--overwrite-export" not in command)
+    return shlex.join([a for a in command if a not in ("--resume", "--overwrite")]
+                      + added + ["--resume"])
 
 
 def any_rank(flag: bool, rt) -> bool:

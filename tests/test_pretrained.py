@@ -692,6 +692,30 @@ def test_overwrite_export_replaces_a_non_empty_folder_with_the_run(tmp_path):
         assert torch.equal(got, want.detach()), name  # an fp32 run exports fp32: exact
 
 
+def test_the_printed_continue_command_of_an_exporting_run_runs(tmp_path, capsys):
+    """A run with --save-dir and --export-hf prints how to continue it; that command (with a
+    larger --steps) runs, and replaces the run's export with the continued run's. It once
+    stopped at the start: the export folder, this run's own, was not empty."""
+    import shlex
+
+    import train
+    from support import saved_state
+
+    argv = ["train.py", "--seq-len", "32", "--steps", "2", "--save-dir", str(tmp_path / "saves"),
+            "--export-hf", str(tmp_path / "out")]
+    train.main(argv[1:])
+    command = shlex.split(saved_state.resume_command(argv))
+    assert command[-2:] == ["--overwrite-export", "--resume"], command
+    assert command.count("--overwrite-export") == 1 and saved_state.resume_command(
+        command[1:]).count("--overwrite-export") == 1  # added once
+    continued = train.train(train.parse_args(
+        [a if a != "2" else "3" for a in command[2:]]))  # --steps 3
+    assert "resumed at step 2" in capsys.readouterr().out
+    exported, _ = build.build_from_hf(str(tmp_path / "out"), CPU)
+    for (name, want), got in zip(continued.model.named_parameters(), exported.parameters()):
+        assert torch.equal(got, want.detach()), name  # the continued run's weights
+
+
 # ---------------------------------------------------------------------------------------------
 # An export others can use: written where it can be, readable, with its tokenizer
 # ---------------------------------------------------------------------------------------------
