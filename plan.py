@@ -822,7 +822,8 @@ def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int
     what = "evaluation forward" if forward_only else "sequence"
     rows, model_state = {}, {}  # a row's answer -> the flags that give it; level -> its state
     n_heads, stack_4_length = model_args(cfg).n_heads, None
-    for label, level_cfg in plan_levels(cfg):
+    for level_label, level_cfg in plan_levels(cfg):
+        label = level_label
         try:
             level_cfg = resolve_techniques(level_cfg)
             length, plan = plan_longest_seq_len(level_cfg, world_size, gpu_mem, host_mem,
@@ -851,13 +852,16 @@ def plan_longest_table(cfg: Config, world_size: int, gpu_mem: int, host_mem: int
                 answer += (f"; U = all {n_heads} heads is one stage, which holds more than "
                            f"Ulysses (05 saves memory with several stages: more heads than GPUs)")
             label = label.replace("--stack 5", f"--stack 5 (U={plan['head_chunk']})")
+        if plan["ring"] > 1 and cfg.ring is None:  # more GPUs than heads: 06's ring, the least
+            label = (label.replace(" (U=", f" (R={plan['ring']}, U=") if " (U=" in label
+                     else f"{label} (R={plan['ring']})")
         rows.setdefault(answer, []).append(label)
         if (label.startswith(("--stack 4", "--stack 5")) and "--sp 1" not in label
                 and cfg.ring is None and not forward_only):
             ringed = best_ring(level_cfg, world_size, gpu_mem, host_mem, gpus_per_node)
             if ringed is not None and ringed[0] > length:  # 06 reaches further: its own row
                 ring_length, ring_plan, ring = ringed
-                ring_label = label.split(" (U=")[0] + f" --ring {ring}" + (
+                ring_label = level_label + f" --ring {ring}" + (
                     f" (U={ring_plan['head_chunk']})" if ring_plan["head_chunk"] else "")
                 rows.setdefault(f"{ring_plan['sp']:>3}  {plan_tokens_text(ring_length):<22}"
                                 f"{ring_plan['peak'] / GiB:>9.1f}{ring_plan['host'] / GiB:>13.1f}  "

@@ -771,6 +771,19 @@ def test_command_line_longest_per_stack_level():
         assert any(line.startswith(label) for line in lines), (label, result.stdout)
 
 
+def test_longest_rows_name_the_ring_that_more_gpus_than_heads_take():
+    """64 GPUs, 32 query heads: Ulysses alone cannot split them, so every sequence-parallel
+    row runs the fewest ring ranks that can (R = 2, support/runtime.ring_degree): its label
+    says so, next to U; 8 GPUs need none, and a row of --ring R names only its own."""
+    sixty_four = planner.plan_main(["--model", "llama3-8b", "--gpus", "64", "--seq-len", "max"])
+    lines = sixty_four.splitlines()
+    for label in ("--stack 2 (R=2) ", "--stack 4 (R=2) ", "--stack 5 (R=2, U=32) ",
+                  "--stack 4 --ring 8 ", "--stack 1 "):
+        assert any(line.startswith(label) for line in lines), (label, sixty_four)
+    assert "(R=" not in planner.plan_main(["--model", "llama3-8b", "--gpus", "8",
+                                           "--seq-len", "max"])
+
+
 def test_plan_says_when_keep_attention_fits_too():
     """The plan of a checkpointed step names --keep-attention where it fits GPU and host too
     (3M on 8 x 80 GB, 2 TiB per node: 1.5 TiB of it), and not where the host cannot take it
