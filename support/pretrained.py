@@ -180,6 +180,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
         # transformers reads yarn's factor against max_position_embeddings / the original context
         # (and warns when the two disagree): the post-yarn context is original x factor.
         max_position_embeddings = int(args.rope_original_context * args.rope_factor)
+    elif args.rope_scaling == "llama3":
+        # at least the context the scaling stretches to (transformers warns where the original
+        # context is not below it: a run shorter than the original would say so)
+        max_position_embeddings = max(max_position_embeddings or 0,
+                                      int(args.rope_original_context * args.rope_factor))
     elif max_position_embeddings is None:  # a hint for generation tools; our rotary has no limit
         max_position_embeddings = (131072 if scaling is None
                                    else int(args.rope_original_context * args.rope_factor))

@@ -745,8 +745,12 @@ def test_export_has_the_umask_permissions(tmp_path):
     assert {stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
 
 
-def test_yarn_export_loads_without_a_rope_warning(tmp_path, caplog):
-    args = replace(llama.get_model_args("tiny"), rope_scaling="yarn", rope_factor=4.0,
+@pytest.mark.parametrize("scaling", ["yarn", "llama3"])
+def test_scaled_rotary_export_loads_without_a_rope_warning(tmp_path, caplog, scaling):
+    """A run no longer than the original context (train.py passes max(--seq-len, original)):
+    config.json's max_position_embeddings is original x factor, which transformers checks
+    (yarn reads its factor against it; llama3 warns where the original is not below it)."""
+    args = replace(llama.get_model_args("tiny"), rope_scaling=scaling, rope_factor=4.0,
                    rope_original_context=64)
     model = llama.Transformer(args)
     pretrained.export_hf(model, args, str(tmp_path / "out"), max_position_embeddings=64)
