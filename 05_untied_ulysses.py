@@ -19,9 +19,9 @@ recompute reruns it, unless --keep-attention: base/checkpointed.py's seam). At U
 holds 0.75 GiB per tensor instead of 3.0: 19.5 GiB instead of 33.0, enough for 5M tokens. Heads
 keep the standard order, so the numbers are those of 02 and of unsharded attention.
 
-In training, `python train.py --untied [--head-chunk U]` takes 02's place (one seam deeper:
-attn.attend, where 02 replaces attn.core): a larger U runs fewer, bigger stages (faster), U = P
-needs the least memory. Without --head-chunk a GPU run takes the planner's choice: the fewest
+In training, `python train.py --untied [--head-chunk U]` takes 02's place, one seam further out:
+attn.attend, the projections and the kernel, where 02 replaces attn.core, the kernel alone. A
+larger U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run takes the planner's choice: the fewest
 stages whose planned step fits (plan.py's `plan_run`).
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
