@@ -21,8 +21,9 @@ keep the standard order, so the numbers are those of 02 and of unsharded attenti
 
 In training, `python train.py --untied [--head-chunk U]` takes 02's place, one seam further out:
 attn.attend, the projections and the kernel, where 02 replaces attn.core, the kernel alone. A
-larger U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a GPU run takes the planner's choice: the fewest
-stages whose planned step fits (plan.py's `plan_run`).
+larger U runs fewer, bigger stages (faster), U = P needs the least memory. Without --head-chunk a
+GPU run takes the planner's choice: the fewest stages whose planned step fits (plan.py's
+`plan_run`).
 
     torchrun --nproc-per-node 2 05_untied_ulysses.py                    # CPU/gloo: tiny model
     torchrun --nproc-per-node 2 05_untied_ulysses.py --model llama3-8b --seq-len 256K   # GPUs
