@@ -186,8 +186,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
         max_position_embeddings = max(max_position_embeddings or 0,
                                       int(args.rope_original_context * args.rope_factor))
     elif max_position_embeddings is None:  # a hint for generation tools; our rotary has no limit
-        max_position_embeddings = (131072 if scaling is None
-                                   else int(args.rope_original_context * args.rope_factor))
+        max_position_embeddings = 131072
     dtype_name = str(dtype).removeprefix("torch.")
     config = {
         "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
