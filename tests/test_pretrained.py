@@ -708,8 +708,9 @@ def test_the_printed_continue_command_of_an_exporting_run_runs(tmp_path, capsys)
     assert command[-2:] == ["--overwrite-export", "--resume"], command
     assert command.count("--overwrite-export") == 1 and saved_state.resume_command(
         command[1:]).count("--overwrite-export") == 1  # added once
-    continued = train.train(train.parse_args(
-        [a if a != "2" else "3" for a in command[2:]]))  # --steps 3
+    flags = command[2:]  # past `python train.py`
+    flags[flags.index("--steps") + 1] = "3"  # one step more than the run saved
+    continued = train.train(train.parse_args(flags))
     assert "resumed at step 2" in capsys.readouterr().out
     exported, _ = build.build_from_hf(str(tmp_path / "out"), CPU)
     for (name, want), got in zip(continued.model.named_parameters(), exported.parameters()):
