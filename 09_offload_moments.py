@@ -4,8 +4,8 @@ The problem in bytes. Llama-3-8B on one H200 (139.8 GiB) holds 89.7 GiB of model
 any activation: the fp32 weights (29.9 GiB) and AdamW's two moments (59.8). The moments are
 read once a step, by the update, and 08 runs that update during the next forward, block by
 block. For the rest of the step, the whole backward where the activations peak, they only wait.
-At 32K tokens the backward's peak then leaves room for 12 of the 32 blocks' activations (2.5
-GiB each), so 03 checkpoints the other 20 and runs their forward twice.
+At 32K tokens the backward's peak then leaves room for 8 of the 32 blocks' activations (2.9
+GiB each, 07's count), so 03 checkpoints the other 24 and runs their forward twice.
 
 The idea. A block's moments live in host memory; 08's update of that block, queued on its side
 stream, is framed by two copies on two more streams: the moments come in just before it and go
@@ -20,8 +20,8 @@ lm_head: 7.8 GiB) stay on the GPU: the forward waits for the root's update first
 wait for its copies too.
 
 What it buys: 52 GiB of moments off the GPU from the end of one forward to the next, the
-backward's peak among them: at 32K that is 19 more blocks' activations, one block checkpointed
-instead of 20.
+backward's peak among them: at 32K that is 23 more blocks' activations, one block checkpointed
+instead of 24.
 What it costs: the host holds the moments (pinned: registered in place, so no power-of-two
 rounding), and the GPU three blocks' moments during the forward. The arithmetic is 08's: AdamW's
 own fused kernel over the same values (copies are exact), so the weights are bit for bit those of
