@@ -6,13 +6,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_step_matches, assert_within_bf16_error,
-                       make_batch, reference_loss_and_grads, train_loss_and_grads, with_kernel)
+from reference import (GPU_HEAD_DIM, GPU_KERNELS, assert_matches, assert_step_matches,
+                       assert_within_bf16_error, full, make_batch, reference_loss_and_grads,
+                       train_loss_and_grads, with_kernel)
 
 from base import kernels
 import model as llama
 from support.data import parse_tokens
-from support.config import Config
+from support.config import Config, resolve_techniques
+from support.runtime import setup_runtime
 
 ulysses = importlib.import_module("02_ulysses")
 train = importlib.import_module("train")
@@ -100,6 +102,28 @@ def test_fsdp_ulysses_model_equals_single_process(world_size, sp, ignore):
     """Loss and every parameter gradient; (4, 2) is dp=2 x sp=2. The tiny preset has 2 KV heads,
     so sp=4 exercises KV-head replication."""
     run_ranks(world_size, _model_matches_unsharded, sp, ignore)
+
+
+def _lesson_step_matches_unsharded():
+    """02's own loss_and_backward (the step its docstring teaches; train.py's forward_backward
+    adds packing and micro-batches around it) on the model train.py builds."""
+    sp = dist.get_world_size()
+    cfg = resolve_techniques(Config(model="tiny", fsdp=True, ulysses=True, sp=sp, seq_len=32,
+                                    batch_size=2))
+    tokens, labels = make_batch(256, 2, cfg.seq_len, seed=7, ignore_frac=0.3)
+    labels[0, : cfg.seq_len // sp] = llama.IGNORE_INDEX  # rank 0 has fewer labels in row 0
+    ref_loss, ref_grads = reference_loss_and_grads("tiny", tokens, labels)
+    rt = setup_runtime(cfg)
+    model = train.build_model(cfg, rt)
+    loss = ulysses.loss_and_backward(model, tokens, rt.sp_rank, sp, dist.group.WORLD, labels)
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    assert_matches(loss, grads, ref_loss, ref_grads, what="02's loss_and_backward")
+
+
+def test_lessons_loss_and_backward_equals_single_process():
+    """The loss summed over ranks is the global mean, and the gradients are the unsharded
+    model's: a rank dividing by its own count, or a loss left unsummed, fails here."""
+    run_ranks(2, _lesson_step_matches_unsharded)
 
 
 def test_shift_before_shard_keeps_boundary_labels():
