@@ -199,10 +199,10 @@ def check_equals_unsharded(attention, group, sp_rank, sp, ring, n_heads, n_kv_he
 
 
 def track_received(peak: dict):
-    """Make the ring count the bytes of the buffers it receives that are still alive, and their
-    peak (peak['bytes']); returns a function that resets the count."""
+    """Make the ring count the bytes of the buffers it receives that are still alive (in
+    peak['live']), and their peak (peak['bytes']); returns a function that resets the peak."""
     original = ring_attn.pass_to_next
-    live = {"bytes": 0}
+    live = peak.setdefault("live", {"bytes": 0})
 
     def release(nbytes):
         live["bytes"] -= nbytes
@@ -271,6 +271,28 @@ def check_transfers_overlap_compute(group, ring: int):
     assert backward == (2 * ring - 1, 2 * ring - 2), backward
 
 
+def check_key_grads_travel_in_fp32(group, ring: int):
+    """In bf16, the dK/dV that travel the ring are fp32 sums (the K/V themselves bf16): each
+    rank adds its share into them, R additions in bf16 would each round."""
+    q = torch.randn(1, 8, 4, HEAD_DIM, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 8, 2, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+    out = ring_attn.ring_attention(q, k, v, group)
+    sent, original = [], ring_attn.pass_to_next
+
+    def passing(tensors, group):
+        sent.extend(t.dtype for t in tensors)
+        return original(tensors, group)
+
+    ring_attn.pass_to_next = passing
+    try:
+        out.float().sum().backward()
+    finally:
+        ring_attn.pass_to_next = original
+    # R - 1 K/V blocks and R travelling dK/dV, two tensors each
+    assert sorted(map(str, sent)) == sorted(["torch.bfloat16"] * 2 * (ring - 1)
+                                            + ["torch.float32"] * 2 * ring), sent
+
+
 def _ring_equals_unsharded():
     """The whole world is one ring: every head case, packed documents, and (world 2) rings of
     one rank; then what the ring holds while it runs."""
@@ -295,11 +317,22 @@ def _ring_equals_unsharded():
     q = torch.randn(1, 2 * chunk, n_heads, HEAD_DIM, requires_grad=True)
     k, v = (torch.randn(1, 2 * chunk, n_heads, HEAD_DIM) for _ in range(2))
     kv_block = 2 * k.nbytes
-    with LargestTensor() as largest:
-        out = ring_attn.ring_attention(q, k, v, group)
-        forward_peak = peak["bytes"]
-        reset()
-        out.sum().backward()
+    # at each forward step, the received bytes alive: at the last (nothing more arriving) only
+    # the block in use; the blocks used before it are gone (at R = 3 the peak alone would pass
+    # with them kept: one in use and one arriving is also two)
+    at_step, forward_step = [], ring_attn.forward_step
+    ring_attn.forward_step = lambda *a, **kw: (at_step.append(peak["live"]["bytes"]),
+                                               forward_step(*a, **kw))
+    try:
+        with LargestTensor() as largest:
+            out = ring_attn.ring_attention(q, k, v, group)
+            forward_peak = peak["bytes"]
+            reset()
+            out.sum().backward()
+    finally:
+        ring_attn.forward_step = forward_step
+    assert at_step[-1] == kv_block, (at_step, kv_block)
+    check_key_grads_travel_in_fp32(group, ring=world)
     assert forward_peak == 2 * kv_block, (forward_peak, kv_block)
     assert peak["bytes"] == 4 * kv_block, (peak["bytes"], kv_block)  # + dK/dV (fp32 here)
     assert largest.nbytes == q.numel() * 4, (largest.shape, q.shape)  # the fp32 accumulators
