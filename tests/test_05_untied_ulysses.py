@@ -540,9 +540,10 @@ def test_kv_projected_once_per_kv_group(monkeypatch):
 
 
 def test_previous_kv_group_freed_before_the_next(monkeypatch):
-    """The previous KV group's K and V are freed before the next group's K is projected: the bytes
-    alive when each group's K projection starts grow only by the lse of the stages run since
-    (1/64 of a K here), never by a group's K and V."""
+    """The previous KV group's K and V are freed before the next group's K is projected, in the
+    forward and in the backward (which projects them again): the bytes alive when each group's
+    K projection starts change by less than a K (the forward keeps the lse of the stages run
+    since, 1/64 of a K here), never by a group's K and V."""
     batch, seq_len, head_dim = 1, 128, 64
     k_bytes = batch * seq_len * head_dim * 4
     args = small_args(8, 4, qk_norm=False, dim=16, head_dim=head_dim)  # 4 KV groups of 2 stages
@@ -565,9 +566,14 @@ def test_previous_kv_group_freed_before_the_next(monkeypatch):
     try:
         with tracker:
             out = untied.untied_attend(x, rope, attn, None, head_chunk=1)
+            out.sum().backward()  # K recomputed once a group: the same 4 calls again
         del out
     finally:
         gc.enable()
-    assert len(live_at_k) == 4, live_at_k
-    steps = [b - a for a, b in zip(live_at_k, live_at_k[1:])]
+    assert len(live_at_k) == 8, live_at_k
+    forward, backward = live_at_k[:4], live_at_k[4:]
+    steps = [b - a for a, b in zip(forward, forward[1:])]
     assert all(0 <= step < k_bytes for step in steps), (live_at_k, k_bytes)
+    # backward: the lse each stage used goes, and the group's K/V before the next group's
+    steps = [b - a for a, b in zip(backward, backward[1:])]
+    assert all(abs(step) < k_bytes for step in steps), (live_at_k, k_bytes)
