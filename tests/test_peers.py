@@ -16,6 +16,22 @@ from bench.peers import run
 from bench.peers.common import BEST, parse_choice, parse_spec
 
 
+def test_alst_offload_refuses_a_host_too_small_as_out_of_memory(monkeypatch):
+    """ZeRO's offload of Llama-3-8B needs 134.6 GiB of host memory: on a 128 GiB host the row is
+    out of memory before DeepSpeed is imported (a fit, which a choice 'A|B' records as one), not
+    a process the kernel kills minutes in."""
+    from bench.peers import alst
+
+    monkeypatch.setattr(alst, "available_host_memory", lambda: 128 * 2**30)
+    with pytest.raises(MemoryError) as refused:
+        alst.check_host_fits_offload("llama3-8b")
+    assert run.failure_status(refused.value).startswith("OOM: out of memory on the host")
+    assert "134.6 GiB for llama3-8b" in str(refused.value), refused.value
+    alst.check_host_fits_offload("llama3.2-3b")  # 53.9 GiB (18 x 3.21B): fits
+    monkeypatch.setattr(alst, "available_host_memory", lambda: None)  # unknown: not refused
+    alst.check_host_fits_offload("llama3-8b")
+
+
 def test_specs_parse_and_refuse():
     assert parse_spec("ours:5@cudnn+offload").__dict__ == {
         "text": "ours:5@cudnn+offload", "name": "ours", "level": 5, "variant": "cudnn",

@@ -5,7 +5,8 @@ their trainer code) set it up, on transformers' LlamaForCausalLM:
   - DeepSpeed ZeRO-3 (`deepspeed.initialize`, a process group of one), bf16, gradient clipping
     1.0; the recipe's own zero_optimization (stage 3, nothing else set: DeepSpeed's defaults).
     With +offload its offload_optimizer and offload_param to the CPU with DeepSpeedCPUAdam (the
-    recipe's `cpu_adam`); without, the model state on the GPU with DeepSpeed's FusedAdam (the
+    recipe's `cpu_adam`; refused before it builds, as out of memory, where the host cannot hold
+    its 18 bytes a parameter); without, the model state on the GPU with DeepSpeed's FusedAdam (the
     trainer's `fused_adam`; a torch fused AdamW where that op does not build).
   - tiled MLP (`tiled_mlp_compute: true`): LlamaMLP.forward patched, before the model exists,
     to run DeepSpeed's TiledMLP over ceil(seq_len / hidden) shards (ArcticTraining's
@@ -40,7 +41,13 @@ import torch
 
 from bench.peers.common import BETAS, GRAD_CLIP, WEIGHT_DECAY, Spec, step_inputs
 from bench.peers.hf import enable_checkpointing, llama_config
+import model as llama
+from support.host_memory import available_host_memory
 
+# ZeRO-3's offload of parameters and optimizer keeps, per parameter, bf16 weights, fp32 master
+# weights, fp32 gradients and AdamW's two fp32 moments on the host: 18 bytes (DeepSpeed's own
+# estimate_zero3_model_states_mem_needs asks 1.5 times that)
+ZERO_OFFLOAD_HOST_BYTES = 18
 LOSS_SHARD_BYTES = 2**30  # ArcticTraining's TiledFusedLogitsLoss shards: ~1 GiB of fp32 logits
 
 
@@ -120,6 +127,19 @@ def ds_config(spec: Spec, bf16: bool) -> dict:
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
+def check_host_fits_offload(model: str) -> None:
+    """Refuse, before DeepSpeed builds anything, a ZeRO offload that this host's memory cannot
+    hold (the kernel's OOM killer would end the process minutes in, with no row); the message
+    reads as running out of memory, so a choice 'A|B' records it as a fit, not an error."""
+    n_params = llama.num_params(llama.get_model_args(model))
+    needed, available = ZERO_OFFLOAD_HOST_BYTES * n_params, available_host_memory()
+    if available is not None and needed > available:
+        raise MemoryError(f"out of memory on the host: ZeRO's offload keeps "
+                          f"{ZERO_OFFLOAD_HOST_BYTES} bytes a parameter on the host, "
+                          f"{needed / 2**30:.1f} GiB for {model} ({n_params / 1e9:.2f}B "
+                          f"parameters), where {available / 2**30:.1f} GiB is available")
+
+
 def make_optimizer(model, spec: Spec, lr: float, device: torch.device):
     """(optimizer, what it is): the recipe's DeepSpeed Adam (built on first use), else torch's."""
     adamw = {"lr": lr, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
@@ -144,6 +164,8 @@ class Stack:
     def __init__(self, spec: Spec, model: str, device: torch.device, init_from: str | None,
                  lr: float | None, seed: int):
         started = time.perf_counter()
+        if spec.offload:
+            check_host_fits_offload(model)
         join_group_of_one()
         clear_stale_build_locks()
         import deepspeed
