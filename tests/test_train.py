@@ -294,7 +294,7 @@ def test_the_synthetic_global_batch_does_not_depend_on_the_layout():
 def test_a_token_file_gives_each_data_parallel_rank_its_own_windows(tmp_path):
     """2 data-parallel ranks of 2 rows, steps 0-2, over a file of 20 windows of seq_len + 1
     distinct ids: step s, rank r reads windows 4s + 2r and 4s + 2r + 1, consecutive in the file;
-    no window twice, the global batch of 1 process of 4 rows."""
+    no window twice, the global batch of 1 process of 4 rows; past the 20th window, the first."""
     window = 9
     stream = torch.arange(20 * window) % 255 + 1
     path = write_token_file(tmp_path / "tokens.bin", stream)
@@ -307,6 +307,12 @@ def test_a_token_file_gives_each_data_parallel_rank_its_own_windows(tmp_path):
             assert torch.equal(got, windows[first:first + 2]), (step, rank)
         one_process = TokenData(replace(cfg, batch_size=4), 256, 0, 1).batch(step)
         assert torch.equal(one_process, windows[4 * step:4 * step + 4]), step
+    # past the file's end the windows start over from its first (an epoch), not its last
+    wrapped = TokenData(replace(cfg, batch_size=4), 256, 0, 1).batch(5)  # windows 20-23
+    assert torch.equal(wrapped, windows[0:4])
+    rank_1 = TokenData(cfg, 256, 1, 2).batch(4)  # windows 18, 19: the last two
+    assert torch.equal(rank_1, windows[18:20])
+    assert torch.equal(TokenData(cfg, 256, 0, 2).batch(5), windows[0:2])  # 20, 21: 0, 1
 
 
 def test_a_sidecar_counting_other_tokens_is_refused(tmp_path, capsys):

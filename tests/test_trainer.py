@@ -139,7 +139,7 @@ def _grad_accum_equals_the_larger_batch(cases: list):
     gradient is near its eps (1e-8) moves by up to lr |dg| / (4 eps) for a rounding difference dg
     between the two summation orders; fp32 sums of this size round by ~1e-9, 2.5% of a step (seen
     once: 2.4%, one element of the embedding). A dropped or doubled micro-batch moves the loss
-    (1e-5) and most weights by a whole step."""
+    (1e-5) and most weights by a whole step. Each step's tokens/s counts all N micro-batches."""
     for flags, n in cases:
         base = dict(model="tiny", seq_len=32, steps=3, lr=3e-3, **flags)
         accumulated = train.train(resolve_techniques(Config(batch_size=1,
@@ -149,6 +149,10 @@ def _grad_accum_equals_the_larger_batch(cases: list):
         for a, b in zip(accumulated.history, larger.history):
             assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (flags, n, a, b)
             assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (flags, n, a, b)
+            # tokens/s counts every micro-batch: the same tokens a step as the larger batch
+            # (within the step times' rounding to 0.1 ms)
+            tokens_a, tokens_b = (r["tokens_per_s_per_gpu"] * r["step_time_s"] for r in (a, b))
+            assert math.isclose(tokens_a, tokens_b, rel_tol=0.05), (flags, n, a, b)
         for (name, a), b in zip(accumulated.model.named_parameters(), larger.model.parameters()):
             torch.testing.assert_close(full(a), full(b), rtol=0, atol=0.05 * base["lr"],
                                        msg=lambda m: f"{flags}, N {n}, {name}: {m}")
