@@ -622,6 +622,28 @@ def _local_tokenizer(folder) -> str:
     return str(folder)
 
 
+def test_prepare_data_writes_ids_past_uint16_as_uint32(tmp_path):
+    """A vocabulary over 2^16 entries (Llama-3's 128,256) takes 4 bytes a token: ids past 65,535
+    read back intact through the sidecar's dtype."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    prepare_data = importlib.import_module("prepare_data")
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i for i in range(2, 70_000)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("w69999 w5 w65536\nw65535 w2\n")
+    out = str(tmp_path / "train.bin")
+    prepare_data.prepare(str(tmp_path / "tok"), [str(tmp_path / "a.txt")], out, txt_lines=True,
+                         progress=False)
+    info = json.loads(open(out + ".json").read())
+    assert info["dtype"] == "uint32" and info["separator_id"] == 1, info
+    cfg = resolve_techniques(Config(model="tiny", seq_len=6, data=out, documents=True))
+    tokens = TokenData(cfg, 70_000, 0, 1).batch(0)
+    assert tokens.tolist() == [[69999, 5, 65536, 1, 65535, 2, 1]]
+
+
 def test_prepare_data_writes_what_training_reads(tmp_path, capsys):
     prepare_data = importlib.import_module("prepare_data")
     tokenizer = _local_tokenizer(tmp_path / "tok")
