@@ -122,7 +122,6 @@ def packed_file(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.slow
 def test_packed_documents_score_each_document_alone_by_document_position(trained, packed_file):
     """--doc-sep: every document scored as if alone (its own forward through the plain model,
     with its positions), its tokens bucketed by the context they saw within the document (a
@@ -157,6 +156,13 @@ def test_packed_documents_score_each_document_alone_by_document_position(trained
     assert sum(counts) < WINDOWS * SEQ_LEN  # each document's last token has no target
     for got, s, c in zip(result["buckets"], sums, counts):
         assert got["mean_loss"] == pytest.approx(s / c, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_documents_sharded_levels_equal_single_process(trained, packed_file):
+    """The same scores at --stack 1, 2, 5 and 5 with a ring of 2, on two ranks."""
+    save_dir, _ = trained
+    result = loss_buckets(eval_cfg(save_dir, data=packed_file, doc_sep=SEP))
     run_ranks(2, _sharded_levels_equal_single_process, save_dir, result,
               [dict(stack=1), dict(stack=2), dict(stack=5), dict(stack=5, ring=2)],
               dict(data=packed_file, doc_sep=SEP))
