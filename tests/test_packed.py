@@ -635,8 +635,10 @@ def test_prepare_data_writes_ids_past_uint16_as_uint32(tmp_path):
     tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "a.txt").write_text("w69999 w5 w65536\nw65535 w2\n")
     out = str(tmp_path / "train.bin")
-    prepare_data.prepare(str(tmp_path / "tok"), [str(tmp_path / "a.txt")], out, txt_lines=True,
-                         progress=False)
+    summary = prepare_data.prepare(str(tmp_path / "tok"), [str(tmp_path / "a.txt")], out,
+                                   txt_lines=True, progress=False)
+    # lengths with the separator: 3 + 1 and 2 + 1
+    assert (summary["length_min"], summary["length_max"], summary["documents"]) == (3, 4, 2)
     info = json.loads(open(out + ".json").read())
     assert info["dtype"] == "uint32" and info["separator_id"] == 1, info
     cfg = resolve_techniques(Config(model="tiny", seq_len=6, data=out, documents=True))
