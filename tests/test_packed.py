@@ -167,6 +167,13 @@ def test_synthetic_documents_end_with_the_separator():
         ends = (tokens[row, :-1] == 7).nonzero().flatten()
         assert (docs.labels[row, ends] == llama.IGNORE_INDEX).all()
         assert (docs.position_ids[row, ends[ends < 255] + 1] == 0).all()
+        # each document is a progression over the vocabulary without the separator (its ids
+        # above 7 shifted down by one): a constant step of 1-16, the separator never inside
+        for doc in tokens[row].tensor_split((tokens[row] == 7).nonzero().flatten() + 1):
+            body = doc[:-1] if doc[-1] == 7 else doc
+            assert not (body == 7).any()
+            steps = (body - (body > 7).long()).diff() % 255
+            assert len(set(steps.tolist())) <= 1 and all(1 <= d <= 16 for d in steps), doc
 
 
 # ---------------------------------------------------------------------------------------------
