@@ -108,6 +108,17 @@ def live_tensors() -> int:
         return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
+def assert_tensors_do_not_accumulate(live: list) -> None:
+    """`live`: live_tensors() after each step; the first step (which makes AdamW's state) is
+    not compared. A leak adds tensors every step, so the fewest alive in the later half of the
+    steps exceed the fewest in the earlier half; a tensor still held at one count and let go
+    after (seen once: one more after one step on one gloo rank, then as before) moves one
+    count, not the fewest of a half."""
+    later = live[1:]
+    half = len(later) // 2
+    assert half and min(later[half:]) <= min(later[:half]), live
+
+
 def train_loss_and_grads(cfg, tokens: torch.Tensor, labels: torch.Tensor, rt=None):
     """Build the model exactly as train.py does and run one forward+backward on this rank's
     share of `tokens` (rows of its data-parallel rank). Returns loss and full gradients."""

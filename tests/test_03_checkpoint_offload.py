@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from ranks import run_ranks
 from reference import (GPU_KERNELS, TINY_4L, assert_matches, assert_step_matches,
-                       build_as_train, full, live_tensors, make_batch, reference_loss_and_grads,
-                       settled_memory_allocated, train_loss_and_grads, with_kernel)
+                       assert_tensors_do_not_accumulate, build_as_train, full, live_tensors,
+                       make_batch, reference_loss_and_grads, settled_memory_allocated,
+                       train_loss_and_grads, with_kernel)
 
 import plan
 from base import host_buffers, kernels
@@ -169,7 +170,7 @@ def _repeated_steps_do_not_grow(keep_attention: bool):
     assert all(b == buffers[0] for b in buffers), buffers  # the same host memory every step
     # Step 0 creates the optimizer state; after it, nothing accumulates (no copies brought back
     # and kept, no handles, no host buffers).
-    assert len(set(live[1:])) == 1, live
+    assert_tensors_do_not_accumulate(live)
 
 
 def _repeated_steps_with_and_without_keep_attention():
@@ -423,7 +424,7 @@ def test_released_norm_outputs_leave_nothing_behind_from_step_to_step():
     for step in range(5):
         train.train_step(model, optimizer, data.batch(step), rt, cfg)
         live.append(live_tensors())
-    assert len(set(live[1:])) == 1, live
+    assert_tensors_do_not_accumulate(live)
 
 
 def test_offloaded_inputs_are_really_released():
