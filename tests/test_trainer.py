@@ -172,6 +172,13 @@ def test_grad_accum_equals_the_larger_batch_two_ranks():
         ({"stack": 5, "offload_model_state": True, "doc_sep": 0}, 3)])
 
 
+def test_grad_accum_equals_the_larger_batch_one_rank_fsdp():
+    """FSDP over one rank reduces in place (01): a micro-batch's gradients are the memory
+    FSDP2 asked for as its input, handed back as the output; a buffer kept from an earlier
+    reduce and handed out again would mix the micro-batches'."""
+    run_ranks(1, _grad_accum_equals_the_larger_batch, [({"fsdp": True}, 2), ({"stack": 5}, 3)])
+
+
 @pytest.mark.slow
 def test_grad_accum_equals_the_larger_batch_dp_2_x_sp_2():
     run_ranks(4, _grad_accum_equals_the_larger_batch, [
