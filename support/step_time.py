@@ -76,8 +76,8 @@ GPU_RATES = {
         matmul=685e12, attention={"fa4": 620e12, "cudnn": 540e12, "flash": 320e12},
         memory=2.8e12, pinned_copy=55e9, all_to_all=280 * 2**30,
         norm_fused_s=2.473e-3 / (131072 * 4096), norm_op_by_op_s=20.824e-3 / (131072 * 4096),
-        elementwise_s=5.17e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.08e-8,
-        host_adamw_s=7.94e-10, alloc_retry_s=0.0811),
+        elementwise_s=4.98e-12, elementwise_op_by_op_s=1.04e-11, stage_s=7.09e-8,
+        host_adamw_s=7.94e-10, alloc_retry_s=0.0845),
 }
 # The H100 (SXM, 80 GB HBM3) has the H200's GH100 compute: 132 SMs, the same clocks and 700 W,
 # its kernels measured within a few percent of the H200's (GEMMs at Llama-3.2-3B's shapes 743-751
