@@ -241,8 +241,9 @@ def _losses_and_gradients(logits, labels, grad=1.7) -> list:
 def test_fused_cross_entropy_equals_model_py_and_keeps_the_logits_in_their_own_dtype():
     """The loss seam's fused form: model.py's summed cross-entropy and its gradient (ignored
     rows too, and all of them: 0, not NaN); its two forms (compiled on CUDA, in place here)
-    agree; float64 finite differences; and in bf16 it keeps the logits as they are (2 bytes
-    each) where model.py's keeps their fp32 log-softmax (4)."""
+    agree; float64 finite differences; and in bf16 its statistics are fp32 as model.py's, and
+    it keeps the logits as they are (2 bytes each) where model.py's keeps their fp32
+    log-softmax (4)."""
     assert fused.IGNORE_INDEX == llama.IGNORE_INDEX
     logits, labels = _logits_and_labels()
     (want, want_grad), (loss, grad) = _losses_and_gradients(logits, labels)
@@ -262,6 +263,10 @@ def test_fused_cross_entropy_equals_model_py_and_keeps_the_logits_in_their_own_d
     built = build.build_model(llama.get_model_args("tiny"), torch.device("cpu"))
     assert built.cross_entropy is fused.cross_entropy
     logits = logits.to(torch.bfloat16)
+    # bf16 logits: the statistics in fp32 as model.py's (a bf16 log-sum-exp rounds to 3 digits)
+    loss, want = fused.cross_entropy(logits, labels), llama.cross_entropy_sum(logits, labels)
+    assert loss.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-5)
     kept = []
     for cross_entropy in (llama.cross_entropy_sum, fused.cross_entropy):
         saved = {}
