@@ -555,6 +555,16 @@ def test_host_buffers_are_power_of_two_pieces_that_round_trip():
     buffer.copy_from(x)
     buffer.copy_into(back)
     assert torch.equal(back, x)
+    # the pool: a buffer given back is taken again for the same shape; for another shape
+    # (a shorter last micro-batch, a new length) it is let go, and the pool counts only the new
+    pool = host_buffers.HostBufferPool()
+    first = pool.take("block 1", x)
+    pool.give_back("block 1", first)
+    assert pool.take("block 1", x) is first and pool.nbytes == x.nbytes
+    pool.give_back("block 1", first)
+    y = torch.randn(2, 1000, 250)
+    second = pool.take("block 1", y)
+    assert second is not first and pool.nbytes == y.nbytes and pool.allocations == 2
 
 
 @pytest.mark.slow
