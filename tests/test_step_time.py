@@ -679,6 +679,24 @@ def test_offloaded_inputs_carry_the_kept_attention_and_its_fp32_log_sum_exp():
     assert seconds == pytest.approx((args.n_layers - 1) * 2 * nbytes / H200.pinned_copy)
 
 
+def test_07_s_copies_show_where_longer_than_the_compute_beside_them():
+    """07's term by hand: N offloaded blocks, each copy `copy` s each way; a copy out hides
+    behind two blocks' forward (the top block's behind one), a copy back behind the kept block's
+    backward above it (two forwards); nothing shows where the compute is longer."""
+    cfg = Config(model="llama3-8b", offload_activations=3)
+    block_bytes = 55 * 10**9 // 100  # 10 ms at the H200's pinned rate (55 GB/s)
+    copy = block_bytes / H200.pinned_copy
+    forward = 0.004  # a block's forward, shorter than half a copy: every copy shows
+    want = (2 * (copy - 2 * forward) + (copy - forward)) + 3 * (copy - 2 * forward)
+    got = step_time.activation_copy_seconds(cfg, block_bytes, H200, forward)
+    assert got == pytest.approx(want) and got == pytest.approx(0.016)
+    assert step_time.activation_copy_seconds(cfg, block_bytes, H200, 0.006) == pytest.approx(
+        0.004)  # only the top block's copy out (10 ms behind 6) shows
+    assert step_time.activation_copy_seconds(cfg, block_bytes, H200, copy) == 0.0
+    assert step_time.activation_copy_seconds(replace(cfg, offload_activations=0), block_bytes,
+                                             H200, 0.0) == 0.0
+
+
 def test_moment_copies_out_share_the_engine_with_07_s_activations():
     """09's copies with 07 offloading blocks in the same forward: each block's moments (two
     fp32 values a parameter) come in, and go out with 07's copies out spread over the blocks;
