@@ -243,6 +243,27 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
         kernels.attention_forward_lse = forward_lse
 
 
+def _keep_attention_skips_the_recompute_kernel_one_rank():
+    model, rt, _ = build_as_train(Config(model=MODEL, fsdp=True, checkpoint=True, untied=True,
+                                         keep_attention=True, seq_len=SEQ, batch_size=ROWS))
+    tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=3)
+    forward_lse, calls = kernels.attention_forward_lse, []
+    kernels.attention_forward_lse = lambda *a, **kw: (calls.append(1), forward_lse(*a, **kw))[1]
+    try:
+        train.forward_backward(model, tokens, rt, labels)
+    finally:
+        kernels.attention_forward_lse = forward_lse
+    kept = model.kept_attention.stats
+    assert kept["kept"] == kept["taken"] == L, kept
+    assert len(calls) == L * ARGS.n_heads, calls  # 05's U = P = 1: a stage per head, once
+
+
+def test_keep_attention_skips_the_recompute_kernel_on_one_rank():
+    """The quick loop's check that --keep-attention acts (05's stages, one rank): each block's
+    stages run their forward kernel once, and the recompute takes the kept output back."""
+    run_ranks(1, _keep_attention_skips_the_recompute_kernel_one_rank)
+
+
 @pytest.mark.slow
 def test_keep_attention_changes_no_number_and_skips_the_recompute_kernel():
     """--keep-attention under 02 and 05 (P=2, FSDP), with and without offload: the unsharded
