@@ -1,6 +1,7 @@
 """03_checkpoint_offload.py: checkpointing and offload change no number, the offload really moves
 the block inputs to the host and back in time, and repeated steps reuse the same buffers."""
 
+import contextlib
 import gc
 import importlib
 import os
@@ -83,23 +84,13 @@ def _equal_with_and_without_checkpoint_and_offload():
         assert_matches(loss, grads, ref_loss, ref_grads, what=what)
         results[what] = (loss, grads)
     # --checkpoint-layers k < L: checkpointed alone, and offloaded with --keep-attention.
-    forward_lse, calls = kernels.attention_forward_lse, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return forward_lse(*args, **kwargs)
-
     for k, offloading in [(k, offloading) for k in range(1, L) for offloading in (False, True)]:
         cfg = Config(model=MODEL, fsdp=True, ulysses=True, checkpoint=True,
                      offload=offloading, keep_attention=offloading, checkpoint_layers=k,
                      seq_len=SEQ, batch_size=ROWS)
         model, rt, _ = build_as_train(cfg)
-        calls.clear()
-        kernels.attention_forward_lse = counted
-        try:
+        with forward_kernel_calls() as calls:
             loss = train.forward_backward(model, tokens, rt, labels)
-        finally:
-            kernels.attention_forward_lse = forward_lse
         if offloading:  # kept: the k blocks' kernel ran in their forward, not in the recompute
             assert len(calls) == k, (k, len(calls))
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
@@ -139,6 +130,19 @@ def test_loss_and_grads_equal_reference_with_fsdp_ulysses_checkpoint_offload():
     (without --keep-attention each other bit for bit); the offload moved the k-1 inputs of the
     blocks it offloads out and back."""
     run_ranks(2, _equal_with_and_without_checkpoint_and_offload)
+
+
+
+@contextlib.contextmanager
+def forward_kernel_calls():
+    """Within: every call of the attention forward kernel (kernels.attention_forward_lse)
+    appends to the list yielded."""
+    forward_lse, calls = kernels.attention_forward_lse, []
+    kernels.attention_forward_lse = lambda *a, **kw: (calls.append(1), forward_lse(*a, **kw))[1]
+    try:
+        yield calls
+    finally:
+        kernels.attention_forward_lse = forward_lse
 
 
 def _kept_waiting(model) -> dict:
@@ -189,70 +193,56 @@ def _keep_attention_changes_no_number_and_skips_the_recompute_kernel():
     sp = dist.get_world_size()
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=3, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads(MODEL, tokens, labels)
-    forward_lse, calls = kernels.attention_forward_lse, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return forward_lse(*args, **kwargs)
-
-    kernels.attention_forward_lse = counted
-    try:
-        for seam, offloading in [(s, o) for s in ("ulysses", "untied") for o in (False, True)]:
-            results = {}
-            for keep in (False, True):
-                cfg = Config(model=MODEL, fsdp=True, checkpoint=True, offload=offloading,
-                             keep_attention=keep, seq_len=SEQ, batch_size=ROWS,
-                             **{seam: True})
-                calls.clear()
-                model, rt, cfg = build_as_train(cfg)
+    for seam, offloading in [(s, o) for s in ("ulysses", "untied") for o in (False, True)]:
+        results = {}
+        for keep in (False, True):
+            cfg = Config(model=MODEL, fsdp=True, checkpoint=True, offload=offloading,
+                         keep_attention=keep, seq_len=SEQ, batch_size=ROWS,
+                         **{seam: True})
+            model, rt, cfg = build_as_train(cfg)
+            with forward_kernel_calls() as calls:
                 train.forward_backward(model, tokens, rt, labels)
-                step_calls = len(calls)
-                loss, grads = train_loss_and_grads(cfg, tokens, labels)
-                what = f"{seam} offload={offloading} keep_attention={keep} sp={sp}"
-                assert_matches(loss, grads, ref_loss, ref_grads, what=what)
-                results[keep] = (loss, grads, step_calls)
-                if not keep:
-                    continue
-                # The technique acts: the forward kernel ran once per block (05: per stage),
-                # never in the recompute, which took each block's kept output back.
-                stages = ARGS.n_heads // sp if seam == "untied" else 1  # train.py's U = P here
-                assert step_calls == L * stages, (what, step_calls)
-                kept = model.kept_attention.stats
-                assert kept["kept"] == kept["taken"] == L, (what, kept)
-                planned = sum(byte_counts.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
-                assert kept["kept_bytes"] == L * planned, (what, kept, planned)
-                if offloading:  # moved like the block inputs: out, and back one block ahead
-                    assert (kept["offloaded_bytes"] == kept["restored_bytes"]
-                            == (L - 1) * planned), (what, kept)
-                    events = model.checkpoint_offload.stats["events"]
-                    assert f"keep attention {L - 1}" in events, events
-                    for i in range(L - 1):
-                        assert (events.index(f"prefetch attention {i}")
-                                < events.index(f"use {i + 1}")
-                                < events.index(f"use attention {i}")), events
-                    assert not any(e.startswith("fetch") for e in events), events
-                    assert not model.kept_attention.waiting  # all taken back
-            # The same kernels on the CPU, called once instead of twice: the same bits.
-            (loss0, grads0, _), (loss1, grads1, _) = results[False], results[True]
-            assert torch.equal(loss0, loss1), (seam, offloading)
-            assert all(torch.equal(grads0[n], grads1[n]) for n in grads0), (seam, offloading)
-            # Without it 05 runs every stage's forward twice (forward, recompute).
-            if seam == "untied":
-                assert results[False][2] == 2 * results[True][2], results
-    finally:
-        kernels.attention_forward_lse = forward_lse
+            step_calls = len(calls)
+            loss, grads = train_loss_and_grads(cfg, tokens, labels)
+            what = f"{seam} offload={offloading} keep_attention={keep} sp={sp}"
+            assert_matches(loss, grads, ref_loss, ref_grads, what=what)
+            results[keep] = (loss, grads, step_calls)
+            if not keep:
+                continue
+            # The technique acts: the forward kernel ran once per block (05: per stage),
+            # never in the recompute, which took each block's kept output back.
+            stages = ARGS.n_heads // sp if seam == "untied" else 1  # train.py's U = P here
+            assert step_calls == L * stages, (what, step_calls)
+            kept = model.kept_attention.stats
+            assert kept["kept"] == kept["taken"] == L, (what, kept)
+            planned = sum(byte_counts.kept_attention_bytes(ARGS, ROWS * SEQ, sp, 4))
+            assert kept["kept_bytes"] == L * planned, (what, kept, planned)
+            if offloading:  # moved like the block inputs: out, and back one block ahead
+                assert (kept["offloaded_bytes"] == kept["restored_bytes"]
+                        == (L - 1) * planned), (what, kept)
+                events = model.checkpoint_offload.stats["events"]
+                assert f"keep attention {L - 1}" in events, events
+                for i in range(L - 1):
+                    assert (events.index(f"prefetch attention {i}")
+                            < events.index(f"use {i + 1}")
+                            < events.index(f"use attention {i}")), events
+                assert not any(e.startswith("fetch") for e in events), events
+                assert not model.kept_attention.waiting  # all taken back
+        # The same kernels on the CPU, called once instead of twice: the same bits.
+        (loss0, grads0, _), (loss1, grads1, _) = results[False], results[True]
+        assert torch.equal(loss0, loss1), (seam, offloading)
+        assert all(torch.equal(grads0[n], grads1[n]) for n in grads0), (seam, offloading)
+        # Without it 05 runs every stage's forward twice (forward, recompute).
+        if seam == "untied":
+            assert results[False][2] == 2 * results[True][2], results
 
 
 def _keep_attention_skips_the_recompute_kernel_one_rank():
     model, rt, _ = build_as_train(Config(model=MODEL, fsdp=True, checkpoint=True, untied=True,
                                          keep_attention=True, seq_len=SEQ, batch_size=ROWS))
     tokens, labels = make_batch(ARGS.vocab_size, ROWS, SEQ, seed=3)
-    forward_lse, calls = kernels.attention_forward_lse, []
-    kernels.attention_forward_lse = lambda *a, **kw: (calls.append(1), forward_lse(*a, **kw))[1]
-    try:
+    with forward_kernel_calls() as calls:
         train.forward_backward(model, tokens, rt, labels)
-    finally:
-        kernels.attention_forward_lse = forward_lse
     kept = model.kept_attention.stats
     assert kept["kept"] == kept["taken"] == L, kept
     assert len(calls) == L * ARGS.n_heads, calls  # 05's U = P = 1: a stage per head, once
@@ -772,12 +762,8 @@ def _gpu_keep_attention_matches_fp32(seam: str):
     args = llama.get_model_args(cfg.model)
     tokens, labels = make_batch(args.vocab_size, 2, cfg.seq_len, seed=5, ignore_frac=0.2)
     ref_loss, ref_grads = reference_loss_and_grads(cfg.model, tokens, labels)
-    forward_lse, calls = kernels.attention_forward_lse, []
-    kernels.attention_forward_lse = lambda *a, **k: (calls.append(1), forward_lse(*a, **k))[1]
-    try:
+    with forward_kernel_calls() as calls:
         loss, grads = train_loss_and_grads(cfg, tokens, labels)
-    finally:
-        kernels.attention_forward_lse = forward_lse
     assert_step_matches(loss.cpu(), grads, ref_loss, ref_grads, cfg.model, tokens, labels,
                         cfg.dtype, what=f"{seam} sp={sp}")
     stages = args.n_heads // sp if seam == "untied" else 1  # U = P
